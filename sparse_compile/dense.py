@@ -1,0 +1,42 @@
+"""Exact dense attention: the path every call takes when it does not go sparse."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["dense_attention", "dense_causal_attention"]
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Exactly the ``scaled_dot_product_attention`` call the rewrite replaced (top-left causal alignment)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def dense_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None
+) -> torch.Tensor:
+    """Causal attention with queries at the last ``Nq`` positions (bottom-right alignment), GQA native.
+
+    Equal to ``is_causal=True`` SDPA when ``Nq == Nk``; for ``Nq < Nk`` (chunked prefill) every query also sees
+    the whole cached prefix. Uses PyTorch's lower-right causal bias, so no N×N mask is built.
+    """
+    Nq, Nk = q.shape[-2], k.shape[-2]
+    gqa = q.shape[1] != k.shape[1]
+    if Nq == Nk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    from torch.nn.attention.bias import causal_lower_right
+
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=causal_lower_right(Nq, Nk), scale=scale, enable_gqa=gqa
+    )

@@ -1,0 +1,395 @@
+"""The block plan: what the sparse FlashAttention core computes, and its pure-PyTorch reference.
+
+Every method ends in a ``BlockPlan``; the Triton kernel (``sparse_compile.kernels``) and
+``reference_attention`` below execute it with exactly the same semantics:
+
+* Queries. Logical query row ``r`` of head ``h`` reads physical row ``query_index[b, h, r]`` (identity when
+  ``query_index`` is None) and writes its output there. Query block ``i`` is logical rows
+  ``[i*block_m, min((i+1)*block_m, Nq))``. A query at physical row ``r`` sits at absolute position
+  ``r + Nk - Nq`` (queries are the last ``Nq`` positions: chunked prefill works).
+* Keys. Logical key ``p`` reads physical K/V row ``key_index[b, h, p]`` (identity when None). A logical key is
+  *padding* when ``p`` is past the end of ``key_index`` (or ``>= Nk`` without one) or its entry is ``< 0``.
+* Tiles. Query block ``i`` visits the tiles ``tile_offsets[b, h, i, t]`` for ``t < tile_counts[b, h, i]`` in that
+  order; tile ``t`` is the logical keys ``[offset, offset + block_n)``.
+* Masking. The first ``masked_counts[b, h, i]`` tiles are masked: padding and keys after the query's
+  absolute position are excluded. The remaining tiles are promised fully visible to every query of the
+  block (no padding, no future key); the kernel does not mask them. ``check_plan`` verifies the promise.
+* Early stop (``early_stop = τ > 0``). After each unmasked tile, with ``g_r`` the tile's contribution to row
+  ``r``'s softmax denominator and ``l_r`` the denominator before it (both at the new running maximum), the
+  block stops when ``g_r < τ · l_r`` for every query row of the block. The tile that triggers the stop is kept
+  (its cost is already paid). Masked tiles are never subject to the stop.
+* P·V skip (``pv_skip = λ < 0``). For any tile, when ``rowmax(S_tile) - m_new < λ`` for every query row of the
+  block, the P·V product is skipped (the denominator is still updated).
+* Rows that see no key produce zeros.
+
+Head dimensions: ``tile_*`` and index tensors have ``Hq`` heads or ``Hkv`` heads; with ``Hkv`` the query heads of
+a GQA group share the entry.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "BlockPlan",
+    "reference_attention",
+    "check_plan",
+    "plan_from_block_mask",
+    "causal_plan",
+    "block_visibility",
+    "causal_tile_count",
+    "expand_heads",
+    "VISIBLE_NONE",
+    "VISIBLE_PARTIAL",
+    "VISIBLE_FULL",
+]
+
+VISIBLE_NONE, VISIBLE_PARTIAL, VISIBLE_FULL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    block_m: int
+    block_n: int
+    tile_offsets: torch.Tensor  # int32 (B, Ht, n_query_blocks, max_tiles)
+    tile_counts: torch.Tensor  # int32 (B, Ht, n_query_blocks)
+    masked_counts: torch.Tensor  # int32 (B, Ht, n_query_blocks)
+    key_index: Optional[torch.Tensor] = None  # int32 (B, Hk, Lk)
+    query_index: Optional[torch.Tensor] = None  # int32 (B, Hq', Nq)
+    early_stop: float = 0.0
+    pv_skip: Optional[float] = None
+
+    @property
+    def num_query_blocks(self) -> int:
+        return self.tile_offsets.shape[2]
+
+    def with_options(self, **kwargs) -> "BlockPlan":
+        return replace(self, **kwargs)
+
+
+def expand_heads(x: Optional[torch.Tensor], num_heads: int) -> Optional[torch.Tensor]:
+    """Broadcast a per-KV-head tensor (dim 1) to ``num_heads`` query heads; per-query-head tensors pass."""
+    if x is None or x.shape[1] == num_heads:
+        return x
+    if num_heads % x.shape[1]:
+        raise ValueError(f"head dimension {x.shape[1]} does not divide the {num_heads} query heads")
+    return x.repeat_interleave(num_heads // x.shape[1], dim=1)
+
+
+def _positions(index: Optional[torch.Tensor], length: int, batch: int, heads: int, device) -> torch.Tensor:
+    if index is None:
+        return torch.arange(length, device=device).expand(batch, heads, length)
+    return index.long()
+
+
+def block_visibility(
+    num_queries: int,
+    num_keys: int,
+    block_m: int,
+    block_n: int,
+    *,
+    key_index: Optional[torch.Tensor] = None,
+    query_index: Optional[torch.Tensor] = None,
+    batch: int = 1,
+    heads: int = 1,
+    device=None,
+) -> torch.Tensor:
+    """Visibility class of each (query block, key tile) in logical order: NONE, PARTIAL or FULL.
+
+    Returns int8 ``(B, H, n_query_blocks, n_key_tiles)`` where ``H`` is the larger head count of the two indices
+    (or ``heads``). A block-level table: O((N/block)^2) memory, never N×N.
+    """
+    if key_index is not None:
+        batch, device = key_index.shape[0], key_index.device
+    if query_index is not None:
+        batch, device = query_index.shape[0], query_index.device
+    hk = key_index.shape[1] if key_index is not None else 1
+    hq = query_index.shape[1] if query_index is not None else 1
+    h = max(hk, hq, 1) if (key_index is not None or query_index is not None) else heads
+    if key_index is not None and query_index is not None and h % min(hk, hq):
+        raise ValueError("key_index and query_index head counts are incompatible")
+    offset = num_keys - num_queries
+    # query blocks: min/max absolute position
+    qpos = _positions(query_index, num_queries, batch, hq, device) + offset
+    nqb = -(-num_queries // block_m)
+    pad_q = nqb * block_m - num_queries
+    qpos_p = torch.nn.functional.pad(qpos, (0, pad_q), value=-1).view(batch, qpos.shape[1], nqb, block_m)
+    qmax = qpos_p.amax(-1)
+    qmin = torch.nn.functional.pad(qpos, (0, pad_q), value=2**62).view(batch, qpos.shape[1], nqb, block_m).amin(-1)
+    # key tiles: min/max valid position, and whether the tile holds padding
+    length = key_index.shape[-1] if key_index is not None else num_keys
+    kpos = _positions(key_index, length, batch, hk, device)
+    nkt = -(-length // block_n)
+    pad_k = nkt * block_n - length
+    kpos_p = torch.nn.functional.pad(kpos, (0, pad_k), value=-1).view(batch, kpos.shape[1], nkt, block_n)
+    valid = (kpos_p >= 0) & (kpos_p < num_keys)
+    kmin = torch.where(valid, kpos_p, torch.full_like(kpos_p, 2**62)).amin(-1)
+    kmax = torch.where(valid, kpos_p, torch.full_like(kpos_p, -1)).amax(-1)
+    has_pad = ~valid.all(-1)
+    qmin, qmax = expand_heads(qmin, h), expand_heads(qmax, h)
+    kmin, kmax, has_pad = expand_heads(kmin, h), expand_heads(kmax, h), expand_heads(has_pad, h)
+    none = kmin[:, :, None, :] > qmax[:, :, :, None]
+    full = (kmax[:, :, None, :] <= qmin[:, :, :, None]) & ~has_pad[:, :, None, :]
+    vis = torch.full(none.shape, VISIBLE_PARTIAL, dtype=torch.int8, device=none.device)
+    vis[full] = VISIBLE_FULL
+    vis[none] = VISIBLE_NONE
+    return vis
+
+
+def plan_from_block_mask(
+    keep: torch.Tensor,
+    visibility: torch.Tensor,
+    block_m: int,
+    block_n: int,
+    *,
+    key_index: Optional[torch.Tensor] = None,
+    query_index: Optional[torch.Tensor] = None,
+    order_scores: Optional[torch.Tensor] = None,
+    early_stop: float = 0.0,
+    pv_skip: Optional[float] = None,
+) -> BlockPlan:
+    """Turn a boolean block mask ``(B, H, n_query_blocks, n_key_tiles)`` into a ``BlockPlan``.
+
+    Invisible tiles are dropped; partially visible tiles go first (masked), then fully visible ones, each group
+    in ascending tile order, or by descending ``order_scores`` when given (same shape as ``keep``).
+    """
+    keep = keep & (visibility != VISIBLE_NONE)
+    partial = keep & (visibility == VISIBLE_PARTIAL)
+    n_tiles = keep.shape[-1]
+    # two stable sorts, no host sync: by score (or tile id), then by group (partial, full, dropped)
+    if order_scores is None:
+        order = torch.arange(n_tiles, device=keep.device).expand_as(keep)
+    else:
+        order = torch.argsort(order_scores.float(), dim=-1, descending=True, stable=True)
+    group = torch.where(partial, 0, torch.where(keep, 1, 2)).to(torch.int8)
+    regroup = torch.argsort(torch.gather(group, -1, order), dim=-1, stable=True)
+    order = torch.gather(order, -1, regroup)
+    counts = keep.sum(-1, dtype=torch.int32)
+    masked = partial.sum(-1, dtype=torch.int32)
+    offsets = (order * block_n).to(torch.int32).contiguous()
+    return BlockPlan(
+        block_m=block_m,
+        block_n=block_n,
+        tile_offsets=offsets,
+        tile_counts=counts.contiguous(),
+        masked_counts=masked.contiguous(),
+        key_index=key_index,
+        query_index=query_index,
+        early_stop=early_stop,
+        pv_skip=pv_skip,
+    )
+
+
+def causal_plan(
+    batch: int,
+    heads: int,
+    num_queries: int,
+    num_keys: int,
+    block_m: int = 128,
+    block_n: int = 128,
+    device=None,
+) -> BlockPlan:
+    """Every causal tile, diagonal tiles masked: with it the core computes dense causal attention."""
+    vis = block_visibility(num_queries, num_keys, block_m, block_n, batch=batch, heads=heads, device=device)
+    return plan_from_block_mask(torch.ones_like(vis, dtype=torch.bool), vis, block_m, block_n)
+
+
+def causal_tile_count(num_queries: int, num_keys: int, block_m: int, block_n: int) -> int:
+    """Number of (query block, key tile) pairs with at least one visible key, in the identity order."""
+    offset = num_keys - num_queries
+    nqb = -(-num_queries // block_m)
+    total = 0
+    for i in range(nqb):
+        last = min((i + 1) * block_m, num_queries) - 1 + offset
+        total += min(last // block_n + 1, -(-num_keys // block_n)) if last >= 0 else 0
+    return total
+
+
+def check_plan(plan: BlockPlan, q: torch.Tensor, k: torch.Tensor) -> None:
+    """Validate a plan against its inputs; raises ValueError naming the first problem. Syncs with the host."""
+    B, Hq, Nq, _ = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    nqb = -(-Nq // plan.block_m)
+    for name in ("tile_offsets", "tile_counts", "masked_counts"):
+        t = getattr(plan, name)
+        if t.dtype != torch.int32:
+            raise ValueError(f"plan.{name}: must be int32, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"plan.{name}: on {t.device}, inputs on {q.device}")
+        if t.shape[0] != B or t.shape[1] not in (Hq, Hkv) or t.shape[2] != nqb:
+            raise ValueError(f"plan.{name}: shape {tuple(t.shape)} does not match (B={B}, H in ({Hq}, {Hkv}), {nqb} query blocks)")
+    if plan.tile_counts.shape != plan.masked_counts.shape or plan.tile_counts.shape != plan.tile_offsets.shape[:3]:
+        raise ValueError("plan: tile_counts, masked_counts and tile_offsets disagree in shape")
+    max_tiles = plan.tile_offsets.shape[-1]
+    if bool((plan.tile_counts < 0).any()) or bool((plan.tile_counts > max_tiles).any()):
+        raise ValueError(f"plan.tile_counts: must lie in [0, {max_tiles}]")
+    if bool((plan.masked_counts < 0).any()) or bool((plan.masked_counts > plan.tile_counts).any()):
+        raise ValueError("plan.masked_counts: must lie in [0, tile_counts]")
+    length = Nk
+    if plan.key_index is not None:
+        ki = plan.key_index
+        if ki.dtype != torch.int32 or ki.dim() != 3 or ki.shape[0] != B or ki.shape[1] not in (Hq, Hkv):
+            raise ValueError(f"plan.key_index: must be int32 (B, Hq or Hkv, L), got {ki.dtype} {tuple(ki.shape)}")
+        if bool((ki >= Nk).any()):
+            raise ValueError(f"plan.key_index: entries must be < Nk={Nk} (negative entries mark padding)")
+        length = ki.shape[-1]
+    if plan.query_index is not None:
+        qi = plan.query_index
+        if qi.dtype != torch.int32 or qi.shape[0] != B or qi.shape[1] not in (Hq, Hkv) or qi.shape[2] != Nq:
+            raise ValueError(f"plan.query_index: must be int32 (B, Hq or Hkv, Nq), got {qi.dtype} {tuple(qi.shape)}")
+        ref = torch.arange(Nq, device=qi.device)
+        if not bool((qi.sort(-1).values == ref).all()):
+            raise ValueError("plan.query_index: each row must be a permutation of range(Nq)")
+    t = torch.arange(max_tiles, device=q.device)
+    live = t < plan.tile_counts[..., None]
+    offs = plan.tile_offsets
+    if bool(((offs < 0) & live).any()) or bool(((offs >= length) & live).any()):
+        raise ValueError(f"plan.tile_offsets: live offsets must lie in [0, {length})")
+    # the promise: unmasked tiles fully visible
+    unmasked = live & (t >= plan.masked_counts[..., None])
+    if bool(unmasked.any()):
+        H = max([plan.tile_offsets.shape[1]] + [x.shape[1] for x in (plan.key_index, plan.query_index) if x is not None])
+        qi = expand_heads(plan.query_index, H)
+        ki = expand_heads(plan.key_index, H)
+        qpos = _positions(qi, Nq, B, H, q.device) + (Nk - Nq)
+        pad = nqb * plan.block_m - Nq
+        qmin = torch.nn.functional.pad(qpos, (0, pad), value=2**62).view(B, H, nqb, plan.block_m).amin(-1)
+        logical = expand_heads(offs, H).long()[..., None] + torch.arange(plan.block_n, device=q.device)
+        if ki is None:
+            phys = logical
+        else:
+            inside = logical < length
+            phys = torch.gather(ki.long(), 2, logical.clamp(max=length - 1).flatten(2)).view(logical.shape)
+            phys = torch.where(inside, phys, torch.full_like(phys, -1))
+        ok = (phys >= 0) & (phys < Nk) & (phys <= qmin[..., None, None])
+        bad = expand_heads(unmasked, H) & ~ok.all(-1)
+        if bool(bad.any()):
+            where = [int(x) for x in bad.nonzero()[0].tolist()]
+            raise ValueError(
+                f"plan: unmasked tile not fully visible at (batch, head, query block, tile)={tuple(where)}; "
+                "tiles with padding or future keys must be among the first masked_counts tiles"
+            )
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockPlan,
+    scale: Optional[float] = None,
+    *,
+    return_visited: bool = False,
+):
+    """Pure-PyTorch execution of ``plan`` (see the module docstring). Blockwise: O(Nk·block_m) memory per step.
+
+    Computes in float32 (float64 for float64 inputs) and returns the output in ``q.dtype``; with
+    ``return_visited`` also the number of tiles each (batch, query head, query block) computed, int32.
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dev = q.device
+    bm, bn = plan.block_m, plan.block_n
+    nqb = -(-Nq // bm)
+    offs = expand_heads(plan.tile_offsets, Hq).long()
+    counts = expand_heads(plan.tile_counts, Hq).long()
+    masked = expand_heads(plan.masked_counts, Hq).long()
+    ki = expand_heads(plan.key_index, Hq)
+    qi = expand_heads(plan.query_index, Hq)
+    length = ki.shape[-1] if ki is not None else Nk
+    kv_head = torch.arange(Hq, device=dev) // G
+    kf = k.to(cdt)[:, kv_head]  # (B, Hq, Nk, D) view-sized copy: O(N·D)
+    vf = v.to(cdt)[:, kv_head]
+    out = torch.zeros(B, Hq, Nq, D, dtype=cdt, device=dev)
+    visited = torch.zeros(B, Hq, nqb, dtype=torch.int32, device=dev)
+    tile_range = torch.arange(bn, device=dev)
+    for i in range(nqb):
+        rows = torch.arange(i * bm, min((i + 1) * bm, Nq), device=dev)
+        m = rows.numel()
+        phys_rows = rows.expand(B, Hq, m) if qi is None else qi[:, :, rows].long()
+        qb = torch.gather(q.to(cdt), 2, phys_rows[..., None].expand(B, Hq, m, D))
+        qpos = phys_rows + (Nk - Nq)
+        T = int(counts[:, :, i].max().item()) if counts.numel() else 0
+        if T == 0:
+            continue
+        logical = offs[:, :, i, :T, None] + tile_range  # (B, Hq, T, bn)
+        if ki is None:
+            phys = logical
+        else:
+            phys = torch.gather(ki.long(), 2, logical.clamp(max=length - 1).flatten(2)).view(logical.shape)
+            phys = torch.where(logical < length, phys, torch.full_like(phys, -1))
+        valid = (phys >= 0) & (phys < Nk)
+        t_ids = torch.arange(T, device=dev)
+        live = t_ids < counts[:, :, i, None]  # (B, Hq, T)
+        is_masked = t_ids < masked[:, :, i, None]
+        safe = phys.clamp(0, Nk - 1).flatten(2)  # (B, Hq, T*bn)
+        kb = torch.gather(kf, 2, safe[..., None].expand(-1, -1, -1, D))
+        vb = torch.gather(vf, 2, safe[..., None].expand(-1, -1, -1, D))
+        s = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # (B, Hq, m, T*bn)
+        s = s.view(B, Hq, m, T, bn)
+        causal = phys[:, :, None, :, :] <= qpos[:, :, :, None, None]
+        allowed = torch.where(is_masked[:, :, None, :, None], valid[:, :, None] & causal, torch.ones_like(causal))
+        allowed = allowed & live[:, :, None, :, None]
+        s = s.masked_fill(~allowed, float("-inf"))
+        vb = vb.view(B, Hq, T, bn, D)
+        if plan.early_stop <= 0 and plan.pv_skip is None:
+            s2 = s.flatten(3)
+            mx = s2.amax(-1, keepdim=True)
+            mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+            p = torch.exp(s2 - mx)
+            denom = p.sum(-1, keepdim=True)
+            o = torch.matmul(p, vb.flatten(2, 3)) / torch.where(denom > 0, denom, torch.ones_like(denom))
+            visited[:, :, i] = counts[:, :, i].to(torch.int32)
+        else:
+            o, vis = _sequential_tiles(s, vb, live, is_masked, plan.early_stop, plan.pv_skip)
+            visited[:, :, i] = vis
+        out.scatter_(2, phys_rows[..., None].expand(B, Hq, m, D), o)
+    out = out.to(q.dtype)
+    return (out, visited) if return_visited else out
+
+
+def _sequential_tiles(s, vb, live, is_masked, early_stop, pv_skip):
+    """Online softmax tile by tile, for early stop and P·V skip. s: (B, H, m, T, bn); vb: (B, H, T, bn, D)."""
+    B, H, m, T, bn = s.shape
+    D = vb.shape[-1]
+    neg_inf = float("-inf")
+    mrow = torch.full((B, H, m), neg_inf, dtype=s.dtype, device=s.device)
+    lrow = torch.zeros((B, H, m), dtype=s.dtype, device=s.device)
+    acc = torch.zeros((B, H, m, D), dtype=s.dtype, device=s.device)
+    active = torch.ones((B, H), dtype=torch.bool, device=s.device)
+    visited = torch.zeros((B, H), dtype=torch.int32, device=s.device)
+    for t in range(T):
+        run = active & live[:, :, t]
+        if not bool(run.any()):
+            break
+        st = s[:, :, :, t, :]
+        tile_max = st.amax(-1)
+        m_new = torch.maximum(mrow, tile_max)
+        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        alpha = torch.where(torch.isfinite(mrow), torch.exp(mrow - m_safe), torch.zeros_like(mrow))
+        p = torch.exp(st - m_safe[..., None])
+        gain = p.sum(-1)
+        l_prev = lrow * alpha
+        l_new = l_prev + gain
+        pv = torch.matmul(p, vb[:, :, t])
+        if pv_skip is not None:
+            gap = torch.where(torch.isfinite(m_new), tile_max - m_safe, torch.full_like(tile_max, neg_inf))
+            skip = (gap < pv_skip).all(-1)  # (B, H): every row far below its running max
+            pv = torch.where(skip[..., None, None], torch.zeros_like(pv), pv)
+        acc_new = acc * alpha[..., None] + pv
+        upd = run[..., None]
+        mrow = torch.where(upd, m_new, mrow)
+        lrow = torch.where(upd, l_new, lrow)
+        acc = torch.where(upd[..., None], acc_new, acc)
+        visited = visited + run.to(torch.int32)
+        if early_stop > 0:
+            converged = (gain < early_stop * l_prev).all(-1) & ~is_masked[:, :, t]
+            active = active & ~(run & converged)
+    out = acc / torch.where(lrow > 0, lrow, torch.ones_like(lrow))[..., None]
+    return out, visited
