@@ -1,0 +1,85 @@
+"""Observability as data: what the rewrite decided per site, what each call did at run time, and density.
+
+Compile-time decisions are ``SiteRecord`` rows; run-time decisions are counted per site in a small
+thread-safe log (``runtime_stats()``). Both also go to the ``sparse_compile`` logger.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+__all__ = ["SiteRecord", "SiteRuntime", "runtime_stats", "reset_runtime_stats", "record_call", "density_from_visits"]
+
+
+@dataclass(frozen=True)
+class SiteRecord:
+    """One ``scaled_dot_product_attention`` call site in a traced graph, and what the rewrite did with it."""
+
+    site: str  # module path, e.g. "model.layers.3.self_attn"
+    node: str  # FX node name
+    q_shape: tuple
+    k_shape: tuple
+    dtype: str
+    rewritten: bool
+    reason: str  # why it was left alone, or the method it now runs
+
+
+@dataclass
+class SiteRuntime:
+    """Run-time record of one site: how many calls went each way and why, and the density seen."""
+
+    calls: Counter = field(default_factory=Counter)  # (path, reason) -> count
+    last_shape: Optional[tuple] = None
+    last_path: Optional[str] = None
+    last_reason: Optional[str] = None
+    density_sum: float = 0.0
+    density_count: int = 0
+    last_density_per_head: Optional[list[float]] = None
+
+    @property
+    def mean_density(self) -> Optional[float]:
+        return self.density_sum / self.density_count if self.density_count else None
+
+
+_LOCK = threading.Lock()
+_RUNTIME: dict[str, SiteRuntime] = {}
+
+
+def record_call(site: str, path: str, reason: str, shape: tuple, density: Optional[list[float]] = None) -> None:
+    with _LOCK:
+        entry = _RUNTIME.setdefault(site, SiteRuntime())
+        entry.calls[(path, reason)] += 1
+        entry.last_shape, entry.last_path, entry.last_reason = shape, path, reason
+        if density is not None:
+            entry.last_density_per_head = density
+            entry.density_sum += sum(density) / max(len(density), 1)
+            entry.density_count += 1
+
+
+def runtime_stats() -> dict[str, SiteRuntime]:
+    """A snapshot of the run-time log: site -> ``SiteRuntime``."""
+    with _LOCK:
+        return {
+            site: SiteRuntime(Counter(e.calls), e.last_shape, e.last_path, e.last_reason, e.density_sum,
+                              e.density_count, list(e.last_density_per_head or []) or None)
+            for site, e in _RUNTIME.items()
+        }
+
+
+def reset_runtime_stats() -> None:
+    with _LOCK:
+        _RUNTIME.clear()
+
+
+def density_from_visits(visited: torch.Tensor, plan, num_queries: int, num_keys: int, num_heads: int) -> list[float]:
+    """Per-query-head fraction of causal tiles computed (batch-averaged). Syncs with the host."""
+    from .plan import causal_tile_count
+
+    total = causal_tile_count(num_queries, num_keys, plan.block_m, plan.block_n)
+    per_head = visited.double().sum(dim=2).mean(dim=0) / max(total, 1)
+    return [float(x) for x in per_head.cpu()]
