@@ -1,0 +1,326 @@
+"""Block-sparse attention core vs cuDNN SDPA (dense) and FlexAttention (same blocks), on one GPU.
+
+Setup (issue 3): bf16, B=1, Hq=32, Hkv=8, D=128, causal self-attention prefill, N in 8K..128K, 128x128 blocks.
+Block lists at density rho of the causal blocks: per (head, query block) the diagonal block, the first block and
+random others; the SAME lists for every sparse contender. Contenders:
+
+* ``sdpa``: ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)``, the default backend (cuDNN on the
+  H100 with torch 2.11); dense, so the same time for every rho;
+* ``flex``: FlexAttention (compiled) with a ``BlockMask.from_kv_blocks`` of the same blocks, diagonal blocks
+  partial (causal ``mask_mod``), the rest full;
+* ``bsa``: this project's kernel on contiguous keys;
+* ``bsa_kidx_gather`` / ``bsa_kidx_copy``: the kernel reading keys through ``key_index`` (a random permutation
+  inside segments of 256 keys), gathering rows in the loop / permuting K/V once per call into a contiguous copy.
+  The permutation makes both tiles of a query block's own segment partial; the list gets the one extra partial
+  tile it needs to stay exact (one tile per odd query block: negligible work).
+
+Reported per cell: ms (median, ``benchmarks.harness.time_ms``), TFLOP/s on the computed blocks (visible pairs of
+the kept tiles), and efficiency = rho * t_sdpa / t (1.0 = perfectly proportional to the dense time).
+
+    python benchmarks/bench_kernel.py                     # the sweep; JSON + table in benchmarks/results/
+    python benchmarks/bench_kernel.py --mode tune --n 32768   # launch-config sweep of the kernel
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import (  # noqa: E402
+    OOM,
+    Rotating,
+    attention_flops,
+    causal_pairs,
+    guarded,
+    rotation_count,
+    tflops,
+    time_ms,
+    write_results,
+)
+from sparse_compile.kernels import KernelConfig, block_sparse_attention  # noqa: E402
+from sparse_compile.plan import (  # noqa: E402
+    VISIBLE_FULL,
+    VISIBLE_NONE,
+    VISIBLE_PARTIAL,
+    block_visibility,
+    expand_heads,
+    plan_from_block_mask,
+)
+
+B, HQ, HKV, D = 1, 32, 8, 128
+BLOCK = 128
+SEGMENT = 256
+DTYPE = torch.bfloat16
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def make_keep(vis: torch.Tensor, rho: float, gen: torch.Generator) -> torch.Tensor:
+    """Per (head, query block): diagonal + first block + random others, ceil(rho * causal) blocks in all."""
+    causal = vis != VISIBLE_NONE
+    count = causal.sum(-1)
+    want = torch.clamp(torch.ceil(rho * count.double()).long(), min=torch.clamp(count, max=2))
+    n = vis.shape[-1]
+    scores = torch.rand(vis.shape, generator=gen, device=vis.device)
+    tile = torch.arange(n, device=vis.device)
+    diag = tile == (count - 1).clamp(min=0)[..., None]
+    scores = torch.where(diag, 3.0, torch.where(tile == 0, 2.0, scores))
+    scores = torch.where(causal, scores, -1.0)
+    order = torch.argsort(scores, dim=-1, descending=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, tile.expand_as(order))
+    return causal & (rank < want[..., None])
+
+
+def segment_permutation(length: int, gen: torch.Generator, device) -> torch.Tensor:
+    """int32 (B, HKV, length): keys shuffled at random inside each segment of SEGMENT keys."""
+    nseg = -(-length // SEGMENT)
+    r = torch.rand(B, HKV, nseg, SEGMENT, generator=gen, device=device)
+    idx = torch.arange(nseg * SEGMENT, device=device).view(nseg, SEGMENT)
+    pad = idx >= length
+    r = torch.where(pad, 2.0, r)  # padding sorts last in its segment, then is cut
+    perm = torch.argsort(r, dim=-1) + torch.arange(nseg, device=device)[:, None] * SEGMENT
+    return perm.flatten(2)[..., :length].to(torch.int32).contiguous()
+
+
+def flex_block_mask(keep: torch.Tensor, vis: torch.Tensor, n: int):
+    from torch.nn.attention.flex_attention import BlockMask
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def lists(m):
+        cnt = m.sum(-1, dtype=torch.int32)
+        idx = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return cnt.contiguous(), idx.contiguous()
+
+    pc, pi = lists(keep & (vis == VISIBLE_PARTIAL))
+    fc, fi = lists(keep & (vis == VISIBLE_FULL))
+    kwargs = dict(BLOCK_SIZE=BLOCK, mask_mod=causal, seq_lengths=(n, n))
+    try:
+        return BlockMask.from_kv_blocks(pc, pi, fc, fi, compute_q_blocks=False, **kwargs)
+    except TypeError:  # older torch: no compute_q_blocks
+        return BlockMask.from_kv_blocks(pc, pi, fc, fi, **kwargs)
+
+
+def bench_params(n: int, scale: float):
+    # long sequences run 10s to 100s of ms per call: a few repetitions give a stable median
+    if n <= 16384:
+        return 50 * scale, 300 * scale
+    if n <= 32768:
+        return 50 * scale, 300 * scale
+    return 100 * scale, 400 * scale
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return float((a - b).norm() / b.norm())
+
+
+def sweep(args) -> None:
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(args.seed)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    rows = []
+    for n in args.n:
+        warmup, rep = bench_params(n, args.time_scale)
+        set_bytes = (HQ + 2 * HKV) * n * D * 2
+        nrot = rotation_count(set_bytes, cap=2)
+        sets = [tuple(torch.randn(B, h, n, D, device=dev, dtype=DTYPE, generator=gen) for h in (HQ, HKV, HKV))
+                for _ in range(nrot)]
+        pairs_dense = causal_pairs(n, n)
+        flops_dense = attention_flops(pairs_dense, B, HQ, D)
+
+        def sdpa(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        log(f"N={n}: sdpa")
+        t_sdpa = guarded(lambda: time_ms(Rotating(sdpa, sets), warmup=warmup, rep=rep), catch_all=True)
+        ref_out = sdpa(*sets[0])
+        vis = block_visibility(n, n, BLOCK, BLOCK, batch=B, heads=HQ, device=dev)
+        kidx = segment_permutation(n, gen, dev)
+        vis_p = expand_heads(block_visibility(n, n, BLOCK, BLOCK, key_index=kidx), HQ)
+        causal_tiles = int((vis != VISIBLE_NONE).sum())
+        for rho in args.rho:
+            keep = make_keep(vis, rho, gen)
+            kept = int(keep.sum())
+            n_diag = int((keep & (vis == VISIBLE_PARTIAL)).sum())
+            pairs = (kept - n_diag) * BLOCK * BLOCK + n_diag * BLOCK * (BLOCK + 1) // 2
+            flops = attention_flops(pairs, 1, 1, D)
+            rho_real = kept / causal_tiles
+            plan = plan_from_block_mask(keep, vis, BLOCK, BLOCK)
+            keep_p = keep | ((vis_p == VISIBLE_PARTIAL) & (vis == VISIBLE_NONE))
+            plan_p = plan_from_block_mask(keep_p, vis_p, BLOCK, BLOCK, key_index=kidx)
+            row = {"N": n, "rho": round(rho_real, 4), "sdpa_ms": t_sdpa}
+            contenders = {
+                "bsa": lambda q, k, v: block_sparse_attention(q, k, v, plan),
+                "bsa_kidx_gather": lambda q, k, v: block_sparse_attention(q, k, v, plan_p, key_mode="gather"),
+                "bsa_kidx_copy": lambda q, k, v: block_sparse_attention(q, k, v, plan_p, key_mode="copy"),
+            }
+            if not args.no_flex:
+                def flex_fn(q, k, v, _bm=[None]):
+                    return flex(q, k, v, block_mask=_bm[0], enable_gqa=True)
+
+                def build_flex():
+                    flex_fn.__defaults__[0][0] = flex_block_mask(keep, vis, n)
+                    return True
+
+                ok = guarded(build_flex, catch_all=True)
+                if ok is True:
+                    contenders = {"flex": flex_fn, **contenders}
+                else:
+                    row["flex_ms"] = ok if ok == OOM else "error"
+                    log(f"  flex mask: {ok}")
+            flex_out = None
+            for name, fn in contenders.items():
+                if name.startswith("bsa_kidx") and args.no_kidx:
+                    continue
+                log(f"N={n} rho={rho}: {name}")
+                # correctness on the way: dense at rho=1; same blocks -> same function (bsa vs flex) below it
+                out = guarded(lambda: fn(*sets[0]), catch_all=True)
+                if isinstance(out, torch.Tensor):
+                    if rho >= 1.0:
+                        row[f"{name}_err_vs_sdpa"] = rel(out, ref_out)
+                    elif name == "flex":
+                        flex_out = out
+                    elif name == "bsa" and flex_out is not None:
+                        row["bsa_err_vs_flex"] = rel(out, flex_out)
+                    del out
+                    t = guarded(lambda: time_ms(Rotating(fn, sets), warmup=warmup, rep=rep), catch_all=True)
+                else:
+                    t = out
+                row[f"{name}_ms"] = t
+                if isinstance(t, float):
+                    row[f"{name}_tflops"] = tflops(flops, t)
+                    if isinstance(t_sdpa, float):
+                        row[f"{name}_eff"] = rho_real * t_sdpa / t
+            flex_out = None
+            if isinstance(t_sdpa, float):
+                row["sdpa_tflops"] = tflops(flops_dense, t_sdpa)
+            rows.append(row)
+            log("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        del sets, ref_out
+        torch.cuda.empty_cache()
+    cols = ["N", "rho", "sdpa_ms", "sdpa_tflops"]
+    for name in ("flex", "bsa", "bsa_kidx_gather", "bsa_kidx_copy"):
+        cols += [f"{name}_ms", f"{name}_tflops", f"{name}_eff"]
+    meta = dict(B=B, Hq=HQ, Hkv=HKV, D=D, dtype=str(DTYPE), block=BLOCK, segment=SEGMENT, seed=args.seed,
+                note="efficiency = rho * t_sdpa / t; TFLOP/s over visible pairs of computed tiles")
+    table = write_results(args.name, rows, meta=meta, columns=cols, out_dir=args.out)
+    errs = sorted({c for r in rows for c in r if "_err_" in c})
+    print(table)
+    if errs:
+        from harness import format_table
+
+        print(format_table(rows, ["N", "rho"] + errs, digits=4))
+
+
+def tune(args) -> None:
+    """Time launch configs of the kernel (contiguous and key_index paths) at each N for each rho."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(args.seed)
+    rows = []
+    configs = []
+    for bm, bn, w, s in args.configs:
+        configs.append(KernelConfig(bm, bn, num_warps=w, num_stages=s))
+    for n in args.n:
+        warmup, rep = bench_params(n, args.time_scale)
+        sets = [tuple(torch.randn(B, h, n, D, device=dev, dtype=DTYPE, generator=gen) for h in (HQ, HKV, HKV))
+                for _ in range(2)]
+        ref = F.scaled_dot_product_attention(*sets[0], is_causal=True, enable_gqa=True)
+        t_sdpa = time_ms(Rotating(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                   enable_gqa=True), sets),
+                         warmup=warmup, rep=rep)
+        log(f"N={n} sdpa {t_sdpa:.3f} ms")
+        vis = block_visibility(n, n, BLOCK, BLOCK, batch=B, heads=HQ, device=dev)
+        kidx = segment_permutation(n, gen, dev)
+        vis_p = expand_heads(block_visibility(n, n, BLOCK, BLOCK, key_index=kidx), HQ)
+        causal_tiles = int((vis != VISIBLE_NONE).sum())
+        for rho in args.rho:
+            keep = make_keep(vis, rho, gen)
+            rho_real = int(keep.sum()) / causal_tiles
+            plan = plan_from_block_mask(keep, vis, BLOCK, BLOCK)
+            keep_p = keep | ((vis_p == VISIBLE_PARTIAL) & (vis == VISIBLE_NONE))
+            plan_p = plan_from_block_mask(keep_p, vis_p, BLOCK, BLOCK, key_index=kidx)
+            variants = []
+            for cfg in configs:
+                variants.append(("bsa", cfg, None, plan))
+            for mode in args.kidx_modes:
+                for cfg in configs[: args.kidx_configs]:
+                    variants.append((f"kidx_{mode}", cfg, mode, plan_p))
+            for tma in args.tma_off_for:
+                cfg = configs[tma]
+                variants.append(("bsa_notma", KernelConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                                                           use_tma=False), None, plan))
+            for name, cfg, mode, pl in variants:
+                def fn(q, k, v, _pl=pl, _cfg=cfg, _mode=mode):
+                    return block_sparse_attention(q, k, v, _pl, config=_cfg, key_mode=_mode or "auto")
+
+                t0 = time.time()
+                out = guarded(lambda: fn(*sets[0]), catch_all=True)
+                compile_s = time.time() - t0
+                if not isinstance(out, torch.Tensor):
+                    rows.append({"N": n, "rho": rho_real, "variant": name, "config": str(cfg), "ms": out})
+                    log(f"  {name} {cfg}: {out}")
+                    continue
+                err = rel(out, ref) if rho >= 1.0 else None
+                del out
+                t = time_ms(Rotating(fn, sets), warmup=warmup, rep=rep)
+                r = {"N": n, "rho": round(rho_real, 4), "variant": name,
+                     "config": f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+                               + ("" if cfg.use_tma is None else f" tma={cfg.use_tma}"),
+                     "ms": t, "vs_sdpa": t_sdpa / t, "eff": rho_real * t_sdpa / t, "err_vs_sdpa": err,
+                     "compile_s": round(compile_s, 1)}
+                rows.append(r)
+                log("  " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+        del sets, ref
+        torch.cuda.empty_cache()
+    table = write_results(args.name, rows, meta={"mode": "tune"}, out_dir=args.out, digits=4)
+    print(table)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("sweep", "tune"), default="sweep")
+    p.add_argument("--n", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
+    p.add_argument("--rho", type=float, nargs="+", default=[1.0, 0.5, 0.3, 0.1])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiplies do_bench warmup/rep")
+    p.add_argument("--no-flex", action="store_true")
+    p.add_argument("--no-kidx", action="store_true")
+    p.add_argument("--name", default=None)
+    p.add_argument("--out", default=os.environ.get("OUT") or None, help="results folder (default benchmarks/results)")
+    p.add_argument("--configs", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="+",
+                   default=[(128, 128, 8, 3)], help="tune: bm,bn,warps,stages ...")
+    p.add_argument("--kidx-modes", nargs="*", default=["gather", "copy"])
+    p.add_argument("--kidx-configs", type=int, default=1, help="tune: how many configs to try on key_index paths")
+    p.add_argument("--tma-off-for", type=int, nargs="*", default=[], help="tune: config indices to rerun without TMA")
+    args = p.parse_args(argv)
+    if args.name is None:
+        args.name = "bench_kernel_h100" if args.mode == "sweep" else "tune_kernel_h100"
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernel.py needs a CUDA GPU")
+    log(f"torch {torch.__version__}, GPU {torch.cuda.get_device_name(0)}")
+    (sweep if args.mode == "sweep" else tune)(args)
+
+
+if __name__ == "__main__":
+    main()

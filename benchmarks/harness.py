@@ -1,0 +1,174 @@
+"""The project's shared benchmark harness: timing, FLOP counts, results as JSON plus a readable table.
+
+Every benchmark in ``benchmarks/`` uses these pieces so that numbers are comparable:
+
+* ``time_ms`` times a callable with ``triton.testing.do_bench`` and returns the **median** in ms. ``do_bench``
+  synchronises, warms up, times each run with CUDA events and flushes L2 between runs;
+  ``Rotating`` additionally cycles through several input sets so that no run sees the previous run's inputs.
+* ``causal_pairs`` / ``attention_flops`` / ``tile_pairs`` count the work of causal attention, dense or per
+  computed tile, and ``tflops`` turns FLOPs and ms into TFLOP/s (4 FLOPs per visible (query, key) pair per
+  head-dim element: QK^T and PV).
+* ``guarded`` runs a contender and turns out-of-memory (and optionally any other failure) into a cell marker.
+* ``write_results`` writes ``benchmarks/results/<name>.json`` (rows, metadata, environment) and returns the
+  table as text (``tabulate``) for printing.
+
+Run-time and size choices (warmup/rep) are the caller's: long runs should use modest ``rep``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+
+__all__ = [
+    "RESULTS_DIR",
+    "Rotating",
+    "time_ms",
+    "causal_pairs",
+    "tile_pairs",
+    "attention_flops",
+    "tflops",
+    "guarded",
+    "OOM",
+    "env_info",
+    "format_table",
+    "write_results",
+    "rotation_count",
+]
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+OOM = "OOM"
+
+
+class Rotating:
+    """Call ``fn(*inputs[i])`` for i = 0, 1, 2, ... cyclically: each run reads a different input set."""
+
+    def __init__(self, fn: Callable[..., Any], inputs: Sequence[tuple]):
+        if not inputs:
+            raise ValueError("Rotating: need at least one input set")
+        self.fn, self.inputs, self.i = fn, list(inputs), 0
+
+    def __call__(self):
+        args = self.inputs[self.i % len(self.inputs)]
+        self.i += 1
+        return self.fn(*args)
+
+
+def rotation_count(bytes_per_set: int, *, cache_bytes: Optional[int] = None, cap: int = 4) -> int:
+    """How many input sets to rotate so that together they overflow the last-level cache (at least 2)."""
+    if cache_bytes is None:
+        cache_bytes = 64 << 20
+        if torch.cuda.is_available():
+            cache_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", cache_bytes)
+    need = math.ceil(4 * cache_bytes / max(bytes_per_set, 1))
+    return int(min(cap, max(2, need)))
+
+
+def time_ms(fn: Callable[[], Any], *, warmup: float = 25, rep: float = 100) -> float:
+    """Median time of ``fn()`` in milliseconds (``triton.testing.do_bench``; warmup/rep in ms)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def causal_pairs(num_queries: int, num_keys: int) -> int:
+    """Visible (query, key) pairs of causal attention with the queries at the last positions."""
+    off = num_keys - num_queries
+    return num_queries * off + num_queries * (num_queries + 1) // 2
+
+
+def tile_pairs(full_tiles: int, diagonal_tiles: int, block_m: int, block_n: int) -> int:
+    """Visible pairs in computed tiles: full tiles count block_m*block_n, square diagonal tiles their lower half."""
+    if diagonal_tiles and block_m != block_n:
+        raise ValueError("tile_pairs: diagonal tiles need block_m == block_n")
+    return full_tiles * block_m * block_n + diagonal_tiles * block_m * (block_m + 1) // 2
+
+
+def attention_flops(pairs: int, batch: int, heads: int, head_dim: int) -> float:
+    """Forward FLOPs: two matmuls (QK^T and PV), 2 FLOPs per multiply-add, per visible pair and head."""
+    return 4.0 * pairs * batch * heads * head_dim
+
+
+def tflops(flops: float, ms: Optional[float]) -> Optional[float]:
+    if ms is None or not isinstance(ms, (int, float)) or ms <= 0:
+        return None
+    return flops / (ms * 1e-3) / 1e12
+
+
+def guarded(fn: Callable[[], Any], *, catch_all: bool = False):
+    """``fn()``, or ``OOM`` when it runs out of device memory (or ``'error: ...'`` with ``catch_all``)."""
+    try:
+        return fn()
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return OOM
+    except RuntimeError as exc:  # some allocators report OOM as a plain RuntimeError
+        if "out of memory" in str(exc).lower():
+            torch.cuda.empty_cache()
+            return OOM
+        if catch_all:
+            return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported in the table when asked
+        if catch_all:
+            return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+        raise
+
+
+def env_info() -> dict:
+    info = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "host": platform.node(),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, sm_count=p.multi_processor_count, cuda=torch.version.cuda,
+                    memory_gib=round(p.total_memory / 2**30, 1))
+    return info
+
+
+def _cell(x: Any, digits: int) -> Any:
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "-"
+        return f"{x:.{digits}f}"
+    return "-" if x is None else x
+
+
+def format_table(rows: Iterable[dict], columns: Optional[Sequence[str]] = None, *, digits: int = 3) -> str:
+    from tabulate import tabulate
+
+    rows = list(rows)
+    if columns is None:
+        columns = []
+        for r in rows:
+            columns.extend(c for c in r if c not in columns)
+    body = [[_cell(r.get(c), digits) for c in columns] for r in rows]
+    return tabulate(body, headers=list(columns), tablefmt="github", disable_numparse=True)
+
+
+def write_results(name: str, rows: list, *, meta: Optional[dict] = None, columns: Optional[Sequence[str]] = None,
+                  out_dir: Optional[os.PathLike] = None, digits: int = 3) -> str:
+    """Write ``<out_dir or benchmarks/results>/<name>.json`` and ``.md``; return the table text."""
+    out = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    table = format_table(rows, columns, digits=digits)
+    doc = {"name": name, "meta": meta or {}, "env": env_info(), "rows": rows}
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=1, default=str))
+    (out / f"{name}.md").write_text(f"# {name}\n\n{json.dumps(meta or {}, default=str)}\n\n{table}\n")
+    return table

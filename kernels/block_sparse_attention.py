@@ -1,0 +1,616 @@
+"""Block-sparse FlashAttention forward: executes a ``sparse_compile.plan.BlockPlan`` in Triton.
+
+The semantics are exactly plan.py's docstring (and ``reference_attention``): per query block, a list of key tiles
+in visiting order, the first ``masked_counts`` of them masked (causal by original position, padding), the rest
+unmasked; optional ``key_index`` / ``query_index`` (rows read through an index), early stop (tau) and P.V skip
+(lambda).
+
+Shape of the kernel (FlashAttention-2 forward, like Triton's fused-attention tutorial): one program per
+(batch, query head, query block); ``q`` stays on chip; the program walks its tile list in two loops, masked tiles
+first (scores masked by position) and then unmasked ones (no mask arithmetic at all), keeping the online softmax
+in base 2 with the softmax scale folded into the exponent. Query blocks are launched last-first, because in a
+causal plan later query blocks carry more tiles (heavy work first, short tail).
+
+Supported configurations
+------------------------
+* dtypes: float16, bfloat16 (fp32 accumulation), and float32 (IEEE dot; slow, for tests and the interpreter);
+  the output has the input dtype.
+* head dims: any ``D <= 256``; powers of two >= 16 run natively, others are padded on chip (masked loads).
+* ``plan.block_m``/``plan.block_n``: powers of two in [16, 256]. The kernel's BLOCK_M is ``block_m`` or (without
+  early stop / P.V skip, whose decisions are per plan block) ``block_m / 2``; its BLOCK_N is ``block_n`` or a
+  divisor of it (sub-tiles of a plan tile, again only without early stop / P.V skip). Anything else is refused.
+* GQA: ``Hq`` a multiple of ``Hkv``; K/V are never repeated. Plan tensors and indices may have Hq or Hkv heads.
+* ``Nq <= Nk`` (queries are the last ``Nq`` positions), any lengths.
+* Keys through ``key_index``: either gathered row by row inside the loop (``key_mode="gather"``) or, when the index
+  has Hkv heads, copied once into a permuted contiguous K/V that the loop reads like ordinary keys, with the index
+  read only in masked tiles for positions (``key_mode="copy"``). ``"auto"`` picks by measurement (NOTES_kernel.md).
+* On Hopper and newer GPUs, K/V tiles of the contiguous paths are loaded through tensor descriptors (TMA) when the
+  layout allows it (16-byte aligned strides); the portable pointer path is used otherwise and by the interpreter.
+
+The plan's promise that unmasked tiles are fully visible is not checked on the hot path (``check=True`` runs
+``sparse_compile.plan.check_plan``, which syncs); a plan that breaks it reads out of range.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_compile.plan import BlockPlan, check_plan
+
+try:  # host-side tensor descriptors (TMA) exist from Triton 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: pointer path only
+    TensorDescriptor = None
+
+__all__ = ["block_sparse_attention", "KernelConfig", "default_config"]
+
+log = logging.getLogger(__name__)
+
+_LOG2E = 1.4426950408889634
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# a running maximum that starts finite keeps exp2(m_old - m_new) and exp2(s - m_new) free of (-inf) - (-inf)
+_M_INIT = -1.0e30
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the kernel
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_rows(base, rows, stride_row, stride_d, offs_d, row_mask,
+               MASK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """Load ``[len(rows), HEAD_DIM_PAD]`` from ``base`` (rows past a false ``row_mask`` and pad columns read 0)."""
+    ptrs = base + rows[:, None] * stride_row + offs_d[None, :] * stride_d
+    if HEAD_DIM_PAD != HEAD_DIM:
+        if MASK_ROWS:
+            x = tl.load(ptrs, mask=row_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        if MASK_ROWS:
+            x = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _attn_fwd_tile(
+    acc, l_i, m_i, q, q_pos, row_ok, start,
+    k_base, v_base, desc_k, desc_v, kidx_base,
+    stride_kn, stride_kd, stride_vn, stride_vd, stride_kip,
+    k_row0, k_col0, v_row0, v_col0,
+    qk_scale, pv_lambda, N_K, KEY_LEN,
+    offs_d,
+    MASKED: tl.constexpr, HAS_KIDX: tl.constexpr, KEY_GATHER: tl.constexpr, USE_TMA: tl.constexpr,
+    PV_SKIP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One key tile ``[start, start + BLOCK_N)`` (logical keys) folded into the online softmax."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    # -- where the keys are (physical row, validity): masked tiles need positions, gathered loads need rows
+    if MASKED:
+        in_range = offs_n < KEY_LEN
+        if HAS_KIDX:
+            phys = tl.load(kidx_base + offs_n * stride_kip, mask=in_range, other=-1)
+            valid = (phys >= 0) & (phys < N_K)
+        else:
+            phys = offs_n
+            valid = in_range
+    else:
+        if KEY_GATHER:
+            phys = tl.load(kidx_base + offs_n * stride_kip)  # promised valid: no mask
+        else:
+            phys = offs_n
+        valid = offs_n >= 0  # unused: unmasked tiles are promised fully visible
+    # -- K tile and scores
+    rows = phys
+    if KEY_GATHER:
+        if MASKED:
+            rows = tl.where(valid, phys, 0)
+        k = _load_rows(k_base, rows, stride_kn, stride_kd, offs_d, valid, MASKED, HEAD_DIM, HEAD_DIM_PAD)
+    elif USE_TMA:
+        k = desc_k.load([k_row0 + start, k_col0])
+    else:
+        k = _load_rows(k_base, offs_n, stride_kn, stride_kd, offs_d, valid, MASKED, HEAD_DIM, HEAD_DIM_PAD)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if MASKED:
+        visible = valid[None, :] & (phys[None, :] <= q_pos[:, None])
+        s = tl.where(visible, qk * qk_scale, float("-inf"))
+        tile_max = tl.max(s, 1)
+        m_new = tl.maximum(m_i, tile_max)
+        p = tl.math.exp2(s - m_new[:, None])
+    else:
+        # scale > 0, so max(qk) * scale == max(qk * scale); one FMA per score below
+        tile_max = tl.max(qk, 1) * qk_scale
+        m_new = tl.maximum(m_i, tile_max)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    gain = tl.sum(p, 1)
+    l_prev = l_i * alpha
+    l_i = l_prev + gain
+    acc = acc * alpha[:, None]
+    # -- V tile and P.V
+    if KEY_GATHER:
+        v = _load_rows(v_base, rows, stride_vn, stride_vd, offs_d, valid, MASKED, HEAD_DIM, HEAD_DIM_PAD)
+    elif USE_TMA:
+        v = desc_v.load([v_row0 + start, v_col0])
+        if MASKED:
+            # a TMA tile past a head's end reads the neighbour's rows: P is 0 there, but 0 * non-finite is not
+            v = tl.where(valid[:, None], v, 0.0)
+    else:
+        v = _load_rows(v_base, offs_n, stride_vn, stride_vd, offs_d, valid, MASKED, HEAD_DIM, HEAD_DIM_PAD)
+    if PV_SKIP:
+        # skip when every real row's tile maximum is far below its running maximum (rows seeing nothing: -inf)
+        gap = tl.where(row_ok, tile_max - m_new, float("-inf"))
+        if tl.max(gap, 0) >= pv_lambda:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+    return acc, l_i, m_new, gain, l_prev
+
+
+@triton.jit
+def _block_sparse_attn_fwd(
+    Q, K, V, Out, desc_k, desc_v,
+    TileOffsets, TileCounts, MaskedCounts, KeyIndex, QueryIndex, Visited,
+    qk_scale, es_tau, pv_lambda,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_tb, stride_th, stride_tq, stride_tt,
+    stride_cb, stride_ch, stride_cq,
+    stride_mb, stride_mh, stride_mq,
+    stride_kib, stride_kih, stride_kip,
+    stride_qib, stride_qih, stride_qip,
+    k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
+    H_Q, N_Q, N_K, KEY_LEN, N_QBLK, N_PBLK,
+    GQA, PLAN_DIV, KIDX_DIV, QIDX_DIV,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_SPLIT: tl.constexpr, TILE_SPLIT: tl.constexpr,
+    HAS_KIDX: tl.constexpr, HAS_QIDX: tl.constexpr, KEY_GATHER: tl.constexpr, USE_TMA: tl.constexpr,
+    EARLY_STOP: tl.constexpr, PV_SKIP: tl.constexpr, WRITE_VISITED: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
+    tl.static_assert(HEAD_DIM <= HEAD_DIM_PAD)
+    tl.static_assert(not (KEY_GATHER and USE_TMA), "TMA cannot gather rows")
+    tl.static_assert(not (KEY_GATHER and not HAS_KIDX), "gathered keys need a key_index")
+    # early stop and P.V skip decide per plan tile and per plan query block: no sub-tiles then
+    tl.static_assert(not ((EARLY_STOP or PV_SKIP) and (TILE_SPLIT > 1 or Q_SPLIT > 1)))
+
+    pid_bh = tl.program_id(0)
+    qblk = N_QBLK - 1 - tl.program_id(1)  # heavy (late) query blocks first
+    b = pid_bh // H_Q
+    h = pid_bh % H_Q
+    hkv = h // GQA
+    pblk = qblk // Q_SPLIT
+    b64 = b.to(tl.int64)
+
+    # -- the query block: logical rows, physical rows, absolute positions
+    rows = qblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N_Q
+    if HAS_QIDX:
+        qidx_base = QueryIndex + b64 * stride_qib + (h // QIDX_DIV).to(tl.int64) * stride_qih
+        phys_rows = tl.load(qidx_base + rows * stride_qip, mask=row_ok, other=0)
+    else:
+        phys_rows = rows
+    q_pos = phys_rows + (N_K - N_Q)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh
+    q = _load_rows(q_base, phys_rows, stride_qm, stride_qd, offs_d, row_ok, True, HEAD_DIM, HEAD_DIM_PAD)
+
+    # -- the tile list of this (batch, head, plan block)
+    hp = (h // PLAN_DIV).to(tl.int64)
+    tile_ptr = TileOffsets + b64 * stride_tb + hp * stride_th + pblk.to(tl.int64) * stride_tq
+    n_tiles = tl.load(TileCounts + b64 * stride_cb + hp * stride_ch + pblk * stride_cq)
+    n_masked = tl.minimum(tl.load(MaskedCounts + b64 * stride_mb + hp * stride_mh + pblk * stride_mq), n_tiles)
+
+    k_base = K + b64 * stride_kb + hkv.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh
+    if HAS_KIDX:
+        kidx_base = KeyIndex + b64 * stride_kib + (h // KIDX_DIV).to(tl.int64) * stride_kih
+    else:
+        kidx_base = KeyIndex
+    # tensor-descriptor coordinates of this head's first K/V row (rows and columns of a 2-D view)
+    k_row0 = b * k_rb + hkv * k_rh
+    k_col0 = hkv * k_ch
+    v_row0 = b * v_rb + hkv * v_rh
+    v_col0 = hkv * v_ch
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + _M_INIT
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+    # -- stage 1: masked tiles (the plan lists them first); never subject to early stop
+    for j in range(0, n_masked * TILE_SPLIT):
+        start = tl.load(tile_ptr + (j // TILE_SPLIT) * stride_tt) + (j % TILE_SPLIT) * BLOCK_N
+        acc, l_i, m_i, gain, l_prev = _attn_fwd_tile(
+            acc, l_i, m_i, q, q_pos, row_ok, start, k_base, v_base, desc_k, desc_v, kidx_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_kip, k_row0, k_col0, v_row0, v_col0,
+            qk_scale, pv_lambda, N_K, KEY_LEN, offs_d,
+            True, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PREC)
+
+    # -- stage 2: unmasked tiles, fully visible by the plan's promise: no mask arithmetic
+    if EARLY_STOP:
+        t = n_masked
+        go = t < n_tiles
+        while go:
+            start = tl.load(tile_ptr + t * stride_tt)
+            acc, l_i, m_i, gain, l_prev = _attn_fwd_tile(
+                acc, l_i, m_i, q, q_pos, row_ok, start, k_base, v_base, desc_k, desc_v, kidx_base,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_kip, k_row0, k_col0, v_row0, v_col0,
+                qk_scale, pv_lambda, N_K, KEY_LEN, offs_d,
+                False, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PREC)
+            t += 1
+            # stop once no real row gains at least tau of what it had (the stopping tile stays counted)
+            still = tl.max(tl.where(row_ok & (gain >= es_tau * l_prev), 1, 0), 0)
+            go = (t < n_tiles) & (still > 0)
+        n_visited = t
+    else:
+        for j in range(n_masked * TILE_SPLIT, n_tiles * TILE_SPLIT):
+            start = tl.load(tile_ptr + (j // TILE_SPLIT) * stride_tt) + (j % TILE_SPLIT) * BLOCK_N
+            acc, l_i, m_i, gain, l_prev = _attn_fwd_tile(
+                acc, l_i, m_i, q, q_pos, row_ok, start, k_base, v_base, desc_k, desc_v, kidx_base,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_kip, k_row0, k_col0, v_row0, v_col0,
+                qk_scale, pv_lambda, N_K, KEY_LEN, offs_d,
+                False, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PREC)
+        n_visited = n_tiles
+
+    # -- epilogue: rows that saw no key have l == 0 and acc == 0 and write zeros
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    o_ptrs = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh \
+        + phys_rows[:, None] * stride_om + offs_d[None, :] * stride_od
+    if HEAD_DIM_PAD != HEAD_DIM:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    else:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if WRITE_VISITED:
+        tl.store(Visited + pid_bh.to(tl.int64) * N_PBLK + pblk, n_visited)
+
+
+@triton.jit
+def _permute_rows_kernel(
+    K, V, KP, VP, KeyIndex,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_kib, stride_kih, stride_kip,
+    H, LENGTH, N_K,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """KP[b, h, p] = K[b, h, key_index[b, h, p]] (padding entries copy row 0; they are masked anyway)."""
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = p < LENGTH
+    idx = tl.load(KeyIndex + b * stride_kib + h * stride_kih + p * stride_kip, mask=ok, other=0)
+    idx = tl.where((idx >= 0) & (idx < N_K), idx, 0)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    dst = pid_bh.to(tl.int64) * LENGTH * HEAD_DIM + p[:, None] * HEAD_DIM + offs_d[None, :]
+    kv = tl.load(K + b * stride_kb + h * stride_kh + idx[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                 mask=mask)
+    tl.store(KP + dst, kv, mask=mask)
+    vv = tl.load(V + b * stride_vb + h * stride_vh + idx[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                 mask=mask)
+    tl.store(VP + dst, vv, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# configuration
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters. ``block_m`` divides ``plan.block_m`` (ratio 1 or 2); ``block_n`` divides ``plan.block_n``.
+
+    ``use_tma``: None = when possible (GPU of compute capability >= 9, 16-byte aligned layout).
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    use_tma: Optional[bool] = None
+
+
+def default_config(plan: BlockPlan, head_dim_pad: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
+    """The tuned choice for this plan granularity (measured on an H100, see benchmarks/NOTES_kernel.md)."""
+    bm, bn = plan.block_m, plan.block_n
+    exact = plan.early_stop > 0 or plan.pv_skip is not None  # decisions per plan tile/block: no splitting
+    if _interpreting() or device.type != "cuda":
+        return KernelConfig(bm, bn, num_warps=4, num_stages=1)
+    big = head_dim_pad > 128 or dtype == torch.float32
+    block_m = bm if (exact or bm <= 128) else bm // 2
+    if big and not exact and block_m > 64:
+        block_m = block_m // 2 if bm // (block_m // 2) <= 2 else block_m
+    block_n = bn if (exact or bn <= 128) else 128
+    if big and not exact and block_n > 64:
+        block_n = 64
+    warps = 8 if block_m * block_n >= 128 * 128 or (block_m >= 128 and head_dim_pad >= 128) else 4
+    return KernelConfig(block_m, block_n, num_warps=warps, num_stages=3 if head_dim_pad <= 128 else 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# host wrapper
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(f"block_sparse_attention: {msg}")
+
+
+def _validate(q, k, v, plan) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            _fail(f"{name} must be 4-D (batch, heads, length, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            _fail(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+    if not (q.device == k.device == v.device):
+        _fail(f"q, k, v on different devices: {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        _fail(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.device.type != "cuda" and not _interpreting():
+        _fail(f"inputs on {q.device}: the Triton kernel needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+    B, Hq, Nq, D = q.shape
+    if k.shape != v.shape:
+        _fail(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    Bk, Hkv, Nk, Dk = k.shape
+    if Bk != B:
+        _fail(f"batch sizes differ: q has {B}, k/v have {Bk}")
+    if Dk != D:
+        _fail(f"head dims differ: q has {D}, k/v have {Dk}")
+    if D > 256 or D < 1:
+        _fail(f"head dim {D} unsupported (1..256)")
+    if Hkv == 0 or Hq % Hkv:
+        _fail(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    if Nq > Nk:
+        _fail(f"more queries ({Nq}) than keys ({Nk}): queries are the last Nq of the Nk positions")
+    if not isinstance(plan, BlockPlan):
+        _fail(f"plan must be a sparse_compile.plan.BlockPlan, got {type(plan).__name__}")
+    for name in ("block_m", "block_n"):
+        val = getattr(plan, name)
+        if not isinstance(val, int) or not _is_pow2(val) or not 16 <= val <= 256:
+            _fail(f"plan.{name} must be a power of two in [16, 256], got {val!r}")
+    nqb = -(-Nq // plan.block_m)
+    for name, rank in (("tile_offsets", 4), ("tile_counts", 3), ("masked_counts", 3)):
+        t = getattr(plan, name)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+            _fail(f"plan.{name} must be an int32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.device != q.device:
+            _fail(f"plan.{name} is on {t.device}, inputs on {q.device}")
+        if t.dim() != rank:
+            _fail(f"plan.{name} must be {rank}-D, got shape {tuple(t.shape)}")
+        if t.shape[0] != B or t.shape[1] not in (Hq, Hkv) or t.shape[2] != nqb:
+            _fail(f"plan.{name} has shape {tuple(t.shape)}; expected (B={B}, Hq={Hq} or Hkv={Hkv}, "
+                  f"{nqb} query blocks{', tiles' if rank == 4 else ''})")
+    if plan.tile_counts.shape != plan.tile_offsets.shape[:3] or plan.masked_counts.shape != plan.tile_counts.shape:
+        _fail("plan.tile_offsets, tile_counts and masked_counts disagree in shape")
+    if plan.key_index is not None:
+        ki = plan.key_index
+        if not isinstance(ki, torch.Tensor) or ki.dtype != torch.int32 or ki.dim() != 3:
+            _fail(f"plan.key_index must be an int32 (B, H, L) tensor, got {getattr(ki, 'dtype', ki)} "
+                  f"{tuple(getattr(ki, 'shape', ()))}")
+        if ki.device != q.device:
+            _fail(f"plan.key_index is on {ki.device}, inputs on {q.device}")
+        if ki.shape[0] != B or ki.shape[1] not in (Hq, Hkv):
+            _fail(f"plan.key_index has shape {tuple(ki.shape)}; expected (B={B}, Hq={Hq} or Hkv={Hkv}, L)")
+    if plan.query_index is not None:
+        qi = plan.query_index
+        if not isinstance(qi, torch.Tensor) or qi.dtype != torch.int32 or qi.dim() != 3:
+            _fail(f"plan.query_index must be an int32 (B, H, Nq) tensor, got {getattr(qi, 'dtype', qi)} "
+                  f"{tuple(getattr(qi, 'shape', ()))}")
+        if qi.device != q.device:
+            _fail(f"plan.query_index is on {qi.device}, inputs on {q.device}")
+        if qi.shape[0] != B or qi.shape[1] not in (Hq, Hkv) or qi.shape[2] != Nq:
+            _fail(f"plan.query_index has shape {tuple(qi.shape)}; expected (B={B}, Hq={Hq} or Hkv={Hkv}, Nq={Nq})")
+    if not isinstance(plan.early_stop, (int, float)) or not plan.early_stop >= 0:
+        _fail(f"plan.early_stop must be a number >= 0, got {plan.early_stop!r}")
+    if plan.pv_skip is not None and (not isinstance(plan.pv_skip, (int, float)) or not plan.pv_skip < 0):
+        _fail(f"plan.pv_skip must be None or a negative number, got {plan.pv_skip!r}")
+
+
+def _tma_view(x: torch.Tensor, block_rows: int, head_dim: int):
+    """A 2-D (rows, columns) view of ``x`` (B, H, N, D) for a tensor descriptor, or None when TMA can't read it.
+
+    Row ``b * rb + h * rh + n``, column ``h * ch`` holds ``x[b, h, n, 0]``: (B, H, N, D) contiguous has heads in
+    rows, a transposed (B, N, H, D) tensor has heads in columns. Returns (descriptor, rb, rh, ch).
+    """
+    if TensorDescriptor is None:
+        return None
+    B, H, N, D = x.shape
+    sb, sh, sn, sd = x.stride()
+    es = x.element_size()
+    if sd != 1 or D != head_dim or (sn * es) % 16 or x.data_ptr() % 16 or N == 0:
+        return None
+    if (D * es) < 16:
+        return None
+
+    def split(stride, count):  # (row step, column step) for one step along a dim of ``count`` entries
+        if count == 1:
+            return 0, 0
+        if stride % sn == 0:
+            return stride // sn, 0
+        return None
+
+    rb = split(sb, B)
+    rh = split(sh, H)
+    ch = 0
+    if rh is None:  # heads side by side inside a row
+        if H > 1 and (sh * es) % 16 == 0 and sh >= D and (H - 1) * sh + D <= sn:
+            rh, ch = (0, 0), sh
+        else:
+            return None
+    if rb is None:
+        return None
+    rb, rh = rb[0], rh[0]
+    rows = (B - 1) * rb + (H - 1) * rh + N
+    cols = (H - 1) * ch + D
+    desc = TensorDescriptor(x, [rows, cols], [sn, 1], [block_rows, D])
+    return desc, rb, rh, ch
+
+
+def _supports_tma(device: torch.device) -> bool:
+    if TensorDescriptor is None or _interpreting() or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _permute_keys(k: torch.Tensor, v: torch.Tensor, key_index: torch.Tensor, head_dim_pad: int):
+    """Contiguous K/V in the order of ``key_index`` (Hkv heads): one pass over K and V, no host sync."""
+    B, H, Nk, D = k.shape
+    L = key_index.shape[-1]
+    kp = torch.empty(B, H, L, D, dtype=k.dtype, device=k.device)
+    vp = torch.empty_like(kp)
+    if L == 0:
+        return kp, vp
+    block = 64
+    _permute_rows_kernel[(B * H, triton.cdiv(L, block))](
+        k, v, kp, vp, key_index, *k.stride(), *v.stride(), *key_index.stride(), H, L, Nk,
+        HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, BLOCK=block, num_warps=4)
+    return kp, vp
+
+
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockPlan,
+    scale: Optional[float] = None,
+    *,
+    return_visited: bool = False,
+    check: bool = False,
+    key_mode: str = "auto",
+    config: Optional[KernelConfig] = None,
+):
+    """Execute ``plan`` (see ``sparse_compile.plan``): q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D) -> out (B, Hq, Nq, D).
+
+    With ``return_visited`` also returns int32 (B, Hq, n_query_blocks): the tiles each block computed.
+    ``check=True`` validates the plan's index ranges and promises first (syncs with the host).
+    ``key_mode`` (only with ``plan.key_index``): "gather" reads K/V rows through the index inside the loop;
+    "copy" permutes K/V once into a contiguous copy (needs an index with Hkv heads); "auto" picks.
+    ``config`` overrides the launch parameters (tuning and tests).
+    """
+    _validate(q, k, v, plan)
+    if check:
+        check_plan(plan, q, k)
+    if key_mode not in ("auto", "gather", "copy"):
+        _fail(f"key_mode must be 'auto', 'gather' or 'copy', got {key_mode!r}")
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    nqb = -(-Nq // plan.block_m)
+    head_dim_pad = max(16, triton.next_power_of_2(D))
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if not (scale > 0 and math.isfinite(scale)):
+        _fail(f"scale must be a positive finite number, got {scale!r}")
+
+    exact = plan.early_stop > 0 or plan.pv_skip is not None
+    cfg = config or default_config(plan, head_dim_pad, q.dtype, q.device)
+    if plan.block_m % cfg.block_m or plan.block_m // cfg.block_m not in (1, 2) or cfg.block_m < 16:
+        _fail(f"config.block_m={cfg.block_m} must be plan.block_m ({plan.block_m}) or half of it")
+    if plan.block_n % cfg.block_n or cfg.block_n < 16:
+        _fail(f"config.block_n={cfg.block_n} must divide plan.block_n ({plan.block_n}) and be >= 16")
+    if exact and (cfg.block_m != plan.block_m or cfg.block_n != plan.block_n):
+        _fail("early stop and P.V skip decide per plan tile: config block sizes must equal the plan's")
+
+    out = torch.empty_like(q)
+    visited = torch.empty(B, Hq, nqb, dtype=torch.int32, device=q.device) if return_visited else None
+    if Nq == 0 or B == 0 or Hq == 0:
+        if visited is not None:
+            visited.zero_()
+        return (out, visited) if return_visited else out
+
+    key_index, query_index = plan.key_index, plan.query_index
+    has_kidx = key_index is not None
+    key_len = key_index.shape[-1] if has_kidx else Nk
+    gather = False
+    kk, vv = k, v
+    if has_kidx:
+        mode = key_mode
+        if mode == "auto":
+            mode = _auto_key_mode(key_index, Hkv, Nk)
+        if mode == "copy" and key_index.shape[1] != Hkv:
+            if key_mode == "copy":
+                _fail(f"key_mode='copy' needs a key_index with Hkv={Hkv} heads, got {key_index.shape[1]}")
+            mode = "gather"
+        if mode == "copy":
+            kk, vv = _permute_keys(k, v, key_index, head_dim_pad)
+        gather = mode == "gather"
+
+    use_tma = cfg.use_tma
+    tma_ok = (not gather) and D == head_dim_pad and _supports_tma(q.device) and q.dtype != torch.float32
+    if use_tma is None:
+        use_tma = tma_ok
+    elif use_tma and not tma_ok:
+        _fail("config.use_tma=True but TMA is unavailable here (needs a Hopper+ GPU, 16-bit dtype, "
+              "power-of-two head dim, contiguous keys)")
+    desc_k = desc_v = None
+    k_geo = v_geo = (0, 0, 0)
+    if use_tma:
+        kt, vt = _tma_view(kk, cfg.block_n, D), _tma_view(vv, cfg.block_n, D)
+        if kt is None or vt is None:
+            use_tma = False
+        else:
+            desc_k, k_geo = kt[0], kt[1:]
+            desc_v, v_geo = vt[0], vt[1:]
+
+    t_off, t_cnt, m_cnt = plan.tile_offsets, plan.tile_counts, plan.masked_counts
+    Ht = t_off.shape[1]
+    kidx = key_index if has_kidx else t_cnt  # any int32 tensor: never read without HAS_KIDX
+    qidx = query_index if query_index is not None else t_cnt
+    ki_strides = key_index.stride() if has_kidx else (0, 0, 0)
+    qi_strides = query_index.stride() if query_index is not None else (0, 0, 0)
+    q_split = plan.block_m // cfg.block_m
+    n_qblk = nqb * q_split
+    # trailing kernel blocks past Nq do nothing but must not exist: trim the last plan block's halves
+    n_qblk = min(n_qblk, -(-Nq // cfg.block_m))
+    grid = (B * Hq, n_qblk)
+    _block_sparse_attn_fwd[grid](
+        q, kk, vv, out, desc_k, desc_v,
+        t_off, t_cnt, m_cnt, kidx, qidx, visited if visited is not None else t_cnt,
+        scale * _LOG2E, float(plan.early_stop), (plan.pv_skip or 0.0) * _LOG2E,
+        *q.stride(), *kk.stride(), *vv.stride(), *out.stride(),
+        *t_off.stride(), *t_cnt.stride(), *m_cnt.stride(),
+        *ki_strides, *qi_strides,
+        *k_geo, *v_geo,
+        Hq, Nq, Nk, key_len, n_qblk, nqb,
+        Hq // Hkv, Hq // Ht,
+        Hq // key_index.shape[1] if has_kidx else 1,
+        Hq // query_index.shape[1] if query_index is not None else 1,
+        HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_SPLIT=q_split, TILE_SPLIT=plan.block_n // cfg.block_n,
+        HAS_KIDX=has_kidx, HAS_QIDX=query_index is not None, KEY_GATHER=gather, USE_TMA=bool(use_tma),
+        EARLY_STOP=plan.early_stop > 0, PV_SKIP=plan.pv_skip is not None, WRITE_VISITED=visited is not None,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return (out, visited) if return_visited else out
+
+
+def _auto_key_mode(key_index: torch.Tensor, num_kv_heads: int, num_keys: int) -> str:
+    """Gathered loads or a permuted copy: see benchmarks/NOTES_kernel.md for the measurement behind this."""
+    if key_index.shape[1] != num_kv_heads:
+        return "gather"
+    return "copy"
