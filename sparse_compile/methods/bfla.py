@@ -1,0 +1,119 @@
+"""Select stage ``bfla``: BFLA block-filtered selection (Wu et al. 2026, Sec. 3.2-3.3).
+
+Stage 1, coarse blocks of b tokens (logical order), groups of g tokens, G = b/g groups per block:
+
+1. Flatten-g pooling: each group of g rows becomes one g*D vector (Eq. 3); a ragged group is zero-padded and a
+   group with no real token is ignored.
+2. S[p, i, j] = max over group pairs (u, v) of <Phi(Q)_{p,i,u}, Phi(K)_{h,j,v}> (Eq. 4), query head p of KV head h.
+3. Block-causal mask from original positions (Eq. 5-8: key block j visible iff its first key <= the block's last
+   query position; chunked prefill supported through the absolute offset Nk - Nq).
+4. A = softmax(scale * S) over visible blocks (Eq. 9; alpha = the attention's scale, 1/sqrt(C) by default).
+5. Keep the fewest top-A blocks with cumulative mass >= gamma (Eq. 10-12; ``top_mass``); gamma >= 1 keeps all.
+6. GQA: the mass mask is computed per query head and OR-ed over the group: the paper's final tile mask (Eq. 14,
+   20, 21) is indexed by KV head, so a group's heads share one tile list (and their K/V tile loads).
+
+Stage 2, on the (tile_size_q x tile_size_kv) attention-tile grid (Eq. 13-20):
+
+7. Expansion: tile (i, j) takes the mask of the coarse block containing it.
+8. Local band (Eq. 15): key tiles from (the tile holding the query tile's first position) - n_local to the tile
+   holding its last position. Interpretation: the paper's index range is garbled; we keep the query tile's own
+   diagonal tiles plus n_local tiles before them, so every row sees its own key even with n_local = 0.
+9. Sink (Eq. 16, written ``j < T``): the first ``sink_tiles`` key tiles.
+10. Stride rescue (Eq. 18): a causal tile still dropped is kept when chi(i, j; seed) mod eta == 0, chi = ``hash32``
+    (lowbias32 chain of seed, i, j; head-independent as written in the paper); eta = 0 disables it.
+11. Random rescue (Eq. 19): a still-dropped causal tile is kept when psi(h, i, j; seed) < rho, psi =
+    hash32(seed ^ 0x5851F42D, h, i, j) / 2^32 (h = KV head), compared exactly as hash < floor(rho * 2^32).
+Only causally visible tiles are ever kept. Under a PBS permutation, band and sink use logical tile positions.
+
+Memory: group scores are computed for chunks of coarse query blocks (at most ``CHUNK_ELEMENTS`` elements each);
+the kept tables are (N/b)^2 and (N/tile)^2.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..plan import VISIBLE_NONE, BlockPlan
+from ._blocks import finish_plan, visibility
+from ._common import (
+    bcast_heads,
+    cdiv,
+    chunk_count,
+    compute_dtype,
+    group_scores,
+    hash32,
+    logical_keys,
+    masked_softmax,
+    top_mass,
+)
+from .reorder import Reordering
+
+__all__ = ["select_bfla", "bfla_block_scores", "RANDOM_SALT"]
+
+#: XOR-ed into the seed of the random-rescue hash so that it is independent of the stride-rescue hash.
+RANDOM_SALT = 0x5851F42D
+
+
+def bfla_block_scores(q: torch.Tensor, k: torch.Tensor, block: int, group: int, key_index=None) -> torch.Tensor:
+    """Steps 1-2: max-over-group-pairs block scores (B, Hq, ceil(Nq/b), ceil(L/b)) (unscaled, unmasked)."""
+    B, Hq, Nq, D = q.shape
+    Hkv = k.shape[1]
+    cdt = compute_dtype(q)
+    dev = q.device
+    keys, valid = logical_keys(k, key_index)
+    L = keys.shape[2]
+    G = block // group
+    lq, lk = cdiv(Nq, block), cdiv(L, block)
+    pq = torch.nn.functional.pad(q.to(cdt), (0, 0, 0, lq * block - Nq)).reshape(B, Hq, lq * G, group * D)
+    pk = torch.nn.functional.pad(keys.to(cdt), (0, 0, 0, lk * block - L)).reshape(B, Hkv, lk * G, group * D)
+    qlive = torch.arange(lq * G, device=dev) * group < Nq
+    klive = torch.nn.functional.pad(valid, (0, lk * block - L)).view(*valid.shape[:2], lk * G, group).any(-1)
+    klive = bcast_heads(klive, Hq)  # (B|1, Hq, lk*G)
+    neg = torch.finfo(cdt).min
+    out = torch.empty(B, Hq, lq, lk, dtype=cdt, device=dev)
+    step = chunk_count(B * Hq * G * lk * G)
+    for i0 in range(0, lq, step):
+        i1 = min(i0 + step, lq)
+        rows = slice(i0 * G, i1 * G)
+        z = group_scores(pq[:, :, rows], pk)  # (B, Hq, c*G, lk*G)
+        z = torch.where(qlive[rows, None] & klive[:, :, None, :], z, torch.full((), neg, dtype=cdt, device=dev))
+        out[:, :, i0:i1] = z.view(B, Hq, i1 - i0, G, lk, G).amax((3, 5))
+    return out
+
+
+def select_bfla(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, config) -> BlockPlan:
+    p = config.bfla
+    b, tq, tk = p.coarse_block_size, p.tile_size_q, p.tile_size_kv
+    B, Hq, Nq, _ = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    dev = q.device
+    tvis = visibility(Nq, Nk, tq, tk, r, B, Hkv, dev)  # per KV head: the tile mask is shared by the group
+    tvisible = tvis != VISIBLE_NONE
+    if p.mass_threshold >= 1.0:
+        return finish_plan(tvisible, tvis, tq, tk, r)
+
+    # stage 1: coarse mass selection per query head, OR-ed over the GQA group
+    cvis = visibility(Nq, Nk, b, b, r, B, Hq, dev) != VISIBLE_NONE
+    score = bfla_block_scores(q, k, b, p.group_size, r.key_index) * scale
+    mass = top_mass(masked_softmax(score, cvis), cvis, p.mass_threshold)
+    mass = mass.view(B, Hkv, Hq // Hkv, *mass.shape[2:]).any(2)  # (B, Hkv, Lq, Lk)
+
+    # stage 2: expand to tiles, then band, sink and the two rescues
+    nqt, nkt = tvis.shape[-2], tvis.shape[-1]
+    i = torch.arange(nqt, device=dev)
+    j = torch.arange(nkt, device=dev)
+    keep = mass[:, :, (i * tq // b)][:, :, :, (j * tk // b)]
+    off = Nk - Nq
+    first = (off + i * tq) // tk - p.local_tiles
+    last = (off + torch.clamp((i + 1) * tq, max=Nq) - 1) // tk
+    band = (j[None, :] >= first[:, None]) & (j[None, :] <= last[:, None])
+    keep = keep | band | (j < p.sink_tiles)
+    if p.stride > 0:
+        dropped = tvisible & ~keep
+        chi = hash32(p.seed, i[:, None], j[None, :])
+        keep = keep | (dropped & (chi % p.stride == 0))
+    if p.random_rescue > 0:
+        dropped = tvisible & ~keep
+        psi = hash32(p.seed ^ RANDOM_SALT, torch.arange(Hkv, device=dev)[:, None, None], i[:, None], j[None, :])
+        keep = keep | (dropped & (psi < int(p.random_rescue * 2**32)))
+    return finish_plan(keep, tvis, tq, tk, r)

@@ -1,0 +1,563 @@
+"""The sparse methods (sparse_compile.methods): exact at keep-all, valid plans, real sparsity, and their pieces."""
+
+import math
+
+import pytest
+import torch
+
+import sparse_compile.methods._common as common
+from sparse_compile.config import (
+    BFLAParams,
+    PBSParams,
+    S2OParams,
+    SparseConfig,
+    SpargeParams,
+    XAttentionParams,
+)
+from sparse_compile.methods import VALID_PAIRS, Unsupported, build_plan, check_stage_pair, plan_density
+from sparse_compile.methods._common import (
+    block_self_similarity,
+    hash32,
+    segmented_argsort_desc,
+    top_mass,
+)
+from sparse_compile.methods.bfla import RANDOM_SALT, bfla_block_scores
+from sparse_compile.methods.reorder import pbs_key_importance, reorder_pbs, reorder_s2o
+from sparse_compile.methods.xattention import antidiagonal_block_scores
+from sparse_compile.plan import (
+    VISIBLE_NONE,
+    block_visibility,
+    causal_plan,
+    causal_tile_count,
+    check_plan,
+    expand_heads,
+    reference_attention,
+)
+
+from helpers import dense_reference, random_qkv, rel_error
+
+# small blocks so that CPU tests have many blocks at N ~ 100-300
+SMALL = dict(
+    pbs=PBSParams(block_size=16, segment_size=32),
+    xattention=XAttentionParams(block_size=16, stride=4),
+    sparge=SpargeParams(block_size_q=32, block_size_kv=16),
+    bfla=BFLAParams(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16, local_tiles=1, stride=4),
+    s2o=S2OParams(segment_size=64, block_size_q=16, block_size_kv=16),
+)
+PAIRS = sorted(VALID_PAIRS)
+PRESETS = {"pbs": ("pbs", "pbs"), "sparge": ("none", "sparge"), "bfla": ("none", "bfla"), "s2o": ("s2o", "s2o")}
+SHAPES = [
+    # batch, Hq, Hkv, Nq, Nk, D
+    (2, 4, 1, 201, 201, 16),  # GQA 4, ragged
+    (1, 4, 4, 300, 300, 16),  # MHA, ragged
+    (2, 2, 2, 77, 150, 8),  # chunked prefill
+    (1, 2, 1, 9, 9, 8),  # shorter than one block
+]
+
+
+def _config(reorder, select, **overrides):
+    params = dict(SMALL)
+    params.update(overrides)
+    return SparseConfig(method="pbs", reorder=reorder, select=select, **params)
+
+
+def _pair_id(pair):
+    return "+".join(pair)
+
+
+def _supported(pair, shape):
+    return not (pair[0] == "s2o" and shape[3] != shape[4])
+
+
+def _computed_fraction(q, k, v, plan):
+    """Tiles actually computed (early stop included) over the causal tiles of the identity tiling."""
+    _, visited = reference_attention(q, k, v, plan, return_visited=True)
+    total = causal_tile_count(q.shape[2], k.shape[2], plan.block_m, plan.block_n) * q.shape[0] * q.shape[1]
+    return int(visited.sum()) / total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every pair: exact at keep-all, valid by default
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+def test_keep_all_equals_dense(pair, shape):
+    if not _supported(pair, shape):
+        pytest.skip("s2o needs Nq == Nk")
+    B, Hq, Hkv, Nq, Nk, D = shape
+    q, k, v = random_qkv(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float64)
+    plan = build_plan(q, k, None, _config(*pair).keep_all())
+    check_plan(plan, q, k)
+    out, visited = reference_attention(q, k, v, plan, return_visited=True)
+    assert rel_error(out, dense_reference(q, k, v)) < 1e-10
+    assert bool((visited == expand_heads(plan.tile_counts, Hq)).all())
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+def test_defaults_give_valid_plan_and_finite_output(pair, shape):
+    if not _supported(pair, shape):
+        pytest.skip("s2o needs Nq == Nk")
+    B, Hq, Hkv, Nq, Nk, D = shape
+    q, k, v = random_qkv(B, Hq, Hkv, Nq, Nk, D)
+    plan = build_plan(q, k, 0.3, _config(*pair))
+    check_plan(plan, q, k)
+    out = reference_attention(q, k, v, plan, scale=0.3)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert bool(torch.isfinite(out).all())
+    density = plan_density(plan, Nq, Nk, Hq)
+    assert density.shape == (B, Hq) and bool((density > 0).all())
+
+
+@pytest.mark.parametrize("method", sorted(PRESETS))
+def test_paper_defaults(method):
+    # the papers' block sizes on a ragged sequence; fp16 inputs (selection runs in fp32)
+    q, k, v = random_qkv(1, 4, 2, 300, 300, 32, dtype=torch.float16)
+    config = SparseConfig(method=method)
+    assert (config.reorder_stage, config.select_stage) == PRESETS[method]
+    plan = build_plan(q, k, None, config)
+    check_plan(plan, q, k)
+    out = reference_attention(q.float(), k.float(), v.float(), plan)
+    assert bool(torch.isfinite(out).all())
+    exact = reference_attention(q.double(), k.double(), v.double(), build_plan(q, k, None, config.keep_all()))
+    assert rel_error(exact, dense_reference(q, k, v)) < 1e-10
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+def test_deterministic(pair):
+    q, k, _ = random_qkv(2, 4, 2, 160, 160, 16)
+    a = build_plan(q, k, None, _config(*pair))
+    b = build_plan(q.clone(), k.clone(), None, _config(*pair))
+    for name in ("tile_offsets", "tile_counts", "masked_counts", "key_index", "query_index"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert torch.equal(x, y), name
+    assert (a.early_stop, a.pv_skip) == (b.early_stop, b.pv_skip)
+
+
+@pytest.mark.parametrize("pair", [p for p in PAIRS if p != ("none", "sparge")], ids=_pair_id)
+def test_chunked_intermediates_give_the_same_plan(pair, monkeypatch):
+    # the chunk loops (importance, strided scores, group scores, S2O ranking) must not change any result
+    q, k, _ = random_qkv(2, 4, 2, 150, 150, 16, dtype=torch.float64)
+    ref = build_plan(q, k, None, _config(*pair))
+    monkeypatch.setattr(common, "CHUNK_ELEMENTS", 64)
+    got = build_plan(q, k, None, _config(*pair))
+    for name in ("tile_offsets", "tile_counts", "masked_counts", "key_index", "query_index"):
+        x, y = getattr(ref, name), getattr(got, name)
+        assert (x is None and y is None) or torch.equal(x, y), name
+
+
+def test_plan_options_per_method():
+    q, k, _ = random_qkv(1, 2, 1, 64, 64, 8)
+    sparge = build_plan(q, k, None, _config("none", "sparge"))
+    assert sparge.pv_skip == SMALL["sparge"].pv_threshold and sparge.early_stop == 0.0
+    s2o = build_plan(q, k, None, _config("s2o", "s2o"))
+    assert s2o.early_stop == SMALL["s2o"].early_stop and s2o.pv_skip is None
+    assert build_plan(q, k, None, _config("s2o", "s2o").keep_all()).early_stop == 0.0
+    assert build_plan(q, k, None, _config("none", "sparge").keep_all()).pv_skip is None
+    bfla = build_plan(q, k, None, _config("none", "bfla"))
+    assert bfla.tile_counts.shape[1] == 1  # one tile list per KV head, shared by its GQA group
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# errors
+
+
+@pytest.mark.parametrize("reorder,select", [("s2o", "pbs"), ("s2o", "bfla"), ("none", "s2o"), ("pbs", "s2o")])
+def test_invalid_stage_pairs_raise(reorder, select):
+    q, k, _ = random_qkv(1, 2, 2, 64, 64, 8)
+    with pytest.raises(ValueError, match="valid pairs.*none\\+pbs.*s2o\\+s2o"):
+        build_plan(q, k, None, _config(reorder, select))
+    with pytest.raises(ValueError, match="unknown"):
+        check_stage_pair("hilbert", "pbs")
+
+
+def test_unsupported_inputs():
+    q, k, _ = random_qkv(1, 2, 2, 32, 64, 8)
+    with pytest.raises(Unsupported, match="Nq == Nk") as info:
+        build_plan(q, k, None, SparseConfig(method="s2o", s2o=SMALL["s2o"]))
+    assert "Nq=32" in info.value.reason
+    for method in PRESETS:
+        with pytest.raises(Unsupported, match="more queries than keys"):
+            build_plan(k, q, None, SparseConfig(method=method))
+        with pytest.raises(Unsupported, match="empty"):
+            build_plan(q[:, :, :0], k, None, SparseConfig(method=method))
+    with pytest.raises(Unsupported, match="floating"):
+        build_plan(q.to(torch.int32), k.to(torch.int32), None, SparseConfig())
+    with pytest.raises(ValueError, match="multiple"):
+        build_plan(q[:, :1], k, None, SparseConfig())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# structured inputs: the selection must really drop blocks, and keep the mass
+
+
+def _unit(shape, generator):
+    x = torch.randn(*shape, generator=generator, dtype=torch.float64)
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def sink_inputs(batch, heads_q, heads_kv, n, dim=16, tile=16, seed=0):
+    """Every query points at e0; the first ``tile`` keys are strong e0 sinks; other key tiles are self-similar."""
+    g = torch.Generator().manual_seed(seed)
+    e0 = torch.zeros(dim, dtype=torch.float64)
+    e0[0] = 1.0
+    dirs = _unit((batch, heads_kv, -(-n // tile), dim), g).repeat_interleave(tile, dim=2)[:, :, :n]
+    k = dirs + 0.1 * torch.randn(batch, heads_kv, n, dim, generator=g, dtype=torch.float64)
+    k[:, :, :tile] = 8 * e0 + 0.1 * torch.randn(batch, heads_kv, tile, dim, generator=g, dtype=torch.float64)
+    q = 4 * e0 + 0.3 * torch.randn(batch, heads_q, n, dim, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, heads_kv, n, dim, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+def local_inputs(batch, heads_q, heads_kv, n, dim=16, tile=32, seed=0):
+    """Tokens of the same ``tile`` share a direction (distinct per tile): attention stays on the diagonal."""
+    g = torch.Generator().manual_seed(seed)
+    eye = torch.eye(dim, dtype=torch.float64)
+    pos = (torch.arange(n) // tile) % dim
+    q = 6 * eye[pos] + 0.1 * torch.randn(batch, heads_q, n, dim, generator=g, dtype=torch.float64)
+    k = 6 * eye[pos] + 0.1 * torch.randn(batch, heads_kv, n, dim, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, heads_kv, n, dim, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+def vertical_inputs(batch, heads_q, heads_kv, n, dim=16, every=16, seed=0):
+    """One very strong key ("vertical line") in every ``every`` positions, at a varying offset."""
+    g = torch.Generator().manual_seed(seed)
+    e0 = torch.zeros(dim, dtype=torch.float64)
+    e0[0] = 1.0
+    q = 8 * e0 + 0.3 * torch.randn(batch, heads_q, n, dim, generator=g, dtype=torch.float64)
+    k = 0.3 * torch.randn(batch, heads_kv, n, dim, generator=g, dtype=torch.float64)
+    lines = torch.arange(0, n, every) + (torch.arange(0, n, every) * 7 // every) % every
+    lines = lines[lines < n]
+    k[:, :, lines] += 16 * e0
+    v = torch.randn(batch, heads_kv, n, dim, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+@pytest.mark.parametrize("kind", ["sink", "local"])
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+def test_selection_drops_blocks_on_structured_inputs(pair, kind):
+    if pair == ("pbs", "pbs") and kind == "local":
+        # by the paper's rule (App. B.1) the on-diagonal segment is masked out of the pooled softmax, so a purely
+        # local head renormalises the (tiny, uniform) off-segment mass and keeps ~tau of it. PBS is tested on
+        # sinks here and on vertical lines below.
+        pytest.skip("PBS keeps ~tau of the off-segment blocks of a purely local head (App. B.1 rule)")
+    make = {"sink": sink_inputs, "local": local_inputs}[kind]
+    q, k, v = make(2, 4, 2, 256)
+    plan = build_plan(q, k, None, _config(*pair))
+    check_plan(plan, q, k)
+    computed = _computed_fraction(q, k, v, plan)
+    full = _computed_fraction(q, k, v, build_plan(q, k, None, _config(*pair).keep_all()))
+    out = reference_attention(q, k, v, plan)
+    assert computed < 0.6 * full, f"computed {computed:.3f} of the causal tiles, keep-all {full:.3f}"
+    assert rel_error(out, dense_reference(q, k, v)) < 0.05
+
+
+def test_pbs_permutation_beats_mean_pooling_on_vertical_lines():
+    q, k, v = vertical_inputs(1, 2, 1, 256)
+    permuted = build_plan(q, k, None, _config("pbs", "pbs"))
+    baseline = build_plan(q, k, None, _config("none", "pbs"))
+    d_perm = float(plan_density(permuted, 256, 256).mean())
+    d_base = float(plan_density(baseline, 256, 256).mean())
+    assert d_perm < 0.85 * d_base, (d_perm, d_base)
+    ref = dense_reference(q, k, v)
+    assert rel_error(reference_attention(q, k, v, permuted), ref) < 0.05
+    # the permutation put each segment's two line keys at its front
+    ki = permuted.key_index[0, 0].long()
+    strong = (k[0, 0, :, 0] > 8).nonzero().flatten()
+    for seg in range(256 // 32):
+        part = ki[seg * 32: seg * 32 + 32]
+        n_strong = int(torch.isin(part, strong).sum())
+        assert bool(torch.isin(part[:n_strong], strong).all())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pieces against hand-computable cases
+
+
+def test_top_mass_boundary():
+    p = torch.tensor([[0.5, 0.3, 0.2]], dtype=torch.float64)
+    cand = torch.ones_like(p, dtype=torch.bool)
+    keep = lambda tau, **kw: top_mass(p, cand, tau, **kw)[0].tolist()  # noqa: E731
+    assert keep(0.5) == [True, False, False]  # reaching tau exactly: the crossing block is the last kept
+    assert keep(0.50001) == [True, True, False]
+    assert keep(0.8) == [True, True, False]
+    assert keep(0.81) == [True, True, True]
+    assert keep(1.0) == [True, True, True]
+    assert keep(0.0) == [False, False, False]
+    # head start (XAttention: always-kept mass counts first)
+    assert keep(0.6, head_start=torch.tensor([[0.4]], dtype=torch.float64), total=torch.ones(1, 1)) == [True, False, False]
+    # ties keep the lower index; non-candidates never kept, not counted
+    p4 = torch.full((1, 4), 0.25, dtype=torch.float64)
+    assert top_mass(p4, torch.ones_like(p4, dtype=torch.bool), 0.5)[0].tolist() == [True, True, False, False]
+    c = torch.tensor([[False, True, True, True]])
+    assert top_mass(p4, c, 0.5)[0].tolist() == [False, True, True, False]
+    # tau >= 1 keeps every candidate even if the float cumsum never reaches the total
+    tiny = torch.tensor([[1e-30, 1.0, 1e-30]])
+    assert top_mass(tiny, torch.ones_like(tiny, dtype=torch.bool), 1.0).all()
+
+
+def test_segmented_argsort_keeps_segments():
+    s = torch.tensor([1.0, 3.0, 2.0, 5.0, 4.0, 6.0, 0.5, 9.0])
+    assert segmented_argsort_desc(s, 3, 2).tolist() == [1, 2, 0, 5, 3, 4, 6, 7]  # tail of 2 untouched
+    assert segmented_argsort_desc(s, 3, 3).tolist() == [1, 2, 0, 5, 3, 4, 7, 6]  # ragged last segment sorted
+    assert segmented_argsort_desc(torch.zeros(5), 2, 2).tolist() == [0, 1, 2, 3, 4]  # ties keep order
+    x = torch.randn(3, 100)
+    perm = segmented_argsort_desc(x, 16, 100 // 16)
+    for seg in range(6):
+        part = perm[:, seg * 16:(seg + 1) * 16]
+        assert bool((part.sort(-1).values == torch.arange(seg * 16, seg * 16 + 16)).all())
+        vals = torch.gather(x, 1, part)
+        assert bool((vals[:, :-1] >= vals[:, 1:]).all())
+    assert bool((perm[:, 96:] == torch.arange(96, 100)).all())
+
+
+def test_pbs_importance_matches_brute_force():
+    q, k, _ = random_qkv(2, 4, 2, 50, 90, 8, dtype=torch.float64)
+    scale = 0.4
+    got = pbs_key_importance(q, k, scale, 16)
+    ql = q[:, :, -16:]
+    kk = k.repeat_interleave(2, dim=1)
+    logits = ql @ kk.transpose(-1, -2) * scale
+    pos = torch.arange(90 - 16, 90)
+    logits = logits.masked_fill(torch.arange(90)[None, :] > pos[:, None], float("-inf"))
+    want = logits.softmax(-1).mean(2).view(2, 2, 2, 90).mean(2)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-15)
+
+
+def test_pbs_reorder_sorts_inside_segments_only():
+    q, k, _ = random_qkv(1, 2, 2, 100, 100, 8, dtype=torch.float64)
+    config = _config("pbs", "pbs")
+    r = reorder_pbs(q, k, 0.35, config)
+    s = pbs_key_importance(q, k, 0.35, 16)
+    ki = r.key_index.long()
+    assert r.segment_size == 32 and r.key_index.dtype == torch.int32
+    for seg in range(3):
+        part = ki[..., seg * 32:(seg + 1) * 32]
+        assert bool((part.sort(-1).values == torch.arange(seg * 32, seg * 32 + 32)).all())
+        vals = torch.gather(s, 2, part)
+        assert bool((vals[..., :-1] >= vals[..., 1:]).all())
+    assert bool((ki[..., 96:] == torch.arange(96, 100)).all())  # N mod S tail unpermuted
+
+
+@pytest.mark.parametrize("nq,nk", [(128, 128), (70, 128)])
+def test_pbs_always_keeps_on_diagonal_segment_and_first_key(nq, nk):
+    q, k, v = random_qkv(1, 2, 1, nq, nk, 8)
+    # a tiny threshold: the mass rule alone keeps one block per row, the rest must come from the forced tiles
+    config = _config("pbs", "pbs", pbs=PBSParams(block_size=16, segment_size=32, threshold=0.01))
+    plan = build_plan(q, k, None, config)
+    check_plan(plan, q, k)
+    ki = plan.key_index
+    vis = block_visibility(nq, nk, 16, 16, key_index=ki)[0, 0]
+    first = int((ki[0, 0] == 0).nonzero()) // 16
+    for h in range(2):
+        for i in range(plan.num_query_blocks):
+            tiles = set((plan.tile_offsets[0, h, i, : plan.tile_counts[0, h, i]] // 16).tolist())
+            qmin, qmax = nk - nq + i * 16, nk - nq + min((i + 1) * 16, nq) - 1
+            diag = {t for t in range(nk // 16) if qmin // 32 <= t * 16 // 32 <= qmax // 32 and vis[i, t] != VISIBLE_NONE}
+            assert diag <= tiles, (h, i)
+            assert first in tiles
+            assert len(tiles - diag - {first}) <= 1
+
+
+def test_xattention_scores_match_brute_force():
+    q, k, _ = random_qkv(1, 2, 1, 40, 40, 4, dtype=torch.float64)
+    block, stride, scale = 8, 4, 0.5
+    got = antidiagonal_block_scores(q, k, scale, block, stride)
+    ng = 10
+    z = torch.full((2, ng, ng), float("-inf"), dtype=torch.float64)
+    for t in range(ng):
+        for u in range(ng):
+            if u <= t:  # group-level causal
+                z[:, t, u] = sum(q[0, :, t * stride + stride - 1 - a] @ k[0, 0, u * stride + a] for a in range(stride))
+    p = (z * scale / stride).softmax(-1)
+    want = p.view(2, 5, 2, 5, 2).sum((2, 4))
+    assert torch.allclose(got[0], want, atol=1e-12)
+
+
+def test_xattention_keeps_first_and_diagonal():
+    q, k, _ = random_qkv(1, 2, 2, 96, 96, 8)
+    config = _config("none", "xattention", xattention=XAttentionParams(block_size=16, stride=4, threshold=0.0))
+    plan = build_plan(q, k, None, config)
+    assert plan.tile_counts.tolist() == [[[1] + [2] * 5] * 2]  # only block 0 and the diagonal
+    offs = plan.tile_offsets[0, 0]
+    assert [sorted(offs[i, : 1 if i == 0 else 2].tolist()) for i in range(6)] == [[0]] + [[0, 16 * i] for i in range(1, 6)]
+
+
+def test_sparge_self_similarity():
+    x = torch.randn(1, 1, 1, 8, dtype=torch.float64).expand(1, 1, 5, 8)  # identical tokens
+    assert torch.allclose(block_self_similarity(x, 5), torch.ones(1, 1, 1, dtype=torch.float64))
+    eye = torch.eye(4, dtype=torch.float64)[None, None]  # orthogonal tokens: only the self pairs count
+    assert torch.allclose(block_self_similarity(eye, 4), torch.full((1, 1, 1), 0.25, dtype=torch.float64))
+    y = torch.randn(2, 3, 21, 8, dtype=torch.float64)
+    got = block_self_similarity(y, 8)  # ragged last block of 5
+    for b, (s, e) in enumerate([(0, 8), (8, 16), (16, 21)]):
+        u = torch.nn.functional.normalize(y[:, :, s:e], dim=-1)
+        assert torch.allclose(got[..., b], (u @ u.transpose(-1, -2)).mean((-1, -2)))
+
+
+def test_sparge_keeps_non_self_similar_rows_and_columns():
+    q, k, v = sink_inputs(1, 2, 1, 128)
+    k[:, :, 64:80] = 3 * torch.randn(1, 1, 16, 16, dtype=torch.float64)  # key tile 4: not self-similar
+    q[:, :, 96:128] = 3 * torch.randn(1, 2, 32, 16, dtype=torch.float64)  # query block 3: not self-similar
+    plan = build_plan(q, k, None, _config("none", "sparge"))
+    vis = block_visibility(128, 128, 32, 16)[0, 0]
+    for h in range(2):
+        for i in range(4):
+            tiles = set((plan.tile_offsets[0, h, i, : plan.tile_counts[0, h, i]] // 16).tolist())
+            visible = {j for j in range(8) if vis[i, j] != VISIBLE_NONE}
+            if i == 3:
+                assert tiles == visible
+            if 4 in visible:
+                assert 4 in tiles
+            assert 0 in tiles  # the sink
+    assert int(plan.tile_counts[0, 0, 1]) < 4  # a self-similar block really is pruned
+
+
+def test_bfla_block_scores_match_brute_force():
+    q, k, _ = random_qkv(1, 2, 1, 40, 40, 3, dtype=torch.float64)
+    block, group = 16, 4
+    got = bfla_block_scores(q, k, block, group)
+    qp = torch.nn.functional.pad(q, (0, 0, 0, 8))[0]
+    kp = torch.nn.functional.pad(k, (0, 0, 0, 8))[0, 0]
+    for h in range(2):
+        for i in range(3):
+            for j in range(3):
+                best = -math.inf
+                for u in range(4):
+                    for w in range(4):
+                        if i * 16 + u * 4 >= 40 or j * 16 + w * 4 >= 40:
+                            continue  # groups of padding only are ignored
+                        a = qp[h, i * 16 + u * 4: i * 16 + u * 4 + 4].flatten()
+                        b = kp[j * 16 + w * 4: j * 16 + w * 4 + 4].flatten()
+                        best = max(best, float(a @ b))
+                assert math.isclose(float(got[0, h, i, j]), best, rel_tol=1e-12, abs_tol=1e-12)
+
+
+def _py_mix(x):
+    m = 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & m
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & m
+    return x ^ (x >> 16)
+
+
+def _py_hash(seed, *parts):
+    h = _py_mix(seed & 0xFFFFFFFF)
+    for p in parts:
+        h = _py_mix(h ^ (p & 0xFFFFFFFF))
+    return h
+
+
+def test_hash32_is_exact_32_bit_arithmetic():
+    i = torch.arange(0, 50)[:, None] * 977
+    j = torch.tensor([0, 1, 2**31 - 1, 2**32 - 1, 123456789])[None, :]
+    got = hash32(2**40 + 7, i, j)
+    want = [[_py_hash(2**40 + 7, int(a), int(b)) for b in j[0]] for a in i[:, 0]]
+    assert got.tolist() == want
+    assert int(got.min()) >= 0 and int(got.max()) < 2**32
+
+
+def test_bfla_band_sink_and_rescue_positions():
+    q, k, _ = random_qkv(1, 2, 1, 160, 160, 8)
+    base = dict(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16, mass_threshold=0.0,
+                local_tiles=1, sink_tiles=1, stride=0, seed=3)
+
+    def kept(**kw):
+        plan = build_plan(q, k, None, _config("none", "bfla", bfla=BFLAParams(**{**base, **kw})))
+        check_plan(plan, q, k)
+        out = []
+        for i in range(10):
+            out.append(sorted((plan.tile_offsets[0, 0, i, : plan.tile_counts[0, 0, i]] // 16).tolist()))
+        return out
+
+    band_sink = [sorted({0} | {j for j in (i - 1, i) if j >= 0}) for i in range(10)]
+    assert kept() == band_sink  # gamma = 0: mass keeps nothing, only band and sink remain
+    assert kept(local_tiles=0, sink_tiles=0) == [[i] for i in range(10)]
+    rescued = kept(stride=3)
+    for i in range(10):
+        want = set(band_sink[i]) | {j for j in range(i + 1) if _py_hash(3, i, j) % 3 == 0}
+        assert rescued[i] == sorted(want)
+    lucky = kept(random_rescue=0.3)
+    for i in range(10):
+        want = set(band_sink[i]) | {j for j in range(i + 1) if _py_hash(3 ^ RANDOM_SALT, 0, i, j) < 0.3 * 2**32}
+        assert lucky[i] == sorted(want)
+    assert kept(random_rescue=1.0) == [list(range(i + 1)) for i in range(10)]
+
+
+def test_bfla_chunked_prefill_band_uses_absolute_positions():
+    q, k, _ = random_qkv(1, 1, 1, 40, 100, 8)
+    config = _config("none", "bfla", bfla=BFLAParams(coarse_block_size=32, group_size=8, tile_size_q=16,
+                                                     tile_size_kv=16, mass_threshold=0.0, local_tiles=0,
+                                                     sink_tiles=0, stride=0))
+    plan = build_plan(q, k, None, config)
+    # query tile i holds absolute positions 60 + 16i .. min(75 + 16i, 99): own key tiles 3..4, 4..5, 5..6
+    got = [sorted((plan.tile_offsets[0, 0, i, : plan.tile_counts[0, 0, i]] // 16).tolist()) for i in range(3)]
+    assert got == [[3, 4], [4, 5], [5, 6]]
+
+
+def test_s2o_reorder_matches_algorithm_1():
+    B, Hq, Hkv, N, D, S = 1, 4, 2, 150, 8, 64
+    q, k, _ = random_qkv(B, Hq, Hkv, N, N, D, dtype=torch.float64)
+    config = _config("s2o", "s2o")
+    r = reorder_s2o(q, k, 1.0, config)
+    lay = r.extras["layout"]
+    assert lay.seg_len == (64, 64, 22) and lay.intra_pad == (64, 64, 32) and lay.prefix_len == (0, 64, 128)
+    assert lay.base == (0, 64, 192) and lay.length == 352 == r.key_index.shape[-1]
+    k_guide = k[:, :, :64].mean(2)
+    for h in range(Hq):
+        s_q = q[0, h] @ k_guide[0, h // 2]
+        for n in range(3):
+            rows = r.query_index[0, h, n * 64: n * 64 + lay.seg_len[n]].long()
+            assert sorted(rows.tolist()) == list(range(n * 64, n * 64 + lay.seg_len[n]))
+            assert bool((s_q[rows][:-1] >= s_q[rows][1:]).all())
+    for g in range(Hkv):
+        ki = r.key_index[0, g].long()
+        for n in range(3):
+            own = ki[lay.base[n]: lay.base[n] + lay.intra_pad[n]]
+            real = list(range(n * 64, n * 64 + lay.seg_len[n]))
+            assert own.tolist() == real + [-1] * (lay.intra_pad[n] - lay.seg_len[n])
+            pref = ki[lay.base[n] + lay.intra_pad[n]: lay.base[n] + lay.intra_pad[n] + n * 64]
+            assert sorted(pref.tolist()) == list(range(n * 64))
+            q_mean = q[0, 2 * g: 2 * g + 2, n * 64: n * 64 + lay.seg_len[n]].mean(1).mean(0)
+            score = k[0, g, pref] @ q_mean
+            assert bool((score[:-1] >= score[1:]).all())
+
+
+def test_s2o_plan_is_intra_segment_then_ranked_prefix():
+    q, k, v = random_qkv(1, 2, 1, 150, 150, 8, dtype=torch.float64)
+    plan = build_plan(q, k, None, _config("s2o", "s2o", s2o=S2OParams(segment_size=64, block_size_q=16,
+                                                                       block_size_kv=16, sort_queries=False)))
+    check_plan(plan, q, k)
+    assert plan.query_index is None
+    lay_base, intra = (0, 64, 192), (64, 64, 32)
+    for i in range(10):
+        n = i * 16 // 64
+        own = min((i * 16 + 15) // 16, 149 // 16) - n * 4 + 1  # identity queries: causal prefix of own tiles
+        assert int(plan.masked_counts[0, 0, i]) == own
+        assert int(plan.tile_counts[0, 0, i]) == own + n * 4
+        offs = plan.tile_offsets[0, 0, i, : plan.tile_counts[0, 0, i]].tolist()
+        assert offs == [lay_base[n] + 16 * t for t in range(own)] + \
+            [lay_base[n] + intra[n] + 16 * t for t in range(n * 4)]
+
+
+def test_s2o_early_stop_visits_fewer_tiles_on_sinks():
+    q, k, v = sink_inputs(1, 2, 1, 256)
+    config = _config("s2o", "s2o")
+    plan = build_plan(q, k, None, config)
+    out, visited = reference_attention(q, k, v, plan, return_visited=True)
+    assert int(visited.sum()) < 0.6 * int(expand_heads(plan.tile_counts, 2).sum())
+    assert rel_error(out, dense_reference(q, k, v)) < 0.02
+
+
+def test_plan_density():
+    plan = causal_plan(2, 3, 100, 100, 16, 16)
+    assert torch.equal(plan_density(plan, 100, 100), torch.ones(2, 3))
+    half = plan.with_options(tile_counts=torch.zeros_like(plan.tile_counts))
+    assert torch.equal(plan_density(half, 100, 100), torch.zeros(2, 3))
+    per_kv = causal_plan(1, 2, 64, 64, 16, 16)
+    assert plan_density(per_kv, 64, 64, num_heads=8).shape == (1, 8)
