@@ -22,7 +22,7 @@ from sparse_compile.methods._common import (
     top_mass,
 )
 from sparse_compile.methods.bfla import RANDOM_SALT, bfla_block_scores
-from sparse_compile.methods.reorder import pbs_key_importance, reorder_pbs, reorder_s2o
+from sparse_compile.methods.reorder import pbs_key_importance, reorder_pbs, reorder_s2o, s2o_segment_tensors
 from sparse_compile.methods.xattention import antidiagonal_block_scores
 from sparse_compile.plan import (
     VISIBLE_NONE,
@@ -508,6 +508,9 @@ def test_s2o_reorder_matches_algorithm_1():
     lay = r.extras["layout"]
     assert lay.seg_len == (64, 64, 22) and lay.intra_pad == (64, 64, 32) and lay.prefix_len == (0, 64, 128)
     assert lay.base == (0, 64, 192) and lay.length == 352 == r.key_index.shape[-1]
+    base, seg_len, intra_pad = s2o_segment_tensors(torch.arange(3), N, S, 16)
+    assert (base.tolist(), seg_len.tolist(), intra_pad.tolist()) == (list(lay.base), list(lay.seg_len),
+                                                                      list(lay.intra_pad))
     k_guide = k[:, :, :64].mean(2)
     for h in range(Hq):
         s_q = q[0, h] @ k_guide[0, h // 2]

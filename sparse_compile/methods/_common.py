@@ -72,42 +72,63 @@ def bcast_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def block_mean(x: torch.Tensor, block: int, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _block_chunks(x: torch.Tensor, block: int, valid: Optional[torch.Tensor], dtype: torch.dtype):
+    """Yield ``(b0, b1, xb, vb)`` over chunks of whole blocks of rows of ``x`` (..., N, D).
+
+    xb (..., b1-b0, block, D) is cast to ``dtype`` with padding and invalid rows zeroed; vb (..., b1-b0, block)
+    marks real rows. Only one chunk is ever converted, so a bf16 Q never gets a full float32 copy.
+    """
+    n, d = x.shape[-2], x.shape[-1]
+    lead = x.shape[:-2]
+    nb = cdiv(n, block)
+    step = chunk_count(max(1, x[..., :1, :1].numel()) * block * d)
+    for b0 in range(0, nb, step):
+        b1 = min(nb, b0 + step)
+        r0, r1 = b0 * block, min(b1 * block, n)
+        pad = (b1 - b0) * block - (r1 - r0)
+        xc = x[..., r0:r1, :].to(dtype)
+        if valid is None:
+            vc = torch.ones(r1 - r0, dtype=torch.bool, device=x.device).expand(*lead, r1 - r0)
+        else:
+            vc = valid[..., r0:r1].expand(*lead, r1 - r0)
+            xc = torch.where(vc[..., None], xc, torch.zeros((), dtype=dtype, device=x.device))
+        xc = torch.nn.functional.pad(xc, (0, 0, 0, pad)).unflatten(-2, (b1 - b0, block))
+        vc = torch.nn.functional.pad(vc, (0, pad)).unflatten(-1, (b1 - b0, block))
+        yield b0, b1, xc, vc
+
+
+def block_mean(x: torch.Tensor, block: int, valid: Optional[torch.Tensor] = None,
+               dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Mean of each block of ``block`` rows of ``x`` (..., N, D) over its valid rows -> (..., ceil(N/block), D).
 
     ``valid`` (broadcastable to ``x[..., 0]``) marks real rows (padding of a permuted key order is invalid).
-    The ragged last block is averaged over the rows it has, not over ``block``.
+    The ragged last block is averaged over the rows it has, not over ``block``. Computed in ``dtype`` (default:
+    ``compute_dtype(x)``), chunk by chunk.
     """
-    n = x.shape[-2]
-    nb = cdiv(n, block)
-    pad = nb * block - n
-    if valid is None:
-        valid = torch.ones(x.shape[-2], dtype=torch.bool, device=x.device)
-    valid = valid.expand(x.shape[:-1])
-    xs = torch.where(valid[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
-    xs = torch.nn.functional.pad(xs, (0, 0, 0, pad)).unflatten(-2, (nb, block)).sum(-2)
-    cnt = torch.nn.functional.pad(valid.to(x.dtype), (0, pad)).unflatten(-1, (nb, block)).sum(-1)
-    return xs / cnt.clamp_min(1)[..., None]
+    dtype = compute_dtype(x) if dtype is None else dtype
+    out = torch.empty(*x.shape[:-2], cdiv(x.shape[-2], block), x.shape[-1], dtype=dtype, device=x.device)
+    for b0, b1, xb, vb in _block_chunks(x, block, valid, dtype):
+        cnt = vb.sum(-1).to(dtype).clamp_min(1)
+        out[..., b0:b1, :] = xb.sum(-2) / cnt[..., None]
+    return out
 
 
-def block_self_similarity(x: torch.Tensor, block: int, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+def block_self_similarity(x: torch.Tensor, block: int, valid: Optional[torch.Tensor] = None,
+                          dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """SpargeAttn's intra-block similarity: the mean of the block's token cosine-similarity matrix.
 
     mean_{a,b} cos(x_a, x_b) over the block's n valid rows (self pairs included) equals
     ``|| sum_a x_a/|x_a| ||^2 / n^2``, so no block x block Gram matrix is formed. A zero row counts as a zero
     unit vector. Returns (..., ceil(N/block)); empty blocks give 0.
     """
-    unit = x / x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
-    n = x.shape[-2]
-    nb = cdiv(n, block)
-    pad = nb * block - n
-    if valid is None:
-        valid = torch.ones(n, dtype=torch.bool, device=x.device)
-    valid = valid.expand(x.shape[:-1])
-    unit = torch.where(valid[..., None], unit, torch.zeros((), dtype=x.dtype, device=x.device))
-    s = torch.nn.functional.pad(unit, (0, 0, 0, pad)).unflatten(-2, (nb, block)).sum(-2)
-    cnt = torch.nn.functional.pad(valid.to(x.dtype), (0, pad)).unflatten(-1, (nb, block)).sum(-1)
-    return (s * s).sum(-1) / (cnt * cnt).clamp_min(1)
+    dtype = compute_dtype(x) if dtype is None else dtype
+    out = torch.empty(*x.shape[:-2], cdiv(x.shape[-2], block), dtype=dtype, device=x.device)
+    tiny = torch.finfo(dtype).tiny
+    for b0, b1, xb, vb in _block_chunks(x, block, valid, dtype):
+        s = (xb / xb.norm(dim=-1, keepdim=True).clamp_min(tiny)).sum(-2)
+        cnt = vb.sum(-1).to(dtype)
+        out[..., b0:b1] = (s * s).sum(-1) / (cnt * cnt).clamp_min(1)
+    return out
 
 
 def logical_keys(k: torch.Tensor, key_index: Optional[torch.Tensor]):
@@ -223,7 +244,7 @@ def hash32(seed: int, *parts: torch.Tensor) -> torch.Tensor:
     it with uint32 arithmetic (wrapping multiply).
     """
     dev = parts[0].device
-    h = _mix32(torch.tensor(int(seed) & _MASK32, dtype=torch.int64, device=dev))
+    h = _mix32(torch.full((), int(seed) & _MASK32, dtype=torch.int64, device=dev))  # a fill, not a copy
     for part in parts:
         h = _mix32(h ^ (part.long() & _MASK32))
     return h

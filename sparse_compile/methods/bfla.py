@@ -64,7 +64,6 @@ def bfla_block_scores(q: torch.Tensor, k: torch.Tensor, block: int, group: int, 
     L = keys.shape[2]
     G = block // group
     lq, lk = cdiv(Nq, block), cdiv(L, block)
-    pq = torch.nn.functional.pad(q.to(cdt), (0, 0, 0, lq * block - Nq)).reshape(B, Hq, lq * G, group * D)
     pk = torch.nn.functional.pad(keys.to(cdt), (0, 0, 0, lk * block - L)).reshape(B, Hkv, lk * G, group * D)
     qlive = torch.arange(lq * G, device=dev) * group < Nq
     klive = torch.nn.functional.pad(valid, (0, lk * block - L)).view(*valid.shape[:2], lk * G, group).any(-1)
@@ -75,7 +74,9 @@ def bfla_block_scores(q: torch.Tensor, k: torch.Tensor, block: int, group: int, 
     for i0 in range(0, lq, step):
         i1 = min(i0 + step, lq)
         rows = slice(i0 * G, i1 * G)
-        z = group_scores(pq[:, :, rows], pk)  # (B, Hq, c*G, lk*G)
+        qc = q[:, :, i0 * block: min(i1 * block, Nq)].to(cdt)  # cast chunk by chunk
+        qc = torch.nn.functional.pad(qc, (0, 0, 0, (i1 - i0) * block - qc.shape[2]))
+        z = group_scores(qc.reshape(B, Hq, (i1 - i0) * G, group * D), pk)  # (B, Hq, c*G, lk*G)
         z = torch.where(qlive[rows, None] & klive[:, :, None, :], z, torch.full((), neg, dtype=cdt, device=dev))
         out[:, :, i0:i1] = z.view(B, Hq, i1 - i0, G, lk, G).amax((3, 5))
     return out

@@ -42,8 +42,8 @@ def select_pbs(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, co
         return finish_plan(visible, vis, bs, bs, r)
     cdt = compute_dtype(q)
     keys, valid = logical_keys(k, r.key_index)
-    qbar = block_mean(q.to(cdt), bs)
-    kbar = block_mean(keys.to(cdt), bs, valid)
+    qbar = block_mean(q, bs, dtype=cdt)
+    kbar = block_mean(keys, bs, valid, dtype=cdt)
     diag = diagonal_tiles(vis, r, Nq, Nk, bs, bs)
     cand = visible & ~diag if r.segment_size is not None else visible
     prob = masked_softmax(group_scores(qbar, kbar) * scale, cand)

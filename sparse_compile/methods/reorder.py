@@ -19,6 +19,7 @@ import torch
 
 from ._common import (
     Unsupported,
+    block_mean,
     cdiv,
     chunk_count,
     compute_dtype,
@@ -26,7 +27,8 @@ from ._common import (
     segmented_argsort_desc,
 )
 
-__all__ = ["Reordering", "S2OLayout", "reorder_none", "reorder_pbs", "reorder_s2o", "pbs_key_importance", "s2o_layout"]
+__all__ = ["Reordering", "S2OLayout", "reorder_none", "reorder_pbs", "reorder_s2o", "pbs_key_importance", "s2o_layout",
+           "s2o_segment_tensors"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,18 @@ class S2OLayout:
     length: int
 
 
+def s2o_segment_tensors(seg: torch.Tensor, n: int, segment: int, block_n: int):
+    """``(base, seg_len, intra_pad)`` of the segments ``seg`` (a device tensor), equal to ``S2OLayout``'s lists.
+
+    Closed forms computed on the device (a host list copied to the GPU could synchronise): only the last segment
+    can be short, so every segment before n is full and base[n] = sum_{m<n} (S + mS) = S * n * (n + 1) / 2.
+    """
+    base = segment * seg * (seg + 1) // 2
+    seg_len = torch.clamp(n - seg * segment, max=segment)
+    intra_pad = (seg_len + block_n - 1) // block_n * block_n
+    return base, seg_len, intra_pad
+
+
 def s2o_layout(n: int, segment: int, block_n: int) -> S2OLayout:
     g = cdiv(n, segment)
     seg_len = [min(segment, n - i * segment) for i in range(g)]
@@ -175,24 +189,23 @@ def reorder_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reord
     dev = q.device
     lay = s2o_layout(n, S, bn)
     g = len(lay.seg_len)
-    qc = q.to(cdt)
 
     query_index = None
     if p.sort_queries:
         k_guide = k[:, :, : lay.seg_len[0]].to(cdt).mean(2)  # (B, Hkv, D)
-        s_q = (qc.view(B, Hkv, m, n, D) * k_guide[:, :, None, None, :]).sum(-1).view(B, Hq, n)
+        s_q = torch.empty(B, Hq, n, dtype=cdt, device=dev)
+        step = chunk_count(B * Hq * D)
+        for r0 in range(0, n, step):  # Q cast chunk by chunk
+            r1 = min(r0 + step, n)
+            qc = q[:, :, r0:r1].to(cdt).view(B, Hkv, m, r1 - r0, D)
+            s_q[:, :, r0:r1] = (qc * k_guide[:, :, None, None, :]).sum(-1).view(B, Hq, r1 - r0)
         query_index = segmented_argsort_desc(s_q, S, g).to(torch.int32).contiguous()
 
     # segment query means, averaged over the GQA group -> (B, Hkv, g, D)
-    pad = g * S - n
-    qsum = torch.nn.functional.pad(qc, (0, 0, 0, pad)).view(B, Hq, g, S, D).sum(3)
-    cnt = torch.tensor(lay.seg_len, dtype=cdt, device=dev)
-    q_mean = (qsum / cnt[:, None]).view(B, Hkv, m, g, D).mean(2)
+    base, seg_len, intra_pad = s2o_segment_tensors(torch.arange(g, device=dev), n, S, bn)
+    q_mean = block_mean(q, S, dtype=cdt).view(B, Hkv, m, g, D).mean(2)
 
     length = lay.length
-    base = torch.tensor(lay.base, device=dev)
-    intra_pad = torch.tensor(lay.intra_pad, device=dev)
-    seg_len = torch.tensor(lay.seg_len, device=dev)
     key_index = torch.empty((B, Hkv, length), dtype=torch.int32, device=dev)
     kc = k.to(cdt)
     # segments in chunks: the (chunk, prefix) score table is the only large intermediate

@@ -22,7 +22,7 @@ import torch
 
 from ..plan import BlockPlan
 from ._common import cdiv
-from .reorder import Reordering
+from .reorder import Reordering, s2o_segment_tensors
 
 __all__ = ["select_s2o"]
 
@@ -43,19 +43,18 @@ def select_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, co
     else:
         qi = torch.nn.functional.pad(r.query_index.long(), (0, nqb * bm - N), value=-1)
         qmax = qi.view(B, Hq, nqb, bm).amax(-1)
-    base = torch.tensor(lay.base, device=dev)[seg]
-    intra_tiles = torch.tensor(lay.intra_pad, device=dev)[seg] // bn
+    base, _, intra_pad = s2o_segment_tensors(seg, N, S, bn)
+    intra_tiles = intra_pad // bn
     prefix_tiles = seg * S // bn
     # pass-1 tiles: own-segment tiles starting at or before qmax (a prefix of them, in original order)
     n_masked = torch.minimum((qmax - seg * S) // bn + 1, intra_tiles)
     counts = n_masked + prefix_tiles
     width = max(a // bn + b // bn for a, b in zip(lay.intra_pad, lay.prefix_len))
     t = torch.arange(width, device=dev)
-    intra_pad = (intra_tiles * bn)[:, None]
     offs = torch.where(
         t < n_masked[..., None],
-        base[:, None] + t * bn,
-        base[:, None] + intra_pad + (t - n_masked[..., None]) * bn,
+        base[:, None] + t * bn,  # own keys, original order
+        (base + intra_pad)[:, None] + (t - n_masked[..., None]) * bn,  # ranked prefix, best first
     )
     offs = torch.where(t < counts[..., None], offs, torch.zeros_like(offs))
     return BlockPlan(

@@ -52,14 +52,13 @@ def select_sparge(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering,
     if p.cdf_threshold >= 1.0:
         return finish_plan(visible, vis, bm, bn, r, pv_skip=p.pv_threshold)
     cdt = compute_dtype(q)
-    qc = q.to(cdt)
     keys, valid = logical_keys(k, r.key_index)
-    kc = keys.to(cdt)
     theta = p.similarity_threshold
-    q_odd = block_self_similarity(qc, bm) < theta  # (B, Hq, nqb)
-    k_odd = bcast_heads(block_self_similarity(kc, bn, valid) < theta, Hq)  # (B, Hq, nkt)
+    q_odd = block_self_similarity(q, bm, dtype=cdt) < theta  # (B, Hq, nqb)
+    k_odd = bcast_heads(block_self_similarity(keys, bn, valid, dtype=cdt) < theta, Hq)  # (B, Hq, nkt)
     cand = visible & ~k_odd[:, :, None, :]
-    prob = masked_softmax(group_scores(block_mean(qc, bm), block_mean(kc, bn, valid)) * scale, cand)
+    pooled = group_scores(block_mean(q, bm, dtype=cdt), block_mean(keys, bn, valid, dtype=cdt))
+    prob = masked_softmax(pooled * scale, cand)
     keep = top_mass(prob, cand, p.cdf_threshold)
     keep = keep | q_odd[..., None] | k_odd[:, :, None, :] | diagonal_tiles(vis, r, Nq, Nk, bm, bn)
     return finish_plan(keep, vis, bm, bn, r, pv_skip=p.pv_threshold)

@@ -44,8 +44,6 @@ def antidiagonal_block_scores(q: torch.Tensor, k: torch.Tensor, scale: float, bl
     nqb, nkt = cdiv(Nq, block), cdiv(L, block)
     gpb = block // stride
     ng, mg = nqb * gpb, nkt * gpb
-    qr = torch.nn.functional.pad(q.to(cdt), (0, 0, 0, nqb * block - Nq))
-    qr = qr.view(B, Hq, ng, stride, D).flip(3).reshape(B, Hq, ng, stride * D)
     kr = torch.nn.functional.pad(keys.to(cdt), (0, 0, 0, nkt * block - L)).reshape(B, Hkv, mg, stride * D)
     # earliest original position of each key group (padding: never visible)
     kpos = torch.arange(L, device=dev).expand(1, 1, L) if key_index is None else key_index.long()
@@ -60,7 +58,11 @@ def antidiagonal_block_scores(q: torch.Tensor, k: torch.Tensor, scale: float, bl
     for i0 in range(0, nqb, step):
         i1 = min(i0 + step, nqb)
         rows = slice(i0 * gpb, i1 * gpb)
-        z = group_scores(qr[:, :, rows], kr) * (scale / stride)
+        # this chunk's query groups, reversed inside each group (the antidiagonal), cast chunk by chunk
+        qc = q[:, :, i0 * block: min(i1 * block, Nq)].to(cdt)
+        qc = torch.nn.functional.pad(qc, (0, 0, 0, (i1 - i0) * block - qc.shape[2]))
+        qr = qc.view(B, Hq, (i1 - i0) * gpb, stride, D).flip(3).reshape(B, Hq, (i1 - i0) * gpb, stride * D)
+        z = group_scores(qr, kr) * (scale / stride)
         allowed = (kmin[:, :, None, :] <= qmax[rows, None]) & qlive[rows, None]
         pr = masked_softmax(z, allowed)
         out[:, :, i0:i1] = pr.view(B, Hq, i1 - i0, gpb, nkt, gpb).sum((3, 5))
