@@ -137,8 +137,9 @@ def plan_density(plan: BlockPlan, num_queries: int, num_keys: int, num_heads: Op
     The denominator is ``causal_tile_count`` (identity tiling at the plan's block sizes). H is ``num_heads`` if
     given, else the largest head count among the plan's tensors (a per-KV-head plan gives Hkv columns unless
     ``num_heads`` is passed). The numerator counts listed tiles: for S2O it is an upper bound (early stopping
-    happens at run time; ``reference_attention(..., return_visited=True)`` counts visited tiles), and can exceed
-    1 because its dense intra-segment pass over sorted queries covers whole segments.
+    happens at run time; ``reference_attention(..., return_visited=True)`` counts visited tiles). A plan can
+    exceed 1: under a key permutation (PBS) or S2O's query sort, the on-diagonal segment is computed as a full
+    square of tiles rather than a triangle.
     """
     heads = num_heads
     if heads is None:

@@ -12,6 +12,10 @@ one segment n because S is a multiple of the block):
   discards that tile; plan.py fixes the block-level form: stop when g_r < tau * l_r for ALL rows of the query
   block, keeping the tile that triggered it (already computed). tau = 0 never stops: exact dense attention.
 
+The local dense window W <= S of Alg. 3/4 is taken as W = S: Alg. 4 lists no step for a separate window, and the
+ablation (Table 3) describes the window as the intra-segment pass that avoids special-casing masked positions;
+``S2OParams`` has no window parameter.
+
 Selection is thus nothing up front: every causal tile is listed; the kernel decides online how far down the
 ranked list to go. Tile tables are per query head (query sorting is per head), (B, Hq, N/bm, <= N/bn + S/bn).
 """
