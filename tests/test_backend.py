@@ -1,0 +1,286 @@
+"""The backend end to end through Inductor, the op (opcheck), the entry point, configuration and regions."""
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sparse_compile
+from sparse_compile import SparseConfig, sparsity
+from sparse_compile.context import current_region, resolve
+from sparse_compile.ops import config_from_json, config_to_json
+
+from helpers import random_qkv
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+from model import ModelArgs, Transformer  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    torch._dynamo.reset()
+    sparse_compile.reset_runtime_stats()
+    yield
+    torch._dynamo.reset()
+
+
+def small_model():
+    return Transformer(ModelArgs(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128)).eval()
+
+
+# -- end to end through Inductor ------------------------------------------------------------------------------
+def test_compiled_logits_equal_eager_with_sparsity_off():
+    model = small_model()
+    x = torch.randint(0, 64, (2, 45))
+    with torch.no_grad():
+        ref = model(x)
+        compiled = torch.compile(model, backend="sparse_prefill", options={"enabled": False, "min_seq_len": 2})
+        out = compiled(x)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    stats = sparse_compile.runtime_stats()
+    assert set(stats) == {"layers.0.attention", "layers.1.attention"}
+    assert all(s.last_reason == "sparsity disabled in this region" for s in stats.values())
+
+
+def test_unknown_option_names_valid_keys():
+    with pytest.raises(ValueError, match="unknown key.*'bogus'.*valid keys.*min_seq_len"):
+        SparseConfig.from_options({"bogus": 1})
+    with pytest.raises(Exception, match="bogus"):
+        torch.compile(lambda a: a + 1, backend="sparse_prefill", options={"bogus": 1})(torch.ones(3))
+
+
+def test_backend_leaves_no_global_state_changed():
+    import logging
+
+    from torch._inductor import config as inductor_config
+
+    before = inductor_config.get_config_copy()
+    logger = logging.getLogger("sparse_compile")
+    handlers, level = list(logger.handlers), logger.level
+    q = torch.randn(1, 2, 8, 16)
+    fn = torch.compile(lambda a: F.scaled_dot_product_attention(a, a, a, is_causal=True), backend="sparse_prefill",
+                       mode="max-autotune-no-cudagraphs")
+    with torch.no_grad():
+        fn(q)
+    assert inductor_config.get_config_copy() == before
+    assert logger.handlers == handlers and logger.level == level
+
+
+def test_one_graph_serves_many_lengths_without_recompiling():
+    model = small_model()
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append(1)
+        return sparse_compile.sparse_prefill(gm, example_inputs, options={"min_seq_len": 24})
+
+    compiled = torch.compile(model, backend=counting_backend, dynamic=True)
+    with torch.no_grad():
+        for i, n in enumerate((9, 17, 30, 41)):
+            x = torch.randint(0, 64, (1, n))
+            out = compiled(x)
+            if i == 0:
+                first = len(compiles)  # Dynamo may restart analysis once on the first call
+            torch.testing.assert_close(out[:, :8], model(x)[:, :8], rtol=1e-4, atol=1e-5)  # causal: prefix exact
+    assert len(compiles) == first
+    paths = sparse_compile.runtime_stats()["layers.0.attention"].calls
+    assert any(p == "dense" and "min_seq_len 24" in r for p, r in paths)
+    assert any(p == "sparse" for p, _ in paths)
+
+
+# -- the op ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("min_seq_len", [10**6, 2])
+def test_opcheck(min_seq_len):
+    q, k, v = random_qkv(2, 4, 2, 40, 40, 16)
+    config = config_to_json(SparseConfig(min_seq_len=min_seq_len, pbs={"block_size": 16, "segment_size": 32}))
+    torch.library.opcheck(torch.ops.sparse_compile.causal_attention.default, (q, k, v, None, True, "t", config))
+
+
+def test_op_decode_step_runs_dense():
+    q, k, v = random_qkv(1, 4, 2, 1, 1, 16)
+    config = config_to_json(SparseConfig(min_seq_len=1 + 1))
+    out = torch.ops.sparse_compile.causal_attention(q, k, v, None, True, "decode", config)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    assert sparse_compile.runtime_stats()["decode"].last_reason == "decode step (q_len == 1)"
+
+
+def test_config_json_round_trip():
+    config = SparseConfig(method="bfla", skip_layers=(0, "mlp"), bfla={"mass_threshold": 0.9})
+    text = config_to_json(config)
+    assert json.loads(text)["bfla"] == {"mass_threshold": 0.9}
+    assert config_from_json(text) == config
+    assert config_to_json(SparseConfig()) == "{}"
+
+
+# -- entry point -----------------------------------------------------------------------------------------------
+def test_backend_name_resolves_in_fresh_interpreter():
+    code = (
+        "import sys, torch, torch.nn.functional as F\n"
+        "assert 'sparse_compile' not in sys.modules\n"
+        "fn = torch.compile(lambda a: F.scaled_dot_product_attention(a, a, a, is_causal=True),"
+        " backend='sparse_prefill', options={'enabled': False})\n"
+        "q = torch.randn(1, 2, 8, 16)\n"
+        "with torch.no_grad():\n"
+        "    torch.testing.assert_close(fn(q), F.scaled_dot_product_attention(q, q, q, is_causal=True))\n"
+        "assert 'sparse_compile' in sys.modules\n"
+        "import sparse_compile\n"
+        "assert list(sparse_compile.runtime_stats()) == ['<scaled_dot_product_attention>']\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd="/")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
+
+
+# -- configuration ----------------------------------------------------------------------------------------------
+def test_config_validation_names_the_problem():
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        SparseConfig(method="nope")
+    with pytest.raises(ValueError, match="min_seq_len"):
+        SparseConfig(min_seq_len=0)
+    with pytest.raises(ValueError, match="PBSParams.threshold"):
+        SparseConfig(pbs={"threshold": 1.5})
+    with pytest.raises(ValueError, match="unknown parameter.*'tau'"):
+        SparseConfig(pbs={"tau": 0.5})
+    with pytest.raises(ValueError, match="segment_size"):
+        SparseConfig(pbs={"block_size": 128, "segment_size": 200})
+    with pytest.raises(ValueError, match="skip_layers"):
+        SparseConfig(skip_layers=3)
+    assert SparseConfig(skip_layers=[1, "x"]).skip_layers == (1, "x")
+
+
+def test_keep_all_settings():
+    config = SparseConfig().keep_all()
+    assert config.pbs.threshold == 1.0 and config.bfla.mass_threshold == 1.0
+    assert config.sparge.cdf_threshold == 1.0 and config.sparge.pv_threshold is None
+    assert config.s2o.early_stop == 0.0 and config.xattention.threshold == 1.0
+
+
+# -- regions ----------------------------------------------------------------------------------------------------
+def test_sparsity_nests_and_restores_exactly():
+    base = SparseConfig(method="pbs")
+    outer_state = current_region()
+    with sparsity(enabled=False):
+        assert resolve(base).enabled is False
+        with sparsity(method="bfla", mass_threshold=0.5, min_seq_len=64):
+            cfg = resolve(base)
+            assert cfg.enabled and cfg.method == "bfla" and cfg.bfla.mass_threshold == 0.5 and cfg.min_seq_len == 64
+            with sparsity(mass_threshold=0.7):
+                cfg = resolve(base)
+                assert cfg.method == "bfla" and cfg.bfla.mass_threshold == 0.7 and cfg.min_seq_len == 64
+            with sparsity(method="pbs", threshold=0.8):
+                cfg = resolve(base)
+                assert cfg.method == "pbs" and cfg.pbs.threshold == 0.8 and cfg.min_seq_len == 64
+        assert resolve(base).enabled is False
+    assert current_region() == outer_state
+    assert resolve(base) == base
+
+
+def test_sparsity_restores_on_exception():
+    before = current_region()
+    with pytest.raises(RuntimeError):
+        with sparsity(method="s2o"):
+            raise RuntimeError("boom")
+    assert current_region() == before
+
+
+def test_sparsity_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="unknown method"):
+        sparsity(method="dense")
+    with pytest.raises(ValueError, match="unknown parameter"):
+        sparsity(threshhold=0.5)
+    with pytest.raises(ValueError, match="unknown parameter 'threshold' for method 'bfla'"):
+        sparsity(method="bfla", threshold=0.5)
+    with pytest.raises(TypeError):
+        sparsity(enabled="yes")
+
+
+def test_sparsity_is_per_thread_and_per_task():
+    seen = {}
+
+    def worker():
+        seen["thread"] = resolve(SparseConfig()).enabled
+
+    with sparsity(enabled=False):
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+    assert seen["thread"] is True
+
+    async def task(flag, delay):
+        with sparsity(enabled=flag):
+            await asyncio.sleep(delay)
+            return resolve(SparseConfig()).enabled
+
+    async def main():
+        return await asyncio.gather(task(False, 0.02), task(True, 0.01))
+
+    assert asyncio.run(main()) == [False, True]
+
+
+def test_sparsity_as_decorator():
+    @sparsity(enabled=False)
+    def f():
+        return resolve(SparseConfig()).enabled
+
+    assert f() is False and resolve(SparseConfig()).enabled is True
+
+
+def test_region_changes_compiled_code_at_run_time_without_recompiling():
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append(1)
+        return sparse_compile.sparse_prefill(gm, example_inputs, options={"min_seq_len": 2})
+
+    q = torch.randn(1, 2, 24, 16)
+    fn = torch.compile(lambda a: F.scaled_dot_product_attention(a, a, a, is_causal=True), backend=counting_backend)
+    with torch.no_grad():
+        with sparsity(enabled=False):
+            fn(q)
+        site = "<scaled_dot_product_attention>"
+        assert sparse_compile.runtime_stats()[site].last_reason == "sparsity disabled in this region"
+        with sparsity(min_seq_len=10**6):
+            fn(q)
+        assert "min_seq_len 1000000" in sparse_compile.runtime_stats()[site].last_reason
+    assert len(compiles) == 1
+
+
+# -- eager entry point ----------------------------------------------------------------------------------------
+def test_sparse_attention_errors_name_the_problem():
+    q, k, v = random_qkv(1, 4, 2, 16, 16, 16)
+    with pytest.raises(ValueError, match="4-D"):
+        sparse_compile.sparse_attention(q[0], k, v)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        sparse_compile.sparse_attention(torch.randn(1, 3, 16, 16), k, v)
+    with pytest.raises(ValueError, match="head dims differ"):
+        sparse_compile.sparse_attention(torch.randn(1, 4, 16, 32), k, v)
+    with pytest.raises(ValueError, match="share a dtype"):
+        sparse_compile.sparse_attention(q.half(), k, v)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        sparse_compile.sparse_attention(q.int(), k.int(), v.int())
+    with pytest.raises(ValueError, match="k and v shapes differ"):
+        sparse_compile.sparse_attention(q, k, v[:, :, :8])
+    with pytest.raises(ValueError, match="q_len 16 > kv_len 8"):
+        sparse_compile.sparse_attention(q, k[:, :, :8], v[:, :, :8])
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        sparse_compile.sparse_attention(q.expand(2, -1, -1, -1), k, v)
+    if torch.device("meta") != q.device:
+        with pytest.raises(ValueError, match="one device"):
+            sparse_compile.sparse_attention(q, k.to("meta"), v)
+
+
+def test_sparse_attention_short_is_exact_dense():
+    q, k, v = random_qkv(2, 4, 2, 20, 50, 16)  # chunked prefill: queries at the last positions
+    out = sparse_compile.sparse_attention(q, k, v)
+    from sparse_compile.dense import dense_causal_attention
+
+    torch.testing.assert_close(out, dense_causal_attention(q, k, v))
+    assert "min_seq_len" in sparse_compile.runtime_stats()["sparse_attention"].last_reason

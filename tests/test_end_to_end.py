@@ -1,0 +1,106 @@
+"""Whole models through ``backend="sparse_prefill"`` and Inductor, on the sparse path.
+
+With each method's keep-everything setting the compiled model must equal eager; at the defaults it must
+produce sane logits. One compile per model: methods are switched with ``sparsity`` at run time.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import sparse_compile
+from sparse_compile import sparsity
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from model import ModelArgs, Transformer  # noqa: E402
+
+# small blocks so that a ~100-token prompt spans many blocks and segments (ragged at the end)
+SMALL_BLOCKS = {
+    "min_seq_len": 2,
+    "pbs": {"block_size": 16, "segment_size": 32},
+    "sparge": {"block_size_q": 16, "block_size_kv": 16},
+    "bfla": {"coarse_block_size": 32, "group_size": 8, "tile_size_q": 16, "tile_size_kv": 16, "local_tiles": 1,
+             "stride": 4},
+    "s2o": {"segment_size": 32, "block_size_q": 16, "block_size_kv": 16},
+    "xattention": {"block_size": 16, "stride": 4},
+}
+KEEP_ALL = {
+    "pbs": {"threshold": 1.0},
+    "sparge": {"cdf_threshold": 1.0, "pv_threshold": None},
+    "bfla": {"mass_threshold": 1.0},
+    "s2o": {"early_stop": 0.0},
+}
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    torch._dynamo.reset()
+    sparse_compile.reset_runtime_stats()
+    yield
+    torch._dynamo.reset()
+
+
+def test_every_method_keep_all_equals_eager_and_defaults_are_sane():
+    model = Transformer(ModelArgs(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=1,
+                                  intermediate_size=128)).eval()
+    x = torch.randint(0, 64, (2, 101))
+    compiled = torch.compile(model, backend="sparse_prefill", options=dict(SMALL_BLOCKS, record_density=True))
+    with torch.no_grad():
+        ref = model(x)
+        for method, keep in KEEP_ALL.items():
+            sparse_compile.reset_runtime_stats()
+            with sparsity(method=method, **keep):
+                out = compiled(x)
+            stats = sparse_compile.runtime_stats()["layers.1.attention"]
+            assert stats.last_path == "sparse" and method in stats.last_reason, (method, stats)
+            torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-5, msg=f"{method} keep-all differs from eager")
+            with sparsity(method=method):  # the method's defaults
+                out = compiled(x)
+            assert out.shape == ref.shape and torch.isfinite(out).all(), method
+            density = sparse_compile.runtime_stats()["layers.1.attention"].mean_density
+            assert density is not None and 0 < density <= 1.5, (method, density)
+
+
+def test_pbs_permutation_with_xattention_selection_keep_all_equals_eager():
+    model = Transformer(ModelArgs(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2,
+                                  intermediate_size=128)).eval()
+    x = torch.randint(0, 64, (1, 77))
+    options = dict(SMALL_BLOCKS, method="pbs", select="xattention", xattention={"block_size": 16, "stride": 4,
+                                                                                 "threshold": 1.0})
+    with torch.no_grad():
+        out = torch.compile(model, backend="sparse_prefill", options=options)(x)
+        torch.testing.assert_close(out, model(x), rtol=2e-4, atol=2e-5)
+    assert sparse_compile.runtime_stats()["layers.0.attention"].last_path == "sparse"
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf(kind):
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+        cls = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+        cls = transformers.Qwen2ForCausalLM
+    cfg._attn_implementation = "sdpa"
+    return cls(cfg).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_transformers_sparsity_off_and_keep_all_equal_eager(kind):
+    model = _hf(kind)
+    ids = torch.randint(0, 128, (2, 70))
+    compiled = torch.compile(model, backend="sparse_prefill", options=SMALL_BLOCKS)
+    with torch.no_grad():
+        ref = model(ids).logits
+        with sparsity(enabled=False):
+            torch.testing.assert_close(compiled(ids).logits, ref, rtol=1e-4, atol=1e-5)
+        with sparsity(method="bfla", mass_threshold=1.0):
+            torch.testing.assert_close(compiled(ids).logits, ref, rtol=2e-4, atol=2e-5)
+    stats = sparse_compile.runtime_stats()
+    assert len(stats) == 2 and all(s.last_path == "sparse" for s in stats.values())
