@@ -1,0 +1,533 @@
+"""Train a small causal byte-level LM on real text that every machine here has: Python source files.
+
+    python benchmarks/train_small_lm.py --smoke --out-dir /tmp/lm          # CPU: tiny model, a few steps, seconds
+    PYTHONPATH=. python benchmarks/train_small_lm.py --out-dir "$OUT"       # GPU: about 6 minutes of steps
+
+Why this exists: no model weights or datasets can be downloaded here, yet sparse prefill is only worth measuring
+on *real* attention patterns. Python source has long-range structure (imports, identifiers, repeated code,
+docstrings that name functions defined far above), so a byte-level model trained on contexts of 4K-32K bytes
+learns to look far back and copy (induction heads): the attention that sparse methods must not lose.
+
+Data: the ``*.py`` files under ``sysconfig.get_paths()`` stdlib and site-packages (purelib/platlib), walked in
+sorted order, 256 B to 1 MB each. Split by file: a file is held out iff the first 8 bytes of
+sha1(relative path) mod 1000 < 30 (3 %); held-out files are never read for training, and training files whose
+content equals a held-out file's are dropped (vendored copies). Training files are read in path-hash order up
+to ``--max-train-bytes``. The device machine (Python 3.12, torch, transformers, jax, ...) has a different corpus
+from this CPU machine, so the JSON records the manifest, including the long held-out files (path, size, sha1)
+that ``quality.py`` and ``attention_map.py`` evaluate on: they re-read exactly those files and check the hashes.
+
+Model: ``examples/model.py``'s Transformer (RoPE, GQA, SDPA causal attention) with head_dim 64 so that the
+sparse kernels apply. Training: AdamW, cosine LR with warm-up, bf16 autocast, fixed seed, a length curriculum
+(4K then 16K then 32K contexts, about the same tokens per step), and a step count calibrated from measured
+step times so that the run fits a wall-clock budget. The checkpoint stores bf16 weights (a few MB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import platform
+import sys
+import sysconfig
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CHECKPOINT = REPO / "benchmarks" / "checkpoints" / "small_lm.pt"
+
+# --- corpus -------------------------------------------------------------------------------------------------
+ROOT_NAMES = ("stdlib", "purelib", "platlib")
+EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}  # nested package dirs are walked as their own root
+MIN_FILE_BYTES = 256  # stubs and empty __init__.py teach nothing
+MAX_FILE_BYTES = 1 << 20  # generated tables (unicode data, big test vectors) would dominate the byte count
+HELDOUT_PER_MILLE = 30
+LONG_DOC_BYTES = 8192  # held-out documents used for evaluation are at least this long
+MANIFEST_LONG_FILES = 512  # how many long held-out files the manifest lists (more than any evaluation uses)
+DOC_SEPARATOR = 0  # byte 0 never occurs in source text: it marks document boundaries in the training stream
+
+SPLIT_RULE = (
+    f"*.py files of sysconfig stdlib/purelib/platlib (dirs {sorted(EXCLUDED_DIRS)} skipped, symlinks skipped), "
+    f"{MIN_FILE_BYTES} <= size <= {MAX_FILE_BYTES} bytes; relative path = '<root name>/<path under root>'; "
+    f"held out iff int.from_bytes(sha1(relpath)[:8], 'big') % 1000 < {HELDOUT_PER_MILLE}; held-out files with "
+    "identical content are kept once (first by path hash); training files whose content equals a held-out file "
+    "are dropped, as are exact duplicates among training files; training files are read in path-hash order until "
+    "max_train_bytes"
+)
+
+
+def load_model_module():
+    """``examples/model.py`` under a private module name (``model`` is too generic to put on sys.path)."""
+    name = "_sparse_compile_examples_model"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "examples" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def corpus_roots() -> list[tuple[str, str]]:
+    """(name, directory) of each distinct source root of this interpreter."""
+    paths = sysconfig.get_paths()
+    seen, roots = set(), []
+    for name in ROOT_NAMES:
+        path = paths.get(name)
+        if not path or not os.path.isdir(path):
+            continue
+        real = os.path.realpath(path)
+        if real in seen:
+            continue
+        seen.add(real)
+        roots.append((name, path))
+    return roots
+
+
+def path_hash(rel: str) -> int:
+    return int.from_bytes(hashlib.sha1(rel.encode("utf-8")).digest()[:8], "big")
+
+
+def is_heldout(rel: str) -> bool:
+    return path_hash(rel) % 1000 < HELDOUT_PER_MILLE
+
+
+def list_source_files(roots: list[tuple[str, str]]) -> list[tuple[str, str, int]]:
+    """Sorted (relpath, abspath, size) of every candidate file; only directory walks and stats, no reads."""
+    out = []
+    for name, root in roots:
+        for dirpath, dirs, files in os.walk(root):
+            dirs[:] = sorted(d for d in dirs if d not in EXCLUDED_DIRS and not d.startswith("."))
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                full = os.path.join(dirpath, f)
+                if os.path.islink(full):
+                    continue
+                try:
+                    size = os.stat(full).st_size
+                except OSError:
+                    continue
+                if MIN_FILE_BYTES <= size <= MAX_FILE_BYTES:
+                    rel = name + "/" + os.path.relpath(full, root).replace(os.sep, "/")
+                    out.append((rel, full, size))
+    out.sort()
+    return out
+
+
+def _read(path: str) -> Optional[bytes]:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    # a separator byte inside a document would look like a boundary; such files are binary-ish anyway
+    return None if bytes([DOC_SEPARATOR]) in data else data
+
+
+def _read_many(paths: list[str]) -> list[Optional[bytes]]:
+    with ThreadPoolExecutor(max_workers=16) as pool:  # file reads release the GIL; cold caches dominate
+        return list(pool.map(_read, paths))
+
+
+def sha1_hex(data: bytes) -> str:
+    return hashlib.sha1(data).hexdigest()
+
+
+@dataclasses.dataclass
+class Corpus:
+    train: bytes  # documents joined by DOC_SEPARATOR
+    heldout: bytes
+    manifest: dict
+
+
+def build_corpus(max_train_bytes: int, log=print) -> Corpus:
+    t0 = time.time()
+    roots = corpus_roots()
+    files = list_source_files(roots)
+    held = [f for f in files if is_heldout(f[0])]
+    train = sorted((f for f in files if not is_heldout(f[0])), key=lambda f: path_hash(f[0]))
+    held.sort(key=lambda f: path_hash(f[0]))
+
+    held_docs, held_meta, held_sha = [], [], set()
+    dup_held = 0
+    for (rel, _, size), data in zip(held, _read_many([f[1] for f in held])):
+        if data is None:
+            continue
+        digest = sha1_hex(data)
+        if digest in held_sha:
+            dup_held += 1
+            continue
+        held_sha.add(digest)
+        held_docs.append(data)
+        held_meta.append({"path": rel, "bytes": len(data), "sha1": digest})
+
+    # read training files in batches until the byte budget is met (the budget, not the corpus, bounds the time)
+    train_docs, train_paths, train_sha = [], [], set()
+    dup_train = dup_cross = unreadable = 0
+    total = 0
+    batch = 512
+    for start in range(0, len(train), batch):
+        if total >= max_train_bytes:
+            break
+        chunk = train[start:start + batch]
+        for (rel, _, _), data in zip(chunk, _read_many([f[1] for f in chunk])):
+            if total >= max_train_bytes:
+                break
+            if data is None:
+                unreadable += 1
+                continue
+            digest = sha1_hex(data)
+            if digest in held_sha:
+                dup_cross += 1
+                continue
+            if digest in train_sha:
+                dup_train += 1
+                continue
+            train_sha.add(digest)
+            train_docs.append(data)
+            train_paths.append(rel)
+            total += len(data)
+
+    sep = bytes([DOC_SEPARATOR])
+    long_files = [m for m in held_meta if m["bytes"] >= LONG_DOC_BYTES]
+    manifest = {
+        "split_rule": SPLIT_RULE,
+        "python": platform.python_version(),
+        "roots": {name: path for name, path in roots},
+        "candidate_files": len(files),
+        "candidate_bytes": sum(f[2] for f in files),
+        "max_train_bytes": max_train_bytes,
+        "train": {
+            "files": len(train_docs),
+            "bytes": sum(map(len, train_docs)),
+            "files_available": len(train),
+            "bytes_available": sum(f[2] for f in train),
+            "dropped_equal_to_heldout": dup_cross,
+            "dropped_duplicates": dup_train,
+            "unreadable_or_binary": unreadable,
+            # the file list itself is long; its hash identifies it (paths in read order, '\n'-joined)
+            "paths_sha256": hashlib.sha256("\n".join(train_paths).encode()).hexdigest(),
+        },
+        "heldout": {
+            "files": len(held_docs),
+            "bytes": sum(map(len, held_docs)),
+            "dropped_duplicates": dup_held,
+            "long_doc_min_bytes": LONG_DOC_BYTES,
+            "long_files_total": len(long_files),
+            "long_files_at_least_16k": sum(m["bytes"] >= 16384 for m in long_files),
+            "long_files_at_least_32k": sum(m["bytes"] >= 32768 for m in long_files),
+            # in path-hash order (a fixed pseudo-random order); evaluation takes the first eligible ones
+            "long_files": long_files[:MANIFEST_LONG_FILES],
+        },
+        "build_seconds": round(time.time() - t0, 1),
+    }
+    log(f"corpus: {len(files)} candidate files ({manifest['candidate_bytes'] / 1e6:.1f} MB) under "
+        f"{[r[1] for r in roots]}; train {len(train_docs)} files {total / 1e6:.1f} MB; held-out "
+        f"{len(held_docs)} files, {len(long_files)} >= {LONG_DOC_BYTES} B; {manifest['build_seconds']} s")
+    return Corpus(sep.join(train_docs) + sep, sep.join(held_docs) + sep, manifest)
+
+
+def heldout_documents(manifest: dict, min_bytes: int, count: int, exclude=(), *, verify: bool = True) -> list[dict]:
+    """The first ``count`` long held-out files of ``manifest`` with at least ``min_bytes`` bytes, read from disk.
+
+    Each result is the manifest entry plus ``data`` (bytes). With ``verify`` a missing file or a changed hash is
+    an error: evaluation must run on the machine (image) the manifest was recorded on.
+    """
+    roots = manifest["roots"]
+    out = []
+    for entry in manifest["heldout"]["long_files"]:
+        if len(out) >= count:
+            break
+        if entry["bytes"] < min_bytes or entry["path"] in exclude:
+            continue
+        root_name, rel = entry["path"].split("/", 1)
+        path = os.path.join(roots[root_name], rel)
+        data = _read(path)
+        if data is None or sha1_hex(data) != entry["sha1"]:
+            if verify:
+                raise FileNotFoundError(
+                    f"held-out file {entry['path']} ({path}) is missing or differs from the manifest: run the "
+                    "evaluation on the machine the checkpoint was trained on (same Python and packages)")
+            continue
+        out.append(dict(entry, data=data))
+    if len(out) < count:
+        raise ValueError(f"only {len(out)} held-out documents of >= {min_bytes} bytes, {count} requested")
+    return out
+
+
+# --- model and checkpoint ---------------------------------------------------------------------------------------
+GPU_MODEL = dict(vocab_size=256, dim=256, n_layers=6, n_heads=4, n_kv_heads=2, intermediate_size=512,
+                 rope_base=100000.0)
+SMOKE_MODEL = dict(vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=256,
+                   rope_base=100000.0)
+
+
+def save_checkpoint(model, path: Path, meta: dict) -> int:
+    """bf16 weights + the ModelArgs: small enough to commit. Returns the file size in bytes."""
+    state = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"format": 1, "model_args": dataclasses.asdict(model.args), "state_dict": state, "meta": meta}, path)
+    return path.stat().st_size
+
+
+def load_checkpoint(path, device="cpu", dtype=torch.float32):
+    """(model in eval mode on ``device``/``dtype``, checkpoint dict)."""
+    mod = load_model_module()
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    model = mod.Transformer(mod.ModelArgs(**ckpt["model_args"]))
+    model.load_state_dict({k: v.float() for k, v in ckpt["state_dict"].items()})
+    return model.to(device=device, dtype=dtype).eval(), ckpt
+
+
+def param_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# --- training -----------------------------------------------------------------------------------------------
+def _batches(stream: torch.Tensor, seq_len: int, batch: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows of seq_len + 1 bytes (they may cross document boundaries, marked by byte 0)."""
+    start = torch.randint(0, stream.numel() - seq_len - 1, (batch, 1), generator=gen, device=stream.device)
+    idx = start + torch.arange(seq_len + 1, device=stream.device)
+    window = stream[idx].long()
+    return window[:, :-1], window[:, 1:]
+
+
+def _loss(model, x, y, amp: bool) -> torch.Tensor:
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
+        logits = model(x)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate_stream(model, stream, seq_len, batch, windows, seed, amp) -> float:
+    """Mean next-byte loss (nats) over ``windows`` random windows of a byte stream (fixed seed)."""
+    model.eval()
+    gen = torch.Generator(device=stream.device).manual_seed(seed)
+    total, n = 0.0, 0
+    while n < windows:
+        b = min(batch, windows - n)
+        x, y = _batches(stream, seq_len, b, gen)
+        total += float(_loss(model, x, y, amp)) * b
+        n += b
+    model.train()
+    return total / max(n, 1)
+
+
+def parse_phases(text: str) -> list[tuple[int, int, float]]:
+    """'4096x16:0.6,16384x4:0.25' -> [(seq_len, batch, share)]; shares are normalised to sum to 1."""
+    phases = []
+    for part in text.split(","):
+        shape, share = part.split(":")
+        seq, batch = shape.lower().split("x")
+        phases.append((int(seq), int(batch), float(share)))
+    total = sum(p[2] for p in phases)
+    return [(s, b, w / total) for s, b, w in phases]
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int, floor: float) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="CPU-sized: tiny model, a few steps, seconds")
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_CHECKPOINT.parent)
+    parser.add_argument("--name", default="small_lm")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--phases", default=None,
+                        help="length curriculum 'SEQxBATCH:SHARE,...' (share of the time budget, or of --steps)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds of training steps; the step count is calibrated from measured step times")
+    parser.add_argument("--steps", type=int, default=None, help="fixed total step count (overrides --time-budget)")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=150)
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--max-train-bytes", type=int, default=None)
+    parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--eval-windows", type=int, default=None)
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    smoke = args.smoke
+    phases = parse_phases(args.phases or ("256x4:0.5,512x2:0.5" if smoke else "4096x16:0.6,16384x4:0.25,32768x2:0.15"))
+    max_train_bytes = args.max_train_bytes or ((2 << 20) if smoke else (256 << 20))
+    steps_total = args.steps if args.steps is not None else (6 if smoke and args.time_budget is None else None)
+    time_budget = args.time_budget if args.time_budget is not None else 330.0
+    eval_windows = args.eval_windows or (4 if smoke else 64)
+    amp = device.type == "cuda"  # bf16 autocast on the GPU; fp32 on CPU (bf16 matmuls are slow there)
+    t_start = time.time()
+
+    torch.manual_seed(args.seed)
+    corpus = build_corpus(max_train_bytes)
+    train_stream = torch.frombuffer(bytearray(corpus.train), dtype=torch.uint8).to(device)
+    held_stream = torch.frombuffer(bytearray(corpus.heldout), dtype=torch.uint8).to(device)
+
+    mod = load_model_module()
+    model_args = mod.ModelArgs(**(SMOKE_MODEL if smoke else GPU_MODEL), max_seq_len=max(p[0] for p in phases))
+    model = mod.Transformer(model_args).to(device)
+    n_params = param_count(model)
+    print(f"model: {dataclasses.asdict(model_args)}; {n_params / 1e6:.2f} M parameters; device {device}")
+
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms: decaying their gains only hurts
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # step allocation: a fixed count, or calibrated from forward+backward times (no optimizer step, so the
+    # calibration leaves the weights untouched; it also warms up cuDNN/cuBLAS for each shape)
+    step_times = []
+    if steps_total is None:
+        calib_gen = torch.Generator(device=device).manual_seed(args.seed + 1)
+        for seq, batch, _ in phases:
+            times = []
+            for i in range(7):
+                x, y = _batches(train_stream, seq, batch, calib_gen)
+                sync()
+                t = time.perf_counter()
+                _loss(model, x, y, amp).backward()
+                sync()
+                times.append(time.perf_counter() - t)
+                opt.zero_grad(set_to_none=True)
+            step_times.append(sorted(times[2:])[len(times[2:]) // 2] * 1.03)  # median after warm-up, + optimizer
+        phase_steps = [max(1, int(share * time_budget / st)) for (_, _, share), st in zip(phases, step_times)]
+    else:
+        phase_steps = [max(1, round(share * steps_total)) for _, _, share in phases]
+    total_steps = sum(phase_steps)
+    print(f"phases (seq x batch: steps): {[(s, b, n) for (s, b, _), n in zip(phases, phase_steps)]}; "
+          f"calibrated step seconds {[round(t, 4) for t in step_times]}")
+
+    log = []
+    step = 0
+    running = torch.zeros((), device=device)
+    running_n = 0
+    t_train = time.time()
+    model.train()
+    for (seq, batch, _), n_steps in zip(phases, phase_steps):
+        for _ in range(n_steps):
+            lr = lr_at(step, total_steps, args.lr, min(args.warmup, max(1, total_steps // 10)), 0.1)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            x, y = _batches(train_stream, seq, batch, gen)
+            loss = _loss(model, x, y, amp)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            running += loss.detach()
+            running_n += 1
+            step += 1
+            if step % args.log_every == 0 or step == total_steps:
+                value = float(running) / running_n  # one host sync per log line, not per step
+                running.zero_()
+                running_n = 0
+                elapsed = time.time() - t_train
+                log.append({"step": step, "seq_len": seq, "loss": round(value, 4),
+                            "bpb": round(value / math.log(2), 4), "lr": lr, "seconds": round(elapsed, 1)})
+                print(f"step {step:6d}/{total_steps} seq {seq:6d} loss {value:.4f} ({value / math.log(2):.3f} bpb) "
+                      f"lr {lr:.2e} {elapsed:7.1f} s", flush=True)
+    sync()
+    train_seconds = time.time() - t_train
+
+    final = {}
+    for seq, batch, _ in phases:
+        final[str(seq)] = {
+            "train_loss": round(evaluate_stream(model, train_stream, seq, batch, eval_windows, args.seed + 7, amp), 4),
+            "heldout_loss": round(evaluate_stream(model, held_stream, seq, batch, eval_windows, args.seed + 8, amp), 4),
+        }
+        final[str(seq)]["train_bpb"] = round(final[str(seq)]["train_loss"] / math.log(2), 4)
+        final[str(seq)]["heldout_bpb"] = round(final[str(seq)]["heldout_loss"] / math.log(2), 4)
+    print(f"final loss (nats/byte) per context length: {json.dumps(final)}")
+
+    out_dir = args.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out_dir / f"{args.name}.pt"
+    record = {
+        "checkpoint": ckpt_path.name,
+        "model_args": dataclasses.asdict(model_args),
+        "parameters": n_params,
+        "training": {
+            "seed": args.seed, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "python": platform.python_version(), "smoke": smoke,
+            "precision": "bf16 autocast, fp32 master weights" if amp else "fp32",
+            "optimizer": {"name": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "weight_decay": args.weight_decay,
+                          "grad_clip": 1.0, "schedule": "linear warm-up then cosine to 0.1x",
+                          "warmup_steps": min(args.warmup, max(1, total_steps // 10))},
+            "phases": [{"seq_len": s, "batch": b, "steps": n, "tokens": s * b * n}
+                       for (s, b, _), n in zip(phases, phase_steps)],
+            "steps": total_steps,
+            "tokens": sum(s * b * n for (s, b, _), n in zip(phases, phase_steps)),
+            "time_budget_s": None if args.steps is not None else time_budget,
+            "calibrated_step_seconds": step_times,
+            "train_seconds": round(train_seconds, 1),
+            "total_seconds": None,  # filled below
+            "log": log,
+        },
+        "final": final,
+        "eval_windows": eval_windows,
+        "manifest": corpus.manifest,
+    }
+    size = save_checkpoint(model, ckpt_path, {"final": final, "steps": total_steps})
+    record["checkpoint_bytes"] = size
+    record["training"]["total_seconds"] = round(time.time() - t_start, 1)
+    (out_dir / f"{args.name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"saved {ckpt_path} ({size / 1e6:.2f} MB) and {args.name}.json; train {train_seconds:.1f} s, "
+          f"total {record['training']['total_seconds']} s")
+    _plot_loss(record, out_dir / f"{args.name}_loss.png")
+    return record
+
+
+def _plot_loss(record: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no loss plot")
+        return
+    log = record["training"]["log"]
+    if not log:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in log], [r["bpb"] for r in log], lw=1.2)
+    for phase_end in _phase_ends(record):
+        ax.axvline(phase_end, color="grey", lw=0.6, ls=":")
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss (bits per byte)")
+    ax.set_title("small byte-level LM on Python source (phases: 4K / 16K / 32K contexts)", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _phase_ends(record: dict) -> list[int]:
+    ends, acc = [], 0
+    for p in record["training"]["phases"][:-1]:
+        acc += p["steps"]
+        ends.append(acc)
+    return ends
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""CPU smoke tests of the quality benchmarks: train_small_lm.py, quality.py, attention_map.py.
+
+One tiny model is trained once per session (a few steps, seconds); the evaluation scripts then run in their
+``--smoke`` mode on it, in process, and their outputs are checked for shape and sanity (not for quality numbers,
+which need the GPU run).
+"""
+
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+tsl = importlib.import_module("train_small_lm")
+quality = importlib.import_module("quality")
+attention_map = importlib.import_module("attention_map")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lm")
+    record = tsl.main(["--smoke", "--steps", "2", "--max-train-bytes", "300000", "--eval-windows", "2",
+                       "--out-dir", str(out)])
+    return out / "small_lm.pt", record
+
+
+def test_training_smoke_writes_small_checkpoint_and_manifest(trained):
+    ckpt, record = trained
+    assert ckpt.exists() and ckpt.stat().st_size < 8 << 20
+    saved = json.loads(ckpt.with_suffix(".json").read_text())
+    assert saved["model_args"]["dim"] // saved["model_args"]["n_heads"] == 64  # the kernels' head dim
+    for per_len in saved["final"].values():
+        assert math.isfinite(per_len["train_loss"]) and math.isfinite(per_len["heldout_loss"])
+    m = saved["manifest"]
+    assert m["train"]["files"] > 0 and m["heldout"]["long_files"]
+    for entry in m["heldout"]["long_files"]:  # every listed evaluation file obeys the split rule
+        assert tsl.is_heldout(entry["path"]) and entry["bytes"] >= tsl.LONG_DOC_BYTES
+    model, _ = tsl.load_checkpoint(ckpt)
+    assert next(model.parameters()).dtype == torch.float32
+
+
+def test_heldout_documents_checks_hashes(trained):
+    ckpt, _ = trained
+    manifest = json.loads(ckpt.with_suffix(".json").read_text())["manifest"]
+    docs = tsl.heldout_documents(manifest, 1024, 1)
+    assert len(docs[0]["data"]) >= 1024
+    manifest["heldout"]["long_files"] = [dict(e, sha1="0" * 40) for e in manifest["heldout"]["long_files"]]
+    with pytest.raises(FileNotFoundError):
+        tsl.heldout_documents(manifest, 1024, 1)
+
+
+def test_split_is_deterministic_by_path():
+    assert tsl.is_heldout("stdlib/x.py") == tsl.is_heldout("stdlib/x.py")
+    share = sum(tsl.is_heldout(f"stdlib/f{i}.py") for i in range(4000)) / 4000
+    assert abs(share - tsl.HELDOUT_PER_MILLE / 1000) < 0.015
+
+
+def test_quality_smoke(trained, tmp_path):
+    ckpt, _ = trained
+    result = quality.main(["--smoke", "--checkpoint", str(ckpt), "--out-dir", str(tmp_path), "--attention", "hook",
+                           "--docs", "1"])
+    rows = result["ppl"]["rows"]
+    assert {r["method"] for r in rows} == {"dense", *quality.METHODS}
+    for r in rows:
+        assert math.isfinite(r["bpb"])
+        if r["method"] != "dense":
+            assert r["sparse_sites"] >= 1 and 0 < r["density"] < 2, r  # the sparse path really ran
+    op = result["operator"]["512"]
+    assert set(op["curves"]) == {c[0] for c in quality.OP_CURVES}
+    for label, points in op["curves"].items():
+        assert points and all(math.isfinite(p["rel_l1"]) and p["sparse_layers"] == op["layers"] for p in points)
+    saved = json.loads((tmp_path / "quality.json").read_text())
+    assert saved["operator"]["512"]["layers"] == op["layers"]
+    assert "(b) operator error" in (tmp_path / "quality.md").read_text()
+
+
+def test_at_density_interpolates_log_linearly():
+    pts = [{"density": 0.1, "e": 1e-2}, {"density": 0.3, "e": 1e-4}, {"density": 0.2, "e": 1e-3}]
+    assert quality.at_density(pts, 0.15, "e") == pytest.approx(10 ** -2.5)
+    assert quality.at_density(pts, 0.05, "e") is None  # outside the curve: no extrapolation
+    assert quality.at_density(pts, 0.3, "e") == pytest.approx(1e-4)
+
+
+def test_block_mass_matches_full_softmax_and_permutations():
+    torch.manual_seed(0)
+    n, d = 96, 16
+    q, k = torch.randn(n, d), torch.randn(n, d)
+    full = torch.softmax((q @ k.T / 4).masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf")), -1)
+    ref = full.view(3, 32, 3, 32).sum(-1).mean(1)
+    mass = attention_map.block_mass(q, k, 0.25, 32, 32)
+    torch.testing.assert_close(mass, ref)
+    # a key permutation moves mass between tiles but keeps every row's total
+    perm = torch.randperm(n)
+    moved = attention_map.block_mass(q, k, 0.25, 32, 32, key_index=perm, query_index=torch.randperm(n))
+    torch.testing.assert_close(moved.sum(-1), torch.ones(3))
+
+
+def test_attention_map_smoke(trained, tmp_path):
+    ckpt, _ = trained
+    summary = attention_map.main(["--smoke", "--checkpoint", str(ckpt), "--out-dir", str(tmp_path)])
+    for name in ("meanpool", "pbs", "s2o"):
+        p = summary["panels"][name]
+        assert 0 < p["coverage"] <= 1 + 1e-5 and 0 < p["density"] < 2
+    assert (tmp_path / "attention_map.json").exists()
