@@ -25,6 +25,7 @@ step times so that the run fits a wall-clock budget. The checkpoint stores bf16 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -302,6 +303,37 @@ def _batches(stream: torch.Tensor, seq_len: int, batch: int, gen: torch.Generato
     return window[:, :-1], window[:, 1:]
 
 
+@contextlib.contextmanager
+def fused_attention_for_training(device: torch.device):
+    """Training only: K/V repeated for GQA and SDPA's math backend excluded on the GPU.
+
+    The math backend would build (N x N) scores: at 32K with batch 2 that is gigabytes per layer, silently.
+    Repeating K/V (a few MB here) lets every fused backend apply whatever its GQA support in this torch version;
+    excluding math turns a missing fused kernel into an error instead of a slow run. Evaluation scripts run the
+    model unchanged (native GQA), as a user would.
+    """
+    orig = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if enable_gqa and k.shape[1] != q.shape[1]:
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        return orig(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+
+    torch.nn.functional.scaled_dot_product_attention = sdpa
+    try:
+        if device.type == "cuda":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                              SDPBackend.EFFICIENT_ATTENTION]):
+                yield
+        else:
+            yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = orig
+
+
 def _loss(model, x, y, amp: bool) -> torch.Tensor:
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
         logits = model(x)
@@ -370,7 +402,12 @@ def main(argv=None) -> dict:
     eval_windows = args.eval_windows or (4 if smoke else 64)
     amp = device.type == "cuda"  # bf16 autocast on the GPU; fp32 on CPU (bf16 matmuls are slow there)
     t_start = time.time()
+    with fused_attention_for_training(device):
+        return _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budget, eval_windows, amp,
+                      t_start)
 
+
+def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budget, eval_windows, amp, t_start):
     torch.manual_seed(args.seed)
     corpus = build_corpus(max_train_bytes)
     train_stream = torch.frombuffer(bytearray(corpus.train), dtype=torch.uint8).to(device)
