@@ -123,14 +123,16 @@ def s2o_spans(config: SparseConfig, n: int, nqb: int, bm: int) -> list[tuple[int
     return spans
 
 
-def long_range_score(mass: torch.Tensor) -> float:
-    """Mean mass on tiles at least two tiles left of the diagonal and not the first tile, second half of rows."""
+def long_range_peak(mass: torch.Tensor) -> float:
+    """Concentrated long-range attention: for each query block of the second half, the largest mass on a single
+    tile at least two tiles left of the diagonal and not the first (sink) tile; averaged. High for retrieval and
+    induction heads (much mass on a few far blocks), low for local heads and for diffuse averaging heads."""
     nqb = mass.shape[0]
     i = torch.arange(nqb)[:, None]
     j = torch.arange(mass.shape[1])[None, :]
     far = (j <= i - 2) & (j >= 1)
     m = torch.nan_to_num(mass) * far
-    return float(m[nqb // 2:].sum(-1).mean())
+    return float(m[nqb // 2:].amax(-1).mean())
 
 
 def coverage(mass: torch.Tensor, sel: torch.Tensor) -> float:
@@ -148,6 +150,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--head", type=int, default=None)
     parser.add_argument("--kernel", choices=("auto", "triton", "reference"), default="auto")
     parser.add_argument("--no-verify", action="store_true")
+    parser.add_argument("--local-heldout", action="store_true",
+                        help="use THIS machine's held-out split (CPU trials of a checkpoint trained elsewhere)")
     args = parser.parse_args(argv)
 
     t0 = time.time()
@@ -158,9 +162,10 @@ def main(argv=None) -> dict:
     if args.smoke:
         base.update({m: dict(v) for m, v in quality.SMOKE_OPTIONS.items()})
     kernel = args.kernel if args.kernel != "auto" else ("triton" if device.type == "cuda" else "reference")
+    quality.ensure_source_checkout_imports()
 
     model, ckpt = tsl.load_checkpoint(args.checkpoint, device, dtype)
-    manifest = quality.ckpt_manifest(args.checkpoint)
+    manifest = tsl.build_corpus(0).manifest if args.local_heldout else quality.ckpt_manifest(args.checkpoint)
     doc = tsl.heldout_documents(manifest, length, 1, verify=not args.no_verify)[0]
     tokens = torch.frombuffer(bytearray(doc["data"][:length]), dtype=torch.uint8).long()[None].to(device)
     captured: list = []
@@ -178,14 +183,15 @@ def main(argv=None) -> dict:
     for li, c in enumerate(layers):
         for h in range(hq):
             m = block_mass(c["q"][0, h], c["k"][0, h // group], scale_of[li], bm, bm)
-            scores.append({"layer": li, "head": h, "long_range_mass": long_range_score(m)})
+            scores.append({"layer": li, "head": h, "long_range_peak": long_range_peak(m)})
     if args.layer is not None and args.head is not None:
         layer, head = args.layer, args.head
         rule = "given on the command line"
     else:
-        best = max(scores, key=lambda s: s["long_range_mass"])
+        best = max(scores, key=lambda s: s["long_range_peak"])
         layer, head = best["layer"], best["head"]
-        rule = "largest long-range mass (tiles >= 2 left of the diagonal, not the first tile, 2nd half of rows)"
+        rule = ("most concentrated long-range attention: largest single-tile mass >= 2 tiles left of the diagonal, "
+                "not the sink tile, averaged over the second half of the query blocks")
     c = layers[layer]
     q, k, v, scale = c["q"], c["k"], c["v"], scale_of[layer]
     kvh = head // group
@@ -227,7 +233,7 @@ def main(argv=None) -> dict:
         "kernel": kernel, "device": str(device),
         "panels": {n: {k2: v2 for k2, v2 in p.items() if k2 in ("title", "coverage", "density", "block")}
                    for n, p in panels.items()},
-        "head_scores": sorted(scores, key=lambda s: -s["long_range_mass"]),
+        "head_scores": sorted(scores, key=lambda s: -s["long_range_peak"]),
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     note = draw(panels, summary, args.out_dir)
@@ -242,19 +248,40 @@ def main(argv=None) -> dict:
     return summary
 
 
+def outline_segments(sel: torch.Tensor) -> list:
+    """Line segments (image coordinates) on the border of the True region of a boolean grid."""
+    pad = torch.nn.functional.pad(sel, (1, 1, 1, 1))
+    segs = []
+    rows, cols = sel.shape
+    for i in range(rows):
+        for j in range(cols):
+            if not sel[i, j]:
+                continue
+            y0, y1, x0, x1 = i - 0.5, i + 0.5, j - 0.5, j + 0.5
+            if not pad[i, j + 1]:  # above
+                segs.append([(x0, y0), (x1, y0)])
+            if not pad[i + 2, j + 1]:  # below
+                segs.append([(x0, y1), (x1, y1)])
+            if not pad[i + 1, j]:  # left
+                segs.append([(x0, y0), (x0, y1)])
+            if not pad[i + 1, j + 2]:  # right
+                segs.append([(x1, y0), (x1, y1)])
+    return segs
+
+
 def draw(panels: dict, summary: dict, out_dir: Path) -> Optional[str]:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.collections import LineCollection
         from matplotlib.colors import ListedColormap
     except ImportError:
         return "matplotlib not installed: no pictures"
     finite = torch.cat([p["mass"][torch.isfinite(p["mass"]) & (p["mass"] > 0)] for p in panels.values()])
     vmax = float(torch.log10(finite.max()))
     vmin = max(float(torch.log10(finite.min())), vmax - 6)  # six decades are plenty to see the structure
-    red = ListedColormap([(0, 0, 0, 0), (1.0, 0.1, 0.1, 0.4)])
     head = f"layer {summary['layer']}, head {summary['head']}, {summary['length']}-byte held-out input"
 
     def show(ax, p):
@@ -262,7 +289,12 @@ def draw(panels: dict, summary: dict, out_dir: Path) -> Optional[str]:
         img[~torch.isfinite(p["mass"]) | (p["mass"] <= 0)] = float("nan")  # causally invisible: blank
         im = ax.imshow(img.numpy(), cmap="viridis", vmin=vmin, vmax=vmax, interpolation="nearest")
         if "selected" in p:
-            ax.imshow(p["selected"].float().numpy(), cmap=red, vmin=0, vmax=1, interpolation="nearest")
+            # outline the selected region (edges between a selected and an unselected tile): the map stays legible
+            ax.add_collection(LineCollection(outline_segments(p["selected"]), colors="red", linewidths=0.7))
+            # and wash out the skipped tiles (visible ones only), so that inside and outside are unambiguous
+            skipped = (~p["selected"] & torch.isfinite(img)).float().numpy()
+            ax.imshow(skipped, cmap=ListedColormap([(1, 1, 1, 0), (1, 1, 1, 0.6)]), vmin=0, vmax=1,
+                      interpolation="nearest")
             title = f"{p['title']}\ncoverage {p['coverage']:.3f}, density {p['density']:.3f}"
         else:
             title = p["title"]
@@ -278,7 +310,7 @@ def draw(panels: dict, summary: dict, out_dir: Path) -> Optional[str]:
         for ax, key in zip(axes, keys):
             im = show(ax, panels[key])
         fig.colorbar(im, ax=list(axes), shrink=0.8, label="log10 mean attention mass per block row")
-        fig.suptitle(f"{head}; red = blocks computed", fontsize=9)
+        fig.suptitle(f"{head}; red outline = blocks computed, washed out = skipped", fontsize=9)
         fig.savefig(out_dir / f"attention_map_{name}.png", dpi=110, bbox_inches="tight")
         plt.close(fig)
     return None

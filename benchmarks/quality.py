@@ -92,6 +92,35 @@ def sweep_with_default(values: list[float], method: str) -> list[float]:
     return values if any(math.isclose(v, d) for v in values) else sorted(values + [d])
 
 
+def ensure_source_checkout_imports() -> None:
+    """Make ``sparse_compile.kernels`` importable from a source checkout that is on PYTHONPATH but not installed.
+
+    pip installs the top-level ``kernels/`` folder as ``sparse_compile.kernels`` (pyproject's package-dir); a bare
+    checkout (the GPU machine runs one with PYTHONPATH=.) has it only as ``kernels``. Aliasing it keeps the Triton
+    path usable there; an installed package is left alone.
+    """
+    try:
+        import sparse_compile.kernels  # noqa: F401
+    except ModuleNotFoundError:
+        import importlib
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        module = importlib.import_module("kernels")
+        sys.modules["sparse_compile.kernels"] = module
+        sparse_compile.kernels = module
+
+
+def compile_sparse(model, options: dict, notes: list):
+    """``torch.compile(model, backend="sparse_prefill", ...)``; the registered name needs the installed entry
+    point, so an uninstalled checkout falls back to the backend callable itself (the same function)."""
+    try:
+        return torch.compile(model, backend="sparse_prefill", options=options, dynamic=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises its InvalidBackend here
+        notes.append(f"backend name 'sparse_prefill' not registered ({type(exc).__name__}): compiled with "
+                     "backend=sparse_compile.sparse_prefill (the same function)")
+        return torch.compile(model, backend=sparse_compile.sparse_prefill, options=options, dynamic=True)
+
+
 class Deadline:
     def __init__(self, seconds: float):
         self.t0 = time.time()
@@ -214,14 +243,14 @@ def site_summary() -> tuple[Optional[float], int, int, list[str]]:
     return (sum(densities) / len(densities) if densities else None), sparse_sites, len(stats), sorted(reasons)
 
 
-def run_ppl(model, docs, base: dict, kernels: dict, sweeps: dict, mode: str, deadline: float, device, log) -> dict:
+def run_ppl(model, docs, base: dict, kernels: dict, sweeps: dict, mode: str, deadline: float, device, log,
+            notes: list) -> dict:
     rows, skipped = [], []
     base_cfg = SparseConfig.from_options(dict(base, record_density=True))
     t = time.time()
     if mode == "compiled":
         # dynamic=True: one graph serves every prompt length and batch size (no recompiles inside the sweep)
-        compiled = torch.compile(model, backend="sparse_prefill", options=dict(base, record_density=True),
-                                 dynamic=True)
+        compiled = compile_sparse(model, dict(base, record_density=True), notes)
         forward, route = compiled, contextlib.nullcontext()
     else:
         forward, route = model, sdpa_routed_to_sparse(base_cfg)
@@ -497,6 +526,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--time-budget", type=float, default=300.0, help="seconds for (a) and (b) together")
     parser.add_argument("--ppl-share", type=float, default=0.5, help="share of the budget (a) may use")
     parser.add_argument("--no-verify", action="store_true", help="skip missing/changed held-out files")
+    parser.add_argument("--local-heldout", action="store_true",
+                        help="use THIS machine's held-out split (CPU trials of a checkpoint trained elsewhere)")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -519,8 +550,11 @@ def main(argv=None) -> dict:
     def log(msg):
         print(msg, flush=True)
 
+    ensure_source_checkout_imports()
     model, ckpt = tsl.load_checkpoint(args.checkpoint, device, dtype)
-    manifest = ckpt_manifest(args.checkpoint)
+    manifest = tsl.build_corpus(0).manifest if args.local_heldout else ckpt_manifest(args.checkpoint)
+    if args.local_heldout:
+        notes.append("held-out documents from this machine's split (--local-heldout), not the recorded manifest")
     kernels = choose_kernels(args.kernel, device, base, notes)
     for n in notes:
         log(n)
@@ -534,7 +568,7 @@ def main(argv=None) -> dict:
         result["ppl_documents"] = {str(L): d["paths"] for L, d in docs.items()}
         log(f"(a) bits per byte: lengths {lengths}, documents {counts}, {args.attention} path")
         result["ppl"] = run_ppl(model, docs, base, kernels, sweeps_ppl, args.attention,
-                                deadline.at(args.ppl_share), device, log)
+                                deadline.at(args.ppl_share), device, log, notes)
         for r in result["ppl"]["rows"]:  # for interpolation on a log scale: gains (negative deltas) count as 0
             r["delta_bpb_pos"] = max(r["delta_bpb"], 0.0)
     if "operator" in sections:
