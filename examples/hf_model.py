@@ -58,11 +58,11 @@ def main() -> None:
     with torch.no_grad():
         for enabled in (False, True):
             with sparse_compile.sparsity(enabled=enabled):
-                compiled(ids, use_cache=False, logits_to_keep=1)  # warm-up / compile
+                compiled(ids, logits_to_keep=1)  # warm-up / compile
                 if cuda:
                     torch.cuda.synchronize()
                 start = time.perf_counter()
-                logits = compiled(ids, use_cache=False, logits_to_keep=1).logits.float()
+                logits = compiled(ids, logits_to_keep=1).logits.float()
                 if cuda:
                     torch.cuda.synchronize()
                 elapsed = time.perf_counter() - start

@@ -107,7 +107,8 @@ REWRITE_RULES: tuple[RewriteRule, ...] = (
     RewriteRule(
         "no_mask",
         lambda c, cfg: c.args["attn_mask"] is None,
-        lambda c, cfg: "explicit attn_mask (padding or custom mask)",
+        lambda c, cfg: "explicit attn_mask (padding, packed sequences or a custom mask; transformers also builds "
+        "one when called with use_cache=False)",
     ),
     RewriteRule(
         "causal",

@@ -1,0 +1,324 @@
+"""End-to-end prefill: time to first token of a Llama-3.1-8B-shaped model, dense and sparse.
+
+    python benchmarks/bench_e2e.py                                  # H100: 8K..128K, every method
+    python benchmarks/bench_e2e.py --lengths 131072 --budgets 0.1 0.3 0.5
+    python benchmarks/bench_e2e.py --smoke                          # CPU: tiny model, seconds
+
+A ``transformers`` ``LlamaForCausalLM`` built from a config (random bf16 weights, no download), batch 1, logits of
+the last position only. (The model runs with its default cache: with ``use_cache=False`` transformers builds an
+explicit mask from position ids, which the rewrite rightly leaves dense.) Contenders, all on the same prompt:
+
+* ``eager``: transformers' SDPA attention (cuDNN on the H100), no compilation;
+* ``inductor``: the model compiled once (``dynamic=True``) with ``backend="sparse_prefill"`` and sparsity switched
+  off at run time (``sparsity(enabled=False)``): Inductor for everything, the very same SDPA call for attention.
+  ``--inductor`` also compiles with ``backend="inductor"`` to show the two agree;
+* ``<method>``: the same compiled model with each method at its defaults (``sparsity(method=...)``);
+* ``<method>@ρ``: each method with its density parameter calibrated so that the selection keeps about ρ of the
+  causal tiles (random weights make attention nearly uniform, so the defaults keep almost everything; fixed
+  budgets show speed against density);
+* ``floor``: attention replaced by a no-op (compiled), the non-attention time.
+
+Reported per run: TTFT (median of ``--reps`` after a warm-up), the achieved density (mean over sites and heads,
+from a separate recorded run), and end-to-end efficiency ``(t_floor + ρ·t_attn) / TTFT`` with
+``t_attn = TTFT_inductor − t_floor``: the share of the possible gain the system delivers at its density.
+Writes ``benchmarks/results/e2e.json``/``.md`` (or ``--out``) and a PNG plot when matplotlib is present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import sparse_compile  # noqa: E402
+from harness import env_info, write_results  # noqa: E402
+
+METHODS = ("pbs", "sparge", "bfla", "s2o")
+# the parameter that sets each method's density, and its direction (True: larger value keeps more)
+DENSITY_KNOB = {
+    "pbs": ("threshold", True, 0.0, 1.0),
+    "sparge": ("cdf_threshold", True, 0.0, 1.0),
+    "bfla": ("mass_threshold", True, 0.0, 1.0),
+    "s2o": ("early_stop", False, 0.0, 0.5),
+}
+
+
+def build_model(smoke: bool, device: str, dtype: torch.dtype):
+    import transformers
+
+    if smoke:
+        sizes = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=512)
+    else:  # Llama-3.1-8B
+        sizes = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0)
+    config = transformers.LlamaConfig(max_position_embeddings=131072, **sizes)
+    config._attn_implementation = "sdpa"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build directly in bf16 on the device: no fp32 copy of 8B weights
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    return model
+
+
+def register_noop_attention() -> str:
+    from transformers import AttentionInterface
+
+    def noop_attention(module, query, key, value, attention_mask, **kwargs):
+        # the output layout transformers expects (batch, seq, heads, dim); no attention computed
+        return query.transpose(1, 2), None
+
+    AttentionInterface.register("noop", noop_attention)
+    return "noop"
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def ttft(fn, ids, reps: int) -> float:
+    """Median seconds of ``fn(ids)`` over ``reps`` runs after one warm-up."""
+    with torch.no_grad():
+        fn(ids)
+        times = []
+        for _ in range(reps):
+            sync()
+            start = time.perf_counter()
+            fn(ids)
+            sync()
+            times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def recorded_density(fn, ids, method: str, params: dict) -> float:
+    """Mean density over sites and heads of one run (density recording costs syncs, so it is not timed)."""
+    sparse_compile.reset_runtime_stats()
+    with torch.no_grad(), sparse_compile.sparsity(method=method, record_density=True, **params):
+        fn(ids)
+    values = [s.mean_density for s in sparse_compile.runtime_stats().values() if s.mean_density is not None]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def calibrate(method: str, target: float, qk: tuple, base: sparse_compile.SparseConfig, steps: int = 10):
+    """The method's density parameter that keeps about ``target`` of the causal tiles on captured Q/K."""
+    from sparse_compile.methods import build_plan, plan_density
+    from sparse_compile.report import density_from_visits
+
+    knob, increasing, low, high = DENSITY_KNOB[method]
+    q, k = qk
+    scale = 1.0 / math.sqrt(q.shape[-1])
+
+    def density(value):
+        config = base.with_overrides(method, {knob: value})
+        plan = build_plan(q, k, scale, config)
+        if method == "s2o":  # early stop decides at run time: count the tiles actually visited
+            if q.is_cuda:
+                from sparse_compile.kernels import block_sparse_attention as execute
+            else:
+                from sparse_compile.plan import reference_attention as execute
+            _, visited = execute(q, k, k, plan, scale, return_visited=True)
+            d = density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
+            return sum(d) / len(d)
+        return float(plan_density(plan, q.shape[-2], k.shape[-2]).mean())
+
+    best = None
+    for _ in range(steps):
+        mid = (low + high) / 2
+        d = density(mid)
+        if best is None or abs(d - target) < abs(best[1] - target):
+            best = (mid, d)
+        if (d < target) == increasing:
+            low = mid
+        else:
+            high = mid
+    return {knob: best[0]}, best[1]
+
+
+def capture_qk(model, ids, layer: int = 1):
+    """Q and K (after RoPE) of one attention layer on ``ids``, for calibration."""
+    captured = {}
+    from transformers import AttentionInterface
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        if getattr(module, "layer_idx", None) == layer:
+            captured["qk"] = (query.detach().clone(), key.detach().clone())
+        return query.transpose(1, 2), None
+
+    AttentionInterface.register("capture", capture)
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = "capture"
+    try:
+        with torch.no_grad():
+            model(ids, logits_to_keep=1)
+    finally:
+        model.config._attn_implementation = previous
+    return captured["qk"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--budgets", type=float, nargs="*", default=[0.1, 0.3, 0.5])
+    parser.add_argument("--budget-lengths", type=int, nargs="*", default=[32768, 131072],
+                        help="lengths at which the fixed-density runs are made")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--inductor", action="store_true", help="also compile with backend='inductor'")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, for testing the script")
+    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    parser.add_argument("--name", default="e2e")
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    if args.smoke:
+        args.lengths = [n for n in args.lengths if n <= 512] or [256, 384]
+        args.budget_lengths = [args.lengths[-1]]
+    base = sparse_compile.SparseConfig(min_seq_len=4096 if not args.smoke else 128)
+    if args.smoke:  # blocks small enough for a few-hundred-token prompt
+        base = sparse_compile.SparseConfig(
+            min_seq_len=128, pbs={"block_size": 32, "segment_size": 64},
+            sparge={"block_size_q": 32, "block_size_kv": 32},
+            bfla={"coarse_block_size": 64, "group_size": 16, "tile_size_q": 32, "tile_size_kv": 32},
+            s2o={"segment_size": 64, "block_size_q": 32, "block_size_kv": 32})
+    options = {f: getattr(base, f) for f in ("min_seq_len", "pbs", "sparge", "bfla", "s2o")}
+
+    torch.manual_seed(0)
+    model = build_model(args.smoke, device, dtype)
+    noop = register_noop_attention()
+    run = lambda m: (lambda ids: m(ids, logits_to_keep=1))  # noqa: E731
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = None
+
+    compiled = torch.compile(model, backend="sparse_prefill", dynamic=True, options=options)
+    inductor = torch.compile(model, backend="inductor", dynamic=True) if args.inductor else None
+
+    def floor_compiled(ids):
+        model.config._attn_implementation = noop
+        try:
+            return compiled_floor(ids, logits_to_keep=1)
+        finally:
+            model.config._attn_implementation = "sdpa"
+
+    compiled_floor = torch.compile(model, backend="inductor", dynamic=True)
+
+    plan = []
+    for n in args.lengths:
+        plan += [(n, "eager", None), (n, "floor (eager)", None), (n, "inductor", None), (n, "floor", None)]
+        if inductor is not None:
+            plan.append((n, "inductor (backend=inductor)", None))
+        plan += [(n, m, None) for m in args.methods]
+        if n in args.budget_lengths:
+            plan += [(n, m, b) for m in args.methods for b in args.budgets]
+    bar = tqdm(plan, desc="prefill", unit="run") if tqdm else plan
+
+    rows, reference = [], {}
+    ids_by_len = {}
+    for n, contender, budget in bar:
+        if tqdm:
+            bar.set_postfix_str(f"{n} {contender}{'' if budget is None else f'@{budget}'}")
+        ids = ids_by_len.setdefault(n, torch.randint(0, model.config.vocab_size, (1, n), device=device))
+        row = {"N": n, "contender": contender if budget is None else f"{contender}@{budget}", "params": ""}
+        try:
+            if contender == "eager":
+                row["ttft_s"] = ttft(run(model), ids, args.reps)
+            elif contender == "floor (eager)":
+                model.config._attn_implementation = noop
+                try:
+                    row["ttft_s"] = ttft(run(model), ids, args.reps)
+                finally:
+                    model.config._attn_implementation = "sdpa"
+            elif contender == "inductor":
+                with sparse_compile.sparsity(enabled=False):
+                    row["ttft_s"] = ttft(run(compiled), ids, args.reps)
+            elif contender == "inductor (backend=inductor)":
+                row["ttft_s"] = ttft(run(inductor), ids, args.reps)
+            elif contender == "floor":
+                row["ttft_s"] = ttft(floor_compiled, ids, args.reps)
+            else:
+                params = {}
+                if budget is not None:
+                    qk = reference.setdefault(("qk", n), capture_qk(model, ids))
+                    params, _ = calibrate(contender, budget, qk, base)
+                    row["params"] = ", ".join(f"{k}={v:.4g}" for k, v in params.items())
+                row["density"] = recorded_density(run(compiled), ids, contender, params)
+                with sparse_compile.sparsity(method=contender, **params):
+                    row["ttft_s"] = ttft(run(compiled), ids, args.reps)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            row["ttft_s"] = "OOM"
+        rows.append(row)
+        reference[(n, row["contender"])] = row.get("ttft_s")
+
+    # speedups and efficiency against the fastest dense path at each length
+    for row in rows:
+        n, t = row["N"], row.get("ttft_s")
+        dense = [reference.get((n, c)) for c in ("eager", "inductor", "inductor (backend=inductor)")]
+        dense = [d for d in dense if isinstance(d, float)]
+        t_floor, t_ind = reference.get((n, "floor")), reference.get((n, "inductor"))
+        if isinstance(t, float) and dense:
+            row["speedup"] = min(dense) / t
+        rho = row.get("density")
+        if isinstance(t, float) and isinstance(t_floor, float) and isinstance(t_ind, float) and rho is not None:
+            attn = max(t_ind - t_floor, 0.0)
+            row["efficiency"] = (t_floor + min(rho, 1.0) * attn) / t
+            row["best_possible_speedup"] = t_ind / (t_floor + min(rho, 1.0) * attn)
+        if isinstance(t, float):
+            row["ttft_ms"] = t * 1e3
+    columns = ["N", "contender", "ttft_ms", "speedup", "density", "efficiency", "best_possible_speedup", "params"]
+    meta = {"model": "Llama-3.1-8B shape" if not args.smoke else "tiny", "dtype": str(dtype), "batch": 1,
+            "reps": args.reps, "min_seq_len": base.min_seq_len, "device": device}
+    table = write_results(args.name, rows, meta=meta, columns=columns, out_dir=args.out)
+    print(table)
+    plot(rows, args)
+
+
+def plot(rows, args) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    from harness import RESULTS_DIR
+
+    out = Path(args.out) if args.out else RESULTS_DIR
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    contenders = [c for c in dict.fromkeys(r["contender"] for r in rows) if "@" not in c]
+    for c in contenders:
+        pts = [(r["N"], r["ttft_ms"]) for r in rows if r["contender"] == c and "ttft_ms" in r]
+        if pts:
+            ax1.plot(*zip(*pts), marker="o", label=c)
+    ax1.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="TTFT (ms)", title="time to first token")
+    ax1.legend(fontsize=7)
+    for m in args.methods:
+        pts = sorted((r["density"], r["speedup"]) for r in rows
+                     if r["contender"].startswith(m) and r["N"] == max(args.budget_lengths or [0])
+                     and isinstance(r.get("density"), float) and "speedup" in r)
+        if pts:
+            ax2.plot(*zip(*pts), marker="o", label=m)
+    ax2.set(xlabel="achieved density", ylabel="speedup over fastest dense",
+            title=f"speed vs density at {max(args.budget_lengths or [0])} tokens")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / f"{args.name}.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
