@@ -1,6 +1,6 @@
 """Quickstart: compile a model with ``backend="sparse_prefill"`` and prefill a long prompt.
 
-    python examples/quickstart.py                 # CPU: small model, 4K tokens, PyTorch reference kernel
+    python examples/quickstart.py                 # CPU: small model, 2K tokens, PyTorch reference executor
     python examples/quickstart.py --seq-len 65536 # GPU: bf16, Triton kernels
 
 Prints the time of the compiled model with sparsity off (exact dense attention) and on, how close the
@@ -33,7 +33,7 @@ def timed(fn, *args, repeats=1):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cuda = torch.cuda.is_available()
-    parser.add_argument("--seq-len", type=int, default=32768 if cuda else 4096)
+    parser.add_argument("--seq-len", type=int, default=32768 if cuda else 2048)
     parser.add_argument("--method", default="pbs", choices=["pbs", "sparge", "bfla", "s2o"])
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()

@@ -18,9 +18,8 @@ __all__ = [
     "S2OParams",
     "XAttentionParams",
     "METHOD_NAMES",
-    "REORDER_NAMES",
-    "SELECT_NAMES",
     "KERNEL_NAMES",
+    "PLANNER_NAMES",
 ]
 
 
@@ -188,9 +187,8 @@ class XAttentionParams(_Params):
 
 
 METHOD_NAMES = ("pbs", "sparge", "bfla", "s2o")
-REORDER_NAMES = ("none", "pbs", "s2o")
-SELECT_NAMES = ("pbs", "sparge", "bfla", "s2o", "xattention")
 KERNEL_NAMES = ("auto", "triton", "reference")
+PLANNER_NAMES = ("auto", "fast", "reference")
 
 _PARAM_FIELDS = {"pbs": "pbs", "sparge": "sparge", "bfla": "bfla", "s2o": "s2o", "xattention": "xattention"}
 
@@ -205,6 +203,8 @@ class SparseConfig:
     skip_layers     attention sites left dense: an int is a layer index (the first integer in the module path,
                     e.g. ``model.layers.3.self_attn`` is layer 3), a str is a substring of the module path.
     kernel          "triton" (GPU), "reference" (PyTorch, any device) or "auto" (Triton on CUDA, else reference).
+    planner         the reorder/select stages that build the plan: "fast" (Triton kernels, CUDA or the interpreter),
+                    "reference" (PyTorch) or "auto" (fast on CUDA when Triton is there, else reference).
     record_density  measure each call's achieved density (costs a host sync; off by default).
     pbs/sparge/bfla/s2o/xattention  parameters of each stage, their papers' defaults.
     """
@@ -216,6 +216,7 @@ class SparseConfig:
     min_seq_len: int = 16384
     skip_layers: tuple[int | str, ...] = ()
     kernel: str = "auto"
+    planner: str = "auto"
     record_density: bool = False
     pbs: PBSParams = field(default_factory=PBSParams)
     sparge: SpargeParams = field(default_factory=SpargeParams)
@@ -226,10 +227,15 @@ class SparseConfig:
     def __post_init__(self) -> None:
         if self.method not in METHOD_NAMES:
             raise ValueError(f"SparseConfig.method: unknown method {self.method!r}; valid: {list(METHOD_NAMES)}")
-        if self.reorder is not None and self.reorder not in REORDER_NAMES:
-            raise ValueError(f"SparseConfig.reorder: unknown stage {self.reorder!r}; valid: {list(REORDER_NAMES)}")
-        if self.select is not None and self.select not in SELECT_NAMES:
-            raise ValueError(f"SparseConfig.select: unknown stage {self.select!r}; valid: {list(SELECT_NAMES)}")
+        # stage names and pairs come from the methods registry (imported lazily: it imports this module)
+        from . import methods as _methods
+
+        check_pair = getattr(_methods, "check_stage_pair", None)
+        if check_pair is not None:
+            try:
+                check_pair(self.reorder_stage, self.select_stage)
+            except ValueError as exc:
+                raise ValueError(f"SparseConfig: {exc}") from None
         if not isinstance(self.enabled, bool):
             raise ValueError(f"SparseConfig.enabled: must be a bool, got {self.enabled!r}")
         _check_int("SparseConfig", "min_seq_len", self.min_seq_len, low=2)
@@ -243,6 +249,8 @@ class SparseConfig:
         object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
         if self.kernel not in KERNEL_NAMES:
             raise ValueError(f"SparseConfig.kernel: unknown kernel {self.kernel!r}; valid: {list(KERNEL_NAMES)}")
+        if self.planner not in PLANNER_NAMES:
+            raise ValueError(f"SparseConfig.planner: unknown planner {self.planner!r}; valid: {list(PLANNER_NAMES)}")
         for name, cls in (("pbs", PBSParams), ("sparge", SpargeParams), ("bfla", BFLAParams),
                           ("s2o", S2OParams), ("xattention", XAttentionParams)):
             value = getattr(self, name)
@@ -286,7 +294,7 @@ class SparseConfig:
             return config
         top: dict[str, Any] = {}
         stage: dict[str, Any] = {}
-        stage_name = _PARAM_FIELDS[config.select_stage]
+        stage_name = _PARAM_FIELDS.get(config.select_stage, config.method)
         stage_params = getattr(config, stage_name)
         for key, value in params.items():
             if key in self.field_names():

@@ -154,6 +154,11 @@ def test_config_validation_names_the_problem():
     with pytest.raises(ValueError, match="skip_layers"):
         SparseConfig(skip_layers=3)
     assert SparseConfig(skip_layers=[1, "x"]).skip_layers == (1, "x")
+    with pytest.raises(ValueError, match="cannot be combined.*valid pairs"):
+        SparseConfig(method="s2o", select="pbs")
+    with pytest.raises(ValueError, match="unknown reorder stage 'bogus'"):
+        SparseConfig(reorder="bogus")
+    assert SparseConfig(method="pbs", select="xattention").select_stage == "xattention"
 
 
 def test_keep_all_settings():
