@@ -289,3 +289,22 @@ def test_sparse_attention_short_is_exact_dense():
 
     torch.testing.assert_close(out, dense_causal_attention(q, k, v))
     assert "min_seq_len" in sparse_compile.runtime_stats()["sparse_attention"].last_reason
+
+
+def test_log_env_var_reports_sites_and_diff(monkeypatch, caplog):
+    import logging
+
+    logger = logging.getLogger("sparse_compile")
+    handlers, level = list(logger.handlers), logger.level
+    monkeypatch.setenv("SPARSE_COMPILE_LOG", "1")
+    q = torch.randn(1, 2, 8, 16)
+    try:
+        with caplog.at_level(logging.INFO, logger="sparse_compile"), torch.no_grad():
+            torch.compile(lambda a: F.scaled_dot_product_attention(a, a, a, is_causal=True),
+                          backend="sparse_prefill")(q)
+    finally:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+    text = caplog.text
+    assert "rewrote 1 of 1 attention sites" in text
+    assert "graph diff" in text and "+" in text and "sparse_compile.causal_attention" in text
