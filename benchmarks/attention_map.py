@@ -158,7 +158,7 @@ def main(argv=None) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     length = args.length or (512 if args.smoke else 8192)
-    base = {"min_seq_len": 2}
+    base = {"min_seq_len": 2, **quality.cpu_planner(device)}
     if args.smoke:
         base.update({m: dict(v) for m, v in quality.SMOKE_OPTIONS.items()})
     kernel = args.kernel if args.kernel != "auto" else ("triton" if device.type == "cuda" else "reference")
