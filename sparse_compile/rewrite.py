@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .config import SparseConfig
 from .report import SiteRecord
 
-__all__ = ["rewrite_graph", "REWRITE_RULES", "SUPPORTED_HEAD_DIMS", "module_path", "layer_index"]
+__all__ = ["rewrite_graph", "REWRITE_RULES", "head_dim_supported", "module_path", "layer_index"]
 
 log = logging.getLogger("sparse_compile")
 
@@ -29,8 +29,12 @@ if hasattr(torch.ops.aten, "scaled_dot_product_attention"):
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 REWRITE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# head dims the sparse kernels serve (the Triton tile's reduction dim: a power of two)
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+# head dims the sparse kernels serve: powers of two run natively, other multiples of 8 are padded on chip
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+def head_dim_supported(dim) -> bool:
+    return isinstance(dim, int) and MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM and dim % 8 == 0
 
 
 @dataclass
@@ -127,9 +131,9 @@ REWRITE_RULES: tuple[RewriteRule, ...] = (
     ),
     RewriteRule(
         "head_dim",
-        lambda c, cfg: c.q.shape[-1] in SUPPORTED_HEAD_DIMS and c.v.shape[-1] == c.q.shape[-1],
-        lambda c, cfg: f"head dim {c.q.shape[-1]} (value {c.v.shape[-1]}) not supported; "
-        f"supported: {list(SUPPORTED_HEAD_DIMS)} with equal value dim",
+        lambda c, cfg: head_dim_supported(c.q.shape[-1]) and c.v.shape[-1] == c.q.shape[-1],
+        lambda c, cfg: f"head dim {c.q.shape[-1]} (value {c.v.shape[-1]}) not supported; supported: multiples of 8 "
+        f"in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] with an equal value dim",
     ),
     RewriteRule(
         "heads",

@@ -110,10 +110,10 @@ class Encoder(nn.Module):
 class Odd(nn.Module):
     """Several patterns that must stay dense."""
 
-    def forward(self, q, k, v, q1, k_long, q96, k96):
+    def forward(self, q, k, v, q1, k_long, q_odd, k_odd):
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1)  # dropout
         b = F.scaled_dot_product_attention(q1, k_long, k_long, is_causal=True)  # q_len != kv_len
-        c = F.scaled_dot_product_attention(q96, k96, k96, is_causal=True)  # head dim 96
+        c = F.scaled_dot_product_attention(q_odd, k_odd, k_odd, is_causal=True)  # head dim 100
         d = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)  # float64
         return a, b, c, d
 
@@ -127,14 +127,14 @@ def test_non_causal_encoder_left_dense():
 def test_other_ineligible_patterns_have_reasons():
     q, k = torch.randn(1, 2, 16, 32), torch.randn(1, 2, 16, 32)
     q1, k_long = torch.randn(1, 2, 1, 32), torch.randn(1, 2, 40, 32)
-    q96 = torch.randn(1, 2, 16, 96)
-    records, _ = traced_records(Odd().train(), q, k, k, q1, k_long, q96, q96)
+    q_odd = torch.randn(1, 2, 16, 100)
+    records, _ = traced_records(Odd().train(), q, k, k, q1, k_long, q_odd, q_odd)
     reasons = {r.node: r.reason for r in records}
     assert not any(r.rewritten for r in records)
     text = " | ".join(reasons.values())
     assert "dropout_p=0.1" in text
     assert "q_len 1 != kv_len 40" in text
-    assert "head dim 96" in text
+    assert "head dim 100" in text
     assert "float64" in text
 
 
