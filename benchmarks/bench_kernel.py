@@ -60,7 +60,7 @@ from sparse_compile.plan import (  # noqa: E402
 B, HQ, HKV, D = 1, 32, 8, 128
 BLOCK = 128
 SEGMENT = 256
-DTYPE = torch.bfloat16
+DTYPE = torch.bfloat16  # --dtype float16 for CPU dry runs: bf16 tl.dot is wrong in Triton's interpreter
 
 
 def log(msg: str) -> None:
@@ -95,11 +95,13 @@ def segment_permutation(length: int, gen: torch.Generator, device) -> torch.Tens
     return perm.flatten(2)[..., :length].to(torch.int32).contiguous()
 
 
+def _causal_mask_mod(b, h, q_idx, kv_idx):
+    # one module-level function: a new closure per call would make Dynamo recompile flex for every cell
+    return q_idx >= kv_idx
+
+
 def flex_block_mask(keep: torch.Tensor, vis: torch.Tensor, n: int):
     from torch.nn.attention.flex_attention import BlockMask
-
-    def causal(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
 
     def lists(m):
         cnt = m.sum(-1, dtype=torch.int32)
@@ -108,7 +110,7 @@ def flex_block_mask(keep: torch.Tensor, vis: torch.Tensor, n: int):
 
     pc, pi = lists(keep & (vis == VISIBLE_PARTIAL))
     fc, fi = lists(keep & (vis == VISIBLE_FULL))
-    kwargs = dict(BLOCK_SIZE=BLOCK, mask_mod=causal, seq_lengths=(n, n))
+    kwargs = dict(BLOCK_SIZE=BLOCK, mask_mod=_causal_mask_mod, seq_lengths=(n, n))
     try:
         return BlockMask.from_kv_blocks(pc, pi, fc, fi, compute_q_blocks=False, **kwargs)
     except TypeError:  # older torch: no compute_q_blocks
@@ -131,13 +133,30 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def _timer(args):
+    if not args.dry_run:
+        return time_ms
+
+    def once(fn, **_):  # a smoke test of the script's logic, not a measurement
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    return once
+
+
 def sweep(args) -> None:
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
+    time_ms = _timer(args)
     gen = torch.Generator(device=dev)
     gen.manual_seed(args.seed)
     from torch.nn.attention.flex_attention import flex_attention
 
-    flex = torch.compile(flex_attention, dynamic=False)
+    # one compile per N (static shapes); the block masks are inputs, so rho does not recompile
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+    flex = flex_attention if args.flex_eager else torch.compile(flex_attention, dynamic=False)
     rows = []
     for n in args.n:
         warmup, rep = bench_params(n, args.time_scale)
@@ -234,7 +253,8 @@ def sweep(args) -> None:
 
 def tune(args) -> None:
     """Time launch configs of the kernel (contiguous and key_index paths) at each N for each rho."""
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
+    time_ms = _timer(args)
     gen = torch.Generator(device=dev)
     gen.manual_seed(args.seed)
     rows = []
@@ -305,6 +325,10 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-scale", type=float, default=1.0, help="multiplies do_bench warmup/rep")
     p.add_argument("--no-flex", action="store_true")
+    p.add_argument("--flex-eager", action="store_true", help="FlexAttention without torch.compile (smoke tests)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dry-run", action="store_true", help="one untimed call per cell: checks the script, not speed")
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--no-kidx", action="store_true")
     p.add_argument("--name", default=None)
     p.add_argument("--out", default=os.environ.get("OUT") or None, help="results folder (default benchmarks/results)")
@@ -314,11 +338,13 @@ def main(argv=None) -> None:
     p.add_argument("--kidx-configs", type=int, default=1, help="tune: how many configs to try on key_index paths")
     p.add_argument("--tma-off-for", type=int, nargs="*", default=[], help="tune: config indices to rerun without TMA")
     args = p.parse_args(argv)
+    global DTYPE
+    DTYPE = getattr(torch, args.dtype)
     if args.name is None:
         args.name = "bench_kernel_h100" if args.mode == "sweep" else "tune_kernel_h100"
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_kernel.py needs a CUDA GPU")
-    log(f"torch {torch.__version__}, GPU {torch.cuda.get_device_name(0)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_kernel.py needs a CUDA GPU (or --device cpu --dry-run with TRITON_INTERPRET=1)")
+    log(f"torch {torch.__version__}, device {torch.cuda.get_device_name(0) if args.device == 'cuda' else args.device}")
     (sweep if args.mode == "sweep" else tune)(args)
 
 

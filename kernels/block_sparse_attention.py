@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # a running maximum that starts finite keeps exp2(m_old - m_new) and exp2(s - m_new) free of (-inf) - (-inf)
-_M_INIT = -1.0e30
+_M_INIT = tl.constexpr(-1.0e30)
 
 
 def _interpreting() -> bool:
@@ -71,8 +71,11 @@ def _interpreting() -> bool:
 
 @triton.jit
 def _load_rows(base, rows, stride_row, stride_d, offs_d, row_mask,
-               MASK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+               MASK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+               INT64_ROWS: tl.constexpr):
     """Load ``[len(rows), HEAD_DIM_PAD]`` from ``base`` (rows past a false ``row_mask`` and pad columns read 0)."""
+    if INT64_ROWS:
+        rows = rows.to(tl.int64)
     ptrs = base + rows[:, None] * stride_row + offs_d[None, :] * stride_d
     if HEAD_DIM_PAD != HEAD_DIM:
         if MASK_ROWS:
@@ -97,7 +100,7 @@ def _attn_fwd_tile(
     offs_d,
     MASKED: tl.constexpr, HAS_KIDX: tl.constexpr, KEY_GATHER: tl.constexpr, USE_TMA: tl.constexpr,
     PV_SKIP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, INT64_ROWS: tl.constexpr,
 ):
     """One key tile ``[start, start + BLOCK_N)`` (logical keys) folded into the online softmax."""
     offs_n = start + tl.arange(0, BLOCK_N)
@@ -121,11 +124,13 @@ def _attn_fwd_tile(
     if KEY_GATHER:
         if MASKED:
             rows = tl.where(valid, phys, 0)
-        k = _load_rows(k_base, rows, stride_kn, stride_kd, offs_d, valid, MASKED, HEAD_DIM, HEAD_DIM_PAD)
+        k = _load_rows(k_base, rows, stride_kn, stride_kd, offs_d, valid, MASKED, HEAD_DIM, HEAD_DIM_PAD,
+                       INT64_ROWS)
     elif USE_TMA:
         k = desc_k.load([k_row0 + start, k_col0])
     else:
-        k = _load_rows(k_base, offs_n, stride_kn, stride_kd, offs_d, valid, MASKED, HEAD_DIM, HEAD_DIM_PAD)
+        k = _load_rows(k_base, offs_n, stride_kn, stride_kd, offs_d, valid, MASKED, HEAD_DIM, HEAD_DIM_PAD,
+                       INT64_ROWS)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if MASKED:
         visible = valid[None, :] & (phys[None, :] <= q_pos[:, None])
@@ -145,14 +150,16 @@ def _attn_fwd_tile(
     acc = acc * alpha[:, None]
     # -- V tile and P.V
     if KEY_GATHER:
-        v = _load_rows(v_base, rows, stride_vn, stride_vd, offs_d, valid, MASKED, HEAD_DIM, HEAD_DIM_PAD)
+        v = _load_rows(v_base, rows, stride_vn, stride_vd, offs_d, valid, MASKED, HEAD_DIM, HEAD_DIM_PAD,
+                       INT64_ROWS)
     elif USE_TMA:
         v = desc_v.load([v_row0 + start, v_col0])
         if MASKED:
             # a TMA tile past a head's end reads the neighbour's rows: P is 0 there, but 0 * non-finite is not
             v = tl.where(valid[:, None], v, 0.0)
     else:
-        v = _load_rows(v_base, offs_n, stride_vn, stride_vd, offs_d, valid, MASKED, HEAD_DIM, HEAD_DIM_PAD)
+        v = _load_rows(v_base, offs_n, stride_vn, stride_vd, offs_d, valid, MASKED, HEAD_DIM, HEAD_DIM_PAD,
+                       INT64_ROWS)
     if PV_SKIP:
         # skip when every real row's tile maximum is far below its running maximum (rows seeing nothing: -inf)
         gap = tl.where(row_ok, tile_max - m_new, float("-inf"))
@@ -184,6 +191,7 @@ def _block_sparse_attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_SPLIT: tl.constexpr, TILE_SPLIT: tl.constexpr,
     HAS_KIDX: tl.constexpr, HAS_QIDX: tl.constexpr, KEY_GATHER: tl.constexpr, USE_TMA: tl.constexpr,
     EARLY_STOP: tl.constexpr, PV_SKIP: tl.constexpr, WRITE_VISITED: tl.constexpr, DOT_PREC: tl.constexpr,
+    INT64_ROWS: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(HEAD_DIM <= HEAD_DIM_PAD)
@@ -211,7 +219,7 @@ def _block_sparse_attn_fwd(
     q_pos = phys_rows + (N_K - N_Q)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh
-    q = _load_rows(q_base, phys_rows, stride_qm, stride_qd, offs_d, row_ok, True, HEAD_DIM, HEAD_DIM_PAD)
+    q = _load_rows(q_base, phys_rows, stride_qm, stride_qd, offs_d, row_ok, True, HEAD_DIM, HEAD_DIM_PAD, INT64_ROWS)
 
     # -- the tile list of this (batch, head, plan block)
     hp = (h // PLAN_DIV).to(tl.int64)
@@ -242,7 +250,7 @@ def _block_sparse_attn_fwd(
             acc, l_i, m_i, q, q_pos, row_ok, start, k_base, v_base, desc_k, desc_v, kidx_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_kip, k_row0, k_col0, v_row0, v_col0,
             qk_scale, pv_lambda, N_K, KEY_LEN, offs_d,
-            True, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PREC)
+            True, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PREC, INT64_ROWS)
 
     # -- stage 2: unmasked tiles, fully visible by the plan's promise: no mask arithmetic
     if EARLY_STOP:
@@ -254,7 +262,7 @@ def _block_sparse_attn_fwd(
                 acc, l_i, m_i, q, q_pos, row_ok, start, k_base, v_base, desc_k, desc_v, kidx_base,
                 stride_kn, stride_kd, stride_vn, stride_vd, stride_kip, k_row0, k_col0, v_row0, v_col0,
                 qk_scale, pv_lambda, N_K, KEY_LEN, offs_d,
-                False, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PREC)
+                False, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PREC, INT64_ROWS)
             t += 1
             # stop once no real row gains at least tau of what it had (the stopping tile stays counted)
             still = tl.max(tl.where(row_ok & (gain >= es_tau * l_prev), 1, 0), 0)
@@ -267,14 +275,17 @@ def _block_sparse_attn_fwd(
                 acc, l_i, m_i, q, q_pos, row_ok, start, k_base, v_base, desc_k, desc_v, kidx_base,
                 stride_kn, stride_kd, stride_vn, stride_vd, stride_kip, k_row0, k_col0, v_row0, v_col0,
                 qk_scale, pv_lambda, N_K, KEY_LEN, offs_d,
-                False, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PREC)
+                False, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PREC, INT64_ROWS)
         n_visited = n_tiles
 
     # -- epilogue: rows that saw no key have l == 0 and acc == 0 and write zeros
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
+    o_rows = phys_rows
+    if INT64_ROWS:
+        o_rows = phys_rows.to(tl.int64)
     o_ptrs = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh \
-        + phys_rows[:, None] * stride_om + offs_d[None, :] * stride_od
+        + o_rows[:, None] * stride_om + offs_d[None, :] * stride_od
     if HEAD_DIM_PAD != HEAD_DIM:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
     else:
@@ -299,7 +310,7 @@ def _permute_rows_kernel(
     p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = p < LENGTH
     idx = tl.load(KeyIndex + b * stride_kib + h * stride_kih + p * stride_kip, mask=ok, other=0)
-    idx = tl.where((idx >= 0) & (idx < N_K), idx, 0)
+    idx = tl.where((idx >= 0) & (idx < N_K), idx, 0).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     dst = pid_bh.to(tl.int64) * LENGTH * HEAD_DIM + p[:, None] * HEAD_DIM + offs_d[None, :]
@@ -331,20 +342,27 @@ class KernelConfig:
 
 
 def default_config(plan: BlockPlan, head_dim_pad: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
-    """The tuned choice for this plan granularity (measured on an H100, see benchmarks/NOTES_kernel.md)."""
+    """Launch parameters for this plan granularity, head dim and dtype (see benchmarks/NOTES_kernel.md).
+
+    Shared memory was checked for each branch by compiling for sm_90a (Triton 3.6): every choice fits 227 KiB.
+    """
     bm, bn = plan.block_m, plan.block_n
     exact = plan.early_stop > 0 or plan.pv_skip is not None  # decisions per plan tile/block: no splitting
     if _interpreting() or device.type != "cuda":
         return KernelConfig(bm, bn, num_warps=4, num_stages=1)
-    big = head_dim_pad > 128 or dtype == torch.float32
+    if dtype == torch.float32:
+        # IEEE fp32 dots run on CUDA cores with large register tiles: small tiles, no pipeline buffers
+        if exact:
+            return KernelConfig(bm, bn, num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=1)
+        return KernelConfig(bm // 2 if bm > 64 else bm, min(bn, 32), num_warps=4, num_stages=1)
+    if head_dim_pad > 128:
+        if exact:  # 128-row blocks with D=256 fit only without pipeline buffers
+            return KernelConfig(bm, bn, num_warps=8 if bm >= 128 else 4, num_stages=1 if bm * bn >= 128 * 128 else 2)
+        return KernelConfig(bm // 2 if bm >= 128 else bm, min(bn, 64), num_warps=8 if bm >= 256 else 4, num_stages=2)
     block_m = bm if (exact or bm <= 128) else bm // 2
-    if big and not exact and block_m > 64:
-        block_m = block_m // 2 if bm // (block_m // 2) <= 2 else block_m
     block_n = bn if (exact or bn <= 128) else 128
-    if big and not exact and block_n > 64:
-        block_n = 64
-    warps = 8 if block_m * block_n >= 128 * 128 or (block_m >= 128 and head_dim_pad >= 128) else 4
-    return KernelConfig(block_m, block_n, num_warps=warps, num_stages=3 if head_dim_pad <= 128 else 2)
+    # two warpgroups of 64 rows each for 128-row blocks (wgmma is m64 per warpgroup)
+    return KernelConfig(block_m, block_n, num_warps=8 if block_m >= 128 else 4, num_stages=3)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -472,10 +490,16 @@ def _tma_view(x: torch.Tensor, block_rows: int, head_dim: int):
     return desc, rb, rh, ch
 
 
+_CAPABILITY: dict = {}
+
+
 def _supports_tma(device: torch.device) -> bool:
     if TensorDescriptor is None or _interpreting() or device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index][0] >= 9
 
 
 def _permute_keys(k: torch.Tensor, v: torch.Tensor, key_index: torch.Tensor, head_dim_pad: int):
@@ -604,6 +628,8 @@ def block_sparse_attention(
         HAS_KIDX=has_kidx, HAS_QIDX=query_index is not None, KEY_GATHER=gather, USE_TMA=bool(use_tma),
         EARLY_STOP=plan.early_stop > 0, PV_SKIP=plan.pv_skip is not None, WRITE_VISITED=visited is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        INT64_ROWS=max(q.shape[2] * q.stride(2), out.shape[2] * out.stride(2), kk.shape[2] * kk.stride(2),
+                       vv.shape[2] * vv.stride(2)) >= 2**31,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, visited) if return_visited else out
