@@ -170,6 +170,21 @@ def test_sparse_permuted_gqa8_fp16_chunked():
         assert torch.equal(visited, ref_visited)
 
 
+def test_unaligned_overlapping_masked_tiles_match_reference():
+    """Offsets need not be multiples of block_n, and tiles may overlap: masked tiles follow the plan literally."""
+    B, Hq, Hkv, Nq, Nk, D, bm, bn, T = 1, 4, 2, 40, 57, 32, 16, 16, 5
+    q, k, v = random_qkv(B, Hq, Hkv, Nq, Nk, D, device=DEV)
+    nqb = -(-Nq // bm)
+    offsets = torch.randint(0, Nk, (B, Hq, nqb, T), dtype=torch.int32, device=DEV)
+    counts = torch.randint(1, T + 1, (B, Hq, nqb), dtype=torch.int32, device=DEV)
+    plan = BlockPlan(bm, bn, offsets, counts, counts.clone())  # every tile masked: no visibility promise
+    check_plan(plan, q, k)
+    out, visited = block_sparse_attention(q, k, v, plan, return_visited=True)
+    ref, ref_visited = _ref(q, k, v, plan)
+    _assert_close(out, ref, torch.float32)
+    assert torch.equal(visited, ref_visited)
+
+
 def test_empty_tile_lists_give_zeros():
     B, H, N, D = 1, 2, 48, 16
     q, k, v = random_qkv(B, H, H, N, N, D, device=DEV)
@@ -311,9 +326,19 @@ def _gpu_sparse_plan(B, H, Nq, Nk, bm, bn, density, **kw):
     if vis.shape[1] != H:
         vis = expand_heads(vis, H)
     keep = torch.rand(vis.shape, device="cuda") < density
-    # keep every partial tile (the diagonal) so each row sees something
+    # keep every partial tile (the diagonal) so each row sees something, and the first (sink) tile
     keep |= vis == 1
+    keep[..., 0] |= vis[..., 0] != VISIBLE_NONE
     return plan_from_block_mask(keep, vis, bm, bn, **kw)
+
+
+def _segment_permutation(batch, heads, n, seg=256):
+    """Random order inside consecutive segments of ``seg`` positions (as PBS-Attn / S2O reorder), int32."""
+    nseg = -(-n // seg)
+    r = torch.rand(batch, heads, nseg, seg, device="cuda")
+    r[..., -1, n - (nseg - 1) * seg:] = 2.0  # positions past n sort last in the last segment, then are cut
+    idx = torch.argsort(r, -1) + torch.arange(nseg, device="cuda")[:, None] * seg
+    return idx.flatten(2)[..., :n].to(torch.int32).contiguous()
 
 
 @gpu
@@ -337,7 +362,7 @@ def test_gpu_bf16_dense_8k(D, bm, bn):
 @gpu
 def test_gpu_bf16_transposed_layout_gqa4_chunked():
     """(B, N, H, D) storage seen as (B, H, N, D), as transformers produces it; q_len < kv_len."""
-    B, Hq, Hkv, Nq, Nk, D = 2, 16, 4, 4096, 8192 + 77, 128
+    B, Hq, Hkv, Nq, Nk, D = 2, 8, 2, 4096, 8192 + 77, 128
     qs = torch.randn(B, Nq, Hq, D, device="cuda", dtype=torch.bfloat16)
     ks = torch.randn(B, Nk, Hkv, D, device="cuda", dtype=torch.bfloat16)
     vs = torch.randn(B, Nk, Hkv, D, device="cuda", dtype=torch.bfloat16)
@@ -354,12 +379,7 @@ def test_gpu_bf16_sparse_permuted_8k(mode, ratio):
     B, Hkv, N, D = 2, 2, 8192 + 50, 128
     Hq = Hkv * ratio
     q, k, v = random_qkv(B, Hq, Hkv, N, N, D, dtype=torch.bfloat16, device="cuda")
-    seg = 256  # a segment-local permutation, as PBS-Attn makes
-    nseg = -(-N // seg)
-    r = torch.rand(B, Hkv, nseg, seg, device="cuda")
-    r[..., -1, N - (nseg - 1) * seg:] = 2.0
-    ki = (torch.argsort(r, -1) + torch.arange(nseg, device="cuda")[:, None] * seg).flatten(2)[..., :N]
-    ki = ki.to(torch.int32).contiguous()
+    ki = _segment_permutation(B, Hkv, N)
     plan = _gpu_sparse_plan(B, Hq, N, N, 128, 128, 0.3, key_index=ki)
     out, visited = block_sparse_attention(q, k, v, plan, return_visited=True, key_mode=mode, check=True)
     ref, ref_visited = reference_attention(q.float(), k.float(), v.float(), plan, return_visited=True)
@@ -371,7 +391,7 @@ def test_gpu_bf16_sparse_permuted_8k(mode, ratio):
 def test_gpu_bf16_permuted_queries_and_early_stop():
     B, Hq, Hkv, N, D = 1, 8, 2, 8192, 128
     q, k, v = _sink_qkv(B, Hq, Hkv, N, N, D, torch.bfloat16, strength=1.0, device="cuda")
-    qi = torch.argsort(torch.rand(B, Hq, N, device="cuda"), -1).to(torch.int32)
+    qi = _segment_permutation(B, Hq, N)  # queries shuffled inside segments, as S2O does
     plan = _gpu_sparse_plan(B, Hq, N, N, 128, 128, 0.5, query_index=qi, early_stop=0.02, pv_skip=-6.0)
     out, visited = block_sparse_attention(q, k, v, plan, return_visited=True)
     ref, ref_visited = reference_attention(q.double(), k.double(), v.double(), plan, return_visited=True)
