@@ -21,6 +21,12 @@ and ``s2o`` + ``s2o`` (the S2O selector needs S2O's ranked key list, and S2O's p
 selector over one global tiling). Other pairs raise ``ValueError``.
 
 Inputs a method cannot handle raise ``Unsupported(reason)``; the caller runs dense attention instead.
+
+Two implementations of the stages: the PyTorch references (this package's stage modules, the specification) and
+the GPU fast path (``fast``: Triton kernels, same plans). ``build_plan`` picks per stage: ``implementation``
+(or ``config.planner``) "reference", "fast" (the fast version of every stage that has one; a stage without one,
+or a stage replaced through ``register_*``, runs its registered function), or "auto" (fast when the inputs are
+on CUDA, Triton imports and the dtype is float16/bfloat16/float32; reference otherwise).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 from ..config import SparseConfig
 from ..plan import BlockPlan, causal_tile_count, expand_heads
 from ._common import Unsupported
+from . import fast
 from .bfla import select_bfla
 from .pbs import select_pbs
 from .reorder import Reordering, reorder_none, reorder_pbs, reorder_s2o
@@ -51,6 +58,7 @@ __all__ = [
     "check_stage_pair",
     "register_reorder",
     "register_select",
+    "stage_functions",
 ]
 
 ReorderFn = Callable[[torch.Tensor, torch.Tensor, float, SparseConfig], Reordering]
@@ -114,21 +122,56 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor) -> None:
         raise Unsupported(f"more queries than keys (Nq={nq} > Nk={nk}): not a causal prefill")
 
 
-def build_plan(q: torch.Tensor, k: torch.Tensor, scale: Optional[float], config: SparseConfig) -> BlockPlan:
+_BUILTIN_REORDER = dict(REORDER_STAGES)
+_BUILTIN_SELECT = dict(SELECT_STAGES)
+
+
+def _use_fast(implementation: str, q: torch.Tensor, k: torch.Tensor) -> bool:
+    if implementation == "reference":
+        return False
+    reason = fast.available(q, k)
+    if implementation == "fast":
+        if reason is not None:
+            raise ValueError(f"build_plan(implementation='fast'): {reason}")
+        return True
+    # auto: never the interpreter (it exists for tests), only real GPU kernels
+    return reason is None and q.is_cuda
+
+
+def stage_functions(reorder: str, select: str, use_fast: bool):
+    """The (reorder, select) functions ``build_plan`` runs: the fast version of a built-in stage when asked."""
+    r_fn, s_fn = REORDER_STAGES[reorder], SELECT_STAGES[select]
+    if use_fast:
+        # only stages still bound to the built-in reference have a fast twin (register_* replaces both)
+        if r_fn is _BUILTIN_REORDER.get(reorder) and reorder in fast.FAST_REORDER_STAGES:
+            r_fn = fast.FAST_REORDER_STAGES[reorder]
+        if s_fn is _BUILTIN_SELECT.get(select) and select in fast.FAST_SELECT_STAGES:
+            s_fn = fast.FAST_SELECT_STAGES[select]
+    return r_fn, s_fn
+
+
+def build_plan(q: torch.Tensor, k: torch.Tensor, scale: Optional[float], config: SparseConfig, *,
+               implementation: Optional[str] = None) -> BlockPlan:
     """Reorder then select: the ``BlockPlan`` of ``config``'s method for causal attention of ``q`` over ``k``.
 
     q (B, Hq, Nq, D), k (B, Hkv, Nk, D) with Hq a multiple of Hkv; queries are the last Nq positions (Nq < Nk is
     chunked prefill). ``scale`` is the attention's softmax scale (None: 1/sqrt(D)); the selectors use it too.
-    Raises ``ValueError`` for an invalid stage pair or malformed inputs and ``Unsupported`` when the method
-    cannot handle the input.
+    ``implementation`` ("auto", "fast", "reference"; default ``config.planner``) picks the stages' implementation
+    (module docstring); "fast" raises ``ValueError`` where the fast path cannot run (CPU without the Triton
+    interpreter, float64). Raises ``ValueError`` for an invalid stage pair or malformed inputs and
+    ``Unsupported`` when the method cannot handle the input.
     """
     reorder, select = config.reorder_stage, config.select_stage
     check_stage_pair(reorder, select)
     _check_inputs(q, k)
+    impl = config.planner if implementation is None else implementation
+    if impl not in ("auto", "fast", "reference"):
+        raise ValueError(f"build_plan: implementation must be 'auto', 'fast' or 'reference', got {impl!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    r_fn, s_fn = stage_functions(reorder, select, _use_fast(impl, q, k))
     with torch.no_grad():
-        r = REORDER_STAGES[reorder](q, k, scale, config)
-        return SELECT_STAGES[select](q, k, scale, r, config)
+        r = r_fn(q, k, scale, config)
+        return s_fn(q, k, scale, r, config)
 
 
 def plan_density(plan: BlockPlan, num_queries: int, num_keys: int, num_heads: Optional[int] = None) -> torch.Tensor:

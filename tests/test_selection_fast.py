@@ -1,0 +1,590 @@
+"""The GPU fast path of the reorder/select stages (sparse_compile.methods.fast) against the PyTorch references.
+
+Agreement rule. The fast stages compute the same quantities with sums in another order, so a decision that sits
+on a boundary within float32 rounding may go the other way. Everything else must be identical:
+
+* selection: for every (batch, head, query block) the fast block set must contain every block the reference
+  rule keeps *surely* and nothing it drops *surely*, where "surely" is judged on float64 masses with a margin
+  (``EPS_P`` on the probability of a block when ordering it, ``EPS_M`` on the cumulative mass against tau);
+  blocks in between are ambiguous and may go either way. Most cases are simply identical, and the number of
+  ambiguous rows is bounded;
+* orders (PBS key permutation, S2O query sort and key ranking): the fast order must be the reference order, or
+  differ only by swapping entries whose float64 scores are within ``EPS_ORDER`` (relative);
+* everything that does not depend on floating-point sums (visibility, forced tiles, tile order inside the plan,
+  S2O's layout, BFLA's tile stage) is compared exactly, and keep-all plans are identical.
+
+CPU tests run the kernels under the Triton interpreter (conftest sets TRITON_INTERPRET=1) at small sizes in
+float32/float16; GPU tests (``@pytest.mark.gpu``) run bf16 at 8K.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import sparse_compile
+from sparse_compile.config import BFLAParams, PBSParams, S2OParams, SparseConfig, SpargeParams, XAttentionParams
+from sparse_compile.methods import REORDER_STAGES, build_plan, fast, plan_density, stage_functions
+from sparse_compile.methods._blocks import diagonal_tiles, first_key_tile, visibility
+from sparse_compile.methods._common import (
+    bcast_heads,
+    block_mean,
+    block_self_similarity,
+    group_scores,
+    logical_keys,
+    masked_softmax,
+    top_mass,
+)
+from sparse_compile.methods.bfla import bfla_block_scores
+from sparse_compile.methods.reorder import pbs_key_importance
+from sparse_compile.plan import VISIBLE_NONE, check_plan, reference_attention
+
+EPS_P = 2e-4  # relative margin on a block probability when ordering blocks
+EPS_M = 2e-4  # absolute margin on a cumulative mass against tau * total
+EPS_ORDER = 1e-5  # relative margin on a score when ordering keys or queries
+EPS_SIM = 1e-4  # margin on SpargeAttn's self-similarity against theta
+
+SMALL = dict(
+    pbs=PBSParams(block_size=16, segment_size=32),
+    xattention=XAttentionParams(block_size=16, stride=4),
+    sparge=SpargeParams(block_size_q=32, block_size_kv=16),
+    bfla=BFLAParams(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16, local_tiles=1, stride=4),
+    s2o=S2OParams(segment_size=64, block_size_q=16, block_size_kv=16),
+)
+PRESETS = {"pbs": ("pbs", "pbs"), "sparge": ("none", "sparge"), "bfla": ("none", "bfla"), "s2o": ("s2o", "s2o")}
+
+
+def _config(reorder, select, params=SMALL, **kw):
+    return SparseConfig(method="pbs", reorder=reorder, select=select, **params, **kw)
+
+
+def structured_qk(batch, heads_q, heads_kv, n_q, n_k, dim, block, *, seed=0, dtype=torch.float32, device="cpu"):
+    """Inputs with the structure selection reacts to (random inputs make every block look alike).
+
+    Key blocks of ``block`` rows share a direction with per-block noise (some self-similar, some not), a few key
+    blocks are strong sinks, and each query block leans toward a few random key blocks' directions.
+    """
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-n_k // block)
+    dirs = torch.randn(batch, heads_kv, nb, dim, generator=g, dtype=torch.float64)
+    dirs = dirs / dirs.norm(dim=-1, keepdim=True) * 3
+    noise = torch.rand(batch, heads_kv, nb, 1, generator=g, dtype=torch.float64) * 2
+    k = dirs.repeat_interleave(block, 2)[:, :, :n_k]
+    k = k + noise.repeat_interleave(block, 2)[:, :, :n_k] * torch.randn(batch, heads_kv, n_k, dim, generator=g,
+                                                                          dtype=torch.float64) * 3 / math.sqrt(dim)
+    sink = torch.randn(dim, generator=g, dtype=torch.float64)
+    sink = sink / sink.norm() * 4
+    k[:, :, : max(1, block // 2)] += sink
+    m = heads_q // heads_kv
+    pick = torch.randint(0, nb, (batch, heads_q, -(-n_q // block), 3), generator=g)
+    kd = dirs.repeat_interleave(m, 1)
+    lean = torch.gather(kd[:, :, None].expand(-1, -1, pick.shape[2], -1, -1), 3,
+                        pick[..., None].expand(-1, -1, -1, -1, dim)).sum(3)
+    q = lean.repeat_interleave(block, 2)[:, :, :n_q] * 0.7 + 0.5 * sink
+    q = q + torch.randn(batch, heads_q, n_q, dim, generator=g, dtype=torch.float64)
+    return q.to(device=device, dtype=dtype), k.to(device=device, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# comparison helpers
+
+
+def keep_table(plan, num_tiles: int) -> torch.Tensor:
+    """bool (B, H, nqb, num_tiles): the tiles each query block lists."""
+    offs = plan.tile_offsets.long() // plan.block_n
+    live = torch.arange(offs.shape[-1], device=offs.device) < plan.tile_counts[..., None].long()
+    out = torch.zeros(*offs.shape[:3], num_tiles + 1, dtype=torch.bool, device=offs.device)
+    out.scatter_(-1, torch.where(live, offs, torch.full_like(offs, num_tiles)), True)
+    return out[..., :num_tiles]
+
+
+def assert_plan_layout(fast_plan, ref_plan):
+    """Same block sizes, options, shapes and indices."""
+    assert (fast_plan.block_m, fast_plan.block_n) == (ref_plan.block_m, ref_plan.block_n)
+    assert fast_plan.early_stop == ref_plan.early_stop and fast_plan.pv_skip == ref_plan.pv_skip
+    for name in ("tile_offsets", "tile_counts", "masked_counts"):
+        a, b = getattr(fast_plan, name), getattr(ref_plan, name)
+        assert a.dtype == torch.int32 and a.shape == b.shape, (name, a.shape, b.shape)
+
+
+def plans_identical(a, b) -> bool:
+    return all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("tile_offsets", "tile_counts", "masked_counts"))
+
+
+def mass_bounds(p, cand, tau, head, total):
+    """(surely kept, possibly kept) candidates under the top_mass rule, float64, with the EPS margins."""
+    p = torch.where(cand, p, torch.zeros((), dtype=p.dtype, device=p.device))
+    T = tau * total
+    srt, _ = torch.sort(p, dim=-1)  # ascending
+    csum = torch.cumsum(srt.flip(-1), -1).flip(-1)  # csum[r] = mass of the sorted entries >= srt[r]
+    csum = torch.cat([csum, torch.zeros_like(csum[..., :1])], -1)
+    tol = EPS_P * p + 1e-12
+    # mass of everything that might come before j (p_i >= p_j - tol, i != j) and that surely does (p_i > p_j + tol)
+    lo_idx = torch.searchsorted(srt.contiguous(), (p - tol).contiguous(), right=False)
+    hi_idx = torch.searchsorted(srt.contiguous(), (p + tol).contiguous(), right=True)
+    maybe_before = torch.gather(csum, -1, lo_idx) - p
+    sure_before = torch.gather(csum, -1, hi_idx)
+    sure = cand & (head + maybe_before < T - EPS_M)
+    maybe = cand & (head + sure_before < T + EPS_M)
+    return sure, maybe
+
+
+def assert_keep_agrees(fast_keep, sure, maybe, *, max_ambiguous_rows=0.2, what=""):
+    """sure <= fast_keep <= maybe everywhere; returns the number of rows with ambiguous blocks."""
+    missing = sure & ~fast_keep
+    extra = fast_keep & ~maybe
+    assert not bool(missing.any()), f"{what}: {int(missing.sum())} surely-kept blocks dropped at {missing.nonzero()[:5].tolist()}"
+    assert not bool(extra.any()), f"{what}: {int(extra.sum())} surely-dropped blocks kept at {extra.nonzero()[:5].tolist()}"
+    amb_rows = int((maybe & ~sure).any(-1).sum())
+    rows = fast_keep[..., 0].numel()
+    assert amb_rows <= max_ambiguous_rows * rows, f"{what}: {amb_rows}/{rows} rows ambiguous (margins too wide?)"
+    return amb_rows
+
+
+def reference_bounds(select, q, k, scale, r, config):
+    """Float64 masses of the reference selector for (sure, maybe) keep bounds at its block level.
+
+    Returns (sure, maybe) bool (B, H, nqb, nkt) including the forced tiles, restricted to visible tiles.
+    """
+    qd, kd = q.double(), k.double()
+    B, Hq, Nq, _ = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if select == "pbs":
+        p = config.pbs
+        bs = p.block_size
+        vis = visibility(Nq, Nk, bs, bs, r, B, Hq, q.device)
+        visible = vis != VISIBLE_NONE
+        keys, valid = logical_keys(kd, r.key_index)
+        diag = diagonal_tiles(vis, r, Nq, Nk, bs, bs)
+        cand = visible & ~diag if r.segment_size is not None else visible
+        prob = masked_softmax(group_scores(block_mean(qd, bs), block_mean(keys, bs, valid)) * scale, cand)
+        forced = diag | (first_key_tile(r, Nk, bs, B, Hq, q.device) if p.keep_first_block else False)
+        total = prob.sum(-1, keepdim=True)
+        sure, maybe = mass_bounds(prob, cand, p.threshold, 0.0, total)
+    elif select == "sparge":
+        p = config.sparge
+        bm, bn = p.block_size_q, p.block_size_kv
+        vis = visibility(Nq, Nk, bm, bn, r, B, Hq, q.device)
+        visible = vis != VISIBLE_NONE
+        keys, valid = logical_keys(kd, r.key_index)
+        sq = block_self_similarity(qd, bm)
+        sk = block_self_similarity(keys, bn, valid)
+        # a judgement within EPS_SIM of theta could go either way: not expected on these inputs
+        assert not bool(((sq - p.similarity_threshold).abs() < EPS_SIM).any())
+        assert not bool(((sk - p.similarity_threshold).abs() < EPS_SIM).any())
+        q_odd = sq < p.similarity_threshold
+        k_odd = bcast_heads(sk < p.similarity_threshold, Hq)
+        cand = visible & ~k_odd[:, :, None, :]
+        prob = masked_softmax(group_scores(block_mean(qd, bm), block_mean(keys, bn, valid)) * scale, cand)
+        forced = q_odd[..., None] | k_odd[:, :, None, :] | diagonal_tiles(vis, r, Nq, Nk, bm, bn)
+        sure, maybe = mass_bounds(prob, cand, p.cdf_threshold, 0.0, prob.sum(-1, keepdim=True))
+    elif select == "bfla_coarse":
+        p = config.bfla
+        b = p.coarse_block_size
+        visible = visibility(Nq, Nk, b, b, r, B, Hq, q.device) != VISIBLE_NONE
+        score = bfla_block_scores(qd, kd, b, p.group_size, r.key_index) * scale
+        prob = masked_softmax(score, visible)
+        forced = torch.zeros_like(visible)
+        sure, maybe = mass_bounds(prob, visible, p.mass_threshold, 0.0, prob.sum(-1, keepdim=True))
+    else:
+        raise ValueError(select)
+    return (sure | forced) & visible, (maybe | forced) & visible
+
+
+def fast_bfla_coarse(q, k, scale, r, config):
+    """The fast path's coarse BFLA mass (B, Hq, LQ, LK) bool (the internals of select_bfla_fast)."""
+    sel = fast._selection()
+    p = config.bfla
+    b = p.coarse_block_size
+    B, Hq, Nq, _ = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    L = r.key_index.shape[-1] if r.key_index is not None else Nk
+    cpos = sel.block_pool(k, b, key_index=r.key_index, want_mean=False, want_pos=True) if r.key_index is not None else None
+    score = sel.bfla_block_scores(q, k, b, p.group_size, r.key_index, r.segment_size if r.key_index is not None else 1)
+    keep = sel.mass_select(score, batch=B, heads=Hq, kv_heads=Hkv, num_query_blocks=-(-Nq // b),
+                           num_key_tiles=-(-L // b), num_queries=Nq, num_keys=Nk, block_m=b, block_n=b, scale=scale,
+                           tau=p.mass_threshold, segment=r.segment_size or 0, tile_pos=cpos, write_plan=False,
+                           write_keep=True, device=q.device)[3]
+    return keep != 0
+
+
+def reference_bfla_coarse(q, k, scale, r, config):
+    p = config.bfla
+    b = p.coarse_block_size
+    B, Hq, Nq, _ = q.shape
+    Nk = k.shape[2]
+    cvis = visibility(Nq, Nk, b, b, r, B, Hq, q.device) != VISIBLE_NONE
+    score = bfla_block_scores(q, k, b, p.group_size, r.key_index) * scale
+    return top_mass(masked_softmax(score, cvis), cvis, p.mass_threshold)
+
+
+def assert_order_agrees(fast_idx, ref_idx, scores, segments, what=""):
+    """Orders identical, or differing only by swaps of entries whose scores are within EPS_ORDER (relative).
+
+    ``segments``: list of (start, stop) ranges of the index rows that are sorted by descending ``scores``
+    (``scores`` gives the score of each *physical* index, per row; shape (..., n) broadcast against the rows).
+    """
+    if torch.equal(fast_idx, ref_idx):
+        return 0
+    fi, ri = fast_idx.long(), ref_idx.long()
+    lead = fi.shape[:-1]
+    sc = scores.expand(*lead, scores.shape[-1]) if scores.dim() == fi.dim() else scores
+    differ = 0
+    for a, z in segments:
+        f, rr = fi[..., a:z], ri[..., a:z]
+        if torch.equal(f, rr):
+            continue
+        assert torch.equal(f.sort(-1).values, rr.sort(-1).values), f"{what}: segment [{a}, {z}) holds other entries"
+        sf = torch.gather(sc, -1, f.clamp_min(0))
+        tol = EPS_ORDER * sc.abs().amax(-1, keepdim=True) + 1e-30
+        assert bool((sf[..., 1:] <= sf[..., :-1] + tol).all()), f"{what}: segment [{a}, {z}) not descending"
+        # same position, same score up to the margin: the only freedom is among near-equal scores
+        sr = torch.gather(sc, -1, rr.clamp_min(0))
+        assert bool(((sf - sr).abs() <= tol).all()), f"{what}: segment [{a}, {z}) ranks differ beyond ties"
+        differ += int((f != rr).sum())
+    return differ
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU (Triton interpreter)
+
+
+def _pbs_segments(n, seg):
+    return [(s * seg, (s + 1) * seg) for s in range(n // seg)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_pbs_reorder_and_select_agree(dtype):
+    B, Hq, Hkv, N, D = 2, 4, 2, 200, 16
+    q, k = structured_qk(B, Hq, Hkv, N, N, D, 16, seed=1, dtype=dtype)
+    cfg = _config("pbs", "pbs")
+    scale = 1 / math.sqrt(D)
+    r_ref = REORDER_STAGES["pbs"](q, k, scale, cfg)
+    r_fast = fast.reorder_pbs_fast(q, k, scale, cfg)
+    imp = pbs_key_importance(q.double(), k.double(), scale, cfg.pbs.block_size)
+    assert r_fast.key_index.dtype == torch.int32 and r_fast.segment_size == r_ref.segment_size
+    assert_order_agrees(r_fast.key_index, r_ref.key_index, imp, _pbs_segments(N, 32), "pbs key order")
+    assert torch.equal(r_fast.key_index[..., (N // 32) * 32:], r_ref.key_index[..., (N // 32) * 32:])
+    # stage-wise: the same reordering in, the same blocks out
+    p_fast = fast.select_pbs_fast(q, k, scale, r_ref, cfg)
+    p_ref = stage_functions("pbs", "pbs", False)[1](q, k, scale, r_ref, cfg)
+    assert_plan_layout(p_fast, p_ref)
+    check_plan(p_fast, q, k)
+    if not plans_identical(p_fast, p_ref):
+        sure, maybe = reference_bounds("pbs", q, k, scale, r_ref, cfg)
+        assert_keep_agrees(keep_table(p_fast, sure.shape[-1]), sure, maybe, what="pbs")
+    # a kept set determines the plan: the masked/unmasked split and the order must match exactly
+    nkt = -(-N // 16)
+    same = (keep_table(p_fast, nkt) == keep_table(p_ref, nkt)).all(-1)
+    assert bool((p_fast.masked_counts == p_ref.masked_counts)[same].all())
+    assert bool((p_fast.tile_offsets == p_ref.tile_offsets)[same].all())
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 1, 201, 201, 16), (1, 2, 2, 77, 150, 8)], ids=["gqa-ragged", "chunked"])
+@pytest.mark.parametrize("reorder", ["none", "pbs"])
+def test_sparge_select_agrees(reorder, shape):
+    B, Hq, Hkv, Nq, Nk, D = shape
+    q, k = structured_qk(B, Hq, Hkv, Nq, Nk, D, 16, seed=2)
+    cfg = _config(reorder, "sparge")
+    scale = 1 / math.sqrt(D)
+    r = REORDER_STAGES[reorder](q, k, scale, cfg)
+    p_fast = fast.select_sparge_fast(q, k, scale, r, cfg)
+    p_ref = stage_functions(reorder, "sparge", False)[1](q, k, scale, r, cfg)
+    assert_plan_layout(p_fast, p_ref)
+    check_plan(p_fast, q, k)
+    if not plans_identical(p_fast, p_ref):
+        sure, maybe = reference_bounds("sparge", q, k, scale, r, cfg)
+        assert_keep_agrees(keep_table(p_fast, sure.shape[-1]), sure, maybe, what="sparge")
+
+
+@pytest.mark.parametrize("reorder", ["none", "pbs"])
+def test_bfla_select_agrees(reorder):
+    B, Hq, Hkv, Nq, Nk, D = 2, 4, 2, 150, 230, 16
+    params = dict(SMALL, bfla=BFLAParams(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16,
+                                         local_tiles=1, stride=4, random_rescue=0.2))
+    cfg = _config(reorder, "bfla", params)
+    q, k = structured_qk(B, Hq, Hkv, Nq, Nk, D, 16, seed=3)
+    scale = 1 / math.sqrt(D)
+    r = REORDER_STAGES[reorder](q, k, scale, cfg)
+    # coarse mass per query head: agreement up to ambiguous blocks
+    coarse_fast = fast_bfla_coarse(q, k, scale, r, cfg)
+    coarse_ref = reference_bfla_coarse(q, k, scale, r, cfg)
+    if not torch.equal(coarse_fast, coarse_ref):
+        sure, maybe = reference_bounds("bfla_coarse", q, k, scale, r, cfg)
+        assert_keep_agrees(coarse_fast, sure, maybe, what="bfla coarse")
+    # the tile stage exactly, from the reference's coarse mass
+    sel = fast._selection()
+    p = cfg.bfla
+    tpos = sel.block_pool(k, 16, key_index=r.key_index, want_mean=False, want_pos=True) if r.key_index is not None else None
+    tables = sel.bfla_tiles(coarse_ref.to(torch.int8), batch=B, kv_heads=Hkv, group=Hq // Hkv, num_queries=Nq,
+                            num_keys=Nk, key_len=Nk, coarse=32, tile_q=16, tile_k=16, local_tiles=p.local_tiles,
+                            sink_tiles=p.sink_tiles, stride=p.stride, random_rescue=p.random_rescue, seed=p.seed,
+                            tile_pos=tpos, segment=r.segment_size or 0)
+    p_ref = stage_functions(reorder, "bfla", False)[1](q, k, scale, r, cfg)
+    for name, t in zip(("tile_offsets", "tile_counts", "masked_counts"), tables):
+        assert torch.equal(t, getattr(p_ref, name)), name
+    # and the whole fast stage
+    p_fast = fast.select_bfla_fast(q, k, scale, r, cfg)
+    assert_plan_layout(p_fast, p_ref)
+    check_plan(p_fast, q, k)
+    if torch.equal(coarse_fast, coarse_ref):
+        assert plans_identical(p_fast, p_ref)
+
+
+@pytest.mark.parametrize("sort_queries", [True, False])
+def test_s2o_reorder_and_select_agree(sort_queries):
+    B, Hq, Hkv, N, D = 2, 4, 2, 200, 16
+    params = dict(SMALL, s2o=S2OParams(segment_size=64, block_size_q=16, block_size_kv=16,
+                                       sort_queries=sort_queries))
+    cfg = _config("s2o", "s2o", params)
+    q, k = structured_qk(B, Hq, Hkv, N, N, D, 16, seed=4)
+    scale = 1 / math.sqrt(D)
+    r_ref = REORDER_STAGES["s2o"](q, k, scale, cfg)
+    r_fast = fast.reorder_s2o_fast(q, k, scale, cfg)
+    lay = r_ref.extras["layout"]
+    assert r_fast.extras["layout"] == lay
+    S, g = 64, len(lay.seg_len)
+    if sort_queries:
+        kg = k[:, :, :S].double().mean(2)
+        sq = (q.double().view(B, Hkv, Hq // Hkv, N, D) * kg[:, :, None, None]).sum(-1).view(B, Hq, N)
+        assert_order_agrees(r_fast.query_index, r_ref.query_index, sq, [(s * S, min(N, (s + 1) * S)) for s in range(g)],
+                            "s2o query order")
+    else:
+        assert r_fast.query_index is None and r_ref.query_index is None
+    # key list: own keys exact, each ranked prefix in descending <q_mean[n], K> order
+    qm = block_mean(q.double(), S).view(B, Hkv, Hq // Hkv, g, D).mean(2)
+    ki_f, ki_r = r_fast.key_index, r_ref.key_index
+    assert ki_f.shape == ki_r.shape and ki_f.dtype == torch.int32
+    for n in range(g):
+        a = lay.base[n]
+        assert torch.equal(ki_f[..., a: a + lay.intra_pad[n]], ki_r[..., a: a + lay.intra_pad[n]])
+        if n:
+            s_n = (qm[:, :, n, None, :] @ k.double().transpose(-1, -2)[..., : n * S])[..., 0, :]  # (B, Hkv, nS)
+            z = a + lay.intra_pad[n]
+            assert_order_agrees(ki_f[..., z: z + n * S], ki_r[..., z: z + n * S], s_n, [(0, n * S)],
+                                f"s2o prefix {n}")
+    p_fast = fast.select_s2o_fast(q, k, scale, r_ref, cfg)
+    p_ref = stage_functions("s2o", "s2o", False)[1](q, k, scale, r_ref, cfg)
+    assert_plan_layout(p_fast, p_ref)
+    assert plans_identical(p_fast, p_ref)
+
+
+@pytest.mark.parametrize("method", list(PRESETS))
+def test_build_plan_end_to_end(method):
+    """build_plan(fast) == build_plan(reference) on structured inputs, else explained by the stage tests above."""
+    B, Hq, Hkv, N, D = 1, 4, 2, 192, 16
+    q, k = structured_qk(B, Hq, Hkv, N, N, D, 16, seed=5)
+    v = torch.randn(B, Hkv, N, D)
+    cfg = _config(*PRESETS[method])
+    p_fast = build_plan(q, k, None, cfg, implementation="fast")
+    p_ref = build_plan(q, k, None, cfg, implementation="reference")
+    assert_plan_layout(p_fast, p_ref)
+    check_plan(p_fast, q, k)
+    d_fast = plan_density(p_fast, N, N, Hq)
+    d_ref = plan_density(p_ref, N, N, Hq)
+    assert float((d_fast - d_ref).abs().max()) < 0.05
+    out_f = reference_attention(q, k, v, p_fast)
+    out_r = reference_attention(q, k, v, p_ref)
+    assert float((out_f - out_r).norm() / out_r.norm()) < 0.02
+
+
+@pytest.mark.parametrize("method", list(PRESETS))
+def test_keep_all_plans_identical(method):
+    q, k = structured_qk(2, 4, 2, 100, 100, 8, 16, seed=6)
+    cfg = _config(*PRESETS[method]).keep_all()
+    scale = 1 / math.sqrt(8)
+    r = REORDER_STAGES[PRESETS[method][0]](q, k, scale, cfg)
+    p_fast = fast.FAST_SELECT_STAGES[PRESETS[method][1]](q, k, scale, r, cfg)
+    p_ref = stage_functions(*PRESETS[method], False)[1](q, k, scale, r, cfg)
+    assert_plan_layout(p_fast, p_ref)
+    assert plans_identical(p_fast, p_ref)
+
+
+def test_exact_ties_follow_the_stable_order():
+    """Identical keys: equal scores everywhere. The stable tie-break (lower index first) must be reproduced."""
+    B, Hq, Hkv, N, D = 1, 2, 1, 128, 16
+    q = torch.randn(B, Hq, N, D)
+    k = torch.randn(1, 1, 1, D).expand(B, Hkv, N, D).contiguous()
+    k[:, :, :3] = torch.randn(3, D) * 2  # a few distinct keys in the first tile
+    for method in ("pbs", "sparge", "bfla"):
+        cfg = _config(*PRESETS[method])
+        p_fast = build_plan(q, k, None, cfg, implementation="fast")
+        p_ref = build_plan(q, k, None, cfg, implementation="reference")
+        assert plans_identical(p_fast, p_ref), method
+        if p_ref.key_index is not None:
+            assert torch.equal(p_fast.key_index, p_ref.key_index)
+
+
+def test_top_mass_rule_with_ties_and_head_start():
+    """The bisection rule of mass_select against _common.top_mass on exact (dyadic) masses with ties."""
+    sel = fast._selection()
+    g = torch.Generator().manual_seed(0)
+    B, H, nqb, nkt, bm = 1, 2, 8, 8, 16
+    # block scores in units of 1/64 (sums exact in float32), with many exact ties
+    scores = torch.randint(0, 6, (B, H, nqb, nkt), generator=g).float() / 64
+    # XAttention mode: visible tiles' scores, forced tiles (diagonal + first) count first
+    vis = visibility(nqb * bm, nqb * bm, bm, bm, REORDER_STAGES["none"](None, None, 1.0, None), B, H, "cpu")
+    visible = vis != VISIBLE_NONE
+    for tau in (0.0, 0.3, 0.5, 0.77, 0.9, 1.0 - 1 / 128):
+        offs, cnt, msk, keep = sel.mass_select(
+            scores, batch=B, heads=H, kv_heads=H, num_query_blocks=nqb, num_key_tiles=nkt, num_queries=nqb * bm,
+            num_keys=nqb * bm, block_m=bm, block_n=bm, tau=tau, mode=1, force_diag=True, force_first=True,
+            write_keep=True, device="cpu")
+        sc = torch.where(visible, scores, torch.zeros(()))
+        forced = (vis == 1) | (torch.arange(nkt) == 0)
+        forced = forced & visible
+        head = torch.where(forced, sc, torch.zeros(())).sum(-1, keepdim=True)
+        ref = top_mass(sc, visible & ~forced, tau, head_start=head, total=sc.sum(-1, keepdim=True)) | forced
+        assert torch.equal(keep != 0, ref & visible), tau
+
+
+def test_pieces_match_reference():
+    """Pooling statistics, visibility inputs, segmented argsort and BFLA scores against the reference functions."""
+    sel = fast._selection()
+    q, k = structured_qk(2, 4, 2, 150, 150, 24, 16, seed=7)
+    pool = sel.block_pool(q, 16, want_sim=True)
+    torch.testing.assert_close(pool["mean"], block_mean(q, 16), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool["sim"], block_self_similarity(q, 16), rtol=1e-5, atol=1e-5)
+    perm = torch.stack([torch.randperm(150) for _ in range(4)]).view(2, 2, 150).to(torch.int32)
+    perm[0, 1, 140:] = -1  # padding entries
+    kp = sel.block_pool(k, 32, key_index=perm, want_sim=True, want_pos=True)
+    keys, valid = logical_keys(k, perm)
+    torch.testing.assert_close(kp["mean"], block_mean(keys, 32, valid), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kp["sim"], block_self_similarity(keys, 32, valid), rtol=1e-5, atol=1e-5)
+    pos = torch.where(valid, perm.long(), torch.full_like(perm.long(), 2**31 - 1))
+    pos = torch.nn.functional.pad(pos, (0, 10), value=2**31 - 1).view(2, 2, 5, 32)
+    assert torch.equal(kp["kmin"].long(), pos.amin(-1))
+    # segmented argsort with ties and a ragged last segment
+    from sparse_compile.methods._common import segmented_argsort_desc
+
+    x = torch.randint(0, 5, (3, 2, 70)).float()
+    for seg, nseg in ((16, 4), (16, 5), (32, 2), (64, 1)):
+        assert torch.equal(sel.segmented_argsort_desc(x, seg, nseg), segmented_argsort_desc(x, seg, nseg).int())
+    # BFLA flatten-g scores (causal region; the reference fills all)
+    s_f = sel.bfla_block_scores(q, k, 32, 8)
+    s_r = bfla_block_scores(q, k, 32, 8)
+    vis = visibility(150, 150, 32, 32, REORDER_STAGES["none"](None, None, 1.0, None), 2, 4, "cpu") != VISIBLE_NONE
+    torch.testing.assert_close(s_f[vis], s_r[vis], rtol=1e-5, atol=1e-4)
+
+
+def test_dispatch_and_config_switch(monkeypatch):
+    q, k = structured_qk(1, 2, 1, 64, 64, 8, 16)
+    calls = []
+
+    def spy(q, k, scale, r, config):
+        calls.append("fast")
+        return stage_functions("pbs", "pbs", False)[1](q, k, scale, r, config)
+
+    monkeypatch.setitem(fast.FAST_SELECT_STAGES, "pbs", spy)
+    cfg = _config("pbs", "pbs")
+    build_plan(q, k, None, cfg)  # auto on CPU tensors: the reference
+    assert calls == []
+    build_plan(q, k, None, cfg, implementation="fast")
+    assert calls == ["fast"]
+    build_plan(q, k, None, SparseConfig(method="pbs", planner="fast", pbs=SMALL["pbs"]))
+    assert calls == ["fast", "fast"]
+    build_plan(q, k, None, SparseConfig(method="pbs", planner="fast", pbs=SMALL["pbs"]), implementation="reference")
+    assert calls == ["fast", "fast"]
+    with pytest.raises(ValueError, match="implementation"):
+        build_plan(q, k, None, cfg, implementation="gpu")
+    with pytest.raises(ValueError, match="planner"):
+        SparseConfig(planner="gpu")
+    with pytest.raises(ValueError, match="dtype"):
+        build_plan(q.double(), k.double(), None, cfg, implementation="fast")
+    # no interpreter and no CUDA: "fast" refuses, "auto" runs the reference
+    monkeypatch.setattr(fast._selection(), "interpreting", lambda: False)
+    with pytest.raises(ValueError, match="CUDA"):
+        build_plan(q, k, None, cfg, implementation="fast")
+    # a stage replaced through register_* is never swapped for its fast twin
+    def custom(q, k, scale, r, config):
+        raise NotImplementedError
+
+    monkeypatch.setitem(sparse_compile.methods.SELECT_STAGES, "pbs", custom)
+    assert stage_functions("pbs", "pbs", True)[1] is custom
+    assert stage_functions("pbs", "sparge", True)[1] is fast.FAST_SELECT_STAGES["sparge"]
+
+
+def test_density_reaches_runtime_stats():
+    """record_density: the per-head density of a fast-path plan reaches runtime_stats (visited tiles for S2O)."""
+    from sparse_compile import runtime_stats
+    from sparse_compile.report import reset_runtime_stats
+
+    q, k = structured_qk(1, 4, 2, 128, 128, 16, 16, seed=8)
+    v = torch.randn(1, 2, 128, 16)
+    for method in ("pbs", "s2o"):
+        reset_runtime_stats()
+        cfg = SparseConfig(method=method, planner="fast", record_density=True, min_seq_len=64, **SMALL)
+        sparse_compile.sparse_attention(q, k, v, config=cfg)
+        entry = runtime_stats()["sparse_attention"]
+        assert entry.last_path == "sparse"
+        dens = entry.last_density_per_head
+        assert dens is not None and len(dens) == 4
+        plan = build_plan(q, k, None, cfg)
+        _, visited = reference_attention(q, k, v, plan, return_visited=True)
+        from sparse_compile.plan import causal_tile_count
+
+        want = visited.double().sum(2).mean(0) / causal_tile_count(128, 128, plan.block_m, plan.block_n)
+        assert max(abs(a - float(b)) for a, b in zip(dens, want)) < 1e-9
+        if method == "pbs":
+            torch.testing.assert_close(torch.tensor(dens, dtype=torch.float32), plan_density(plan, 128, 128, 4)[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: bf16 at 8K and 16K, the methods' paper defaults
+
+
+GPU_SHAPES = [(1, 8, 2, 8192, 128), (2, 4, 2, 16384, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"B{s[0]}-Hq{s[1]}-Hkv{s[2]}-N{s[3]}-D{s[4]}")
+@pytest.mark.parametrize("method", list(PRESETS))
+def test_gpu_bf16_agreement(method, shape):
+    B, Hq, Hkv, N, D = shape
+    dev = "cuda"
+    reorder, select = PRESETS[method]
+    block = {"pbs": 128, "sparge": 64, "bfla": 64, "s2o": 128}[method]
+    q, k = structured_qk(B, Hq, Hkv, N, N, D, block, seed=9, dtype=torch.bfloat16, device=dev)
+    cfg = SparseConfig(method=method)
+    scale = 1 / math.sqrt(D)
+    r_ref = REORDER_STAGES[reorder](q, k, scale, cfg)
+    r_fast = fast.FAST_REORDER_STAGES[reorder](q, k, scale, cfg)
+    if reorder == "pbs":
+        imp = pbs_key_importance(q.double(), k.double(), scale, cfg.pbs.block_size)
+        assert_order_agrees(r_fast.key_index, r_ref.key_index, imp, _pbs_segments(N, cfg.pbs.segment_size), "pbs")
+    if reorder == "s2o":
+        lay = r_ref.extras["layout"]
+        S, g = cfg.s2o.segment_size, len(lay.seg_len)
+        kg = k[:, :, :S].double().mean(2)
+        sq = (q.double().view(B, Hkv, Hq // Hkv, N, D) * kg[:, :, None, None]).sum(-1).view(B, Hq, N)
+        assert_order_agrees(r_fast.query_index, r_ref.query_index, sq, [(s * S, (s + 1) * S) for s in range(g)], "q")
+        qm = block_mean(q.double(), S).view(B, Hkv, Hq // Hkv, g, D).mean(2)
+        for n in range(1, g):
+            z = lay.base[n] + lay.intra_pad[n]
+            s_n = (qm[:, :, n, None, :] @ k.double().transpose(-1, -2)[..., : n * S])[..., 0, :]
+            assert_order_agrees(r_fast.key_index[..., z: z + n * S], r_ref.key_index[..., z: z + n * S], s_n,
+                                [(0, n * S)], f"s2o prefix {n}")
+    p_ref = stage_functions(reorder, select, False)[1](q, k, scale, r_ref, cfg)
+    p_fast = fast.FAST_SELECT_STAGES[select](q, k, scale, r_ref, cfg)
+    assert_plan_layout(p_fast, p_ref)
+    check_plan(p_fast, q, k)
+    if method in ("pbs", "sparge") and not plans_identical(p_fast, p_ref):
+        sure, maybe = reference_bounds(select, q, k, scale, r_ref, cfg)
+        assert_keep_agrees(keep_table(p_fast, sure.shape[-1]), sure, maybe, what=method, max_ambiguous_rows=0.05)
+    if method == "bfla":
+        coarse_fast = fast_bfla_coarse(q, k, scale, r_ref, cfg)
+        coarse_ref = reference_bfla_coarse(q, k, scale, r_ref, cfg)
+        if torch.equal(coarse_fast, coarse_ref):
+            assert plans_identical(p_fast, p_ref)
+        else:
+            sure, maybe = reference_bounds("bfla_coarse", q, k, scale, r_ref, cfg)
+            assert_keep_agrees(coarse_fast, sure, maybe, what="bfla coarse", max_ambiguous_rows=0.05)
+    if method == "s2o":
+        assert plans_identical(p_fast, p_ref)
+    # and through build_plan (auto picks the fast path on CUDA): a plan the kernel runs, close to the reference
+    p_auto = build_plan(q, k, None, cfg)
+    d_auto = plan_density(p_auto, N, N, Hq)
+    d_ref = plan_density(build_plan(q, k, None, cfg, implementation="reference"), N, N, Hq)
+    assert float((d_auto - d_ref).abs().max()) < 0.01
