@@ -23,7 +23,8 @@ Supported configurations
 * ``Nq <= Nk`` (queries are the last ``Nq`` positions), any lengths.
 * Keys through ``key_index``: either gathered row by row inside the loop (``key_mode="gather"``) or, when the index
   has Hkv heads, copied once into a permuted contiguous K/V that the loop reads like ordinary keys, with the index
-  read only in masked tiles for positions (``key_mode="copy"``). ``"auto"`` picks by measurement (NOTES_kernel.md).
+  read only in masked tiles for positions (``key_mode="copy"``). ``"auto"`` copies when the index has Hkv heads
+  (one pass over K/V, amortised over every query head and tile) and gathers otherwise; see NOTES_kernel.md.
 * On Hopper and newer GPUs, K/V tiles of the contiguous paths are loaded through tensor descriptors (TMA) when the
   layout allows it (16-byte aligned strides); the portable pointer path is used otherwise and by the interpreter.
 
@@ -461,7 +462,7 @@ def _tma_view(x: torch.Tensor, block_rows: int, head_dim: int):
     B, H, N, D = x.shape
     sb, sh, sn, sd = x.stride()
     es = x.element_size()
-    if sd != 1 or D != head_dim or (sn * es) % 16 or x.data_ptr() % 16 or N == 0:
+    if sd != 1 or D != head_dim or sn <= 0 or (sn * es) % 16 or x.data_ptr() % 16 or N == 0:
         return None
     if (D * es) < 16:
         return None
@@ -595,6 +596,8 @@ def block_sparse_attention(
     if use_tma:
         kt, vt = _tma_view(kk, cfg.block_n, D), _tma_view(vv, cfg.block_n, D)
         if kt is None or vt is None:
+            log.debug("block_sparse_attention: K/V layout %s / %s not readable by TMA; pointer loads",
+                      tuple(kk.stride()), tuple(vv.stride()))
             use_tma = False
         else:
             desc_k, k_geo = kt[0], kt[1:]
@@ -610,6 +613,8 @@ def block_sparse_attention(
     n_qblk = nqb * q_split
     # trailing kernel blocks past Nq do nothing but must not exist: trim the last plan block's halves
     n_qblk = min(n_qblk, -(-Nq // cfg.block_m))
+    if n_qblk > 65535:  # CUDA's limit on the grid's second dimension
+        _fail(f"{n_qblk} query blocks of {cfg.block_m} rows exceed the launch grid (65535): use a larger block_m")
     grid = (B * Hq, n_qblk)
     _block_sparse_attn_fwd[grid](
         q, kk, vv, out, desc_k, desc_v,
