@@ -315,6 +315,70 @@ def test_empty_query():
     assert out.shape == q.shape and visited.shape == (1, 2, 0)
 
 
+# ------------------------------------------------------------------------------------ compiles for Hopper
+
+_COMPILE_FOR_SM90 = r"""
+import importlib, os, sys
+import triton
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:
+    print("NO_BACKEND"); sys.exit(0)
+m = importlib.import_module("sparse_compile.kernels.block_sparse_attention")
+fn = m._block_sparse_attn_fwd
+pointers = {"Q": "bf16", "K": "bf16", "V": "bf16", "Out": "bf16", "TileOffsets": "i32", "TileCounts": "i32",
+            "MaskedCounts": "i32", "KeyIndex": "i32", "QueryIndex": "i32", "Visited": "i32"}
+for tma, gather, stop in ((1, 0, 0), (0, 1, 0), (1, 0, 1)):
+    const = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=128, BLOCK_N=128, Q_SPLIT=1, TILE_SPLIT=1,
+                 HAS_KIDX=bool(gather), HAS_QIDX=False, KEY_GATHER=bool(gather), USE_TMA=bool(tma),
+                 EARLY_STOP=bool(stop), PV_SKIP=bool(stop), WRITE_VISITED=True, DOT_PREC="tf32", INT64_ROWS=False)
+    sig = {}
+    for name in fn.arg_names:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in ("desc_k", "desc_v"):
+            if tma:
+                sig[name] = "tensordesc<bf16[128, 128]>"
+            else:
+                sig[name] = "constexpr"
+                const[name] = None
+        elif name in pointers:
+            sig[name] = "*" + pointers[name]
+        elif name in ("qk_scale", "es_tau", "pv_lambda"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    k = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=8, num_stages=3))
+    ptx = k.asm["ptx"]
+    print(f"variant tma={tma} gather={gather} stop={stop}: wgmma={'wgmma.mma_async' in ptx} "
+          f"tma={'cp.async.bulk.tensor' in ptx} shared={k.metadata.shared}")
+"""
+
+
+def test_compiles_for_hopper_with_wgmma_and_tma():
+    """The interpreter misses compile errors (it once accepted a non-constexpr global): compile for sm_90 here."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
+                       timeout=600)
+    if "NO_BACKEND" in r.stdout:
+        pytest.skip("this Triton has no CUDA compiler backend")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [line for line in r.stdout.splitlines() if line.startswith("variant")]
+    assert len(lines) == 3, r.stdout
+    for line in lines:
+        assert "wgmma=True" in line, line  # Hopper tensor-core instructions
+        shared = int(line.rsplit("shared=", 1)[1])
+        assert shared <= 232448, line  # fits an H100's 227 KiB of shared memory per block
+    assert "tma=True" in lines[0] and "tma=True" in lines[2], lines  # K/V tiles through TMA
+
+
 # ----------------------------------------------------------------------------------------------------- GPU
 
 gpu = pytest.mark.gpu
