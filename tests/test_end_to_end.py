@@ -104,3 +104,21 @@ def test_transformers_sparsity_off_and_keep_all_equal_eager(kind):
             torch.testing.assert_close(compiled(ids).logits, ref, rtol=2e-4, atol=2e-5)
     stats = sparse_compile.runtime_stats()
     assert len(stats) == 2 and all(s.last_path == "sparse" for s in stats.values())
+
+
+def test_generate_prefill_sparse_decode_dense_tokens_equal_eager():
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    cfg._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (1, 100))
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=6, do_sample=False)
+        model.forward = torch.compile(model.forward, backend="sparse_prefill",
+                                      options=dict(SMALL_BLOCKS, pbs={"block_size": 16, "segment_size": 32,
+                                                                      "threshold": 1.0}))
+        out = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, ref)
+    stats = sparse_compile.runtime_stats()
+    # the prefill ran sparse at every layer; decode steps (q_len 1) are not causal SDPA calls: left dense
+    assert {s.calls[("sparse", "method pbs (reference)")] for s in stats.values()} == {1}
