@@ -72,8 +72,12 @@ _TINY = 1.1754943508222875e-38  # float32 tiny: the references' clamp of a row n
 _RANDOM_SALT = 0x5851F42D
 
 
+# read once, like @triton.jit itself reads it when the kernels are defined (and it is on the host hot path)
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _INTERPRETING
 
 
 def _pow2(x: int) -> int:
@@ -194,7 +198,7 @@ def _store_plan_rows(keep, part, j, jin, rin, obase, s_row, cnt_ptr, msk_ptr, ro
     tl.store(obase[:, None] + pos, (j * BN)[None, :] + pos * 0, mask=live)
     for t0 in range(W, NKT, W):
         jj = t0 + tl.arange(0, W)
-        tl.store(obase[:, None] + jj[None, :], (jj * BN)[None, :] + obase[:, None] * 0,
+        tl.store(obase[:, None] + jj[None, :], (jj * BN)[None, :] + rin[:, None].to(tl.int32) * 0,
                  mask=rin[:, None] & (jj < NKT)[None, :])
     tl.store(cnt_ptr + row, n0 + n1, mask=rin)
     tl.store(msk_ptr + row, n0, mask=rin)
@@ -252,8 +256,9 @@ def _pool_kernel(
             acc += tl.sum(x, 1)
         cnt += valid.to(tl.int32)
         if WANT_SIM:
-            nrm = tl.sqrt(tl.sum(x * x, 2))
-            accu += tl.sum(x / tl.maximum(nrm, 1.1754943508222875e-38)[:, :, None], 1)
+            # one reciprocal per row instead of a division per element
+            inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, 2)), 1.1754943508222875e-38)
+            accu += tl.sum(x * inv[:, :, None], 1)
         if WANT_POS:
             kmin = tl.minimum(kmin, tl.where(valid, phys, 2147483647))
             kmax = tl.maximum(kmax, tl.where(valid, phys, -1))
@@ -461,21 +466,32 @@ def _mass_select_kernel(
 
 
 def _rows_per_program(width: int, rows: int) -> int:
-    # about 4K elements per program on the GPU; under the interpreter every reduction is a slow Python call, so
-    # take as many rows as possible
-    per = 64 if interpreting() else max(1, 4096 // width)
+    # GPU: one warp per program holding up to 2048 elements, so that the 31 bisection reductions and the prefix
+    # sums of a row stay inside the warp (shuffles, no shared memory or barriers; v1 spread a row over 4-8 warps
+    # and was barrier-bound, see NOTES_selection.md). Interpreter: every reduction is a slow Python call, so take
+    # as many rows as possible.
+    per = 64 if interpreting() else max(1, _ROW_ELEMS // width)
     return max(1, min(_pow2(per), _pow2(rows)))
+
+
+#: elements of a (ROWS, W) row tile per warp: 32 per thread keeps the bisection's working set in registers
+#: (64 per thread spilled: 255 registers and a stack frame, seen in the compiler's resource report)
+_ROW_ELEMS = 1024
+
+
+def _row_warps(rows: int, width: int) -> int:
+    return max(1, rows * width // _ROW_ELEMS)
 
 
 @functools.lru_cache(maxsize=256)
 def plan_buckets(nqb: int, nkt: int, block_m: int, block_n: int, num_queries: int, num_keys: int, seg_bound: int,
-                 max_launches: int = 4) -> tuple:
+                 max_launches: int = 2) -> tuple:
     """``row_buckets`` of the rows' visible-tile bounds; cached per shape (host work, paid once per shape)."""
     return tuple(row_buckets(_row_limits(nqb, nkt, block_m, block_n, num_queries, num_keys, seg_bound),
                              max_launches))
 
 
-def row_buckets(limits: list[int], max_launches: int = 4) -> list[tuple[int, int, int]]:
+def row_buckets(limits: list[int], max_launches: int = 2) -> list[tuple[int, int, int]]:
     """Split rows with non-decreasing visible-tile bounds into launches ``(row0, row1, width)``.
 
     A row's width is the power of two >= its bound (>= 16); the narrowest widths are merged so that at most
@@ -569,7 +585,7 @@ def mass_select(
             BM=block_m, BN=block_n, SEG=int(segment), W=w, ROWS=rows, MODE=mode, HAS_KIDX=tile_pos is not None,
             EXCL_DIAG=exclude_diag, FORCE_DIAG=force_diag, FORCE_FIRST=force_first, JUDGE=judge is not None,
             KEEP_ALL=keep_all, WRITE_PLAN=write_plan, WRITE_KEEP=write_keep,
-            num_warps=4 if rows * w <= 2048 else 8,
+            num_warps=_row_warps(rows, w),
         )
     return offs, cnt, msk, keep
 
@@ -755,7 +771,7 @@ def bfla_tiles(mass: Optional[torch.Tensor], *, batch: int, kv_heads: int, group
             int(local_tiles), int(sink_tiles), max(1, int(stride)), seed_s, seed_r,
             int(random_rescue * 2**32),
             TQ=tile_q, TK=tile_k, CB=coarse, W=w, ROWS=rows, HAS_KIDX=tile_pos is not None, STRIDE_ON=stride > 0,
-            RANDOM_ON=random_rescue > 0, KEEP_ALL=keep_all, num_warps=4 if rows * w <= 2048 else 8,
+            RANDOM_ON=random_rescue > 0, KEEP_ALL=keep_all, num_warps=_row_warps(rows, w),
         )
     return offs, cnt, msk
 
@@ -810,10 +826,10 @@ def _pbs_lse_kernel(
 def _pbs_importance_kernel(
     q_ptr, s_qb, s_qh, s_qn, s_qd,
     k_ptr, s_kb, s_kh, s_kn, s_kd,
-    lse_ptr, imp_ptr, perm_ptr,
-    HKV, GROUP, Nq, Nk, R, SEG_END, qk_scale, count,
-    BN: tl.constexpr, R_PAD: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    PREC: tl.constexpr, WRITE_IMP: tl.constexpr, SORT: tl.constexpr,
+    m_ptr, s_ptr, imp_ptr, perm_ptr,
+    HKV, GROUP, Nq, Nk, R, NCH, SEG_END, qk_scale, count,
+    BN: tl.constexpr, R_PAD: tl.constexpr, RB: tl.constexpr, NCH_PAD: tl.constexpr, D: tl.constexpr,
+    D_PAD: tl.constexpr, PREC: tl.constexpr, WRITE_IMP: tl.constexpr, SORT: tl.constexpr,
 ):
     c = tl.program_id(0)
     bh = tl.program_id(1)
@@ -825,10 +841,11 @@ def _pbs_importance_kernel(
     kin = keys < Nk
     kt = tl.load(k_ptr + b.to(tl.int64) * s_kb + hk.to(tl.int64) * s_kh + keys.to(tl.int64)[:, None] * s_kn
                  + d[None, :] * s_kd, mask=kin[:, None] & dmask[None, :], other=0.0)
-    acc = tl.zeros([BN], tl.float32)
-    # the group's query heads share the key order (one permutation per KV head); rows in chunks of RB keep the
-    # (RB, BN) score tile in registers
-    for p in range(GROUP):
+    ch = tl.arange(0, NCH_PAD)
+    # scores are computed transposed, (keys, rows): the sum over query rows runs along axis 1, inside threads and
+    # warps, and the probabilities of every head and row chunk accumulate elementwise before one final reduction
+    acc = tl.zeros([BN, RB], tl.float32)
+    for p in range(GROUP):  # the group's query heads share the key order (one permutation per KV head)
         h = hk * GROUP + p
         for r0 in range(0, R_PAD, RB):
             rows = r0 + tl.arange(0, RB)
@@ -837,11 +854,16 @@ def _pbs_importance_kernel(
             qpos = qrow + (Nk - Nq)
             q = tl.load(q_ptr + b.to(tl.int64) * s_qb + h.to(tl.int64) * s_qh + qrow.to(tl.int64)[:, None] * s_qn
                         + d[None, :] * s_qd, mask=rin[:, None] & dmask[None, :], other=0.0)
-            lse = tl.load(lse_ptr + (b.to(tl.int64) * (HKV * GROUP) + h) * R_PAD + rows)
-            z = _dot(q, tl.trans(kt), PREC) * qk_scale
-            ok = (keys[None, :] <= qpos[:, None]) & kin[None, :] & rin[:, None]
-            acc += tl.sum(tl.where(ok, tl.exp2(z - lse[:, None]), 0.0), 0)
-    imp = acc / count
+            # this head's rows' base-2 log-sum-exp from the lse pass's per-chunk (max, sum) partials
+            pb = ((b.to(tl.int64) * (HKV * GROUP) + h) * R_PAD + rows[None, :]) * NCH + ch[:, None]
+            pm = tl.load(m_ptr + pb, mask=(ch < NCH)[:, None], other=-1.0e30)
+            ps = tl.load(s_ptr + pb, mask=(ch < NCH)[:, None], other=0.0)
+            mx = tl.max(pm, 0)
+            lse = mx + tl.log2(tl.sum(ps * tl.exp2(pm - mx[None, :]), 0))
+            zt = _dot(kt, tl.trans(q), PREC) * qk_scale  # (BN, RB)
+            ok = (keys[:, None] <= qpos[None, :]) & kin[:, None] & rin[None, :]
+            acc += tl.where(ok, tl.exp2(zt - lse[None, :]), 0.0)
+    imp = tl.sum(acc, 1) / count
     if WRITE_IMP:
         tl.store(imp_ptr + bh.to(tl.int64) * Nk + keys, imp, mask=kin)
     if SORT:
@@ -872,9 +894,8 @@ def _pbs_lse(q, k, scale, r, prec):
         q, *q.stride(), k, *k.stride(), m, s, Hq, Hq // Hkv, Nq, Nk, r, nch, scale * _LOG2E,
         CH=ch, BN=bn, R_PAD=r_pad, D=D, D_PAD=d_pad, PREC=prec, num_warps=4 if r_pad <= 64 else 8, num_stages=3,
     )
-    # combine the chunks' partial (max, sum) into the base-2 log-sum-exp of each row (tiny tensors)
-    mx = m.amax(-1, keepdim=True)
-    return (mx.squeeze(-1) + torch.log2((s * torch.exp2(m - mx)).sum(-1))).contiguous(), r_pad
+    # the importance pass combines the chunks' partial (max, sum) itself: no small torch ops on the hot path
+    return m, s, r_pad, nch
 
 
 def pbs_key_importance(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int) -> torch.Tensor:
@@ -895,22 +916,22 @@ def _pbs_pass2(q, k, scale, rows, *, segment, want_imp):
     Hkv, Nk = k.shape[1], k.shape[2]
     r = min(rows, Nq)
     prec = _f32_prec(q.dtype)
-    lse, r_pad = _pbs_lse(q, k, scale, r, prec)
+    m, s, r_pad, nch = _pbs_lse(q, k, scale, r, prec)
     d_pad = max(16, triton.next_power_of_2(D))
     fuse = segment > 0 and segment & (segment - 1) == 0 and segment <= 1024 and not want_imp
     bn = segment if fuse else (16 if interpreting() else 128)
     imp = torch.empty(B, Hkv, Nk, dtype=torch.float32, device=q.device) if (want_imp or not fuse) else None
     perm = torch.empty(B, Hkv, Nk, dtype=torch.int32, device=q.device) if fuse else None
-    rb = r_pad if interpreting() else min(r_pad, max(16, (128 * 128) // bn))
+    rb = r_pad if interpreting() else min(r_pad, max(16, (64 * 256) // bn))
     dummy_f = torch.empty(1, dtype=torch.float32, device=q.device)
     dummy_i = torch.empty(1, dtype=torch.int32, device=q.device)
     _pbs_importance_kernel[(triton.cdiv(Nk, bn), B * Hkv)](
-        q, *q.stride(), k, *k.stride(), lse, imp if imp is not None else dummy_f,
+        q, *q.stride(), k, *k.stride(), m, s, imp if imp is not None else dummy_f,
         perm if perm is not None else dummy_i,
-        Hkv, Hq // Hkv, Nq, Nk, r, (Nk // segment) * segment if segment else 0, scale * _LOG2E,
+        Hkv, Hq // Hkv, Nq, Nk, r, nch, (Nk // segment) * segment if segment else 0, scale * _LOG2E,
         float((Hq // Hkv) * r),
-        BN=bn, R_PAD=r_pad, RB=rb, D=D, D_PAD=d_pad, PREC=prec, WRITE_IMP=imp is not None, SORT=fuse,
-        num_warps=8 if bn * rb >= 128 * 128 else 4, num_stages=2,
+        BN=bn, R_PAD=r_pad, RB=rb, NCH_PAD=max(2, triton.next_power_of_2(nch)), D=D, D_PAD=d_pad, PREC=prec,
+        WRITE_IMP=imp is not None, SORT=fuse, num_warps=8 if bn * rb >= 128 * 128 else 4, num_stages=2,
     )
     if segment and not fuse:
         perm = segmented_argsort_desc(imp, segment, Nk // segment)
@@ -1027,7 +1048,7 @@ def s2o_rank_keys(k: torch.Tensor, q_mean: torch.Tensor, segment: int) -> tuple[
         raise ValueError(f"s2o_rank_keys: N={N} too long for 64-bit packed keys")
     d_pad = max(16, triton.next_power_of_2(D))
     g_pad = max(16, triton.next_power_of_2(g))
-    bt = 16 if interpreting() else 128
+    bt = 16 if interpreting() else 64  # 128 x 64 int64 keys per 4 warps spilled (stack frame of 512 bytes)
     flat = out.view(B * Hkv, tot)
     chunks = []
     for bh0 in range(0, B * Hkv, per_chunk):  # one chunk unless N is huge (bits run out)
