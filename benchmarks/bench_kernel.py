@@ -24,6 +24,7 @@ the kept tiles), and efficiency = rho * t_sdpa / t (1.0 = perfectly proportional
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -60,6 +61,31 @@ B, HQ, HKV, D = 1, 32, 8, 128
 BLOCK = 128
 SEGMENT = 256
 DTYPE = torch.bfloat16  # --dtype float16 for CPU dry runs: bf16 tl.dot is wrong in Triton's interpreter
+
+
+def parse_config(spec: str) -> KernelConfig:
+    """``bm,bn,warps,stages[,key=value...]`` -> KernelConfig, e.g. ``128,128,8,3,order=heads,offsets=inloop``."""
+    parts = spec.split(",")
+    bm, bn, w, st = (int(x) for x in parts[:4])
+    extra = {}
+    for kv in parts[4:]:
+        key, val = kv.split("=", 1)
+        if key in ("masked_stages",):
+            extra[key] = int(val)
+        elif key == "use_tma":
+            extra[key] = val.lower() in ("1", "true", "on")
+        else:
+            extra[key] = val
+    return KernelConfig(bm, bn, num_warps=w, num_stages=st, **extra)
+
+
+def config_name(cfg: KernelConfig) -> str:
+    s = f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}"
+    for key, default in (("masked_stages", None), ("use_tma", None), ("order", "group"), ("offsets", "prefetch")):
+        val = getattr(cfg, key)
+        if val != default:
+            s += f",{key}={val}"
+    return s
 
 
 def log(msg: str) -> None:
@@ -185,10 +211,12 @@ def sweep(args) -> None:
             keep_p = keep | ((vis_p == VISIBLE_PARTIAL) & (vis == VISIBLE_NONE))
             plan_p = plan_from_block_mask(keep_p, vis_p, BLOCK, BLOCK, key_index=kidx)
             row = {"N": n, "rho": round(rho_real, 4), "sdpa_ms": t_sdpa}
+            cfg = parse_config(args.config) if args.config else None
             contenders = {
-                "bsa": lambda q, k, v: block_sparse_attention(q, k, v, plan),
-                "bsa_kidx_gather": lambda q, k, v: block_sparse_attention(q, k, v, plan_p, key_mode="gather"),
-                "bsa_kidx_copy": lambda q, k, v: block_sparse_attention(q, k, v, plan_p, key_mode="copy"),
+                "bsa": lambda q, k, v: block_sparse_attention(q, k, v, plan, config=cfg),
+                "bsa_kidx_gather": lambda q, k, v: block_sparse_attention(q, k, v, plan_p, key_mode="gather",
+                                                                          config=cfg),
+                "bsa_kidx_copy": lambda q, k, v: block_sparse_attention(q, k, v, plan_p, key_mode="copy", config=cfg),
             }
             if not args.no_flex:
                 def flex_fn(q, k, v, _bm=[None]):
@@ -238,6 +266,7 @@ def sweep(args) -> None:
     for name in ("flex", "bsa", "bsa_kidx_gather", "bsa_kidx_copy"):
         cols += [f"{name}_ms", f"{name}_tflops", f"{name}_eff"]
     meta = dict(B=B, Hq=HQ, Hkv=HKV, D=D, dtype=str(DTYPE), block=BLOCK, segment=SEGMENT, seed=args.seed,
+                config=args.config or "default_config",
                 note="efficiency = rho * t_sdpa / t; TFLOP/s over visible pairs of computed tiles")
     table = write_results(args.name, rows, meta=meta, columns=cols, out_dir=args.out)
     errs = sorted({c for r in rows for c in r if "_err_" in c})
@@ -255,9 +284,7 @@ def tune(args) -> None:
     gen = torch.Generator(device=dev)
     gen.manual_seed(args.seed)
     rows = []
-    configs = []
-    for bm, bn, w, s in args.configs:
-        configs.append(KernelConfig(bm, bn, num_warps=w, num_stages=s))
+    configs = [parse_config(c) for c in args.configs]
     for n in args.n:
         warmup, rep = bench_params(n, args.time_scale)
         sets = [tuple(torch.randn(B, h, n, D, device=dev, dtype=DTYPE, generator=gen) for h in (HQ, HKV, HKV))
@@ -279,14 +306,15 @@ def tune(args) -> None:
             plan_p = plan_from_block_mask(keep_p, vis_p, BLOCK, BLOCK, key_index=kidx)
             variants = []
             for cfg in configs:
+                if cfg.offsets == "causal_walk" and rho < 1.0:
+                    continue  # the causal walk ignores the plan: only a dense causal plan is the same work
                 variants.append(("bsa", cfg, None, plan))
             for mode in args.kidx_modes:
                 for cfg in configs[: args.kidx_configs]:
                     variants.append((f"kidx_{mode}", cfg, mode, plan_p))
             for tma in args.tma_off_for:
                 cfg = configs[tma]
-                variants.append(("bsa_notma", KernelConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                                                           use_tma=False), None, plan))
+                variants.append(("bsa_notma", dataclasses.replace(cfg, use_tma=False), None, plan))
             for name, cfg, mode, pl in variants:
                 def fn(q, k, v, _pl=pl, _cfg=cfg, _mode=mode):
                     return block_sparse_attention(q, k, v, _pl, config=_cfg, key_mode=_mode or "auto")
@@ -295,15 +323,14 @@ def tune(args) -> None:
                 out = guarded(lambda: fn(*sets[0]), catch_all=True)
                 compile_s = time.time() - t0
                 if not isinstance(out, torch.Tensor):
-                    rows.append({"N": n, "rho": rho_real, "variant": name, "config": str(cfg), "ms": out})
+                    rows.append({"N": n, "rho": rho_real, "variant": name, "config": config_name(cfg), "ms": out})
                     log(f"  {name} {cfg}: {out}")
                     continue
                 err = rel(out, ref) if rho >= 1.0 else None
                 del out
                 t = time_ms(Rotating(fn, sets), warmup=warmup, rep=rep)
                 r = {"N": n, "rho": round(rho_real, 4), "variant": name,
-                     "config": f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
-                               + ("" if cfg.use_tma is None else f" tma={cfg.use_tma}"),
+                     "config": config_name(cfg),
                      "ms": t, "vs_sdpa": t_sdpa / t, "eff": rho_real * t_sdpa / t, "err_vs_sdpa": err,
                      "compile_s": round(compile_s, 1)}
                 rows.append(r)
@@ -329,8 +356,11 @@ def main(argv=None) -> None:
     p.add_argument("--no-kidx", action="store_true")
     p.add_argument("--name", default=None)
     p.add_argument("--out", default=os.environ.get("OUT") or None, help="results folder (default benchmarks/results)")
-    p.add_argument("--configs", type=lambda s: tuple(int(x) for x in s.split(",")), nargs="+",
-                   default=[(128, 128, 8, 3)], help="tune: bm,bn,warps,stages ...")
+    p.add_argument("--configs", nargs="+", default=["128,128,8,3"],
+                   help="tune: bm,bn,warps,stages[,order=group|heads][,offsets=prefetch|inloop|causal_walk]"
+                        "[,masked_stages=S][,use_tma=0|1] ...")
+    p.add_argument("--config", default=None, help="sweep: launch config of every bsa contender (default: the "
+                                                   "kernel's default_config), same syntax as --configs")
     p.add_argument("--kidx-modes", nargs="*", default=["gather", "copy"])
     p.add_argument("--kidx-configs", type=int, default=1, help="tune: how many configs to try on key_index paths")
     p.add_argument("--tma-off-for", type=int, nargs="*", default=[], help="tune: config indices to rerun without TMA")

@@ -172,6 +172,14 @@ def _attn_fwd_tile(
 
 
 @triton.jit
+def _tile_start(tile_ptr, j, j_end, stride_tt, TILE_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """First logical key of kernel tile ``j`` (plan tile ``j // TILE_SPLIT``); clamped to the last tile so that a
+    prefetch one past the end reads inside the list."""
+    j = tl.maximum(tl.minimum(j, j_end - 1), 0)
+    return tl.load(tile_ptr + (j // TILE_SPLIT) * stride_tt, mask=j_end > 0, other=0) + (j % TILE_SPLIT) * BLOCK_N
+
+
+@triton.jit
 def _block_sparse_attn_fwd(
     Q, K, V, Out, desc_k, desc_v,
     TileOffsets, TileCounts, MaskedCounts, KeyIndex, QueryIndex, Visited,
@@ -186,13 +194,14 @@ def _block_sparse_attn_fwd(
     stride_kib, stride_kih, stride_kip,
     stride_qib, stride_qih, stride_qip,
     k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
-    H_Q, N_Q, N_K, KEY_LEN, N_QBLK, N_PBLK,
+    H_Q, N_Q, N_K, KEY_LEN, N_QBLK, N_PBLK, N_BH,
     GQA, PLAN_DIV, KIDX_DIV, QIDX_DIV,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_SPLIT: tl.constexpr, TILE_SPLIT: tl.constexpr,
     HAS_KIDX: tl.constexpr, HAS_QIDX: tl.constexpr, KEY_GATHER: tl.constexpr, USE_TMA: tl.constexpr,
     EARLY_STOP: tl.constexpr, PV_SKIP: tl.constexpr, WRITE_VISITED: tl.constexpr, DOT_PREC: tl.constexpr,
-    INT64_ROWS: tl.constexpr,
+    INT64_ROWS: tl.constexpr, STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, OFFSET_MODE: tl.constexpr,
+    GROUP_ORDER: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(HEAD_DIM <= HEAD_DIM_PAD)
@@ -201,11 +210,27 @@ def _block_sparse_attn_fwd(
     # early stop and P.V skip decide per plan tile and per plan query block: no sub-tiles then
     tl.static_assert(not ((EARLY_STOP or PV_SKIP) and (TILE_SPLIT > 1 or Q_SPLIT > 1)))
 
-    pid_bh = tl.program_id(0)
-    qblk = N_QBLK - 1 - tl.program_id(1)  # heavy (late) query blocks first
-    b = pid_bh // H_Q
-    h = pid_bh % H_Q
-    hkv = h // GQA
+    # -- which (batch, query head, query block) this program computes; query blocks go last-first because in a
+    # causal plan later blocks carry more tiles (heavy work first, short tail)
+    pid = tl.program_id(0)
+    if GROUP_ORDER:
+        # the query heads of one KV head fastest, then its query blocks, then the next KV head: the ~132
+        # programs resident at a time all read one KV head's K/V (16 MB at 32K), which stays in L2
+        n_kv = H_Q // GQA
+        h_in = pid % GQA
+        rest = pid // GQA
+        qblk = N_QBLK - 1 - rest % N_QBLK
+        bkv = rest // N_QBLK
+        b = bkv // n_kv
+        hkv = bkv % n_kv
+        h = hkv * GQA + h_in
+    else:
+        # v1: every query head of one query block, then the next block (resident programs spread over all KV heads)
+        b = (pid % N_BH) // H_Q
+        h = pid % H_Q
+        qblk = N_QBLK - 1 - pid // N_BH
+        hkv = h // GQA
+    pid_bh = b * H_Q + h
     pblk = qblk // Q_SPLIT
     b64 = b.to(tl.int64)
 
@@ -245,8 +270,13 @@ def _block_sparse_attn_fwd(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
 
     # -- stage 1: masked tiles (the plan lists them first); never subject to early stop
-    for j in range(0, n_masked * TILE_SPLIT):
-        start = tl.load(tile_ptr + (j // TILE_SPLIT) * stride_tt) + (j % TILE_SPLIT) * BLOCK_N
+    # (few trips, so fewer stages: its V passes through registers for the padding mask, and its buffers would
+    # otherwise set the kernel's shared memory)
+    jm_end = n_masked * TILE_SPLIT
+    nxt = _tile_start(tile_ptr, 0, jm_end, stride_tt, TILE_SPLIT, BLOCK_N)
+    for j in tl.range(0, jm_end, num_stages=MASKED_STAGES):
+        start = nxt
+        nxt = _tile_start(tile_ptr, j + 1, jm_end, stride_tt, TILE_SPLIT, BLOCK_N)
         acc, l_i, m_i, gain, l_prev = _attn_fwd_tile(
             acc, l_i, m_i, q, q_pos, row_ok, start, k_base, v_base, desc_k, desc_v, kidx_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_kip, k_row0, k_col0, v_row0, v_col0,
@@ -270,8 +300,20 @@ def _block_sparse_attn_fwd(
             go = (t < n_tiles) & (still > 0)
         n_visited = t
     else:
-        for j in range(n_masked * TILE_SPLIT, n_tiles * TILE_SPLIT):
-            start = tl.load(tile_ptr + (j // TILE_SPLIT) * stride_tt) + (j % TILE_SPLIT) * BLOCK_N
+        # the next tile's offset is loaded one trip ahead (loop-carried), not in front of its own K/V load: an
+        # in-loop load that feeds the TMA coordinate is pipelined as a stage of its own, which costs one K/V
+        # buffer (num_stages=3 gave 2-deep K/V instead of 3-deep; see NOTES_kernel.md, v2)
+        j0 = n_masked * TILE_SPLIT
+        j_end = n_tiles * TILE_SPLIT
+        nxt = _tile_start(tile_ptr, j0, j_end, stride_tt, TILE_SPLIT, BLOCK_N)
+        for j in tl.range(j0, j_end, num_stages=STAGES):
+            if OFFSET_MODE == 0:  # v1: the offset loaded right before its K/V load
+                start = tl.load(tile_ptr + (j // TILE_SPLIT) * stride_tt) + (j % TILE_SPLIT) * BLOCK_N
+            elif OFFSET_MODE == 1:  # measurement only: the identity causal walk, no offset load (ignores the plan)
+                start = (j - j0) * BLOCK_N
+            else:
+                start = nxt
+                nxt = _tile_start(tile_ptr, j + 1, j_end, stride_tt, TILE_SPLIT, BLOCK_N)
             acc, l_i, m_i, gain, l_prev = _attn_fwd_tile(
                 acc, l_i, m_i, q, q_pos, row_ok, start, k_base, v_base, desc_k, desc_v, kidx_base,
                 stride_kn, stride_kd, stride_vn, stride_vd, stride_kip, k_row0, k_col0, v_row0, v_col0,
@@ -332,7 +374,14 @@ def _permute_rows_kernel(
 class KernelConfig:
     """Launch parameters. ``block_m`` divides ``plan.block_m`` (ratio 1 or 2); ``block_n`` divides ``plan.block_n``.
 
+    ``num_stages``: software-pipelining depth of the loop over unmasked tiles (K/V buffers = num_stages);
+    ``masked_stages``: the same for the short loop over masked tiles (None: min(num_stages, 2)).
     ``use_tma``: None = when possible (GPU of compute capability >= 9, 16-byte aligned layout).
+    ``order``: "group" runs the query heads of one KV head and its query blocks together (K/V reuse in L2);
+    "heads" (v1) runs every query head of a query block together.
+    ``offsets``: how the unmasked loop gets tile offsets: "prefetch" (one trip ahead), "inloop" (v1), or
+    "causal_walk" -- measurement only: walks keys 0, block_n, ... and ignores the plan's offsets, which equals
+    the plan only for ``causal_plan`` (it isolates the cost of plan-driven offsets).
     """
 
     block_m: int
@@ -340,6 +389,9 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     use_tma: Optional[bool] = None
+    masked_stages: Optional[int] = None
+    order: str = "group"
+    offsets: str = "prefetch"
 
 
 def default_config(plan: BlockPlan, head_dim_pad: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
@@ -491,6 +543,7 @@ def _tma_view(x: torch.Tensor, block_rows: int, head_dim: int):
     return desc, rb, rh, ch
 
 
+_OFFSET_MODES = {"inloop": 0, "causal_walk": 1, "prefetch": 2}
 _CAPABILITY: dict = {}
 
 
@@ -557,6 +610,10 @@ def block_sparse_attention(
         _fail(f"config.block_m={cfg.block_m} must be plan.block_m ({plan.block_m}) or half of it")
     if plan.block_n % cfg.block_n or cfg.block_n < 16:
         _fail(f"config.block_n={cfg.block_n} must divide plan.block_n ({plan.block_n}) and be >= 16")
+    if cfg.order not in ("group", "heads"):
+        _fail(f"config.order must be 'group' or 'heads', got {cfg.order!r}")
+    if cfg.offsets not in _OFFSET_MODES:
+        _fail(f"config.offsets must be one of {sorted(_OFFSET_MODES)}, got {cfg.offsets!r}")
     if exact and (cfg.block_m != plan.block_m or cfg.block_n != plan.block_n):
         _fail("early stop and P.V skip decide per plan tile: config block sizes must equal the plan's")
 
@@ -613,9 +670,9 @@ def block_sparse_attention(
     n_qblk = nqb * q_split
     # trailing kernel blocks past Nq do nothing but must not exist: trim the last plan block's halves
     n_qblk = min(n_qblk, -(-Nq // cfg.block_m))
-    if n_qblk > 65535:  # CUDA's limit on the grid's second dimension
-        _fail(f"{n_qblk} query blocks of {cfg.block_m} rows exceed the launch grid (65535): use a larger block_m")
-    grid = (B * Hq, n_qblk)
+    if B * Hq * n_qblk >= 2**31:  # one grid dimension: CUDA allows 2^31 - 1 programs along it
+        _fail(f"{B * Hq * n_qblk} programs exceed the launch grid (2^31 - 1): use a larger block_m")
+    grid = (B * Hq * n_qblk,)
     _block_sparse_attn_fwd[grid](
         q, kk, vv, out, desc_k, desc_v,
         t_off, t_cnt, m_cnt, kidx, qidx, visited if visited is not None else t_cnt,
@@ -624,7 +681,7 @@ def block_sparse_attention(
         *t_off.stride(), *t_cnt.stride(), *m_cnt.stride(),
         *ki_strides, *qi_strides,
         *k_geo, *v_geo,
-        Hq, Nq, Nk, key_len, n_qblk, nqb,
+        Hq, Nq, Nk, key_len, n_qblk, nqb, B * Hq,
         Hq // Hkv, Hq // Ht,
         Hq // key_index.shape[1] if has_kidx else 1,
         Hq // query_index.shape[1] if query_index is not None else 1,
@@ -635,6 +692,9 @@ def block_sparse_attention(
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         INT64_ROWS=max(q.shape[2] * q.stride(2), out.shape[2] * out.stride(2), kk.shape[2] * kk.stride(2),
                        vv.shape[2] * vv.stride(2)) >= 2**31,
+        STAGES=cfg.num_stages,
+        MASKED_STAGES=cfg.masked_stages if cfg.masked_stages is not None else min(cfg.num_stages, 2),
+        OFFSET_MODE=_OFFSET_MODES[cfg.offsets], GROUP_ORDER=cfg.order == "group",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, visited) if return_visited else out

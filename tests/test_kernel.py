@@ -91,7 +91,8 @@ def test_subtile_and_split_configs_equal_dense():
     q, k, v = random_qkv(B, Hq, Hkv, Nq, Nk, D, device=DEV)
     plan = causal_plan(B, Hq, Nq, Nk, 32, 32, device=DEV)
     ref = dense_reference(q, k, v)
-    for cfg in (KernelConfig(16, 16), KernelConfig(32, 16), KernelConfig(16, 32)):
+    for cfg in (KernelConfig(16, 16), KernelConfig(32, 16), KernelConfig(16, 32),
+                KernelConfig(16, 16, order="heads", offsets="inloop"), KernelConfig(32, 32, num_stages=3, masked_stages=1)):
         out, visited = block_sparse_attention(q, k, v, plan, config=cfg, return_visited=True)
         _assert_close(out, ref, torch.float32, str(cfg))
         assert torch.equal(visited, plan.tile_counts)
@@ -332,7 +333,8 @@ pointers = {"Q": "bf16", "K": "bf16", "V": "bf16", "Out": "bf16", "TileOffsets":
 for tma, gather, stop in ((1, 0, 0), (0, 1, 0), (1, 0, 1)):
     const = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=128, BLOCK_N=128, Q_SPLIT=1, TILE_SPLIT=1,
                  HAS_KIDX=bool(gather), HAS_QIDX=False, KEY_GATHER=bool(gather), USE_TMA=bool(tma),
-                 EARLY_STOP=bool(stop), PV_SKIP=bool(stop), WRITE_VISITED=True, DOT_PREC="tf32", INT64_ROWS=False)
+                 EARLY_STOP=bool(stop), PV_SKIP=bool(stop), WRITE_VISITED=True, DOT_PREC="tf32", INT64_ROWS=False,
+                 STAGES=3, MASKED_STAGES=2, OFFSET_MODE=2, GROUP_ORDER=True)
     sig = {}
     for name in fn.arg_names:
         if name in const:
