@@ -214,11 +214,11 @@ def _pool_kernel(
     x_ptr, s_xb, s_xh, s_xn, s_xd,
     idx_ptr, s_ib, s_ih, s_in,
     g_ptr, s_gb, s_gh,
-    mean_ptr, sim_ptr, kmin_ptr, kmax_ptr, kpad_ptr, gdot_ptr,
+    mean_ptr, sim_ptr, kmin_ptr, kmax_ptr, kpad_ptr, gdot_ptr, order_ptr,
     H, L, N, NB, G_DIV,
     BLOCK: tl.constexpr, NBP: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     HAS_IDX: tl.constexpr, WANT_MEAN: tl.constexpr, WANT_SIM: tl.constexpr, WANT_POS: tl.constexpr,
-    WANT_GDOT: tl.constexpr,
+    WANT_GDOT: tl.constexpr, SORT_GDOT: tl.constexpr,
 ):
     # NBP blocks per program, each read CHUNK rows at a time: tiles (NBP, CHUNK, D_PAD)
     blk = tl.program_id(0) * NBP + tl.arange(0, NBP)
@@ -278,10 +278,26 @@ def _pool_kernel(
         tl.store(kmin_ptr + out, tl.min(kmin, 1), mask=live)
         tl.store(kmax_ptr + out, tl.max(kmax, 1), mask=live)
         tl.store(kpad_ptr + out, tl.max(pad, 1), mask=live)
+    if SORT_GDOT:
+        # S2O's query sort, fused: this program (NBP = 1, BLOCK a power of two) holds one whole segment, whose
+        # row scores it has just written; read them back (the barrier orders the CTA's global stores and loads)
+        # and sort them descending, ties by lower index (a stable sort), with packed 64-bit keys
+        tl.debug_barrier()
+        loc = tl.arange(0, BLOCK)
+        rows = blk * BLOCK + loc  # NBP == 1: blk has one entry
+        inb = rows < L
+        x = tl.load(gdot_ptr + bh.to(tl.int64) * L + rows, mask=inb, other=0.0)
+        key = (_orderable(x).to(tl.int64) << 32) | (2147483647 - loc).to(tl.int64)
+        key = tl.where(inb, key, -9223372036854775807)  # rows past the end sort last
+        srt = tl.sort(key, descending=True)
+        seg0 = tl.sum(blk, 0) * BLOCK
+        idx = seg0 + (2147483647 - (srt & 0xFFFFFFFF)).to(tl.int32)
+        tl.store(order_ptr + bh.to(tl.int64) * L + rows, idx, mask=inb)
 
 
 def block_pool(x: torch.Tensor, block: int, *, key_index: Optional[torch.Tensor] = None, want_mean: bool = True,
-               want_sim: bool = False, want_pos: bool = False, guide: Optional[torch.Tensor] = None) -> dict:
+               want_sim: bool = False, want_pos: bool = False, guide: Optional[torch.Tensor] = None,
+               sort_guide: bool = False) -> dict:
     """One pass over ``x`` (B, H, N, D) in blocks of ``block`` logical rows.
 
     ``key_index`` (B, H, L) int32 reads logical row p from physical row key_index[p] (< 0: padding).
@@ -289,6 +305,8 @@ def block_pool(x: torch.Tensor, block: int, *, key_index: Optional[torch.Tensor]
     (``block_self_similarity``), ``kmin``/``kmax``/``kpad`` (B, H, nb) int32 (min/max valid original position,
     INT32_MAX/-1 when none; 1 when the block holds padding or rows past the end) and ``gdot`` (B, H, L) float32,
     the dot product of each row with ``guide[b, h // (H / guide.shape[1])]`` (rows past L are not written).
+    ``sort_guide`` adds ``order`` (B, H, L) int32: inside each block, the rows by descending ``gdot`` (stable),
+    i.e. ``segmented_argsort_desc(gdot, block, nb)``, sorted by the same program (block a power of two <= 4096).
     """
     x = _launchable(x)
     B, H, N, D = x.shape
@@ -303,6 +321,8 @@ def block_pool(x: torch.Tensor, block: int, *, key_index: Optional[torch.Tensor]
     if want_pos:
         kmin, kmax, kpad = (torch.empty(B, H, nb, dtype=torch.int32, device=dev) for _ in range(3))
     gdot = torch.empty(B, H, L, dtype=f32, device=dev) if guide is not None else None
+    fuse_sort = sort_guide and guide is not None and block & (block - 1) == 0 and block <= 4096
+    order = torch.empty(B, H, L, dtype=torch.int32, device=dev) if fuse_sort else None
     dummy = torch.empty(1, dtype=f32, device=dev)
     idx = key_index if key_index is not None else torch.empty(1, 1, 1, dtype=torch.int32, device=dev)
     g = guide.float().contiguous() if guide is not None else torch.empty(1, 1, 1, dtype=f32, device=dev)
@@ -310,18 +330,21 @@ def block_pool(x: torch.Tensor, block: int, *, key_index: Optional[torch.Tensor]
     budget = (1 << 16) if interpreting() else 8192  # elements per tile; the interpreter pays per program
     chunk = min(_pow2(block), max(16, budget // d_pad))
     nbp = 1
-    if chunk >= block:  # small blocks: several per program (full, one chunk each)
+    if chunk >= block and not fuse_sort:  # small blocks: several per program (full, one chunk each)
         nbp = max(1, min(_pow2(nb), budget // (chunk * d_pad)))
     _pool_kernel[(triton.cdiv(nb, nbp), B * H)](
         x, *x.stride(), idx, *idx.stride(), g, g.stride(0), g.stride(1),
         mean if mean is not None else dummy, sim if sim is not None else dummy,
         kmin if kmin is not None else dummy, kmax if kmax is not None else dummy,
         kpad if kpad is not None else dummy, gdot if gdot is not None else dummy,
+        order if order is not None else dummy,
         H, L, N, nb, max(1, H // g.shape[1]) if guide is not None else 1,
         BLOCK=block, NBP=nbp, CHUNK=chunk, D=D, D_PAD=d_pad, HAS_IDX=key_index is not None, WANT_MEAN=want_mean,
-        WANT_SIM=want_sim, WANT_POS=want_pos, WANT_GDOT=guide is not None, num_warps=4,
+        WANT_SIM=want_sim, WANT_POS=want_pos, WANT_GDOT=guide is not None, SORT_GDOT=fuse_sort, num_warps=4,
     )
-    out.update(mean=mean, sim=sim, kmin=kmin, kmax=kmax, kpad=kpad, gdot=gdot)
+    if sort_guide and guide is not None and order is None:
+        order = segmented_argsort_desc(gdot, block, nb)
+    out.update(mean=mean, sim=sim, kmin=kmin, kmax=kmax, kpad=kpad, gdot=gdot, order=order)
     return out
 
 
@@ -999,7 +1022,7 @@ def segmented_argsort_desc(scores: torch.Tensor, segment: int, num_segments: int
 @triton.jit
 def _s2o_rank_keys_kernel(
     k_ptr, s_kb, s_kh, s_kn, s_kd, qm_ptr, out_ptr,
-    HKV, NSEG, SEG, TOT, TB, SHIFT, BH0,
+    HKV, NSEG, SEG, TOT, TB, SHIFT, BH0, GROUP,
     BT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PREC: tl.constexpr,
 ):
     c = tl.program_id(0)
@@ -1015,8 +1038,13 @@ def _s2o_rank_keys_kernel(
                  + d[None, :] * s_kd, mask=tin[:, None] & dmask[None, :], other=0.0).to(tl.float32)
     n = tl.arange(0, G_PAD)
     nin = n < NSEG
-    qm = tl.load(qm_ptr + (bh.to(tl.int64) * NSEG + n[:, None]) * D + d[None, :],
-                 mask=nin[:, None] & dmask[None, :], other=0.0)
+    # segment query means of the GQA group's heads, averaged (one ranking per KV group)
+    qm = tl.zeros([G_PAD, D_PAD], tl.float32)
+    for p in range(GROUP):
+        hq = (b.to(tl.int64) * HKV + hk) * GROUP + p
+        qm += tl.load(qm_ptr + (hq * NSEG + n[:, None]) * D + d[None, :], mask=nin[:, None] & dmask[None, :],
+                      other=0.0)
+    qm = qm / GROUP
     sc = _dot(kt, tl.trans(qm), PREC)  # (BT, G_PAD): <q_mean[n], K[t]>
     use = tin[:, None] & nin[None, :] & (t[:, None] < n[None, :] * SEG)  # segment n ranks its prefix [0, nS)
     # ascending packed key = (segment, descending score, position): one global sort ranks every segment
@@ -1031,11 +1059,14 @@ def s2o_rank_keys(k: torch.Tensor, q_mean: torch.Tensor, segment: int) -> tuple[
     """Every segment's causal prefix ranked by descending <q_mean[n], K[t]> (stable): int64 (B, Hkv, TOT) with
     TOT = S * g * (g - 1) / 2; entry ``S*n*(n-1)/2 + r`` holds (in its low bits) the position of segment n's r-th key.
 
+    ``q_mean`` (B, Hq, g, D) float32: per query head segment means; the GQA group's are averaged in the kernel.
+
     Returns (sorted packed keys, number of low bits that hold the position).
     """
     k = _launchable(k)
     B, Hkv, N, D = k.shape
     g = q_mean.shape[2]
+    group = q_mean.shape[1] // Hkv
     tot = segment * g * (g - 1) // 2
     tb = max(1, ((g - 1) * segment - 1).bit_length()) if g > 1 else 1
     out = torch.empty(B, Hkv, max(tot, 1), dtype=torch.int64, device=k.device)
@@ -1055,7 +1086,7 @@ def s2o_rank_keys(k: torch.Tensor, q_mean: torch.Tensor, segment: int) -> tuple[
         bh1 = min(B * Hkv, bh0 + per_chunk)
         part = flat[bh0:bh1]
         _s2o_rank_keys_kernel[(triton.cdiv((g - 1) * segment, bt), bh1 - bh0)](
-            k, *k.stride(), qm, part, Hkv, g, segment, tot, tb, 32 + tb, bh0,
+            k, *k.stride(), qm, part, Hkv, g, segment, tot, tb, 32 + tb, bh0, group,
             BT=bt, G_PAD=g_pad, D=D, D_PAD=d_pad, PREC=_f32_prec(torch.float32), num_warps=4,
         )
         # one radix sort of 64-bit keys ranks every segment of the chunk at once (segment id in the top bits)

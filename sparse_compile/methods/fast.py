@@ -114,12 +114,13 @@ def reorder_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> 
     n, S, bn = Nk, p.segment_size, p.block_size_kv
     lay, _ = _s2o_width(n, S, bn)
     g = len(lay.seg_len)
-    guide = k[:, :, : lay.seg_len[0]].float().mean(2) if p.sort_queries else None  # k_guide, (B, Hkv, D)
-    # one pass over Q: segment means (for the key ranking) and <Q[t], k_guide> (for the query sort)
-    pool = sel.block_pool(q, S, guide=guide)
-    q_mean = pool["mean"].view(B, Hkv, Hq // Hkv, g, D).mean(2)
-    query_index = sel.segmented_argsort_desc(pool["gdot"], S, g) if p.sort_queries else None
-    ranked, tb = sel.s2o_rank_keys(k, q_mean, S)
+    # k_guide (B, Hkv, D): the first segment's mean key (one reduction, float32 accumulation)
+    guide = k[:, :, : lay.seg_len[0]].mean(2, dtype=torch.float32) if p.sort_queries else None
+    # one pass over Q: per-head segment means (for the key ranking; the group's are averaged by the ranking
+    # kernel) and <Q[t], k_guide> sorted inside each segment by the same program (the query order)
+    pool = sel.block_pool(q, S, guide=guide, sort_guide=True)
+    query_index = pool["order"] if p.sort_queries else None
+    ranked, tb = sel.s2o_rank_keys(k, pool["mean"], S)
     key_index = sel.s2o_assemble(ranked, tb, n, S, bn, lay.length)
     return Reordering("s2o", key_index=key_index, query_index=query_index, extras={"layout": lay})
 
