@@ -266,7 +266,7 @@ def sweep(args) -> None:
     for name in ("flex", "bsa", "bsa_kidx_gather", "bsa_kidx_copy"):
         cols += [f"{name}_ms", f"{name}_tflops", f"{name}_eff"]
     meta = dict(B=B, Hq=HQ, Hkv=HKV, D=D, dtype=str(DTYPE), block=BLOCK, segment=SEGMENT, seed=args.seed,
-                config=args.config or "default_config",
+                config=args.config or "default_config", time_scale=args.time_scale,
                 note="efficiency = rho * t_sdpa / t; TFLOP/s over visible pairs of computed tiles")
     table = write_results(args.name, rows, meta=meta, columns=cols, out_dir=args.out)
     errs = sorted({c for r in rows for c in r if "_err_" in c})

@@ -47,6 +47,61 @@ def _sink_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, strength=1.5, device=DEV):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+def _stop_ratio(q, k, plan, b, h, i, t_stop, scale=None):
+    """Float64 ``max_r g_r / l_r`` at tile ``t_stop`` of block (b, h, i): the early-stop decision there (the walk
+    goes on iff it is >= tau). Same semantics as plan.py; used to tell a bf16 rounding flip at the threshold
+    from a real disagreement."""
+    Hq, Nq, D = q.shape[1], q.shape[2], q.shape[3]
+    Nk = k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    bm, bn = plan.block_m, plan.block_n
+    ht = h // (Hq // plan.tile_offsets.shape[1])
+    rows = torch.arange(i * bm, min((i + 1) * bm, Nq), device=q.device)
+    if plan.query_index is not None:
+        rows = plan.query_index[b, h // (Hq // plan.query_index.shape[1]), rows].long()
+    qpos = rows + (Nk - Nq)
+    qb = q[b, h, rows].double()
+    kh = h // (Hq // k.shape[1])
+    masked = int(plan.masked_counts[b, ht, i])
+    m = torch.full((rows.numel(),), -math.inf, dtype=torch.float64, device=q.device)
+    l = torch.zeros_like(m)
+    ratio = math.inf
+    for t in range(t_stop + 1):
+        logical = int(plan.tile_offsets[b, ht, i, t]) + torch.arange(bn, device=q.device)
+        if plan.key_index is None:
+            phys = torch.where(logical < Nk, logical, -1)
+        else:
+            ki = plan.key_index[b, h // (Hq // plan.key_index.shape[1])].long()
+            phys = torch.where(logical < ki.numel(), ki[logical.clamp(max=ki.numel() - 1)], -1)
+        s = qb @ k[b, kh, phys.clamp(0, Nk - 1)].double().T * scale
+        if t < masked:
+            s = s.masked_fill(~((phys[None, :] >= 0) & (phys[None, :] < Nk) & (phys[None, :] <= qpos[:, None])), -math.inf)
+        m_new = torch.maximum(m, s.amax(1))
+        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        l_prev = torch.where(torch.isfinite(m), l * torch.exp(m - safe), torch.zeros_like(l))
+        gain = torch.exp(s - safe[:, None]).sum(1)
+        ratio = float((gain / l_prev).max())  # l_prev == 0: inf (the walk goes on)
+        m, l = m_new, l_prev + gain
+    return ratio
+
+
+def _non_boundary_mismatches(q, k, plan, visited, ref_visited, rel=1e-3):
+    """Blocks whose visited count differs from the reference for a reason other than a threshold flip: the
+    disputed decision (after tile min(kernel, ref) - 1) must have a float64 ratio within ``rel`` of tau."""
+    bad = []
+    for b, h, i in (visited != ref_visited).nonzero().tolist():
+        vk, vr = int(visited[b, h, i]), int(ref_visited[b, h, i])
+        t = min(vk, vr) - 1
+        ht = h // (q.shape[1] // plan.tile_offsets.shape[1])
+        if t < int(plan.masked_counts[b, ht, i]):  # masked tiles never stop the walk: no threshold to flip
+            bad.append(((b, h, i), vk, vr, None))
+            continue
+        r = _stop_ratio(q, k, plan, b, h, i, t)
+        if not abs(r / plan.early_stop - 1.0) <= rel:
+            bad.append(((b, h, i), vk, vr, r))
+    return bad
+
+
 def _assert_close(out, ref, dtype, what=""):
     err = rel_error(out, ref)
     assert err < TOL[dtype], f"{what} rel error {err:.3e} (tol {TOL[dtype]:.0e})"
@@ -217,6 +272,31 @@ def test_early_stop_visits_like_reference(permuted):
     _assert_close(out, ref, torch.float32)
     off, _ = _ref(q, k, v, plan.with_options(early_stop=0.0))
     assert rel_error(out, off) < 0.05  # stopping early changes little
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_stop_decision_classifier(permuted):
+    """The helper behind the GPU early-stop test: the reference's own counts are consistent with its float64
+    ratios (no mismatches), and a count moved by one tile is flagged unless that decision sits on tau."""
+    B, Hq, Hkv, N, D, b = 1, 4, 2, 96, 32, 16
+    q, k, v = _sink_qkv(B, Hq, Hkv, N, N, D, torch.float32)
+    ki = _perm(B, Hkv, N) if permuted else None
+    qi = None if permuted else _perm(B, Hq, N)
+    vis = expand_heads(block_visibility(N, N, b, b, key_index=ki, query_index=qi, batch=B, heads=Hq, device=DEV), Hq)
+    plan = plan_from_block_mask(torch.ones_like(vis, dtype=torch.bool), vis, b, b, key_index=ki, query_index=qi,
+                                early_stop=0.05)
+    _, ref_visited = _ref(q, k, v, plan)
+    assert _non_boundary_mismatches(q, k, plan, ref_visited, ref_visited) == []
+    # the reference stopped where the ratio fell below tau and went on while it did not
+    for (bb, h, i) in [(0, 1, 3), (0, 3, 5)]:
+        vr, masked = int(ref_visited[bb, h, i]), int(plan.masked_counts[bb, h, i])
+        if vr - 1 >= masked:
+            r = _stop_ratio(q, k, plan, bb, h, i, vr - 1)
+            assert r < 0.05 or vr == int(plan.tile_counts[bb, h, i])
+    moved = ref_visited.clone()
+    moved[0, 2, 4] += 1
+    bad = _non_boundary_mismatches(q, k, plan, moved, ref_visited)
+    assert [x[0] for x in bad] == [(0, 2, 4)]
 
 
 def test_pv_skip_matches_reference():
@@ -462,7 +542,10 @@ def test_gpu_bf16_permuted_queries_and_early_stop():
     out, visited = block_sparse_attention(q, k, v, plan, return_visited=True)
     ref, ref_visited = reference_attention(q.double(), k.double(), v.double(), plan, return_visited=True)
     _assert_close(out, ref, torch.bfloat16)
-    # bf16 scores may flip a rare borderline stop decision: nearly all blocks must agree exactly
-    agree = (visited == ref_visited).float().mean().item()
-    assert agree > 0.99, agree
+    # fp32 scores (from bf16 inputs) may flip a stop decision whose float64 ratio sits on tau; any other
+    # disagreement is a kernel bug. (Seen on the H100, v1 and v2 kernels, 7 seeds: no disagreement at all.)
+    bad = _non_boundary_mismatches(q, k, plan, visited, ref_visited)
+    assert not bad, f"visited differ beyond rounding at tau ((b, h, block), kernel, ref, ratio): {bad[:5]}; " \
+                    f"sums kernel {int(visited.sum())} ref {int(ref_visited.sum())}"
+    assert (visited == ref_visited).float().mean().item() > 0.99
     assert int(visited.sum()) < int(plan.tile_counts.sum())
