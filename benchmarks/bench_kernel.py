@@ -19,6 +19,7 @@ the kept tiles), and efficiency = rho * t_sdpa / t (1.0 = perfectly proportional
 
     python benchmarks/bench_kernel.py                     # the sweep; JSON + table in benchmarks/results/
     python benchmarks/bench_kernel.py --mode tune --n 32768   # launch-config sweep of the kernel
+    ncu ... python benchmarks/bench_kernel.py --mode once --n 32768 --rho 1 0.1 --configs 128,128,8,3  # profile
 """
 
 from __future__ import annotations
@@ -341,9 +342,28 @@ def tune(args) -> None:
     print(table)
 
 
+def once(args) -> None:
+    """One launch of the kernel per config and rho (contiguous keys), for a profiler: ``ncu -k
+    regex:_block_sparse_attn_fwd ... python bench_kernel.py --mode once --n 32768 --configs ...``."""
+    dev = torch.device(args.device)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(args.seed)
+    n = args.n[0]
+    q, k, v = (torch.randn(B, h, n, D, device=dev, dtype=DTYPE, generator=gen) for h in (HQ, HKV, HKV))
+    vis = block_visibility(n, n, BLOCK, BLOCK, batch=B, heads=HQ, device=dev)
+    configs = [parse_config(c) for c in args.configs]
+    for rho in args.rho:
+        plan = plan_from_block_mask(make_keep(vis, rho, gen), vis, BLOCK, BLOCK)
+        for cfg in configs:
+            block_sparse_attention(q, k, v, plan, config=cfg)
+            log(f"launched N={n} rho={rho} {config_name(cfg)}")
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("sweep", "tune"), default="sweep")
+    p.add_argument("--mode", choices=("sweep", "tune", "once"), default="sweep")
     p.add_argument("--n", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
     p.add_argument("--rho", type=float, nargs="+", default=[1.0, 0.5, 0.3, 0.1])
     p.add_argument("--seed", type=int, default=0)
@@ -372,7 +392,7 @@ def main(argv=None) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_kernel.py needs a CUDA GPU (or --device cpu --dry-run with TRITON_INTERPRET=1)")
     log(f"torch {torch.__version__}, device {torch.cuda.get_device_name(0) if args.device == 'cuda' else args.device}")
-    (sweep if args.mode == "sweep" else tune)(args)
+    {"sweep": sweep, "tune": tune, "once": once}[args.mode](args)
 
 
 if __name__ == "__main__":
