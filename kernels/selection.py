@@ -1059,7 +1059,8 @@ def s2o_rank_keys(k: torch.Tensor, q_mean: torch.Tensor, segment: int) -> tuple[
     """Every segment's causal prefix ranked by descending <q_mean[n], K[t]> (stable): int64 (B, Hkv, TOT) with
     TOT = S * g * (g - 1) / 2; entry ``S*n*(n-1)/2 + r`` holds (in its low bits) the position of segment n's r-th key.
 
-    ``q_mean`` (B, Hq, g, D) float32: per query head segment means; the GQA group's are averaged in the kernel.
+    ``q_mean`` (B, H, g, D) float32 segment means, H = Hkv (one ranking per KV head) or a multiple of it (the
+    kernel then averages each GQA group's heads; slower: every program re-reads the group's means).
 
     Returns (sorted packed keys, number of low bits that hold the position).
     """
