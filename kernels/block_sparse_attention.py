@@ -348,11 +348,15 @@ def _permute_rows_kernel(
     H, LENGTH, N_K,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """KP[b, h, p] = K[b, h, key_index[b, h, p]] (padding entries copy row 0; they are masked anyway)."""
-    pid_bh = tl.program_id(0)
+    """KP[b, h, p] = K[b, h, key_index[b, h, p]] (padding entries copy row 0; they are masked anyway).
+
+    Row blocks run on grid axis 0 (up to 2^31 - 1 programs): S2O's key list at 128K has millions of entries,
+    past the 65,535 limit of axis 1, which holds the (batch, head) pairs instead.
+    """
+    pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
-    p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = p < LENGTH
     idx = tl.load(KeyIndex + b * stride_kib + h * stride_kih + p * stride_kip, mask=ok, other=0)
     idx = tl.where((idx >= 0) & (idx < N_K), idx, 0).to(tl.int64)
@@ -569,7 +573,7 @@ def _permute_keys(k: torch.Tensor, v: torch.Tensor, key_index: torch.Tensor, hea
     if L == 0:
         return kp, vp
     block = 64
-    _permute_rows_kernel[(B * H, triton.cdiv(L, block))](
+    _permute_rows_kernel[(triton.cdiv(L, block), B * H)](
         k, v, kp, vp, key_index, *k.stride(), *v.stride(), *key_index.stride(), H, L, Nk,
         HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, BLOCK=block, num_warps=4)
     return kp, vp

@@ -6,12 +6,37 @@
     print(sparse_compile.explain(model, input_ids))
 """
 
-from .backend import sparse_prefill
-from .config import BFLAParams, PBSParams, S2OParams, SparseConfig, SpargeParams, XAttentionParams
-from .context import sparsity
-from .explain import ExplainReport, explain
-from .ops import sparse_attention
-from .report import reset_runtime_stats, runtime_stats
+import importlib.util as _importlib_util
+import sys as _sys
+from pathlib import Path as _Path
+
+
+def _map_source_tree_kernels() -> None:
+    """Run from a source checkout (``PYTHONPATH=.``, or a clone beside another editable install), map this tree's
+    top-level ``kernels/`` folder to ``sparse_compile.kernels``, as installing the package does."""
+    root = _Path(__file__).resolve().parent.parent
+    folder = root / "kernels"
+    if not ((root / "pyproject.toml").is_file() and (folder / "__init__.py").is_file()):
+        return  # an installed package: its own mapping holds
+    spec = _importlib_util.find_spec(__name__ + ".kernels")
+    if spec is not None and spec.origin and _Path(spec.origin).resolve().parent == folder:
+        return
+    spec = _importlib_util.spec_from_file_location(
+        __name__ + ".kernels", folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    module = _importlib_util.module_from_spec(spec)
+    _sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+
+
+_map_source_tree_kernels()
+
+from .backend import sparse_prefill  # noqa: E402
+from .config import BFLAParams, PBSParams, S2OParams, SparseConfig, SpargeParams, XAttentionParams  # noqa: E402
+from .context import sparsity  # noqa: E402
+from .explain import ExplainReport, explain  # noqa: E402
+from .ops import sparse_attention  # noqa: E402
+from .report import reset_runtime_stats, runtime_stats  # noqa: E402
 
 __all__ = [
     "SparseConfig",

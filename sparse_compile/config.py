@@ -111,6 +111,9 @@ class BFLAParams(_Params):
 
     Defaults are the paper's highlighted operating point (Table 5): b=256, g=64, γ=0.99, n_local=8, ρ=0, η=16.
     ``mass_threshold=1.0`` keeps every causal block.
+    ``score_scale`` is α of Eq. 9; ``None`` uses the attention's scale (1/√C), as the paper writes. A flatten-g
+    score sums g token products, so with α = 1/√C the block softmax is nearly one-hot on real models and γ has
+    little effect; α = 1/(g·√C) puts block logits on the scale of token logits.
     """
 
     coarse_block_size: int = 256
@@ -123,6 +126,7 @@ class BFLAParams(_Params):
     stride: int = 16
     random_rescue: float = 0.0
     seed: int = 0
+    score_scale: float | None = None
 
     def __post_init__(self) -> None:
         _check_block("BFLAParams", "coarse_block_size", self.coarse_block_size)
@@ -140,6 +144,11 @@ class BFLAParams(_Params):
         _check_int("BFLAParams", "stride", self.stride)
         _check_fraction("BFLAParams", "random_rescue", self.random_rescue)
         _check_int("BFLAParams", "seed", self.seed)
+        if self.score_scale is not None and (
+            not isinstance(self.score_scale, (int, float)) or isinstance(self.score_scale, bool)
+            or not self.score_scale > 0
+        ):
+            _fail("BFLAParams", "score_scale", f"must be a positive number or None, got {self.score_scale!r}")
 
 
 @dataclass(frozen=True)

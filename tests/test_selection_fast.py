@@ -305,20 +305,22 @@ def test_sparge_select_agrees(reorder, shape):
         assert_keep_agrees(keep_table(p_fast, sure.shape[-1]), sure, maybe, what="sparge")
 
 
+@pytest.mark.parametrize("score_scale", [None, 1 / (8 * 4)], ids=["paper-alpha", "per-token-alpha"])
 @pytest.mark.parametrize("reorder", ["none", "pbs"])
-def test_bfla_select_agrees(reorder):
+def test_bfla_select_agrees(reorder, score_scale):
     B, Hq, Hkv, Nq, Nk, D = 2, 4, 2, 150, 230, 16
     params = dict(SMALL, bfla=BFLAParams(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16,
-                                         local_tiles=1, stride=4, random_rescue=0.2))
+                                         local_tiles=1, stride=4, random_rescue=0.2, score_scale=score_scale))
     cfg = _config(reorder, "bfla", params)
     q, k = structured_qk(B, Hq, Hkv, Nq, Nk, D, 16, seed=3)
     scale = 1 / math.sqrt(D)
+    alpha = score_scale if score_scale is not None else scale  # the block softmax's scale (Eq. 9)
     r = REORDER_STAGES[reorder](q, k, scale, cfg)
     # coarse mass per query head: agreement up to ambiguous blocks
-    coarse_fast = fast_bfla_coarse(q, k, scale, r, cfg)
-    coarse_ref = reference_bfla_coarse(q, k, scale, r, cfg)
+    coarse_fast = fast_bfla_coarse(q, k, alpha, r, cfg)
+    coarse_ref = reference_bfla_coarse(q, k, alpha, r, cfg)
     if not torch.equal(coarse_fast, coarse_ref):
-        sure, maybe = reference_bounds("bfla_coarse", q, k, scale, r, cfg)
+        sure, maybe = reference_bounds("bfla_coarse", q, k, alpha, r, cfg)
         assert_keep_agrees(coarse_fast, sure, maybe, what="bfla coarse")
     # the tile stage exactly, from the reference's coarse mass
     sel = fast._selection()
@@ -594,3 +596,19 @@ def test_gpu_bf16_agreement(method, shape):
     d_auto = plan_density(p_auto, N, N, Hq)
     d_ref = plan_density(build_plan(q, k, None, cfg, implementation="reference"), N, N, Hq)
     assert float((d_auto - d_ref).abs().max()) < 0.01
+
+
+def test_bfla_score_scale_softens_the_block_softmax():
+    # alpha = 1/(g*sqrt(C)) puts block logits on the token scale: the mass spreads, gamma keeps more blocks
+    B, Hq, Hkv, N, D = 1, 4, 2, 256, 16
+    q, k = structured_qk(B, Hq, Hkv, N, N, D, 16, seed=5)
+    bfla = dict(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16, local_tiles=0, stride=0,
+                mass_threshold=0.9)
+    densities = []
+    for score_scale in (None, 1 / (8 * 4)):
+        cfg = _config("none", "bfla", dict(SMALL, bfla=BFLAParams(score_scale=score_scale, **bfla)))
+        plan = build_plan(q, k, 1 / math.sqrt(D), cfg, implementation="reference")
+        densities.append(float(plan_density(plan, N, N).mean()))
+    assert densities[1] > densities[0], densities
+    with pytest.raises(ValueError, match="score_scale"):
+        BFLAParams(score_scale=0.0)

@@ -7,7 +7,8 @@ Stage 1, coarse blocks of b tokens (logical order), groups of g tokens, G = b/g 
 2. S[p, i, j] = max over group pairs (u, v) of <Phi(Q)_{p,i,u}, Phi(K)_{h,j,v}> (Eq. 4), query head p of KV head h.
 3. Block-causal mask from original positions (Eq. 5-8: key block j visible iff its first key <= the block's last
    query position; chunked prefill supported through the absolute offset Nk - Nq).
-4. A = softmax(scale * S) over visible blocks (Eq. 9; alpha = the attention's scale, 1/sqrt(C) by default).
+4. A = softmax(alpha * S) over visible blocks (Eq. 9; alpha = ``score_scale``, by default the attention's scale
+   1/sqrt(C) as the paper writes).
 5. Keep the fewest top-A blocks with cumulative mass >= gamma (Eq. 10-12; ``top_mass``); gamma >= 1 keeps all.
 6. GQA: the mass mask is computed per query head and OR-ed over the group: the paper's final tile mask (Eq. 14,
    20, 21) is indexed by KV head, so a group's heads share one tile list (and their K/V tile loads).
@@ -95,7 +96,8 @@ def select_bfla(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, c
 
     # stage 1: coarse mass selection per query head, OR-ed over the GQA group
     cvis = visibility(Nq, Nk, b, b, r, B, Hq, dev) != VISIBLE_NONE
-    score = bfla_block_scores(q, k, b, p.group_size, r.key_index) * scale
+    alpha = p.score_scale if p.score_scale is not None else scale
+    score = bfla_block_scores(q, k, b, p.group_size, r.key_index) * alpha
     mass = top_mass(masked_softmax(score, cvis), cvis, p.mass_threshold)
     mass = mass.view(B, Hkv, Hq // Hkv, *mass.shape[2:]).any(2)  # (B, Hkv, Lq, Lk)
 

@@ -220,7 +220,8 @@ def select_bfla_fast(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reorderi
         score = sel.bfla_block_scores(q, k, b, p.group_size, r.key_index, _seg_bound(r))
         mass = sel.mass_select(
             score, batch=B, heads=Hq, kv_heads=Hkv, num_query_blocks=cdiv(Nq, b), num_key_tiles=cdiv(L, b),
-            num_queries=Nq, num_keys=Nk, block_m=b, block_n=b, scale=scale, tau=p.mass_threshold, segment=seg,
+            num_queries=Nq, num_keys=Nk, block_m=b, block_n=b,
+            scale=p.score_scale if p.score_scale is not None else scale, tau=p.mass_threshold, segment=seg,
             tile_pos=cpos, write_plan=False, write_keep=True, device=q.device,
         )[3]
     tables = sel.bfla_tiles(
