@@ -145,6 +145,21 @@ def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
     return out, f"method {config.method} ({kernel})", density
 
 
+def dispatch(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
+             dense: Callable[[], Tensor], *, chunked_allowed: bool = False) -> Tensor:
+    """Decide, run the method or ``dense()``, and record what happened at ``site``."""
+    path, reason = decide(q, k, config, chunked_allowed=chunked_allowed)
+    out = density = None
+    if path == SPARSE:
+        out, reason, density = run_sparse(q, k, v, scale, config)
+        if out is None:
+            path = DENSE
+    if out is None:
+        out = dense()
+    report.record_call(site, path, reason, tuple(q.shape), density)
+    return out
+
+
 # -- the registered op ---------------------------------------------------------------------------------------
 # run-time decisions and host-side bookkeeping must run on every call: never capture the op in a CUDA graph
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
@@ -155,16 +170,8 @@ def causal_attention(
     q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], enable_gqa: bool, site: str, config: str
 ) -> Tensor:
     """Drop-in for ``scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=...)``."""
-    cfg = resolve(config_from_json(config))
-    path, reason = decide(q, k, cfg)
-    out = density = None
-    if path == SPARSE:
-        out, reason, density = run_sparse(q, k, v, scale, cfg)
-        if out is None:
-            path = DENSE
-    if out is None:
-        out = dense_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
-    report.record_call(site, path, reason, tuple(q.shape), density)
+    out = dispatch(q, k, v, scale, resolve(config_from_json(config)), site,
+                   lambda: dense_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa))
     # a fixed layout, whatever the backend returned: the fake below promises contiguous
     return out.contiguous()
 
@@ -218,14 +225,5 @@ def sparse_attention(
     _validate(q, k, v)
     if config is not None and not isinstance(config, SparseConfig):
         raise TypeError(f"sparse_attention: config must be a SparseConfig, got {type(config).__name__}")
-    cfg = resolve(config or SparseConfig())
-    path, reason = decide(q, k, cfg, chunked_allowed=True)
-    out = density = None
-    if path == SPARSE:
-        out, reason, density = run_sparse(q, k, v, scale, cfg)
-        if out is None:
-            path = DENSE
-    if out is None:
-        out = dense_causal_attention(q, k, v, scale=scale)
-    report.record_call("sparse_attention", path, reason, tuple(q.shape), density)
-    return out
+    return dispatch(q, k, v, scale, resolve(config or SparseConfig()), "sparse_attention",
+                    lambda: dense_causal_attention(q, k, v, scale=scale), chunked_allowed=True)

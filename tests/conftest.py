@@ -35,3 +35,14 @@ def _fresh_seed():
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
     yield seed
+
+
+@pytest.fixture
+def fresh_compile_state():
+    """No compiled code and no run-time statistics carried between tests (Dynamo's caches are process-wide)."""
+    import sparse_compile
+
+    torch._dynamo.reset()
+    sparse_compile.reset_runtime_stats()
+    yield
+    torch._dynamo.reset()

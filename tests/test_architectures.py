@@ -31,12 +31,7 @@ def _build(name):
     }[name]()
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    torch._dynamo.reset()
-    sparse_compile.reset_runtime_stats()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 
 @pytest.mark.parametrize("name", ["mistral", "phi3_head_dim_96", "phi_head_dim_80", "qwen3", "gemma_mqa", "gpt2",

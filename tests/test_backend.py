@@ -23,12 +23,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from model import ModelArgs, Transformer  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    torch._dynamo.reset()
-    sparse_compile.reset_runtime_stats()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 
 def small_model():

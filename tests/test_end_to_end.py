@@ -34,12 +34,7 @@ KEEP_ALL = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    torch._dynamo.reset()
-    sparse_compile.reset_runtime_stats()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 
 def test_every_method_keep_all_equals_eager_and_defaults_are_sane():

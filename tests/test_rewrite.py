@@ -20,11 +20,7 @@ from model import ModelArgs, Transformer  # noqa: E402
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _reset_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 
 def traced_records(fn, *args, config=SparseConfig(), **kwargs):
