@@ -86,6 +86,24 @@ def _positions(index: Optional[torch.Tensor], length: int, batch: int, heads: in
     return index.long()
 
 
+def _query_block_bounds(qpos: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max absolute query position of each query block: ``(B, H, n_query_blocks)`` each."""
+    batch, heads, n = qpos.shape
+    nqb = -(-n // block_m)
+    pad = nqb * block_m - n
+    qmin = torch.nn.functional.pad(qpos, (0, pad), value=2**62).view(batch, heads, nqb, block_m).amin(-1)
+    qmax = torch.nn.functional.pad(qpos, (0, pad), value=-1).view(batch, heads, nqb, block_m).amax(-1)
+    return qmin, qmax
+
+
+def _physical_keys(key_index: Optional[torch.Tensor], logical: torch.Tensor, length: int) -> torch.Tensor:
+    """Physical K/V rows of logical key positions ``(B, H, ...)``; -1 past the end of ``key_index``."""
+    if key_index is None:
+        return logical
+    phys = torch.gather(key_index.long(), 2, logical.clamp(max=length - 1).flatten(2)).view(logical.shape)
+    return torch.where(logical < length, phys, torch.full_like(phys, -1))
+
+
 def block_visibility(
     num_queries: int,
     num_keys: int,
@@ -114,12 +132,7 @@ def block_visibility(
         raise ValueError("key_index and query_index head counts are incompatible")
     offset = num_keys - num_queries
     # query blocks: min/max absolute position
-    qpos = _positions(query_index, num_queries, batch, hq, device) + offset
-    nqb = -(-num_queries // block_m)
-    pad_q = nqb * block_m - num_queries
-    qpos_p = torch.nn.functional.pad(qpos, (0, pad_q), value=-1).view(batch, qpos.shape[1], nqb, block_m)
-    qmax = qpos_p.amax(-1)
-    qmin = torch.nn.functional.pad(qpos, (0, pad_q), value=2**62).view(batch, qpos.shape[1], nqb, block_m).amin(-1)
+    qmin, qmax = _query_block_bounds(_positions(query_index, num_queries, batch, hq, device) + offset, block_m)
     # key tiles: min/max valid position, and whether the tile holds padding
     length = key_index.shape[-1] if key_index is not None else num_keys
     kpos = _positions(key_index, length, batch, hk, device)
@@ -255,16 +268,9 @@ def check_plan(plan: BlockPlan, q: torch.Tensor, k: torch.Tensor) -> None:
         H = max([plan.tile_offsets.shape[1]] + [x.shape[1] for x in (plan.key_index, plan.query_index) if x is not None])
         qi = expand_heads(plan.query_index, H)
         ki = expand_heads(plan.key_index, H)
-        qpos = _positions(qi, Nq, B, H, q.device) + (Nk - Nq)
-        pad = nqb * plan.block_m - Nq
-        qmin = torch.nn.functional.pad(qpos, (0, pad), value=2**62).view(B, H, nqb, plan.block_m).amin(-1)
+        qmin, _ = _query_block_bounds(_positions(qi, Nq, B, H, q.device) + (Nk - Nq), plan.block_m)
         logical = expand_heads(offs, H).long()[..., None] + torch.arange(plan.block_n, device=q.device)
-        if ki is None:
-            phys = logical
-        else:
-            inside = logical < length
-            phys = torch.gather(ki.long(), 2, logical.clamp(max=length - 1).flatten(2)).view(logical.shape)
-            phys = torch.where(inside, phys, torch.full_like(phys, -1))
+        phys = _physical_keys(ki, logical, length)
         ok = (phys >= 0) & (phys < Nk) & (phys <= qmin[..., None, None])
         bad = expand_heads(unmasked, H) & ~ok.all(-1)
         if bool(bad.any()):
@@ -319,11 +325,7 @@ def reference_attention(
         if T == 0:
             continue
         logical = offs[:, :, i, :T, None] + tile_range  # (B, Hq, T, bn)
-        if ki is None:
-            phys = logical
-        else:
-            phys = torch.gather(ki.long(), 2, logical.clamp(max=length - 1).flatten(2)).view(logical.shape)
-            phys = torch.where(logical < length, phys, torch.full_like(phys, -1))
+        phys = _physical_keys(ki, logical, length)
         valid = (phys >= 0) & (phys < Nk)
         t_ids = torch.arange(T, device=dev)
         live = t_ids < counts[:, :, i, None]  # (B, Hq, T)
