@@ -1,7 +1,8 @@
 """End-to-end prefill: time to first token of a Llama-3.1-8B-shaped model, dense and sparse.
 
-    python benchmarks/bench_e2e.py                                  # H100: 8K..128K, every method
-    python benchmarks/bench_e2e.py --lengths 131072 --budgets 0.1 0.3 0.5
+    python benchmarks/bench_e2e.py                                  # H100: 8K..128K, every method (> 10 min)
+    python benchmarks/bench_e2e.py --lengths 65536 131072 --budget-lengths 65536 131072 --budgets-only
+    python benchmarks/bench_e2e.py --from-jsonl results/e2e.jsonl   # table + plot from (merged) rows
     python benchmarks/bench_e2e.py --smoke                          # CPU: tiny model, seconds
 
 A ``transformers`` ``LlamaForCausalLM`` built from a config (random bf16 weights, no download), batch 1, logits of
@@ -15,11 +16,13 @@ explicit mask from position ids, which the rewrite rightly leaves dense.) Conten
 * ``<method>``: the same compiled model with each method at its defaults (``sparsity(method=...)``);
 * ``<method>@ρ``: each method with its density parameter calibrated so that the selection keeps about ρ of the
   causal tiles (random weights make attention nearly uniform, so the defaults keep almost everything; fixed
-  budgets show speed against density);
+  budgets show speed against density; ``budget_fixed`` holds SpargeAttn's judge off and BFLA's alpha at
+  1/(g sqrt(C)) so that the targets are reachable);
 * ``floor``: attention replaced by a no-op (compiled), the non-attention time.
 
 Reported per run: TTFT (median of ``--reps`` after a warm-up), the achieved density (mean over sites and heads,
-from a separate recorded run), and end-to-end efficiency ``(t_floor + ρ·t_attn) / TTFT`` with
+from a separate recorded run), the number of attention calls that ran sparse in that run (it must equal the
+number of layers: see the recompile limit below), and end-to-end efficiency ``(t_floor + ρ·t_attn) / TTFT`` with
 ``t_attn = TTFT_inductor − t_floor``: the share of the possible gain the system delivers at its density.
 Writes ``benchmarks/results/e2e.json``/``.md`` (or ``--out``) and a PNG plot when matplotlib is present.
 """
@@ -48,9 +51,20 @@ DENSITY_KNOB = {
     "bfla": ("mass_threshold", True, 0.0, 1.0),
     "s2o": ("early_stop", False, 0.0, 0.5),
 }
+# parameters held fixed while calibrating, so that the target densities are reachable on random weights:
+# SpargeAttn's self-similarity judge flags every block of a random-weight model as not self-similar (always
+# computed), so TopCdf never applies unless the judge is switched off (theta = -1); BFLA's flatten-g block softmax
+# with alpha = 1/sqrt(C) is nearly one-hot, which caps its density near 0.34, so alpha = 1/(g sqrt(C)) is used.
+def budget_fixed(method: str, base: "sparse_compile.SparseConfig", head_dim: int) -> dict:
+    if method == "sparge":
+        return {"similarity_threshold": -1.0}
+    if method == "bfla":
+        return {"score_scale": 1.0 / (base.bfla.group_size * math.sqrt(head_dim))}
+    return {}
 
 
-def build_model(smoke: bool, device: str, dtype: torch.dtype):
+def build_model(smoke: bool, device: str, dtype: torch.dtype, num_layers: int | None = None):
+    """The Llama-3.1-8B-shaped model (``num_layers`` overrides its 32 decoder layers; tiny with ``smoke``)."""
     import transformers
 
     if smoke:
@@ -59,6 +73,8 @@ def build_model(smoke: bool, device: str, dtype: torch.dtype):
     else:  # Llama-3.1-8B
         sizes = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0)
+    if num_layers is not None:
+        sizes["num_hidden_layers"] = num_layers
     config = transformers.LlamaConfig(max_position_embeddings=131072, **sizes)
     config._attn_implementation = "sdpa"
     default = torch.get_default_dtype()
@@ -102,13 +118,19 @@ def ttft(fn, ids, reps: int) -> float:
     return times[len(times) // 2]
 
 
-def recorded_density(fn, ids, method: str, params: dict) -> float:
-    """Mean density over sites and heads of one run (density recording costs syncs, so it is not timed)."""
+def recorded_density(fn, ids, method: str, params: dict) -> tuple[float, int]:
+    """(mean density over sites and heads, number of sparse attention calls) of one run.
+
+    Density recording costs syncs, so this run is not timed. The call count checks that every layer went sparse:
+    a layer that fell back to eager (e.g. past Dynamo's recompile limit) runs dense and is not counted.
+    """
     sparse_compile.reset_runtime_stats()
     with torch.no_grad(), sparse_compile.sparsity(method=method, record_density=True, **params):
         fn(ids)
-    values = [s.mean_density for s in sparse_compile.runtime_stats().values() if s.mean_density is not None]
-    return sum(values) / len(values) if values else float("nan")
+    stats = sparse_compile.runtime_stats().values()
+    values = [s.mean_density for s in stats if s.mean_density is not None]
+    calls = sum(n for s in stats for (path, _), n in s.calls.items() if path == "sparse")
+    return (sum(values) / len(values) if values else float("nan")), calls
 
 
 def calibrate(method: str, target: float, qk: tuple, base: sparse_compile.SparseConfig, steps: int = 10):
@@ -119,9 +141,10 @@ def calibrate(method: str, target: float, qk: tuple, base: sparse_compile.Sparse
     knob, increasing, low, high = DENSITY_KNOB[method]
     q, k = qk
     scale = 1.0 / math.sqrt(q.shape[-1])
+    fixed = budget_fixed(method, base, q.shape[-1])
 
     def density(value):
-        config = base.with_overrides(method, {knob: value})
+        config = base.with_overrides(method, {**fixed, knob: value})
         plan = build_plan(q, k, scale, config)
         if method == "s2o":  # early stop decides at run time: count the tiles actually visited
             if q.is_cuda:
@@ -143,7 +166,7 @@ def calibrate(method: str, target: float, qk: tuple, base: sparse_compile.Sparse
             low = mid
         else:
             high = mid
-    return {knob: best[0]}, best[1]
+    return {**fixed, knob: best[0]}, best[1]
 
 
 def capture_qk(model, ids, layer: int = 1):
@@ -216,7 +239,8 @@ def summarize(rows: list, args, meta: dict) -> None:
             row["best_possible_speedup"] = t_ind / (t_floor + min(rho, 1.0) * attn)
         if isinstance(t, float):
             row["ttft_ms"] = t * 1e3
-    columns = ["N", "contender", "ttft_ms", "speedup", "density", "efficiency", "best_possible_speedup", "params"]
+    columns = ["N", "contender", "ttft_ms", "speedup", "density", "efficiency", "best_possible_speedup",
+               "sparse_calls", "params"]
     table = write_results(args.name, rows, meta=meta, columns=columns, out_dir=args.out)
     print(table)
     plot(rows, args)
@@ -232,6 +256,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--budget-reps", type=int, default=1, help="timed runs of each fixed-density setting")
     parser.add_argument("--inductor", action="store_true", help="also compile with backend='inductor'")
+    parser.add_argument("--budgets-only", action="store_true",
+                        help="only the fixed-density runs (merge with a run that has the dense rows, --from-jsonl)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's 32)")
+    parser.add_argument("--eager-floor", action="store_true", help="also time the non-attention floor uncompiled")
     parser.add_argument("--whole-model", action="store_true",
                         help="compile the whole model (default: each decoder layer, regional compilation: the 32 "
                              "identical layers share one compiled graph, minutes less compile time)")
@@ -243,6 +271,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.from_jsonl:
         rows = [json.loads(line) for line in Path(args.from_jsonl).read_text().splitlines() if line.strip()]
+        rows.sort(key=lambda r: r["N"])  # runs merged from several calls: by length, run order within
         args.budget_lengths = sorted({r["N"] for r in rows if "@" in r["contender"]}) or args.budget_lengths
         summarize(rows, args, meta={"model": "Llama-3.1-8B shape", "dtype": "torch.bfloat16", "batch": 1,
                                     "source": str(args.from_jsonl)})
@@ -263,7 +292,18 @@ def main() -> None:
     options = {f: getattr(base, f) for f in ("min_seq_len", "pbs", "sparge", "bfla", "s2o")}
 
     torch.manual_seed(0)
-    model = build_model(args.smoke, device, dtype)
+    model = build_model(args.smoke, device, dtype, num_layers=args.layers)
+    num_layers = model.config.num_hidden_layers
+    if not args.whole_model:
+        # regional compilation recompiles each decoder layer once (transformers' cache update indexes the cache by
+        # the layer's constant layer_idx, and Dynamo guards on it); past Dynamo's default limit of 8 the remaining
+        # layers silently run eager, i.e. dense. Allow one entry per layer and per compiled contender.
+        limit = 4 * num_layers + 8
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
+        torch._dynamo.config.accumulated_recompile_limit = max(
+            getattr(torch._dynamo.config, "accumulated_recompile_limit", 0), 8 * limit)
     noop = register_noop_attention()
     run = lambda m: (lambda ids: m(ids, logits_to_keep=1))  # noqa: E731
 
@@ -283,10 +323,12 @@ def main() -> None:
 
     plan = []
     for n in args.lengths:
-        plan += [(n, "eager", None), (n, "floor (eager)", None), (n, "inductor", None), (n, "floor", None)]
-        if inductor is not None:
-            plan.append((n, "inductor (backend=inductor)", None))
-        plan += [(n, m, None) for m in args.methods]
+        if not args.budgets_only:
+            plan += [(n, "eager", None)] + ([(n, "floor (eager)", None)] if args.eager_floor else [])
+            plan += [(n, "inductor", None), (n, "floor", None)]
+            if inductor is not None:
+                plan.append((n, "inductor (backend=inductor)", None))
+            plan += [(n, m, None) for m in args.methods]
         if n in args.budget_lengths:
             plan += [(n, m, b) for m in args.methods for b in args.budgets]
     bar = tqdm(plan, desc="prefill", unit="run") if tqdm else plan
@@ -301,6 +343,7 @@ def main() -> None:
             bar.set_postfix_str(f"{n} {contender}{'' if budget is None else f'@{budget}'}")
         ids = ids_by_len.setdefault(n, torch.randint(0, model.config.vocab_size, (1, n), device=device))
         row = {"N": n, "contender": contender if budget is None else f"{contender}@{budget}", "params": ""}
+        started = time.perf_counter()
         try:
             if contender == "eager":
                 row["ttft_s"] = ttft(run(model), ids, args.reps)
@@ -323,17 +366,19 @@ def main() -> None:
                     qk = reference.setdefault(("qk", n), capture_qk(model, ids))
                     params, _ = calibrate(contender, budget, qk, base)
                     row["params"] = ", ".join(f"{k}={v:.4g}" for k, v in params.items())
-                row["density"] = recorded_density(run(compiled), ids, contender, params)
+                row["density"], row["sparse_calls"] = recorded_density(run(compiled), ids, contender, params)
+                if row["sparse_calls"] != num_layers:  # some layers ran dense: the row does not measure the method
+                    print(f"warning: {contender} at {n}: {row['sparse_calls']} of {num_layers} attention layers "
+                          "ran sparse", file=sys.stderr)
                 with sparse_compile.sparsity(method=contender, **params):
-                    # always an untimed warm-up of the timed path: density recording runs other kernel variants,
-                    # and a new plan shape can JIT-specialise Triton kernels (the fixed-density rows of the first
-                    # H100 run were timed without it and look ~8 ms per layer slower than the kernel and planner
-                    # benchmarks predict: suspected, not proven)
+                    # always an untimed warm-up of the timed path: density recording runs other kernel variants
+                    # (visit counting), which the timed runs must not pay to JIT-compile
                     reps = args.reps if budget is None else args.budget_reps
                     row["ttft_s"] = ttft(run(compiled), ids, reps)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             row["ttft_s"] = "OOM"
+        row["wall_s"] = round(time.perf_counter() - started, 1)  # what the row cost, compile included
         rows.append(row)
         reference[(n, row["contender"])] = row.get("ttft_s")
         with partial.open("a") as f:  # row by row: a run cut short still leaves its measurements
@@ -369,6 +414,14 @@ def plot(rows, args) -> None:
                      and isinstance(r.get("density"), float) and "speedup" in r)
         if pts:
             ax2.plot(*zip(*pts), marker="o", label=m)
+    n_top = max(args.budget_lengths or [0])
+    ref = {r["contender"]: r.get("ttft_ms") for r in rows if r["N"] == n_top}
+    if isinstance(ref.get("floor"), float) and isinstance(ref.get("inductor"), float):
+        # what a system with no overhead would reach: floor + rho * dense attention
+        t_floor, t_ind = ref["floor"], ref["inductor"]
+        rhos = [i / 20 for i in range(1, 21)]
+        ax2.plot(rhos, [t_ind / (t_floor + r * (t_ind - t_floor)) for r in rhos], "k--", lw=1,
+                 label="no-overhead bound")
     ax2.set(xlabel="achieved density", ylabel="speedup over fastest dense",
             title=f"speed vs density at {max(args.budget_lengths or [0])} tokens")
     ax2.legend(fontsize=7)

@@ -59,9 +59,21 @@ OP_SWEEP = {
     "bfla": [0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 0.999],
     "s2o": [0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005, 0.002, 0.001, 0.0005],
 }
-#: operator-level curves: (label, method, extra options). Besides the four methods: PBS's selector without its
-#: permutation (the MeanPooling baseline of the PBS paper: what the permutation buys) and SpargeAttn with the
-#: self-similarity judge off (theta = 0: every block is a candidate for TopCdf, so density follows tau alone).
+BFLA_BLOCK_SCALE = "bfla α=1/(g√C)"
+
+
+def bfla_block_scale(head_dim: int) -> dict:
+    """BFLA with alpha = 1/(g sqrt(C)): flatten-g block logits on the scale of token logits (BFLAParams docstring).
+
+    With the paper's alpha = 1/sqrt(C) a flatten-g score, a sum of g token products, makes the block softmax
+    nearly one-hot, so gamma barely moves the density; this variant measures what the method does otherwise."""
+    return {"bfla": {"score_scale": 1.0 / (SparseConfig().bfla.group_size * math.sqrt(head_dim))}}
+
+
+#: operator-level curves: (label, method, extra options or a function of the head dim giving them). Besides the
+#: four methods: PBS's selector without its permutation (the MeanPooling baseline of the PBS paper: what the
+#: permutation buys), SpargeAttn with the self-similarity judge off (theta = 0: every block is a candidate for
+#: TopCdf, so density follows tau alone) and BFLA with block logits scaled by 1/g.
 OP_CURVES = (
     ("pbs", "pbs", {}),
     ("sparge", "sparge", {}),
@@ -69,7 +81,14 @@ OP_CURVES = (
     ("s2o", "s2o", {}),
     ("pbs w/o perm", "pbs", {"reorder": "none"}),
     ("sparge θ=0", "sparge", {"sparge": {"similarity_threshold": 0.0}}),
+    (BFLA_BLOCK_SCALE, "bfla", bfla_block_scale),
 )
+#: bits-per-byte curves, same form: the four methods at their paper settings, and BFLA with alpha = 1/(g sqrt(C))
+PPL_CURVES = tuple((m, m, {}) for m in METHODS) + ((BFLA_BLOCK_SCALE, "bfla", bfla_block_scale),)
+
+
+def curve_options(extra, head_dim: int) -> dict:
+    return extra(head_dim) if callable(extra) else extra
 SMOKE_SWEEP = {"pbs": [0.5], "sparge": [0.5], "bfla": [0.5], "s2o": [0.05]}  # plus each default
 MATCHED_DENSITIES = (0.1, 0.2, 0.3)
 # smoke runs use short prompts: small blocks and segments so that they still span many of them
@@ -253,7 +272,7 @@ def site_summary() -> tuple[Optional[float], int, int, list[str]]:
 
 
 def run_ppl(model, docs, base: dict, kernels: dict, sweeps: dict, mode: str, deadline: float, device, log,
-            notes: list) -> dict:
+            notes: list, curves: tuple = PPL_CURVES, head_dim: int = 64) -> dict:
     rows, skipped = [], []
     base_cfg = SparseConfig.from_options(dict(base, record_density=True))
     t = time.time()
@@ -282,22 +301,24 @@ def run_ppl(model, docs, base: dict, kernels: dict, sweeps: dict, mode: str, dea
             log(f"  dense L={length}: {float(bpb.mean()):.4f} bpb ({n_sites} sites; first call includes compile: "
                 f"{time.time() - t1:.1f} s)")
         compile_seconds = time.time() - t
-        for method in METHODS:
+        for label, method, extra in curves:
+            # the region takes the method's own parameters flat (sparsity(method="bfla", score_scale=...))
+            params = curve_options(extra, head_dim).get(method, {})
             for value in sweep_with_default(sweeps[method], method):
                 for length, d in sorted(docs.items()):
                     if time.time() > deadline:
-                        skipped.append({"length": length, "method": method, "value": value})
+                        skipped.append({"length": length, "method": label, "value": value})
                         continue
                     tokens = d["tokens"].to(device)
                     sparse_compile.reset_runtime_stats()
                     t1 = time.time()
-                    with sparsity(method=method, kernel=kernels[method], **{PARAM[method]: value}):
+                    with sparsity(method=method, kernel=kernels[method], **params, **{PARAM[method]: value}):
                         bpb, tail = bits_per_byte(forward(tokens), tokens)
                     sync(device)
                     density, n_sparse, n_sites, reasons = site_summary()
                     ref, ref_tail = dense[length]
                     rows.append({
-                        "length": length, "method": method, "param": PARAM[method], "value": value,
+                        "length": length, "method": label, "param": PARAM[method], "value": value,
                         "default": math.isclose(value, default_value(method)), "density": density,
                         "bpb": float(bpb.mean()), "delta_bpb": float((bpb - ref).mean()),
                         "bpb_2nd_half": float(tail.mean()), "delta_2nd_half": float((tail - ref_tail).mean()),
@@ -305,7 +326,7 @@ def run_ppl(model, docs, base: dict, kernels: dict, sweeps: dict, mode: str, dea
                         "seconds": round(time.time() - t1, 2), "per_doc_bpb": [round(float(x), 4) for x in bpb],
                         "dense_reasons": reasons,
                     })
-                    log(f"  {method:6s} {PARAM[method]}={value:<7g} L={length:6d} density "
+                    log(f"  {label:6s} {PARAM[method]}={value:<7g} L={length:6d} density "
                         f"{density if density is None else round(density, 3)} bpb {float(bpb.mean()):.4f} "
                         f"(+{float((bpb - ref).mean()):.4f}) sparse sites {n_sparse}/{n_sites} {time.time() - t1:.1f} s")
     return {"mode": mode, "rows": rows, "skipped": skipped, "compile_and_dense_seconds": round(compile_seconds, 1)}
@@ -344,7 +365,8 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
             "sq_err": float((diff * diff).sum()), "count": ref.numel()}
 
 
-def run_operator(model, docs, base: dict, kernels: dict, sweeps: dict, deadline: float, device, log) -> dict:
+def run_operator(model, docs, base: dict, kernels: dict, sweeps: dict, deadline: float, device, log,
+                 curves_to_run: tuple = OP_CURVES) -> dict:
     results = {}
     for length, d in sorted(docs.items()):
         tokens = d["tokens"][:1].to(device)
@@ -357,7 +379,8 @@ def run_operator(model, docs, base: dict, kernels: dict, sweeps: dict, deadline:
         floor = [errors(F.scaled_dot_product_attention(c["q"], c["k"], c["v"], is_causal=True, scale=c["scale"],
                                                        enable_gqa=True), r) for c, r in zip(layers, refs)]
         curves, skipped = {}, []
-        for label, method, extra in OP_CURVES:
+        for label, method, extra in curves_to_run:
+            extra = curve_options(extra, layers[0]["q"].shape[-1])
             points = []
             for value in sweep_with_default(sweeps[method], method):
                 if time.time() > deadline:
@@ -433,7 +456,7 @@ def tables(result: dict) -> str:
         matched = []
         lengths = sorted({r["length"] for r in ppl["rows"]})
         for length in lengths:
-            for m in METHODS:
+            for m in dict.fromkeys(r["method"] for r in ppl["rows"] if r["method"] != "dense"):
                 pts = [r for r in ppl["rows"] if r["length"] == length and r["method"] == m]
                 row = {"L": length, "method": m}
                 for t in MATCHED_DENSITIES:
@@ -445,7 +468,9 @@ def tables(result: dict) -> str:
         for length, res in sorted(op.items(), key=lambda kv: int(kv[0])):
             rows = []
             for label, method, _ in OP_CURVES:
-                pts = res["curves"].get(label, [])
+                if label not in res["curves"]:
+                    continue
+                pts = res["curves"][label]
                 row = {"curve": label, "swept": PARAM[method]}
                 for t in MATCHED_DENSITIES:
                     row[f"rel L1 @ {t}"] = at_density(pts, t, "rel_l1")
@@ -472,7 +497,7 @@ def plot(result: dict, path: Path) -> Optional[str]:
     except ImportError:
         return "matplotlib not installed: no plot"
     colors = {"pbs": "tab:red", "sparge": "tab:blue", "bfla": "tab:green", "s2o": "tab:purple",
-              "pbs w/o perm": "salmon", "sparge θ=0": "lightskyblue"}
+              "pbs w/o perm": "salmon", "sparge θ=0": "lightskyblue", BFLA_BLOCK_SCALE: "darkseagreen"}
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     op = result.get("operator") or {}
     styles = ["-", "--", ":", "-."]
@@ -499,12 +524,12 @@ def plot(result: dict, path: Path) -> Optional[str]:
     if ppl:
         lengths = sorted({r["length"] for r in ppl["rows"]})
         for li, length in enumerate(lengths):
-            for m in METHODS:
+            for m in dict.fromkeys(r["method"] for r in ppl["rows"] if r["method"] != "dense"):
                 pts = sorted((r for r in ppl["rows"] if r["length"] == length and r["method"] == m
                               and r["density"] is not None), key=lambda r: r["density"])
                 if pts:
                     axes[2].plot([r["density"] for r in pts], [r["delta_bpb"] for r in pts],
-                                 styles[li % 4], marker="o", ms=3, color=colors[m], label=f"{m} L={length}")
+                                 styles[li % 4], marker="o", ms=3, color=colors.get(m, "grey"), label=f"{m} L={length}")
         axes[2].set_yscale("symlog", linthresh=1e-3)  # deltas can be slightly negative; small ones stay visible
         axes[2].set_xlabel("density (backend record)")
         axes[2].set_ylabel("Δ bits per byte vs dense")
@@ -529,6 +554,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--docs", type=int, nargs="+", default=None, help="documents per length for (a)")
     parser.add_argument("--op-lengths", type=int, nargs="+", default=None, help="input lengths for (b)")
     parser.add_argument("--sections", default="ppl,operator")
+    parser.add_argument("--curves", default=None,
+                        help="comma-separated curve labels to run (default all: " +
+                             ", ".join(dict.fromkeys(c[0] for c in OP_CURVES + PPL_CURVES)) + ")")
     parser.add_argument("--attention", choices=("compiled", "hook"), default="compiled",
                         help="(a) through torch.compile(backend='sparse_prefill') or an SDPA hook (eager)")
     parser.add_argument("--kernel", choices=("auto", "triton", "reference"), default="auto")
@@ -554,6 +582,12 @@ def main(argv=None) -> dict:
     if smoke:
         base.update({m: dict(v) for m, v in SMOKE_OPTIONS.items()})
     sections = set(args.sections.split(","))
+    wanted = None if args.curves is None else {c.strip() for c in args.curves.split(",")}
+    known = {c[0] for c in OP_CURVES + PPL_CURVES}
+    if wanted is not None and wanted - known:
+        parser.error(f"--curves: unknown {sorted(wanted - known)}; known: {sorted(known)}")
+    ppl_curves = tuple(c for c in PPL_CURVES if wanted is None or c[0] in wanted)
+    op_curves = tuple(c for c in OP_CURVES if wanted is None or c[0] in wanted)
     deadline = Deadline(args.time_budget)
     notes: list[str] = []
 
@@ -578,13 +612,14 @@ def main(argv=None) -> dict:
         result["ppl_documents"] = {str(L): d["paths"] for L, d in docs.items()}
         log(f"(a) bits per byte: lengths {lengths}, documents {counts}, {args.attention} path")
         result["ppl"] = run_ppl(model, docs, base, kernels, sweeps_ppl, args.attention,
-                                deadline.at(args.ppl_share), device, log, notes)
+                                deadline.at(args.ppl_share), device, log, notes, curves=ppl_curves,
+                                head_dim=ckpt["model_args"]["dim"] // ckpt["model_args"]["n_heads"])
         for r in result["ppl"]["rows"]:  # for interpolation on a log scale: gains (negative deltas) count as 0
             r["delta_bpb_pos"] = max(r["delta_bpb"], 0.0)
     if "operator" in sections:
         op_docs = load_documents(manifest, op_lengths, [1] * len(op_lengths), verify=not args.no_verify)
         log(f"(b) operator level: lengths {op_lengths}")
-        op = run_operator(model, op_docs, base, kernels, sweeps_op, deadline.end, device, log)
+        op = run_operator(model, op_docs, base, kernels, sweeps_op, deadline.end, device, log, curves_to_run=op_curves)
         result["operator"] = {str(k): v for k, v in op.items()}
     result["seconds"] = round(time.time() - deadline.t0, 1)
 
