@@ -169,14 +169,15 @@ def calibrate(method: str, target: float, qk: tuple, base: sparse_compile.Sparse
     return {**fixed, knob: best[0]}, best[1]
 
 
-def capture_qk(model, ids, layer: int = 1):
-    """Q and K (after RoPE) of one attention layer on ``ids``, for calibration."""
+def capture_qkv(model, ids, layer: int = 1):
+    """(query, key, value) that transformers passes to attention in ``layer`` on ``ids``: after RoPE, strides as
+    they come (``clone`` keeps them). For calibration here and for ``profile_layer.py``."""
     captured = {}
     from transformers import AttentionInterface
 
     def capture(module, query, key, value, attention_mask, **kwargs):
         if getattr(module, "layer_idx", None) == layer:
-            captured["qk"] = (query.detach().clone(), key.detach().clone())
+            captured["qkv"] = (query.detach().clone(), key.detach().clone(), value.detach().clone())
         return query.transpose(1, 2), None
 
     AttentionInterface.register("capture", capture)
@@ -187,7 +188,7 @@ def capture_qk(model, ids, layer: int = 1):
             model(ids, logits_to_keep=1)
     finally:
         model.config._attn_implementation = previous
-    return captured["qk"]
+    return captured["qkv"]
 
 
 def compile_contenders(model, options: dict, args):
@@ -363,7 +364,7 @@ def main() -> None:
             else:
                 params = {}
                 if budget is not None:
-                    qk = reference.setdefault(("qk", n), capture_qk(model, ids))
+                    qk = reference.setdefault(("qk", n), capture_qkv(model, ids)[:2])
                     params, _ = calibrate(contender, budget, qk, base)
                     row["params"] = ", ".join(f"{k}={v:.4g}" for k, v in params.items())
                 row["density"], row["sparse_calls"] = recorded_density(run(compiled), ids, contender, params)

@@ -33,30 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparse_compile  # noqa: E402
-from bench_e2e import METHODS, build_model, compile_contenders, register_noop_attention, ttft  # noqa: E402
+from bench_e2e import (METHODS, build_model, capture_qkv, compile_contenders, register_noop_attention,  # noqa: E402
+                       sync, ttft)
 from harness import time_ms, write_results  # noqa: E402
-
-
-def capture_qkv(model, ids, layer: int = 0):
-    """The (query, key, value) tensors transformers passes to attention in ``layer``, strides as they come."""
-    from transformers import AttentionInterface
-
-    captured = {}
-
-    def capture(module, query, key, value, attention_mask, **kwargs):
-        if getattr(module, "layer_idx", None) == layer:
-            captured["qkv"] = (query.detach(), key.detach(), value.detach())
-        return query.transpose(1, 2), None
-
-    AttentionInterface.register("capture_qkv", capture)
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = "capture_qkv"
-    try:
-        with torch.no_grad():
-            model(ids, logits_to_keep=1)
-    finally:
-        model.config._attn_implementation = previous
-    return captured["qkv"]
 
 
 def profile_table(fn, ids) -> str:
@@ -106,11 +85,6 @@ class InSituTimer:
         return False
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536])
@@ -126,6 +100,7 @@ def main() -> None:
     from sparse_compile.methods import build_plan, plan_density
     from sparse_compile.ops import config_to_json
     from sparse_compile.plan import reference_attention
+    from sparse_compile.report import density_from_visits
 
     cuda = torch.cuda.is_available() and not args.smoke
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
@@ -179,7 +154,7 @@ def main() -> None:
 
     for n in args.lengths:
         ids = torch.randint(0, model.config.vocab_size, (1, n), device=device)
-        q, k, v = capture_qkv(model, ids)
+        q, k, v = capture_qkv(model, ids, layer=0)
         scale = 1.0 / math.sqrt(q.shape[-1])
         # eager transformers hands over q in (B, N, H, D) storage and the cache's k/v contiguous; inside the compiled
         # region Inductor may lay all three out as (B, N, H, D)
@@ -194,13 +169,12 @@ def main() -> None:
                     qq, kk, vv, is_causal=True, enable_gqa=True))
             emit(N=n, part=f"isolated dense SDPA ({name})", method="dense", ms=dense[name], density=1.0)
         for method in args.methods:
-            config = sparse_compile.SparseConfig(**{**{f: getattr(base, f) for f in options}, "method": method})
+            config = base.with_overrides(method)
             with torch.no_grad():
                 t_plan = timer(lambda: build_plan(q, k, scale, config))
                 plan = build_plan(q, k, scale, config)
                 listed = float(plan_density(plan, n, n, q.shape[1]).mean())
                 _, visited = execute(q, k, v, plan, scale, return_visited=True)
-                from sparse_compile.report import density_from_visits
                 visits = density_from_visits(visited, plan, n, n, q.shape[1])
                 rho = sum(visits) / len(visits)
                 detail = f"plan {plan.block_m}x{plan.block_n}, listed {listed:.3f}"
