@@ -1,4 +1,4 @@
-"""End-to-end prefill: time to first token of a Llama-3.1-8B-shaped model, dense and sparse.
+"""End-to-end prefill: time to first token of a Llama-3.1-8B-shaped model, dense and sparse, compiled as users do.
 
     python benchmarks/bench_e2e.py                                  # H100: 8K..128K, every method (> 10 min)
     python benchmarks/bench_e2e.py --lengths 65536 131072 --budget-lengths 65536 131072 --budgets-only
@@ -6,30 +6,37 @@
     python benchmarks/bench_e2e.py --smoke                          # CPU: tiny model, seconds
 
 A ``transformers`` ``LlamaForCausalLM`` built from a config (random bf16 weights, no download), batch 1, logits of
-the last position only. (The model runs with its default cache: with ``use_cache=False`` transformers builds an
-explicit mask from position ids, which the rewrite rightly leaves dense.) Contenders, all on the same prompt:
+the last position only, called as ``model(ids)`` with its default cache. The whole model is compiled once
+(``torch.compile(model, backend="sparse_prefill", dynamic=True)``), as a user would; ``--regional`` compiles each
+decoder layer instead. On transformers <= 5.17 the traced graph builds the causal mask itself; the rewrite proves
+it causal and drops it (``sparse_compile/masks.py``), so every row checks that all layers ran sparse. Contenders,
+all on the same prompt:
 
 * ``eager``: transformers' SDPA attention (cuDNN on the H100), no compilation;
-* ``inductor``: the model compiled once (``dynamic=True``) with ``backend="sparse_prefill"`` and sparsity switched
-  off at run time (``sparsity(enabled=False)``): Inductor for everything, the very same SDPA call for attention.
-  ``--inductor`` also compiles with ``backend="inductor"`` to show the two agree;
+* ``inductor``: the model compiled with ``backend="sparse_prefill"`` and sparsity switched off at run time
+  (``sparsity(enabled=False)``): Inductor for everything, the causal cuDNN SDPA for attention (never a masked one).
+  ``--inductor`` also compiles with ``backend="inductor"``: what plain ``torch.compile`` gives (on transformers
+  <= 5.17 its SDPA reads a materialised N x N mask);
 * ``<method>``: the same compiled model with each method at its defaults (``sparsity(method=...)``);
 * ``<method>@ρ``: each method with its density parameter calibrated so that the selection keeps about ρ of the
   causal tiles (random weights make attention nearly uniform, so the defaults keep almost everything; fixed
   budgets show speed against density; ``budget_fixed`` holds SpargeAttn's judge off and BFLA's alpha at
   1/(g sqrt(C)) so that the targets are reachable);
-* ``floor``: attention replaced by a no-op (compiled), the non-attention time.
+* ``floor``: the same compiled model with its attention ops doing nothing: the non-attention time.
 
 Reported per run: TTFT (median of ``--reps`` after a warm-up), the achieved density (mean over sites and heads,
 from a separate recorded run), the number of attention calls that ran sparse in that run (it must equal the
-number of layers: see the recompile limit below), and end-to-end efficiency ``(t_floor + ρ·t_attn) / TTFT`` with
+number of layers), and end-to-end efficiency ``(t_floor + ρ·t_attn) / TTFT`` with
 ``t_attn = TTFT_inductor − t_floor``: the share of the possible gain the system delivers at its density.
+The meta block records each compiled contender's first call (compile included). ``--mask-overhead`` times, at
+the op, one layer's worth of calls per model layer with a tokenizer's all-ones ``attention_mask`` against none.
 Writes ``benchmarks/results/e2e.json``/``.md`` (or ``--out``) and a PNG plot when matplotlib is present.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -103,10 +110,11 @@ def sync():
         torch.cuda.synchronize()
 
 
-def ttft(fn, ids, reps: int) -> float:
-    """Median seconds of ``fn(ids)`` over ``reps`` runs after one warm-up run."""
+def ttft(fn, ids, reps: int, warmup: bool = True) -> float:
+    """Median seconds of ``fn(ids)`` over ``reps`` runs after one warm-up run (``warmup``)."""
     with torch.no_grad():
-        fn(ids)
+        if warmup:
+            fn(ids)
         times = []
         for _ in range(reps):
             sync()
@@ -191,12 +199,31 @@ def capture_qkv(model, ids, layer: int = 1):
     return captured["qkv"]
 
 
+@contextlib.contextmanager
+def attention_noop():
+    """The compiled graph with its attention ops doing nothing: the non-attention floor of the very same graph (the
+    op is opaque to Inductor, so everything around it is unchanged), without compiling a second model."""
+    from sparse_compile import ops
+
+    real = ops.dispatch, ops.padded_dispatch
+    ops.dispatch = lambda q, k, v, *args, **kwargs: q.new_empty((*q.shape[:-1], v.shape[-1]))
+    ops.padded_dispatch = ops.dispatch
+    try:
+        yield
+    finally:
+        ops.dispatch, ops.padded_dispatch = real
+
+
 def compile_contenders(model, options: dict, args):
-    """(sparse_prefill, backend=inductor or None, inductor for the no-op floor): whole model or per layer."""
-    if args.whole_model:
+    """(sparse_prefill, backend=inductor or None, the floor: a callable like the model without attention)."""
+    if not args.regional:
         compiled = torch.compile(model, backend="sparse_prefill", dynamic=True, options=options)
         inductor = torch.compile(model, backend="inductor", dynamic=True) if args.inductor else None
-        floor = torch.compile(model, backend="inductor", dynamic=True)
+
+        def floor(*a, **kw):
+            with attention_noop():
+                return compiled(*a, **kw)
+
         return compiled, inductor, floor
     # regional compilation: the layers are compiled in place, so the model object serves every contender; which
     # backend a call uses is selected per call by swapping each layer's compiled forward
@@ -220,7 +247,16 @@ def compile_contenders(model, options: dict, args):
                     layer.forward = fn
         return call
 
-    return with_layers("sparse"), (with_layers("inductor") if args.inductor else None), with_layers("floor")
+    floor = with_layers("floor")
+
+    def floor_noop(*a, **kw):  # transformers' attention replaced by a no-op, in the regionally compiled layers
+        model.config._attn_implementation = register_noop_attention()
+        try:
+            return floor(*a, **kw)
+        finally:
+            model.config._attn_implementation = "sdpa"
+
+    return with_layers("sparse"), (with_layers("inductor") if args.inductor else None), floor_noop
 
 
 def summarize(rows: list, args, meta: dict) -> None:
@@ -261,9 +297,10 @@ def main() -> None:
                         help="only the fixed-density runs (merge with a run that has the dense rows, --from-jsonl)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's 32)")
     parser.add_argument("--eager-floor", action="store_true", help="also time the non-attention floor uncompiled")
-    parser.add_argument("--whole-model", action="store_true",
-                        help="compile the whole model (default: each decoder layer, regional compilation: the 32 "
-                             "identical layers share one compiled graph, minutes less compile time)")
+    parser.add_argument("--regional", action="store_true",
+                        help="compile each decoder layer (regional compilation) instead of the whole model")
+    parser.add_argument("--mask-overhead", action="store_true",
+                        help="also time the op with an all-ones attention_mask against none (no model compile)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, for testing the script")
     parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     parser.add_argument("--name", default="e2e")
@@ -295,7 +332,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = build_model(args.smoke, device, dtype, num_layers=args.layers)
     num_layers = model.config.num_hidden_layers
-    if not args.whole_model:
+    if args.regional:
         # regional compilation recompiles each decoder layer once (transformers' cache update indexes the cache by
         # the layer's constant layer_idx, and Dynamo guards on it); past Dynamo's default limit of 8 the remaining
         # layers silently run eager, i.e. dense. Allow one entry per layer and per compiled contender.
@@ -316,11 +353,7 @@ def main() -> None:
     compiled, inductor, compiled_floor = compile_contenders(model, options, args)
 
     def floor_compiled(ids):
-        model.config._attn_implementation = noop
-        try:
-            return compiled_floor(ids, logits_to_keep=1)
-        finally:
-            model.config._attn_implementation = "sdpa"
+        return compiled_floor(ids, logits_to_keep=1)
 
     plan = []
     for n in args.lengths:
@@ -336,6 +369,22 @@ def main() -> None:
 
     rows, reference = [], {}
     ids_by_len = {}
+    first_call: dict = {}  # compiled contender -> seconds of its first call (Dynamo + Inductor compile included)
+    warmed: set = set()  # contenders whose kernels have run once: later lengths reuse them (no JIT in the timing)
+
+    def timed(key, fn, ids, reps):
+        if key not in first_call:
+            sync()
+            started = time.perf_counter()
+            with torch.no_grad():
+                fn(ids)
+            sync()
+            first_call[key] = round(time.perf_counter() - started, 1)
+            warmed.add(key)
+            return ttft(fn, ids, reps, warmup=False)
+        warm = key not in warmed
+        warmed.add(key)
+        return ttft(fn, ids, reps, warmup=warm)
     partial = (Path(args.out) if args.out else Path(__file__).resolve().parent / "results") / f"{args.name}.jsonl"
     partial.parent.mkdir(parents=True, exist_ok=True)
     partial.write_text("")
@@ -356,11 +405,12 @@ def main() -> None:
                     model.config._attn_implementation = "sdpa"
             elif contender == "inductor":
                 with sparse_compile.sparsity(enabled=False):
-                    row["ttft_s"] = ttft(run(compiled), ids, args.reps)
+                    row["ttft_s"] = timed("sparse_prefill", run(compiled), ids, args.reps)
+                row["sparse_calls"] = 0
             elif contender == "inductor (backend=inductor)":
-                row["ttft_s"] = ttft(run(inductor), ids, args.reps)
+                row["ttft_s"] = timed("inductor", run(inductor), ids, args.reps)
             elif contender == "floor":
-                row["ttft_s"] = ttft(floor_compiled, ids, args.reps)
+                row["ttft_s"] = timed("floor", floor_compiled, ids, args.reps)
             else:
                 params = {}
                 if budget is not None:
@@ -372,10 +422,10 @@ def main() -> None:
                     print(f"warning: {contender} at {n}: {row['sparse_calls']} of {num_layers} attention layers "
                           "ran sparse", file=sys.stderr)
                 with sparse_compile.sparsity(method=contender, **params):
-                    # always an untimed warm-up of the timed path: density recording runs other kernel variants
-                    # (visit counting), which the timed runs must not pay to JIT-compile
+                    # an untimed warm-up of the timed path the first time: density recording runs other kernel
+                    # variants (visit counting), which the timed runs must not pay to JIT-compile
                     reps = args.reps if budget is None else args.budget_reps
-                    row["ttft_s"] = ttft(run(compiled), ids, reps)
+                    row["ttft_s"] = timed(f"{contender}@{budget is not None}", run(compiled), ids, reps)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             row["ttft_s"] = "OOM"
@@ -385,8 +435,52 @@ def main() -> None:
         with partial.open("a") as f:  # row by row: a run cut short still leaves its measurements
             f.write(json.dumps(row) + "\n")
 
-    summarize(rows, args, meta={"model": "Llama-3.1-8B shape" if not args.smoke else "tiny", "dtype": str(dtype),
-                                "batch": 1, "reps": args.reps, "min_seq_len": base.min_seq_len, "device": device})
+    meta = {"model": "Llama-3.1-8B shape" if not args.smoke else "tiny", "dtype": str(dtype), "batch": 1,
+            "reps": args.reps, "min_seq_len": base.min_seq_len, "device": device,
+            "compile": "regional" if args.regional else "whole model", "first_call_s": first_call}
+    if args.mask_overhead:
+        meta["mask_overhead"] = mask_overhead(model, args.lengths, device, dtype, args.smoke)
+        print("all-ones attention_mask at the op:", json.dumps(meta["mask_overhead"]))
+    summarize(rows, args, meta=meta)
+
+
+def mask_overhead(model, lengths, device, dtype, smoke: bool, rounds: int = 5) -> list:
+    """Per length: one forward's worth of attention calls (one per layer, one shared mask tensor as in the compiled
+    model) with an all-ones ``attention_mask`` and without, alternated, medians. The mask is summarised once per
+    tensor (one device-to-host read), so the two should not differ measurably."""
+    from sparse_compile.ops import config_to_json
+
+    cfg = model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    dim = cfg.hidden_size // heads
+    layers = cfg.num_hidden_layers
+    config = config_to_json(sparse_compile.SparseConfig(min_seq_len=128 if smoke else 4096))
+    op = torch.ops.sparse_compile.causal_attention
+    out = []
+    for n in lengths:
+        q = torch.randn(1, heads, n, dim, device=device, dtype=dtype)
+        k = torch.randn(1, kv_heads, n, dim, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+
+        def forward(with_mask: bool):
+            mask = torch.ones(1, n, dtype=torch.long, device=device) if with_mask else None  # new per forward
+            sync()
+            started = time.perf_counter()
+            for _ in range(layers):
+                op(q, k, v, None, True, "mask_overhead", config, mask, None, True)
+            sync()
+            return time.perf_counter() - started
+
+        with torch.no_grad():
+            forward(True), forward(False)
+            times = {True: [], False: []}
+            for _ in range(rounds):
+                for flag in (True, False):
+                    times[flag].append(forward(flag))
+        med = {flag: sorted(t)[len(t) // 2] for flag, t in times.items()}
+        out.append({"N": n, "layers": layers, "no_mask_ms": med[False] * 1e3, "ones_mask_ms": med[True] * 1e3,
+                    "overhead_ms": (med[True] - med[False]) * 1e3})
+    return out
 
 
 def plot(rows, args) -> None:

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparse_compile  # noqa: E402
-from bench_e2e import (METHODS, build_model, capture_qkv, compile_contenders, register_noop_attention,  # noqa: E402
+from bench_e2e import (METHODS, build_model, capture_qkv, compile_contenders,  # noqa: E402
                        sync, ttft)
 from harness import time_ms, write_results  # noqa: E402
 
@@ -140,17 +140,12 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = build_model(args.smoke, device, dtype, num_layers=args.layers)
-    noop = register_noop_attention()
     compiled, _, compiled_floor = compile_contenders(
-        model, options, types.SimpleNamespace(whole_model=False, inductor=False))
+        model, options, types.SimpleNamespace(regional=True, inductor=False))
     run = lambda ids: compiled(ids, logits_to_keep=1)  # noqa: E731
 
     def floor(ids):
-        model.config._attn_implementation = noop
-        try:
-            return compiled_floor(ids, logits_to_keep=1)
-        finally:
-            model.config._attn_implementation = "sdpa"
+        return compiled_floor(ids, logits_to_keep=1)
 
     for n in args.lengths:
         ids = torch.randint(0, model.config.vocab_size, (1, n), device=device)

@@ -3,9 +3,12 @@
     python examples/hf_model.py                # CPU: a small Llama from a config (random weights)
     python examples/hf_model.py --arch qwen2   # another architecture
     python examples/hf_model.py --seq-len 65536 --full-size   # GPU: Llama-3.1-8B shapes, bf16
+    python examples/hf_model.py --generate     # generate() on a left-padded batch, as a tokenizer pads it
 
 Builds the model from a config (no download), prefills one prompt with the compiled model, and compares the
-last-token logits with sparsity on and off.
+last-token logits with sparsity on and off. With ``--generate``, compiles the module in place
+(``model.compile``: ``torch.compile(model).generate`` would compile nothing) and generates from two prompts of
+different lengths, left-padded with their ``attention_mask``: the prefill runs sparse, decode steps dense.
 """
 
 from __future__ import annotations
@@ -47,11 +50,15 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=32768 if cuda else 2048)
     parser.add_argument("--method", default="pbs", choices=["pbs", "sparge", "bfla", "s2o"])
     parser.add_argument("--full-size", action="store_true", help="Llama-3.1-8B shapes (GPU)")
+    parser.add_argument("--generate", action="store_true", help="generate() on a left-padded batch")
     args = parser.parse_args()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     torch.manual_seed(0)
     model = build(args.arch, args.full_size, device, dtype)
-    ids = torch.randint(0, model.config.vocab_size, (1, args.seq_len), device=device)
+    ids = torch.randint(1, model.config.vocab_size, (1, args.seq_len), device=device)
+    if args.generate:
+        generate(model, ids, args.method)
+        return
 
     compiled = torch.compile(model, backend="sparse_prefill",
                              options={"method": args.method, "min_seq_len": 1024, "skip_layers": (0,)})
@@ -72,6 +79,21 @@ def main() -> None:
                   f"{elapsed * 1e3:.1f} ms")
     err = (logits - dense).norm() / dense.norm()
     print(f"relative error of last-token logits, sparse vs dense: {err:.2e} (layer 0 kept dense)")
+
+
+def generate(model, ids, method: str) -> None:
+    batch = ids.repeat(2, 1)
+    mask = torch.ones_like(batch)
+    mask[1, : ids.shape[1] // 4] = 0  # the shorter prompt, left-padded as tokenizers pad for generation
+    batch[1, : ids.shape[1] // 4] = 0
+    model.compile(backend="sparse_prefill", options={"method": method, "min_seq_len": 1024})
+    sparse_compile.reset_runtime_stats()
+    with torch.no_grad():
+        out = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    print("generated:", out[:, ids.shape[1]:].tolist())
+    for site, stats in sparse_compile.runtime_stats().items():
+        calls = {path: n for (path, _), n in stats.calls.items()}
+        print(f"{site}: {calls} (last: {stats.last_reason})")
 
 
 if __name__ == "__main__":

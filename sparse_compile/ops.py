@@ -22,6 +22,7 @@ from . import report
 from .config import SparseConfig
 from .context import resolve
 from .dense import dense_attention, dense_causal_attention
+from .padding import PaddingLayout, check_query_positions, padding_layout
 
 __all__ = ["causal_attention", "sparse_attention", "config_to_json", "config_from_json", "decide"]
 
@@ -145,9 +146,9 @@ def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
     return out, f"method {config.method} ({kernel})", density
 
 
-def dispatch(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
-             dense: Callable[[], Tensor], *, chunked_allowed: bool = False) -> Tensor:
-    """Decide, run the method or ``dense()``, and record what happened at ``site``."""
+def run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig,
+        dense: Callable[[], Tensor], *, chunked_allowed: bool = False):
+    """Decide and run the method or ``dense()``: (output, path, reason, per-head density or None)."""
     path, reason = decide(q, k, config, chunked_allowed=chunked_allowed)
     out = density = None
     if path == SPARSE:
@@ -156,6 +157,53 @@ def dispatch(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: Sp
             path = DENSE
     if out is None:
         out = dense()
+    return out, path, reason, density
+
+
+def dispatch(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
+             dense: Callable[[], Tensor], *, chunked_allowed: bool = False) -> Tensor:
+    """Decide, run the method or ``dense()``, and record what happened at ``site``."""
+    out, path, reason, density = run(q, k, v, scale, config, dense, chunked_allowed=chunked_allowed)
+    report.record_call(site, path, reason, tuple(q.shape), density)
+    return out
+
+
+def padded_dispatch(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
+                    layout: PaddingLayout) -> Tensor:
+    """Causal attention with key padding, queries at the last positions: each group of rows with the same valid
+    keys runs as an ordinary causal prefill over those keys (``padding.py``); padded query rows give zeros."""
+    offset = k.shape[-2] - q.shape[-2]  # absolute position of query row 0
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    paths, reasons, densities = [], [], []
+    for group in layout.groups:
+        rows = group.row_selector()
+        if group.index is None:
+            lo = max(group.start, offset)
+            if group.end <= lo:
+                continue  # no valid query in these rows
+            queries = slice(lo - offset, group.end - offset)
+            qg, kg, vg = q[rows][:, :, queries], k[rows][:, :, group.start:group.end], v[rows][:, :, group.start:group.end]
+        else:
+            keys = group.index
+            queries = keys[keys >= offset] - offset
+            if queries.numel() == 0:
+                continue
+            qg, kg, vg = q[rows][:, :, queries], k[rows][:, :, keys], v[rows][:, :, keys]
+        og, path, reason, density = run(qg, kg, vg, scale, config,
+                                        lambda: dense_causal_attention(qg, kg, vg, scale=scale), chunked_allowed=True)
+        if isinstance(rows, slice):
+            out[rows, :, queries] = og
+        else:
+            for i, row in enumerate(rows):
+                out[row, :, queries] = og[i]
+        paths.append(path)
+        reasons.append(reason)
+        if density is not None:
+            densities.append(density)
+    path = SPARSE if SPARSE in paths else DENSE
+    distinct = sorted(set(reasons))
+    reason = f"{distinct[0] if len(distinct) == 1 else ' | '.join(distinct)} (padded batch: {layout.describe()})"
+    density = [sum(col) / len(col) for col in zip(*densities)] if densities else None
     report.record_call(site, path, reason, tuple(q.shape), density)
     return out
 
@@ -167,17 +215,36 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 
 @torch.library.custom_op("sparse_compile::causal_attention", mutates_args=(), tags=_TAGS)
 def causal_attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], enable_gqa: bool, site: str, config: str
+    q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], enable_gqa: bool, site: str, config: str,
+    key_padding: Optional[Tensor] = None, query_positions: Optional[Tensor] = None, from_mask: bool = False,
 ) -> Tensor:
-    """Drop-in for ``scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=...)``."""
-    out = dispatch(q, k, v, scale, resolve(config_from_json(config)), site,
-                   lambda: dense_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa))
-    # a fixed layout, whatever the backend returned: the fake below promises contiguous
+    """Drop-in for the attention call the rewrite replaced.
+
+    ``from_mask=False``: ``scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=...)``
+    (causal aligned top-left). ``from_mask=True``: the call had a traced mask proven causal with the queries at
+    the last positions, AND the key padding ``key_padding`` (batch, kv_len; nonzero = valid) when given;
+    ``query_positions`` is the ``cache_position`` input the mask read, held to ``arange(kv_len - q_len, kv_len)``.
+    """
+    config_in_force = resolve(config_from_json(config))
+    if not from_mask:
+        out = dispatch(q, k, v, scale, config_in_force, site,
+                       lambda: dense_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa))
+        # a fixed layout, whatever the backend returned: the fake below promises contiguous
+        return out.contiguous()
+    if query_positions is not None:
+        check_query_positions(query_positions, q.shape[-2], k.shape[-2])
+    layout = None if key_padding is None else padding_layout(key_padding, k.shape[-2])
+    if layout is None or layout.all_valid:
+        out = dispatch(q, k, v, scale, config_in_force, site,
+                       lambda: dense_causal_attention(q, k, v, scale=scale), chunked_allowed=True)
+    else:
+        out = padded_dispatch(q, k, v, scale, config_in_force, site, layout)
     return out.contiguous()
 
 
 @causal_attention.register_fake
-def _causal_attention_fake(q, k, v, scale, enable_gqa, site, config):
+def _causal_attention_fake(q, k, v, scale, enable_gqa, site, config, key_padding=None, query_positions=None,
+                           from_mask=False):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 

@@ -3,6 +3,12 @@
 Eligibility is a list of small named rules, each with the reason it gives when it fails (the style of
 Inductor's ``fx_passes/fuse_attention.py``). A site that fails any rule is left exactly as it was, and its
 ``SiteRecord`` says why. The rewritten op still decides per call between dense and sparse (see ``ops.py``).
+
+A site is causal either by ``is_causal=True`` or by an ``attn_mask`` built inside the graph that ``masks.py``
+proves to be the causal mask, or the causal mask AND a key-padding mask read from one ``(batch, kv_len)`` input
+(what transformers builds when traced). Such a site gets the padding input instead of the mask, so the whole mask
+subgraph becomes dead and is removed: no N x N mask is allocated. K/V that the model repeated to the query heads
+(``repeat_kv``) are replaced by the originals and attention runs GQA-native.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .config import SparseConfig
+from .masks import MaskMatch, NotProven, analyse_mask, removable_nodes, undo_repeat_kv
 from .report import SiteRecord
 
 __all__ = ["rewrite_graph", "REWRITE_RULES", "head_dim_supported", "module_path", "layer_index"]
@@ -42,6 +49,23 @@ class SdpaCall:
     node: fx.Node
     args: dict[str, Any]
     site: str
+    gm: Optional[fx.GraphModule] = None
+    _mask: Any = None  # MaskMatch or NotProven, computed once
+
+    @property
+    def mask(self):
+        """What the site's ``attn_mask`` was proven to be: ``MaskMatch`` or ``NotProven`` (None without a mask)."""
+        arg = self.args["attn_mask"]
+        if arg is None:
+            return None
+        if self._mask is None:
+            if not isinstance(arg, fx.Node):
+                self._mask = NotProven(f"constant attn_mask {type(arg).__name__}")
+            elif self.gm is None:
+                self._mask = NotProven("no graph to analyse the mask in")
+            else:
+                self._mask = _analyse_cached(self.gm, self.node, arg, self.q, self.k)
+        return self._mask
 
     def value(self, name: str):
         """The example (fake) tensor behind an argument, or the constant itself."""
@@ -74,6 +98,29 @@ def _is_const(call: SdpaCall, name: str) -> bool:
     return not isinstance(call.args[name], fx.Node)
 
 
+def _causal_form(call: SdpaCall) -> Optional[str]:
+    """None when the call is causal by ``is_causal=True`` or by a traced mask (checked by ``mask_proven``), else
+    why it is not."""
+    mask, causal = call.args["attn_mask"], call.args["is_causal"]
+    if not _is_const(call, "is_causal"):
+        return "is_causal is not a constant"
+    if mask is None:
+        return None if causal is True else "not causal (is_causal=False) and no mask: encoder, cross-attention " \
+                                            "or a decode step"
+    if causal:
+        return "attn_mask together with is_causal=True"
+    if call.q.shape[-2] == 1:
+        return "decode step (q_len == 1) with a mask"
+    return None
+
+
+def _mask_problem(call: SdpaCall) -> Optional[str]:
+    mask = call.mask
+    if mask is None or isinstance(mask, MaskMatch):
+        return None
+    return f"explicit attn_mask not proven causal: {mask.reason}"
+
+
 def _tensors_known(call: SdpaCall) -> bool:
     return all(isinstance(t, torch.Tensor) for t in (call.q, call.k, call.v))
 
@@ -81,7 +128,8 @@ def _tensors_known(call: SdpaCall) -> bool:
 def _lengths_may_match(call: SdpaCall) -> bool:
     nq, nk = call.q.shape[-2], call.k.shape[-2]
     if isinstance(nq, int) and isinstance(nk, int):
-        return nq == nk
+        # a proven mask puts the queries at the last positions (chunked prefill); is_causal aligns top-left
+        return nq == nk or (call.args["attn_mask"] is not None and nq < nk)
     return True  # symbolic lengths: the op decides per call
 
 
@@ -108,17 +156,7 @@ REWRITE_RULES: tuple[RewriteRule, ...] = (
         lambda c, cfg: all(t.dim() == 4 for t in (c.q, c.k, c.v)),
         lambda c, cfg: f"inputs are not 4-D (q {tuple(c.q.shape)})",
     ),
-    RewriteRule(
-        "no_mask",
-        lambda c, cfg: c.args["attn_mask"] is None,
-        lambda c, cfg: "explicit attn_mask (padding, packed sequences or a custom mask; transformers also builds "
-        "one when called with use_cache=False)",
-    ),
-    RewriteRule(
-        "causal",
-        lambda c, cfg: _is_const(c, "is_causal") and c.args["is_causal"] is True,
-        lambda c, cfg: "not causal (is_causal=False): encoder, cross-attention or a decode step",
-    ),
+    RewriteRule("causal", lambda c, cfg: _causal_form(c) is None, lambda c, cfg: _causal_form(c) or ""),
     RewriteRule(
         "no_dropout",
         lambda c, cfg: _is_const(c, "dropout_p") and float(c.args["dropout_p"]) == 0.0,
@@ -156,7 +194,35 @@ REWRITE_RULES: tuple[RewriteRule, ...] = (
         lambda c, cfg: _excluded(c, cfg) is None,
         lambda c, cfg: _excluded(c, cfg) or "",
     ),
+    # last: the only rule that evaluates anything (the mask's slice at small sizes)
+    RewriteRule("mask_proven", lambda c, cfg: _mask_problem(c) is None, lambda c, cfg: _mask_problem(c) or ""),
 )
+
+
+def _analyse_cached(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q, k):
+    cache = gm.meta.setdefault("sparse_compile_masks", {})
+    key = (mask, str(q.shape[-2]), str(k.shape[-2]))
+    result = cache.get(key)
+    if result is None or (isinstance(result, MaskMatch) and not _same_slice(result, site)):
+        result = analyse_mask(gm, site, mask, q, k)
+        cache[key] = result
+    return result
+
+
+def _same_slice(match: MaskMatch, site: fx.Node) -> bool:
+    # a cached proof holds for a later site when no mutation of the mask's tensors runs in between
+    from .masks import _is_mutation, _root
+
+    roots = {_root(n) for n in match.nodes}
+    seen = False
+    for node in site.graph.nodes:
+        if node is site:
+            return True
+        if node in match.nodes:
+            seen = True
+        elif seen and _is_mutation(node) and isinstance(node.args[0], fx.Node) and _root(node.args[0]) in roots:
+            return False
+    return True
 
 
 def module_path(node: fx.Node) -> str:
@@ -186,12 +252,22 @@ def find_sdpa_calls(gm: fx.GraphModule) -> list[SdpaCall]:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in SDPA_TARGETS:
             site = module_path(node) or f"<{node.name}>"
-            calls.append(SdpaCall(node, _normalize(node), site))
+            calls.append(SdpaCall(node, _normalize(node), site, gm))
     return calls
 
 
 def _shape(t) -> tuple:
     return tuple(t.shape) if isinstance(t, torch.Tensor) else ()
+
+
+def _native_kv(call: SdpaCall) -> tuple[Any, Any, bool, tuple]:
+    """K, V and enable_gqa for the op, and the nodes no longer read: the Hkv-head originals when the model
+    repeated K/V to the query heads (transformers does whenever it passes a mask)."""
+    key, value, gqa = call.args["key"], call.args["value"], bool(call.args["enable_gqa"])
+    undone_k, undone_v = undo_repeat_kv(key), undo_repeat_kv(value)
+    if undone_k and undone_v and undone_k[1] == undone_v[1] and undone_k[1] > 1:
+        return undone_k[0], undone_v[0], True, undone_k[2] + undone_v[2]
+    return key, value, gqa, ()
 
 
 def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
@@ -200,6 +276,7 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
 
     config_json = config_to_json(config)
     records = []
+    dropped: set = set()  # mask slices and repeat_kv chains the rewritten sites no longer read
     for call in find_sdpa_calls(gm):
         failed = next((rule for rule in REWRITE_RULES if not rule.holds(call, config)), None)
         q = call.q
@@ -214,17 +291,38 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
             records.append(SiteRecord(rewritten=False, reason=failed.reason(call, config), **record))
             continue
         node = call.node
+        mask = call.mask
+        key, value, gqa, repeat_chain = _native_kv(call)
+        if repeat_chain:
+            dropped |= set(repeat_chain)
+            record["k_shape"] = _shape(key.meta.get("example_value", key.meta.get("val")))
+        padding = positions = None
+        if isinstance(mask, MaskMatch):
+            padding, positions = mask.key_padding, mask.query_positions
+            dropped |= set(mask.nodes)
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(
                 torch.ops.sparse_compile.causal_attention.default,
-                (call.args["query"], call.args["key"], call.args["value"], call.args["scale"],
-                 bool(call.args["enable_gqa"]), call.site, config_json),
+                (call.args["query"], key, value, call.args["scale"], gqa, call.site, config_json, padding, positions,
+                 mask is not None),
             )
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        records.append(SiteRecord(rewritten=True, reason=f"rewritten: method {config.method}", **record))
+        how = f"rewritten: method {config.method}"
+        if isinstance(mask, MaskMatch):
+            how += f"; {mask.reason}"
+        if gqa and not call.args["enable_gqa"]:
+            how += "; repeated K/V undone (GQA native)"
+        records.append(SiteRecord(rewritten=True, reason=how, **record))
     if any(r.rewritten for r in records):
+        _erase(gm, dropped)
         gm.graph.lint()
         gm.recompile()
     return records
+
+
+def _erase(gm: fx.GraphModule, candidates: set) -> None:
+    for node in removable_nodes(gm, {n for n in candidates if isinstance(n, fx.Node)}):
+        if not node.users:
+            gm.graph.erase_node(node)

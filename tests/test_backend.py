@@ -307,3 +307,98 @@ def test_log_env_var_reports_sites_and_diff(monkeypatch):
     text = "\n".join(r.getMessage() for r in records)
     assert "rewrote 1 of 1 attention sites" in text
     assert "graph diff" in text and "sparse_compile.causal_attention" in text
+
+
+# -- padding and traced masks at the op --------------------------------------------------------------------------
+def _masked_reference(q, k, v, valid):
+    """Causal (queries at the last positions) AND key padding, float64, through an explicit bool mask."""
+    nq, nk = q.shape[-2], k.shape[-2]
+    causal = torch.arange(nk)[None, :] <= torch.arange(nk - nq, nk)[:, None]
+    mask = causal[None, None] & valid[:, None, None, :]
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+@pytest.mark.parametrize("nq, nk", [(45, 45), (20, 53)])
+@pytest.mark.parametrize("method", ["pbs", "sparge", "bfla", "s2o"])
+def test_op_with_key_padding_equals_masked_dense_on_valid_rows(method, nq, nk):
+    q, k, v = random_qkv(4, 4, 2, nq, nk, 16)
+    valid = torch.ones(4, nk, dtype=torch.bool)
+    valid[0, :9] = False  # left padding
+    valid[1, nk - 6:] = False  # right padding
+    valid[2, 11:17] = False  # a hole
+    valid[3] = False  # nothing valid
+    config = SparseConfig(method=method, min_seq_len=2, pbs={"block_size": 16, "segment_size": 32},
+                          sparge={"block_size_q": 16, "block_size_kv": 16},
+                          bfla={"coarse_block_size": 32, "group_size": 8, "tile_size_q": 16, "tile_size_kv": 16},
+                          s2o={"segment_size": 32, "block_size_q": 16, "block_size_kv": 16}).keep_all()
+    out = torch.ops.sparse_compile.causal_attention(q, k, v, None, True, "p", config_to_json(config), valid.long(),
+                                                    None, True)
+    ref = _masked_reference(q, k, v, valid)
+    rows = valid[:, nk - nq:]  # valid query rows
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.transpose(1, 2)[rows], ref.transpose(1, 2)[rows].float(), rtol=1e-4, atol=1e-5)
+    assert (out[3] == 0).all()
+    stats = sparse_compile.runtime_stats()["p"]
+    assert "padded batch" in stats.last_reason, stats.last_reason
+    # S2O's segments describe a full prefill: with a cached prefix (nq < nk) it declines and runs dense
+    assert stats.last_path == ("dense" if method == "s2o" and nq < nk else "sparse"), stats.last_reason
+
+
+def test_padding_summary_read_once_per_mask_tensor(monkeypatch):
+    from sparse_compile import padding
+
+    reads = []
+    real = padding._layout
+    monkeypatch.setattr(padding, "_layout", lambda m: reads.append(1) or real(m))
+    q, k, v = random_qkv(2, 4, 2, 40, 40, 16)
+    ones = torch.ones(2, 40, dtype=torch.long)
+    config = config_to_json(SparseConfig(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32}))
+    for _ in range(3):  # three layers of one forward pass
+        out = torch.ops.sparse_compile.causal_attention(q, k, v, None, True, "ones", config, ones, None, True)
+    assert len(reads) == 1
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                               rtol=1e-4, atol=1e-5)
+    assert "padded" not in sparse_compile.runtime_stats()["ones"].last_reason  # all ones: the plain path
+    ones[0, 0] = 0  # mutated in place: read again
+    torch.ops.sparse_compile.causal_attention(q, k, v, None, True, "ones", config, ones, None, True)
+    assert len(reads) == 2
+
+
+def test_op_holds_query_positions_to_the_proven_ones():
+    q, k, v = random_qkv(1, 2, 2, 24, 24, 16)
+    config = config_to_json(SparseConfig(min_seq_len=2))
+    ok = torch.arange(24)
+    torch.ops.sparse_compile.causal_attention(q, k, v, None, False, "pos", config, None, ok, True)
+    with pytest.raises(RuntimeError, match="cache_position.*arange\\(0, 24\\)"):
+        torch.ops.sparse_compile.causal_attention(q, k, v, None, False, "pos", config, None, ok + 3, True)
+
+
+@pytest.mark.parametrize("min_seq_len", [10**6, 2])
+def test_opcheck_with_padding(min_seq_len):
+    q, k, v = random_qkv(2, 4, 2, 40, 40, 16)
+    valid = torch.ones(2, 40, dtype=torch.long)
+    valid[0, :5] = 0
+    config = config_to_json(SparseConfig(min_seq_len=min_seq_len, pbs={"block_size": 16, "segment_size": 32}))
+    torch.library.opcheck(torch.ops.sparse_compile.causal_attention.default,
+                          (q, k, v, None, True, "t", config, valid, torch.arange(40), True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["pbs", "sparge", "bfla", "s2o"])
+def test_op_with_key_padding_on_gpu_equals_masked_dense(method):
+    """The padded path on the GPU: fast planners and the Triton kernel on sliced and gathered rows, bf16."""
+    q, k, v = random_qkv(3, 8, 2, 4096, 4096, 128, dtype=torch.bfloat16, device="cuda")
+    valid = torch.ones(3, 4096, dtype=torch.bool, device="cuda")
+    valid[0, :300] = False
+    valid[1, 3579:] = False
+    valid[2, 1000:1200] = False
+    config = config_to_json(SparseConfig(method=method, min_seq_len=1024).keep_all())
+    out = torch.ops.sparse_compile.causal_attention(q, k, v, None, True, "gpu", config, valid.long(), None, True)
+    causal = torch.ones(4096, 4096, dtype=torch.bool, device="cuda").tril()
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=causal & valid[:, None, None, :],
+                                         enable_gqa=True)
+    rows = valid
+    err = (out.float() - ref).transpose(1, 2)[rows].norm() / ref.transpose(1, 2)[rows].norm()
+    assert torch.isfinite(out).all() and err < 2e-2, err
+    assert sparse_compile.runtime_stats()["gpu"].last_path == "sparse"

@@ -121,21 +121,36 @@ def _run_script(args, tmp_path):
     return proc
 
 
-def test_e2e_benchmark_smoke_runs_every_layer_sparse(tmp_path):
-    # regression: with regional compilation, transformers' per-layer cache index made Dynamo recompile per layer,
-    # and past its default limit of 8 the remaining layers ran eager (dense); the script must lift the limit and
-    # count the sparse calls. 10 layers > 8.
-    _run_script(["benchmarks/bench_e2e.py", "--smoke", "--layers", "10", "--lengths", "256", "--budgets",
-                 "--out", str(tmp_path)], tmp_path)
+def _e2e_rows(tmp_path, *args):
+    _run_script(["benchmarks/bench_e2e.py", "--smoke", "--lengths", "256", "--budgets", "--out", str(tmp_path),
+                 *args], tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "e2e.jsonl").read_text().splitlines()]
     methods = [r for r in rows if r["contender"] in ("pbs", "sparge", "bfla", "s2o")]
     assert len(methods) == 4
-    for r in methods:
-        assert r["sparse_calls"] == 10, r
-        assert 0 < r["density"] <= 2 and r["ttft_s"] > 0
     dense = {r["contender"] for r in rows} - {r["contender"] for r in methods}
     assert dense == {"eager", "inductor", "floor"}
     assert (tmp_path / "e2e.md").exists()
+    return methods, json.loads((tmp_path / "e2e.json").read_text())
+
+
+def test_e2e_benchmark_smoke_whole_model_every_layer_sparse(tmp_path):
+    # the default: the whole model compiled as users do (the traced mask proven causal), compile time recorded
+    methods, result = _e2e_rows(tmp_path, "--layers", "3", "--mask-overhead")
+    for r in methods:
+        assert r["sparse_calls"] == 3, r
+        assert 0 < r["density"] <= 2 and r["ttft_s"] > 0
+    meta = result["meta"]
+    assert meta["compile"] == "whole model" and meta["first_call_s"]["sparse_prefill"] > 0
+    assert meta["mask_overhead"][0]["N"] == 256
+
+
+def test_e2e_benchmark_smoke_regional_runs_every_layer_sparse(tmp_path):
+    # regression: with regional compilation, transformers' per-layer cache index made Dynamo recompile per layer,
+    # and past its default limit of 8 the remaining layers ran eager (dense); the script must lift the limit and
+    # count the sparse calls. 10 layers > 8.
+    methods, _ = _e2e_rows(tmp_path, "--layers", "10", "--regional")
+    for r in methods:
+        assert r["sparse_calls"] == 10, r
 
 
 def test_profile_layer_smoke(tmp_path):

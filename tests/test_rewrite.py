@@ -86,14 +86,103 @@ def test_skip_layers_by_index_and_by_path():
     assert "matches skip_layers" in records[1].reason
 
 
-def test_padding_mask_left_dense():
+def test_padding_mask_rewritten_with_padding_input():
     model = tiny_llama(2)
     ids = torch.randint(0, 128, (2, 24))
     mask = torch.ones_like(ids)
-    mask[0, :5] = 0  # left padding: transformers passes an explicit attn_mask
-    records, _ = traced_records(model, ids, attention_mask=mask)
-    assert records and not any(r.rewritten for r in records)
-    assert all("attn_mask" in r.reason for r in records)
+    mask[0, :5] = 0  # left padding: transformers builds causal & padding inside the graph
+    records, out = traced_records(model, ids, attention_mask=mask)
+    assert records and all(r.rewritten for r in records), [r.reason for r in records]
+    assert all("key padding proven" in r.reason for r in records)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(out.logits[mask.bool()], ref[mask.bool()], rtol=1e-4, atol=1e-5)
+
+
+class MaskedAttention(nn.Module):
+    """Attention whose mask is built in the traced code from sizes (and, for some kinds, an input)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, q, k, v, ids=None, custom=None):
+        n = q.shape[-2]
+        i = torch.arange(n)[:, None]
+        j = torch.arange(n)[None, :]
+        if self.kind == "causal_bool":
+            mask = j <= i
+        elif self.kind == "causal_float":
+            mask = torch.zeros(n, n).masked_fill(j > i, float("-inf"))
+        elif self.kind == "prefix_lm":  # bidirectional over the first 8 tokens
+            mask = (j <= i) | (j < 8)
+        elif self.kind == "window":  # sliding window of 12
+            mask = (j <= i) & (j > i - 12)
+        elif self.kind == "documents":  # packed: two documents, boundary at 20
+            mask = (j <= i) & ((i < 20) == (j < 20))
+        elif self.kind == "pad_id_0":  # padding read from the token ids themselves (pad id 0)
+            mask = (j <= i)[None, None] & (ids != 0)[:, None, None, :]
+        elif self.kind == "pad_id_5":
+            mask = (j <= i)[None, None] & (ids != 5)[:, None, None, :]
+        elif self.kind == "bias":  # ALiBi-like: a float bias, not a mask
+            mask = torch.where(j <= i, -0.1 * (i - j).float(), torch.tensor(float("-inf")))
+        elif self.kind == "input":  # a mask the caller passes in
+            mask = custom
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("kind", ["causal_bool", "causal_float", "pad_id_0"])
+def test_masks_proven_causal_are_rewritten(kind):
+    q = torch.randn(2, 2, 33, 16)
+    ids = torch.randint(1, 50, (2, 33))
+    ids[0, :4] = 0
+    records, out = traced_records(MaskedAttention(kind), q, q, q, ids)
+    assert len(records) == 1 and records[0].rewritten, records[0].reason
+    ref = MaskedAttention(kind)(q, q, q, ids)
+    valid = (ids != 0) if kind == "pad_id_0" else torch.ones_like(ids, dtype=torch.bool)
+    torch.testing.assert_close(out.transpose(1, 2)[valid], ref.transpose(1, 2)[valid])
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("prefix_lm", "keeps key"), ("window", "masks key"), ("documents", "masks key"), ("pad_id_5", "keeps key"),
+    ("bias", "a bias, not a mask"), ("input", "by value"),
+])
+def test_masks_that_are_not_causal_stay_dense_with_a_reason(kind, why):
+    q = torch.randn(2, 2, 33, 16)
+    ids = torch.randint(1, 50, (2, 33))
+    custom = torch.rand(2, 1, 33, 33) > 0.3
+    records, out = traced_records(MaskedAttention(kind), q, q, q, ids, custom)
+    assert len(records) == 1 and not records[0].rewritten
+    assert "not proven causal" in records[0].reason and why in records[0].reason, records[0].reason
+    torch.testing.assert_close(out, MaskedAttention(kind)(q, q, q, ids, custom), equal_nan=True)
+
+
+def test_rewritten_site_allocates_no_n_by_n_mask():
+    """Peak single allocation of a whole-model forward with padding: the rewrite drops the mask subgraph."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import sparse_compile
+
+    model = tiny_llama(1)
+    n = 4096  # a bool mask is 16 MiB; activations of this tiny model are about 1 KiB per token
+    ids = torch.randint(1, 128, (1, n))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+
+    def largest_allocation(fn) -> int:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+        return max(e.cpu_memory_usage for e in prof.events())
+
+    with torch.no_grad(), sparse_compile.sparsity(enabled=False):
+        eager = largest_allocation(lambda: model(ids, attention_mask=mask))
+        records, _ = traced_records(model, ids, attention_mask=mask)  # compile once
+        compiled = torch.compile(model, backend=lambda gm, ex: (rewrite_graph(gm, SparseConfig()), gm.forward)[1])
+        compiled(ids, attention_mask=mask)
+        rewritten = largest_allocation(lambda: compiled(ids, attention_mask=mask))
+    assert all(r.rewritten for r in records)
+    assert eager >= n * n  # the control: eager builds the (1, 1, n, n) mask
+    assert rewritten < n * n // 4, rewritten
 
 
 class Encoder(nn.Module):
