@@ -24,7 +24,9 @@ all on the same prompt:
   1/(g sqrt(C)) so that the targets are reachable);
 * ``floor``: the same compiled model with its attention ops doing nothing: the non-attention time.
 
-Reported per run: TTFT (median of ``--reps`` after a warm-up), the achieved density (mean over sites and heads,
+At each length every contender is set up first (compile, calibration, density, warm-up), then all are timed
+alternately (A, B, C, A, B, C, ...) with the SM clock sampled after each run: the H100's clock drifts under
+sustained load. Reported per run: TTFT (median of ``--reps``), the mean SM clock, the achieved density (mean over sites and heads,
 from a separate recorded run), the number of attention calls that ran sparse in that run (it must equal the
 number of layers), and end-to-end efficiency ``(t_floor + ρ·t_attn) / TTFT`` with
 ``t_attn = TTFT_inductor − t_floor``: the share of the possible gain the system delivers at its density.
@@ -110,11 +112,24 @@ def sync():
         torch.cuda.synchronize()
 
 
-def ttft(fn, ids, reps: int, warmup: bool = True) -> float:
-    """Median seconds of ``fn(ids)`` over ``reps`` runs after one warm-up run (``warmup``)."""
+def sm_clock_mhz() -> int | None:
+    """The GPU's current SM clock (nvidia-smi; None without one): recorded next to every timed run."""
+    if not torch.cuda.is_available():
+        return None
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=5).stdout
+        return int(out.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def ttft(fn, ids, reps: int) -> float:
+    """Median seconds of ``fn(ids)`` over ``reps`` runs after one warm-up run."""
     with torch.no_grad():
-        if warmup:
-            fn(ids)
+        fn(ids)
         times = []
         for _ in range(reps):
             sync()
@@ -277,7 +292,7 @@ def summarize(rows: list, args, meta: dict) -> None:
         if isinstance(t, float):
             row["ttft_ms"] = t * 1e3
     columns = ["N", "contender", "ttft_ms", "speedup", "density", "efficiency", "best_possible_speedup",
-               "sparse_calls", "params"]
+               "sparse_calls", "sm_clock_mhz", "params"]
     table = write_results(args.name, rows, meta=meta, columns=columns, out_dir=args.out)
     print(table)
     plot(rows, args)
@@ -355,85 +370,107 @@ def main() -> None:
     def floor_compiled(ids):
         return compiled_floor(ids, logits_to_keep=1)
 
-    plan = []
-    for n in args.lengths:
-        if not args.budgets_only:
-            plan += [(n, "eager", None)] + ([(n, "floor (eager)", None)] if args.eager_floor else [])
-            plan += [(n, "inductor", None), (n, "floor", None)]
-            if inductor is not None:
-                plan.append((n, "inductor (backend=inductor)", None))
-            plan += [(n, m, None) for m in args.methods]
-        if n in args.budget_lengths:
-            plan += [(n, m, b) for m in args.methods for b in args.budgets]
-    bar = tqdm(plan, desc="prefill", unit="run") if tqdm else plan
+    partial = (Path(args.out) if args.out else Path(__file__).resolve().parent / "results") / f"{args.name}.jsonl"
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text("")
+    rows: list = []
+    first_call: dict = {}  # compiled callable -> seconds of its first call (Dynamo + Inductor compile included)
 
-    rows, reference = [], {}
-    ids_by_len = {}
-    first_call: dict = {}  # compiled contender -> seconds of its first call (Dynamo + Inductor compile included)
-    warmed: set = set()  # contenders whose kernels have run once: later lengths reuse them (no JIT in the timing)
+    def with_region(fn, **region):
+        def call(ids):
+            with sparse_compile.sparsity(**region):
+                return fn(ids)
+        return call
 
-    def timed(key, fn, ids, reps):
-        if key not in first_call:
+    def eager_floor(ids):
+        model.config._attn_implementation = noop
+        try:
+            return run(model)(ids)
+        finally:
+            model.config._attn_implementation = "sdpa"
+
+    def first(key, fn, ids):
+        if key not in first_call:  # the compile, timed once, outside every measurement
             sync()
             started = time.perf_counter()
             with torch.no_grad():
                 fn(ids)
             sync()
             first_call[key] = round(time.perf_counter() - started, 1)
-            warmed.add(key)
-            return ttft(fn, ids, reps, warmup=False)
-        warm = key not in warmed
-        warmed.add(key)
-        return ttft(fn, ids, reps, warmup=warm)
-    partial = (Path(args.out) if args.out else Path(__file__).resolve().parent / "results") / f"{args.name}.jsonl"
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    partial.write_text("")
-    for n, contender, budget in bar:
-        if tqdm:
-            bar.set_postfix_str(f"{n} {contender}{'' if budget is None else f'@{budget}'}")
-        ids = ids_by_len.setdefault(n, torch.randint(0, model.config.vocab_size, (1, n), device=device))
-        row = {"N": n, "contender": contender if budget is None else f"{contender}@{budget}", "params": ""}
-        started = time.perf_counter()
-        try:
-            if contender == "eager":
-                row["ttft_s"] = ttft(run(model), ids, args.reps)
-            elif contender == "floor (eager)":
-                model.config._attn_implementation = noop
-                try:
-                    row["ttft_s"] = ttft(run(model), ids, args.reps)
-                finally:
-                    model.config._attn_implementation = "sdpa"
-            elif contender == "inductor":
-                with sparse_compile.sparsity(enabled=False):
-                    row["ttft_s"] = timed("sparse_prefill", run(compiled), ids, args.reps)
-                row["sparse_calls"] = 0
-            elif contender == "inductor (backend=inductor)":
-                row["ttft_s"] = timed("inductor", run(inductor), ids, args.reps)
-            elif contender == "floor":
-                row["ttft_s"] = timed("floor", floor_compiled, ids, args.reps)
-            else:
+
+    total = sum((0 if args.budgets_only else 4 + args.eager_floor + bool(inductor) + len(args.methods))
+                + (len(args.methods) * len(args.budgets) if n in args.budget_lengths else 0) for n in args.lengths)
+    bar = tqdm(total=total, desc="prefill", unit="contender") if tqdm else None
+    for n in args.lengths:
+        ids = torch.randint(0, model.config.vocab_size, (1, n), device=device)
+        # 1. set up every contender at this length: compile, calibrate, record density, warm up
+        entries = []  # (row, fn, reps)
+        if not args.budgets_only:
+            entries.append(({"contender": "eager"}, run(model), args.reps))
+            if args.eager_floor:
+                entries.append(({"contender": "floor (eager)"}, eager_floor, args.reps))
+            first("sparse_prefill", with_region(run(compiled), enabled=False), ids)
+            entries.append(({"contender": "inductor", "sparse_calls": 0}, with_region(run(compiled), enabled=False),
+                            args.reps))
+            entries.append(({"contender": "floor"}, floor_compiled, args.reps))
+            if inductor is not None:
+                first("inductor", run(inductor), ids)
+                entries.append(({"contender": "inductor (backend=inductor)"}, run(inductor), args.reps))
+        budgets = [None] * (not args.budgets_only) + (list(args.budgets) if n in args.budget_lengths else [])
+        qk = None  # this length's captured query/key, for calibration
+        for budget in budgets:
+            for method in args.methods:
+                row = {"contender": method if budget is None else f"{method}@{budget}", "params": ""}
                 params = {}
-                if budget is not None:
-                    qk = reference.setdefault(("qk", n), capture_qkv(model, ids)[:2])
-                    params, _ = calibrate(contender, budget, qk, base)
-                    row["params"] = ", ".join(f"{k}={v:.4g}" for k, v in params.items())
-                row["density"], row["sparse_calls"] = recorded_density(run(compiled), ids, contender, params)
-                if row["sparse_calls"] != num_layers:  # some layers ran dense: the row does not measure the method
-                    print(f"warning: {contender} at {n}: {row['sparse_calls']} of {num_layers} attention layers "
+                try:
+                    if budget is not None:
+                        qk = qk or capture_qkv(model, ids)[:2]
+                        params, _ = calibrate(method, budget, qk, base)
+                        row["params"] = ", ".join(f"{k}={v:.4g}" for k, v in params.items())
+                    first("sparse_prefill", run(compiled), ids)
+                    row["density"], row["sparse_calls"] = recorded_density(run(compiled), ids, method, params)
+                except torch.cuda.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+                    row["ttft_s"] = "OOM"
+                if row.get("sparse_calls") != num_layers:  # some layers ran dense: the row does not measure the method
+                    print(f"warning: {method} at {n}: {row.get('sparse_calls')} of {num_layers} attention layers "
                           "ran sparse", file=sys.stderr)
-                with sparse_compile.sparsity(method=contender, **params):
-                    # an untimed warm-up of the timed path the first time: density recording runs other kernel
-                    # variants (visit counting), which the timed runs must not pay to JIT-compile
-                    reps = args.reps if budget is None else args.budget_reps
-                    row["ttft_s"] = timed(f"{contender}@{budget is not None}", run(compiled), ids, reps)
-        except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            row["ttft_s"] = "OOM"
-        row["wall_s"] = round(time.perf_counter() - started, 1)  # what the row cost, compile included
-        rows.append(row)
-        reference[(n, row["contender"])] = row.get("ttft_s")
-        with partial.open("a") as f:  # row by row: a run cut short still leaves its measurements
-            f.write(json.dumps(row) + "\n")
+                entries.append((row, with_region(run(compiled), method=method, **params),
+                                args.reps if budget is None else args.budget_reps))
+        times: dict = {id(row): [] for row, _, _ in entries}
+        clocks: dict = {id(row): [] for row, _, _ in entries}
+        live = [(row, fn, reps) for row, fn, reps in entries if row.get("ttft_s") != "OOM"]
+        with torch.no_grad():
+            for row, fn, _ in live:  # warm-up: density recording ran other kernel variants
+                try:
+                    fn(ids)
+                except torch.cuda.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+                    row["ttft_s"] = "OOM"
+            live = [e for e in live if e[0].get("ttft_s") != "OOM"]
+            # 2. time them alternately (A, B, C, A, B, C, ...): the clock drifts under sustained load
+            for round_ in range(max([reps for _, _, reps in live] or [0])):
+                for row, fn, reps in live:
+                    if round_ >= reps:
+                        continue
+                    sync()
+                    started = time.perf_counter()
+                    fn(ids)
+                    sync()
+                    times[id(row)].append(time.perf_counter() - started)
+                    clocks[id(row)].append(sm_clock_mhz())
+        for row, _, _ in entries:
+            row["N"] = n
+            if times[id(row)]:
+                t = sorted(times[id(row)])
+                row["ttft_s"] = t[len(t) // 2]
+                mhz = [c for c in clocks[id(row)] if c]
+                row["sm_clock_mhz"] = round(sum(mhz) / len(mhz)) if mhz else None
+            rows.append(row)
+            with partial.open("a") as f:  # row by row: a run cut short still leaves its measurements
+                f.write(json.dumps(row) + "\n")
+            if bar:
+                bar.update(1)
 
     meta = {"model": "Llama-3.1-8B shape" if not args.smoke else "tiny", "dtype": str(dtype), "batch": 1,
             "reps": args.reps, "min_seq_len": base.min_seq_len, "device": device,
