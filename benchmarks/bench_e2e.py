@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import sys
@@ -232,7 +233,9 @@ def attention_noop():
 def compile_contenders(model, options: dict, args):
     """(sparse_prefill, backend=inductor or None, the floor: a callable like the model without attention)."""
     if not args.regional:
-        compiled = torch.compile(model, backend="sparse_prefill", dynamic=True, options=options)
+        # the backend object, not its name: a source checkout has no installed entry point
+        backend = functools.partial(sparse_compile.sparse_prefill, options=options)
+        compiled = torch.compile(model, backend=backend, dynamic=True)
         inductor = torch.compile(model, backend="inductor", dynamic=True) if args.inductor else None
 
         def floor(*a, **kw):
@@ -245,7 +248,8 @@ def compile_contenders(model, options: dict, args):
     layers = model.model.layers
     eager_forward = [layer.forward for layer in layers]
     backends = {
-        "sparse": [torch.compile(f, backend="sparse_prefill", dynamic=True, options=options) for f in eager_forward],
+        "sparse": [torch.compile(f, backend=functools.partial(sparse_compile.sparse_prefill, options=options),
+                                 dynamic=True) for f in eager_forward],
         "floor": [torch.compile(f, backend="inductor", dynamic=True) for f in eager_forward],
     }
     if args.inductor:
