@@ -66,11 +66,13 @@ class MaskMatch:
     key_padding: Optional[fx.Node]  # the (batch, kv_len) input it reads, nonzero = valid key
     query_positions: Optional[fx.Node]  # the (q_len,) input it reads (cache_position), if any
     nodes: frozenset  # the slice: what the graph no longer needs once the mask is dropped
+    binary_padding: bool = False  # proven for 0/1 padding values only (other values mean something else here)
 
     @property
     def reason(self) -> str:
         what = "causal mask" if self.key_padding is None else "causal mask AND key padding"
-        return f"{what} proven from the graph ({_describe(self.key_padding, self.query_positions)})"
+        values = " (0/1 padding values)" if self.binary_padding else ""
+        return f"{what} proven from the graph ({_describe(self.key_padding, self.query_positions)}){values}"
 
 
 @dataclass(frozen=True)
@@ -348,7 +350,7 @@ def _expected(batch: int, nq: int, nk: int, padding: Optional[torch.Tensor], dev
 
 
 def _padding_trials(batch: int, nk: int, dtype: torch.dtype, device, generator: torch.Generator) -> list:
-    """ones, left, right and random padding, and a random mask with a nonzero value other than 1."""
+    """ones, left, right and random padding, and (last) a random mask with a nonzero value other than 1."""
     def as_dtype(valid: torch.Tensor, value=1) -> torch.Tensor:
         if dtype == torch.bool:
             return valid
@@ -402,6 +404,7 @@ def analyse_mask(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q: torch.Tens
         return NotProven(str(exc))
     ordered = sorted(nodes, key=order.get)
     generator = torch.Generator().manual_seed(0)
+    binary = False
     device = _example(mask).device
     for sizes, batch, n_q, n_k in plan:
         inputs: dict = {}
@@ -410,20 +413,21 @@ def analyse_mask(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q: torch.Tens
         trials = [None]
         if padding is not None:
             trials = _padding_trials(batch, n_k, _example(padding).dtype, device, generator)
-        for trial in trials:
+        for number, trial in enumerate(trials):
             if trial is not None:
                 inputs[padding] = trial
             try:
                 value = _evaluate(gm, ordered, mask, sizes, inputs)
+                problem = _compare(value, batch, n_q, n_k, trial)
             except Exception as exc:  # noqa: BLE001 - any failure means "not proven"
-                return NotProven(f"evaluating the mask at {n_q} tokens failed ({type(exc).__name__}: "
-                                 f"{str(exc)[:120]})")
-            problem = _compare(value, batch, n_q, n_k, trial)
-            if problem:
+                problem = f"could not be evaluated ({type(exc).__name__}: {str(exc)[:120]})"
+            if problem and trial is not None and number == len(trials) - 1 and number > 0:
+                binary = True  # only the trial with a nonzero value other than 1 failed: proven for 0/1 masks
+            elif problem:
                 what = "" if trial is None else " with a padding mask"
                 return NotProven(f"not a causal{' & key-padding' if padding is not None else ''} mask: at "
                                  f"{n_q} tokens{what} it {problem}")
-    return MaskMatch(key_padding=padding, query_positions=positions, nodes=frozenset(nodes))
+    return MaskMatch(key_padding=padding, query_positions=positions, nodes=frozenset(nodes), binary_padding=binary)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -217,6 +217,7 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 def causal_attention(
     q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], enable_gqa: bool, site: str, config: str,
     key_padding: Optional[Tensor] = None, query_positions: Optional[Tensor] = None, from_mask: bool = False,
+    binary_padding: bool = False,
 ) -> Tensor:
     """Drop-in for the attention call the rewrite replaced.
 
@@ -224,6 +225,7 @@ def causal_attention(
     (causal aligned top-left). ``from_mask=True``: the call had a traced mask proven causal with the queries at
     the last positions, AND the key padding ``key_padding`` (batch, kv_len; nonzero = valid) when given;
     ``query_positions`` is the ``cache_position`` input the mask read, held to ``arange(kv_len - q_len, kv_len)``.
+    ``binary_padding``: the mask was proven for 0/1 padding values only; other values are an error.
     """
     config_in_force = resolve(config_from_json(config))
     if not from_mask:
@@ -234,6 +236,11 @@ def causal_attention(
     if query_positions is not None:
         check_query_positions(query_positions, q.shape[-2], k.shape[-2])
     layout = None if key_padding is None else padding_layout(key_padding, k.shape[-2])
+    if binary_padding and layout is not None and not layout.binary:
+        raise ValueError(
+            f"sparse_compile ({site}): the attention_mask holds values other than 0 and 1; this model's traced mask "
+            "treats such values differently, and the rewrite proved it for 0/1 masks only. Pass a 0/1 mask."
+        )
     if layout is None or layout.all_valid:
         out = dispatch(q, k, v, scale, config_in_force, site,
                        lambda: dense_causal_attention(q, k, v, scale=scale), chunked_allowed=True)
@@ -244,7 +251,7 @@ def causal_attention(
 
 @causal_attention.register_fake
 def _causal_attention_fake(q, k, v, scale, enable_gqa, site, config, key_padding=None, query_positions=None,
-                           from_mask=False):
+                           from_mask=False, binary_padding=False):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 

@@ -46,6 +46,7 @@ class RowGroup:
 class PaddingLayout:
     all_valid: bool
     groups: tuple[RowGroup, ...]
+    binary: bool = True  # every value is 0 or 1
 
     def describe(self) -> str:
         kinds = []
@@ -93,12 +94,14 @@ def _layout(key_padding: Tensor) -> PaddingLayout:
     count = as_int.sum(1)
     first = as_int.argmax(1)
     last = n - 1 - as_int.flip(1).argmax(1)
-    summary = torch.stack([count, first, last], 1).tolist()  # the one device-to-host read
-    if all(c == n for c, _, _ in summary):
-        return PaddingLayout(True, (RowGroup(tuple(range(batch)), 0, n),))
+    other = ((key_padding != 0) & (key_padding != 1)).sum(1, dtype=torch.int32)  # values that are not 0 or 1
+    summary = torch.stack([count, first, last, other], 1).tolist()  # the one device-to-host read
+    binary = not any(o for *_, o in summary)
+    if all(c == n for c, *_ in summary):
+        return PaddingLayout(True, (RowGroup(tuple(range(batch)), 0, n),), binary)
     ranges: dict[tuple[int, int], list[int]] = {}
     holes = []
-    for row, (c, lo, hi) in enumerate(summary):
+    for row, (c, lo, hi, _) in enumerate(summary):
         if c == 0:
             ranges.setdefault((0, 0), []).append(row)
         elif hi - lo + 1 == c:
@@ -106,7 +109,7 @@ def _layout(key_padding: Tensor) -> PaddingLayout:
         else:
             holes.append(RowGroup((row,), lo, hi + 1, valid[row].nonzero().squeeze(1)))
     groups = [RowGroup(tuple(rows), lo, hi) for (lo, hi), rows in sorted(ranges.items(), key=lambda kv: kv[1][0])]
-    return PaddingLayout(False, tuple(groups) + tuple(holes))
+    return PaddingLayout(False, tuple(groups) + tuple(holes), binary)
 
 
 def check_query_positions(positions: Tensor, num_queries: int, num_keys: int) -> None:

@@ -304,7 +304,7 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
             new = gm.graph.call_function(
                 torch.ops.sparse_compile.causal_attention.default,
                 (call.args["query"], key, value, call.args["scale"], gqa, call.site, config_json, padding, positions,
-                 mask is not None),
+                 mask is not None, isinstance(mask, MaskMatch) and mask.binary_padding),
             )
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)

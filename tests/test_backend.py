@@ -374,6 +374,17 @@ def test_op_holds_query_positions_to_the_proven_ones():
         torch.ops.sparse_compile.causal_attention(q, k, v, None, False, "pos", config, None, ok + 3, True)
 
 
+def test_op_refuses_non_binary_padding_where_only_0_1_was_proven():
+    q, k, v = random_qkv(1, 2, 2, 24, 24, 16)
+    config = config_to_json(SparseConfig(min_seq_len=2))
+    mask = torch.ones(1, 24, dtype=torch.long)
+    torch.ops.sparse_compile.causal_attention(q, k, v, None, False, "bin", config, mask, None, True, True)
+    mask[0, 3] = 2
+    torch.ops.sparse_compile.causal_attention(q, k, v, None, False, "bin", config, mask, None, True, False)
+    with pytest.raises(ValueError, match="values other than 0 and 1"):
+        torch.ops.sparse_compile.causal_attention(q, k, v, None, False, "bin", config, mask, None, True, True)
+
+
 @pytest.mark.parametrize("min_seq_len", [10**6, 2])
 def test_opcheck_with_padding(min_seq_len):
     q, k, v = random_qkv(2, 4, 2, 40, 40, 16)
