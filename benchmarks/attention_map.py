@@ -113,7 +113,7 @@ def run_plan(q, k, v, scale, config: SparseConfig, kernel: str):
 
 
 def s2o_spans(config: SparseConfig, n: int, nqb: int, bm: int) -> list[tuple[int, int]]:
-    from sparse_compile.methods.reorder import s2o_layout
+    from sparse_compile.methods.s2o import s2o_layout
 
     lay = s2o_layout(n, config.s2o.segment_size, config.s2o.block_size_kv)
     spans = []

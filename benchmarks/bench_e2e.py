@@ -54,13 +54,6 @@ import sparse_compile  # noqa: E402
 from harness import env_info, write_results  # noqa: E402
 
 METHODS = ("pbs", "sparge", "bfla", "s2o")
-# the parameter that sets each method's density, and its direction (True: larger value keeps more)
-DENSITY_KNOB = {
-    "pbs": ("threshold", True, 0.0, 1.0),
-    "sparge": ("cdf_threshold", True, 0.0, 1.0),
-    "bfla": ("mass_threshold", True, 0.0, 1.0),
-    "s2o": ("early_stop", False, 0.0, 0.5),
-}
 # parameters held fixed while calibrating, so that the target densities are reachable on random weights:
 # SpargeAttn's self-similarity judge flags every block of a random-weight model as not self-similar (always
 # computed), so TopCdf never applies unless the judge is switched off (theta = -1); BFLA's flatten-g block softmax
@@ -159,10 +152,12 @@ def recorded_density(fn, ids, method: str, params: dict) -> tuple[float, int]:
 
 def calibrate(method: str, target: float, qk: tuple, base: sparse_compile.SparseConfig, steps: int = 10):
     """The method's density parameter that keeps about ``target`` of the causal tiles on captured Q/K."""
-    from sparse_compile.methods import build_plan, plan_density
+    from sparse_compile.methods import build_plan
+    from sparse_compile.plan import plan_density
     from sparse_compile.report import density_from_visits
 
-    knob, increasing, low, high = DENSITY_KNOB[method]
+    spec = sparse_compile.registry.method_spec(method).density  # the knob that sets the method's density
+    knob, increasing, low, high = spec.name, spec.higher_keeps_more, spec.low, spec.high
     q, k = qk
     scale = 1.0 / math.sqrt(q.shape[-1])
     fixed = budget_fixed(method, base, q.shape[-1])

@@ -50,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import OOM, guarded, time_ms, write_results  # noqa: E402
 from sparse_compile.config import SparseConfig  # noqa: E402
 from sparse_compile.kernels import block_sparse_attention  # noqa: E402
-from sparse_compile.methods import build_plan, plan_density  # noqa: E402
+from sparse_compile.methods import build_plan  # noqa: E402
+from sparse_compile.plan import plan_density  # noqa: E402
 from sparse_compile.plan import causal_tile_count  # noqa: E402
 
 B, HQ, HKV, D = 1, 32, 8, 128

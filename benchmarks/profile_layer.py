@@ -97,7 +97,8 @@ def main() -> None:
     parser.add_argument("--name", default="profile_layer")
     args = parser.parse_args()
 
-    from sparse_compile.methods import build_plan, plan_density
+    from sparse_compile.methods import build_plan
+    from sparse_compile.plan import plan_density
     from sparse_compile.ops import config_to_json
     from sparse_compile.plan import reference_attention
     from sparse_compile.report import density_from_visits

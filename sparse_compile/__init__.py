@@ -31,11 +31,18 @@ def _map_source_tree_kernels() -> None:
 
 _map_source_tree_kernels()
 
+from .methods import build_plan  # noqa: E402  (first: the built-in methods register themselves)
+from .methods.bfla import BFLAParams  # noqa: E402
+from .methods.pbs import PBSParams  # noqa: E402
+from .methods.s2o import S2OParams  # noqa: E402
+from .methods.sparge import SpargeParams  # noqa: E402
 from .backend import sparse_prefill  # noqa: E402
-from .config import BFLAParams, PBSParams, S2OParams, SparseConfig, SpargeParams, XAttentionParams  # noqa: E402
+from .config import MethodParams, SparseConfig  # noqa: E402
 from .context import sparsity  # noqa: E402
 from .explain import ExplainReport, explain  # noqa: E402
 from .ops import sparse_attention  # noqa: E402
+from .plan import BlockPlan, execute_plan  # noqa: E402
+from .registry import DensityKnob, Method, register_method  # noqa: E402
 from .report import reset_runtime_stats, runtime_stats  # noqa: E402
 
 __all__ = [
@@ -44,7 +51,13 @@ __all__ = [
     "SpargeParams",
     "BFLAParams",
     "S2OParams",
-    "XAttentionParams",
+    "MethodParams",
+    "Method",
+    "DensityKnob",
+    "register_method",
+    "build_plan",
+    "BlockPlan",
+    "execute_plan",
     "sparse_prefill",
     "sparsity",
     "explain",

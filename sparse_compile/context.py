@@ -11,7 +11,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .config import METHOD_NAMES, SparseConfig
+from .config import SparseConfig
+from .registry import registered_methods
 
 __all__ = ["sparsity", "RegionState", "current_region"]
 
@@ -41,10 +42,10 @@ def current_region() -> RegionState:
 
 
 def _valid_param_names() -> set[str]:
-    config = SparseConfig()
-    names = set(SparseConfig.field_names()) - {"method", "pbs", "sparge", "bfla", "s2o", "xattention"}
-    for stage in ("pbs", "sparge", "bfla", "s2o", "xattention"):
-        names |= set(getattr(config, stage).field_names())
+    methods = registered_methods()
+    names = set(SparseConfig.field_names()) - set(methods) - {"method"}
+    for spec in methods.values():
+        names |= set(spec.params.field_names())
     return names
 
 
@@ -53,27 +54,33 @@ class sparsity:
 
     ``with sparse_compile.sparsity(enabled=False): model(x)`` runs every rewritten attention densely;
     ``with sparse_compile.sparsity(method="bfla", mass_threshold=0.95): ...`` switches method and parameters.
-    Keyword parameters are ``SparseConfig`` fields (``min_seq_len=...``) or fields of the active method's
-    parameters (``threshold=...`` for pbs). Blocks nest: inner values win, parameters merge.
+    Keyword parameters are ``SparseConfig`` fields (``min_seq_len=...``, ``skip_layers=...``) or fields of the
+    active method's parameters (``threshold=...`` for pbs). Blocks nest: what a block leaves unspecified (its
+    ``enabled`` too) is inherited from the enclosing block; inner values win, parameters merge.
     It acts at run time on code already compiled with ``backend="sparse_prefill"`` (and on
-    ``sparse_attention``); enter it around the compiled call, not inside the traced function.
+    ``sparse_attention``); enter it around the compiled call, not inside the traced function. Blocks must be
+    left in the reverse order of entering (``with`` does that); leaving an outer one first is an error.
     """
 
-    def __init__(self, enabled: bool = True, method: Optional[str] = None, **params: Any) -> None:
-        if not isinstance(enabled, bool):
-            raise TypeError(f"sparsity(enabled=...): must be a bool, got {enabled!r}")
-        if method is not None and method not in METHOD_NAMES:
-            raise ValueError(f"sparsity(method=...): unknown method {method!r}; valid: {list(METHOD_NAMES)}")
+    def __init__(self, enabled: Optional[bool] = None, method: Optional[str] = None, **params: Any) -> None:
+        if enabled is not None and not isinstance(enabled, bool):
+            raise TypeError(f"sparsity(enabled=...): must be True, False or None (inherit), got {enabled!r}")
+        methods = registered_methods()
+        if method is not None and method not in methods:
+            raise ValueError(f"sparsity(method=...): unknown method {method!r}; valid: {list(methods)}")
         unknown = sorted(set(params) - _valid_param_names())
         if unknown:
             raise ValueError(f"sparsity(): unknown parameter(s) {unknown}; valid: {sorted(_valid_param_names())}")
         if method is not None:
             # fail here, not inside compiled code, when a parameter does not belong to the named method
             SparseConfig(method=method).with_overrides(None, params)
+        else:  # and when a value is invalid (checked against every method that has the parameter)
+            _check_values(params)
         self._enabled = enabled
         self._method = method
-        self._params = dict(params)
-        self._tokens: list[contextvars.Token] = []
+        # hashable values: the resolved configuration is cached per region
+        self._params = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
+        self._entered: list[tuple[contextvars.Token, RegionState]] = []
 
     def _state(self, outer: RegionState) -> RegionState:
         merged = dict(outer.params)
@@ -82,17 +89,23 @@ class sparsity:
             merged = {k: v for k, v in merged.items() if k in SparseConfig.field_names()}
         merged.update(self._params)
         return RegionState(
-            enabled=self._enabled,
+            enabled=self._enabled if self._enabled is not None else outer.enabled,
             method=self._method if self._method is not None else outer.method,
-            params=tuple(sorted(merged.items())),
+            params=tuple(sorted(merged.items(), key=lambda item: item[0])),
         )
 
     def __enter__(self) -> "sparsity":
-        self._tokens.append(_REGION.set(self._state(_REGION.get())))
+        state = self._state(_REGION.get())
+        self._entered.append((_REGION.set(state), state))
         return self
 
     def __exit__(self, *exc) -> None:
-        _REGION.reset(self._tokens.pop())
+        token, state = self._entered[-1]
+        if _REGION.get() is not state:
+            raise RuntimeError(f"{self!r} exited while an inner sparsity region is still active: leave regions in "
+                               "the reverse order of entering them (use `with`)")
+        self._entered.pop()
+        _REGION.reset(token)
 
     def __call__(self, fn):
         @functools.wraps(fn)
@@ -105,6 +118,13 @@ class sparsity:
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v in self._params.items())
         return f"sparsity(enabled={self._enabled}, method={self._method!r}{extra})"
+
+
+def _check_values(params: dict) -> None:
+    # the backend's own fields are checked now; a method's parameters when the region meets its method
+    own = {k: v for k, v in params.items() if k in SparseConfig.field_names()}
+    if own:
+        SparseConfig().with_overrides(None, own)
 
 
 @functools.lru_cache(maxsize=256)

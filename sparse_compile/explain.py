@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -83,8 +82,7 @@ def explain(model, *args, config: Optional[SparseConfig] = None, **kwargs) -> Ex
 
     ``config`` (keyword only) is the ``SparseConfig`` to explain; density recording is switched on for the run.
     """
-    config = dataclasses.replace(config or SparseConfig(), record_density=True)
-    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    config = (config or SparseConfig()).replace(record_density=True)
     report = ExplainReport(config=config)
     diffs: list[str] = []
 
@@ -94,7 +92,7 @@ def explain(model, *args, config: Optional[SparseConfig] = None, **kwargs) -> Ex
             diffs.append(diff)
 
     def backend(gm, example_inputs):
-        return _backend.sparse_prefill(gm, example_inputs, options=options)
+        return _backend.sparse_prefill(gm, example_inputs, options=config)
 
     compiled = torch.compile(model, backend=backend)
     before = runtime_stats()

@@ -7,7 +7,6 @@ every prompt length and every region without recompiling.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -47,7 +46,7 @@ def _non_default(value: dict, default: dict) -> dict:
 
 def config_to_json(config: SparseConfig) -> str:
     """Compact: only the fields that differ from the defaults (``{}`` is the default configuration)."""
-    return json.dumps(_non_default(dataclasses.asdict(config), dataclasses.asdict(SparseConfig())), sort_keys=True)
+    return json.dumps(_non_default(config.to_dict(), SparseConfig().to_dict()), sort_keys=True)
 
 
 @functools.lru_cache(maxsize=64)

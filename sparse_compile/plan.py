@@ -36,6 +36,8 @@ import torch
 
 __all__ = [
     "BlockPlan",
+    "execute_plan",
+    "plan_density",
     "reference_attention",
     "check_plan",
     "plan_from_block_mask",
@@ -69,6 +71,25 @@ class BlockPlan:
 
     def with_options(self, **kwargs) -> "BlockPlan":
         return replace(self, **kwargs)
+
+    def density(self, num_queries: int, num_keys: int, num_heads: Optional[int] = None) -> torch.Tensor:
+        """Fraction of the causal tiles the plan lists, per (batch, head): float32 (B, H). See ``plan_density``."""
+        return plan_density(self, num_queries, num_keys, num_heads)
+
+    def __repr__(self) -> str:
+        batch, heads, blocks, width = self.tile_offsets.shape
+        listed = int(self.tile_counts.sum()) if self.tile_counts.numel() else 0
+        parts = [f"{self.block_m}x{self.block_n} tiles", f"batch {batch}", f"{heads} heads", f"{blocks} query blocks",
+                 f"{listed} tiles listed (at most {width} per block)"]
+        if self.key_index is not None:
+            parts.append(f"keys permuted (logical length {self.key_index.shape[-1]})")
+        if self.query_index is not None:
+            parts.append("queries permuted")
+        if self.early_stop > 0:
+            parts.append(f"early stop {self.early_stop:g}")
+        if self.pv_skip is not None:
+            parts.append(f"P.V skip {self.pv_skip:g}")
+        return f"BlockPlan({', '.join(parts)})"
 
 
 def expand_heads(x: Optional[torch.Tensor], num_heads: int) -> Optional[torch.Tensor]:
@@ -220,6 +241,39 @@ def causal_tile_count(num_queries: int, num_keys: int, block_m: int, block_n: in
         last = min((i + 1) * block_m, num_queries) - 1 + offset
         total += min(last // block_n + 1, -(-num_keys // block_n)) if last >= 0 else 0
     return total
+
+
+def plan_density(plan: BlockPlan, num_queries: int, num_keys: int, num_heads: Optional[int] = None) -> torch.Tensor:
+    """Fraction of the causal tiles that ``plan`` lists, per (batch, query head): float32 (B, H).
+
+    The denominator is ``causal_tile_count`` (identity tiling at the plan's block sizes). H is ``num_heads`` if
+    given, else the largest head count among the plan's tensors (a per-KV-head plan gives Hkv columns unless
+    ``num_heads`` is passed). The numerator counts listed tiles: with early stopping (S2O) it is an upper bound
+    (the stop happens at run time; ``execute_plan(..., return_visited=True)`` counts visited tiles). A plan can
+    exceed 1: under a key permutation (PBS) or S2O's query sort, the on-diagonal segment is computed as a full
+    square of tiles rather than a triangle.
+    """
+    heads = num_heads
+    if heads is None:
+        heads = max(x.shape[1] for x in (plan.tile_counts, plan.key_index, plan.query_index) if x is not None)
+    counts = expand_heads(plan.tile_counts, heads).sum(-1, dtype=torch.int64)
+    total = causal_tile_count(num_queries, num_keys, plan.block_m, plan.block_n)
+    return counts.to(torch.float32) / max(total, 1)
+
+
+def execute_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: Optional[float] = None,
+                 *, kernel: str = "auto", return_visited: bool = False):
+    """Run ``plan``: the Triton kernel (``kernel="triton"``, or "auto" on CUDA) or ``reference_attention``.
+
+    Returns the output, and with ``return_visited`` also the tiles each (batch, query head, query block) computed.
+    """
+    if kernel not in ("auto", "triton", "reference"):
+        raise ValueError(f"execute_plan: kernel must be 'auto', 'triton' or 'reference', got {kernel!r}")
+    if kernel == "triton" or (kernel == "auto" and q.is_cuda):
+        from .kernels import block_sparse_attention
+
+        return block_sparse_attention(q, k, v, plan, scale, return_visited=return_visited)
+    return reference_attention(q, k, v, plan, scale, return_visited=return_visited)
 
 
 def check_plan(plan: BlockPlan, q: torch.Tensor, k: torch.Tensor) -> None:

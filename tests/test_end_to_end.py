@@ -24,7 +24,6 @@ SMALL_BLOCKS = {
     "bfla": {"coarse_block_size": 32, "group_size": 8, "tile_size_q": 16, "tile_size_kv": 16, "local_tiles": 1,
              "stride": 4},
     "s2o": {"segment_size": 32, "block_size_q": 16, "block_size_kv": 16},
-    "xattention": {"block_size": 16, "stride": 4},
 }
 KEEP_ALL = {
     "pbs": {"threshold": 1.0},
@@ -58,12 +57,12 @@ def test_every_method_keep_all_equals_eager_and_defaults_are_sane():
             assert density is not None and 0 < density <= 1.5, (method, density)
 
 
-def test_pbs_permutation_with_xattention_selection_keep_all_equals_eager():
+def test_pbs_permutation_with_sparge_selection_keep_all_equals_eager():
     model = Transformer(ModelArgs(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2,
                                   intermediate_size=128)).eval()
     x = torch.randint(0, 64, (1, 77))
-    options = dict(SMALL_BLOCKS, method="pbs", select="xattention", xattention={"block_size": 16, "stride": 4,
-                                                                                 "threshold": 1.0})
+    options = dict(SMALL_BLOCKS, method="pbs", select="sparge", sparge={"block_size_q": 16, "block_size_kv": 16,
+                                                                         "cdf_threshold": 1.0, "pv_threshold": None})
     with torch.no_grad():
         out = torch.compile(model, backend="sparse_prefill", options=options)(x)
         torch.testing.assert_close(out, model(x), rtol=2e-4, atol=2e-5)

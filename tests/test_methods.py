@@ -6,15 +6,8 @@ import pytest
 import torch
 
 import sparse_compile.methods._common as common
-from sparse_compile.config import (
-    BFLAParams,
-    PBSParams,
-    S2OParams,
-    SparseConfig,
-    SpargeParams,
-    XAttentionParams,
-)
-from sparse_compile.methods import VALID_PAIRS, Unsupported, build_plan, check_stage_pair, plan_density
+from sparse_compile import BFLAParams, PBSParams, S2OParams, SparseConfig, SpargeParams
+from sparse_compile.methods import Unsupported, build_plan
 from sparse_compile.methods._common import (
     block_self_similarity,
     hash32,
@@ -22,8 +15,9 @@ from sparse_compile.methods._common import (
     top_mass,
 )
 from sparse_compile.methods.bfla import RANDOM_SALT, bfla_block_scores
-from sparse_compile.methods.reorder import pbs_key_importance, reorder_pbs, reorder_s2o, s2o_segment_tensors
-from sparse_compile.methods.xattention import antidiagonal_block_scores
+from sparse_compile.methods.pbs import pbs_key_importance, reorder_pbs
+from sparse_compile.methods.s2o import reorder_s2o, s2o_segment_tensors
+from sparse_compile.registry import check_stage_pair, valid_pairs
 from sparse_compile.plan import (
     VISIBLE_NONE,
     block_visibility,
@@ -31,6 +25,7 @@ from sparse_compile.plan import (
     causal_tile_count,
     check_plan,
     expand_heads,
+    plan_density,
     reference_attention,
 )
 
@@ -39,12 +34,11 @@ from helpers import dense_reference, random_qkv, rel_error
 # small blocks so that CPU tests have many blocks at N ~ 100-300
 SMALL = dict(
     pbs=PBSParams(block_size=16, segment_size=32),
-    xattention=XAttentionParams(block_size=16, stride=4),
     sparge=SpargeParams(block_size_q=32, block_size_kv=16),
     bfla=BFLAParams(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16, local_tiles=1, stride=4),
     s2o=S2OParams(segment_size=64, block_size_q=16, block_size_kv=16),
 )
-PAIRS = sorted(VALID_PAIRS)
+PAIRS = sorted(valid_pairs())
 PRESETS = {"pbs": ("pbs", "pbs"), "sparge": ("none", "sparge"), "bfla": ("none", "bfla"), "s2o": ("s2o", "s2o")}
 SHAPES = [
     # batch, Hq, Hkv, Nq, Nk, D
@@ -288,7 +282,7 @@ def test_top_mass_boundary():
     assert keep(0.81) == [True, True, True]
     assert keep(1.0) == [True, True, True]
     assert keep(0.0) == [False, False, False]
-    # head start (XAttention: always-kept mass counts first)
+    # head start (always-kept mass counts first)
     assert keep(0.6, head_start=torch.tensor([[0.4]], dtype=torch.float64), total=torch.ones(1, 1)) == [True, False, False]
     # ties keep the lower index; non-candidates never kept, not counted
     p4 = torch.full((1, 4), 0.25, dtype=torch.float64)
@@ -361,30 +355,6 @@ def test_pbs_always_keeps_on_diagonal_segment_and_first_key(nq, nk):
             assert diag <= tiles, (h, i)
             assert first in tiles
             assert len(tiles - diag - {first}) <= 1
-
-
-def test_xattention_scores_match_brute_force():
-    q, k, _ = random_qkv(1, 2, 1, 40, 40, 4, dtype=torch.float64)
-    block, stride, scale = 8, 4, 0.5
-    got = antidiagonal_block_scores(q, k, scale, block, stride)
-    ng = 10
-    z = torch.full((2, ng, ng), float("-inf"), dtype=torch.float64)
-    for t in range(ng):
-        for u in range(ng):
-            if u <= t:  # group-level causal
-                z[:, t, u] = sum(q[0, :, t * stride + stride - 1 - a] @ k[0, 0, u * stride + a] for a in range(stride))
-    p = (z * scale / stride).softmax(-1)
-    want = p.view(2, 5, 2, 5, 2).sum((2, 4))
-    assert torch.allclose(got[0], want, atol=1e-12)
-
-
-def test_xattention_keeps_first_and_diagonal():
-    q, k, _ = random_qkv(1, 2, 2, 96, 96, 8)
-    config = _config("none", "xattention", xattention=XAttentionParams(block_size=16, stride=4, threshold=0.0))
-    plan = build_plan(q, k, None, config)
-    assert plan.tile_counts.tolist() == [[[1] + [2] * 5] * 2]  # only block 0 and the diagonal
-    offs = plan.tile_offsets[0, 0]
-    assert [sorted(offs[i, : 1 if i == 0 else 2].tolist()) for i in range(6)] == [[0]] + [[0, 16 * i] for i in range(1, 6)]
 
 
 def test_sparge_self_similarity():

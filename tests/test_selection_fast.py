@@ -1,4 +1,4 @@
-"""The GPU fast path of the reorder/select stages (sparse_compile.methods.fast) against the PyTorch references.
+"""The GPU fast path of the reorder/select stages (the ``fast_*`` stages of sparse_compile.methods) against the PyTorch references.
 
 Agreement rule. The fast stages compute the same quantities with sums in another order, so a decision that sits
 on a boundary within float32 rounding may go the other way. Everything else must be identical:
@@ -25,8 +25,9 @@ import pytest
 import torch
 
 import sparse_compile
-from sparse_compile.config import BFLAParams, PBSParams, S2OParams, SparseConfig, SpargeParams, XAttentionParams
-from sparse_compile.methods import REORDER_STAGES, build_plan, fast, plan_density, stage_functions
+from sparse_compile import BFLAParams, PBSParams, S2OParams, SparseConfig, SpargeParams
+from sparse_compile.methods import Reordering, _fast, bfla, build_plan, pbs, s2o, sparge, stage_functions
+from sparse_compile.plan import plan_density
 from sparse_compile.methods._blocks import diagonal_tiles, first_key_tile, visibility
 from sparse_compile.methods._common import (
     bcast_heads,
@@ -38,7 +39,7 @@ from sparse_compile.methods._common import (
     top_mass,
 )
 from sparse_compile.methods.bfla import bfla_block_scores
-from sparse_compile.methods.reorder import pbs_key_importance
+from sparse_compile.methods.pbs import pbs_key_importance
 from sparse_compile.plan import VISIBLE_NONE, check_plan, reference_attention
 
 EPS_P = 2e-4  # relative margin on a block probability when ordering blocks
@@ -48,7 +49,6 @@ EPS_SIM = 1e-4  # margin on SpargeAttn's self-similarity against theta
 
 SMALL = dict(
     pbs=PBSParams(block_size=16, segment_size=32),
-    xattention=XAttentionParams(block_size=16, stride=4),
     sparge=SpargeParams(block_size_q=32, block_size_kv=16),
     bfla=BFLAParams(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16, local_tiles=1, stride=4),
     s2o=S2OParams(segment_size=64, block_size_q=16, block_size_kv=16),
@@ -201,7 +201,7 @@ def reference_bounds(select, q, k, scale, r, config):
 
 def fast_bfla_coarse(q, k, scale, r, config):
     """The fast path's coarse BFLA mass (B, Hq, LQ, LK) bool (the internals of select_bfla_fast)."""
-    sel = fast._selection()
+    sel = _fast.selection_kernels()
     p = config.bfla
     b = p.coarse_block_size
     B, Hq, Nq, _ = q.shape
@@ -267,14 +267,14 @@ def test_pbs_reorder_and_select_agree(dtype):
     q, k = structured_qk(B, Hq, Hkv, N, N, D, 16, seed=1, dtype=dtype)
     cfg = _config("pbs", "pbs")
     scale = 1 / math.sqrt(D)
-    r_ref = REORDER_STAGES["pbs"](q, k, scale, cfg)
-    r_fast = fast.reorder_pbs_fast(q, k, scale, cfg)
+    r_ref = stage_functions("pbs", "pbs", False)[0](q, k, scale, cfg)
+    r_fast = pbs.reorder_pbs_fast(q, k, scale, cfg)
     imp = pbs_key_importance(q.double(), k.double(), scale, cfg.pbs.block_size)
     assert r_fast.key_index.dtype == torch.int32 and r_fast.segment_size == r_ref.segment_size
     assert_order_agrees(r_fast.key_index, r_ref.key_index, imp, _pbs_segments(N, 32), "pbs key order")
     assert torch.equal(r_fast.key_index[..., (N // 32) * 32:], r_ref.key_index[..., (N // 32) * 32:])
     # stage-wise: the same reordering in, the same blocks out
-    p_fast = fast.select_pbs_fast(q, k, scale, r_ref, cfg)
+    p_fast = pbs.select_pbs_fast(q, k, scale, r_ref, cfg)
     p_ref = stage_functions("pbs", "pbs", False)[1](q, k, scale, r_ref, cfg)
     assert_plan_layout(p_fast, p_ref)
     check_plan(p_fast, q, k)
@@ -295,8 +295,8 @@ def test_sparge_select_agrees(reorder, shape):
     q, k = structured_qk(B, Hq, Hkv, Nq, Nk, D, 16, seed=2)
     cfg = _config(reorder, "sparge")
     scale = 1 / math.sqrt(D)
-    r = REORDER_STAGES[reorder](q, k, scale, cfg)
-    p_fast = fast.select_sparge_fast(q, k, scale, r, cfg)
+    r = stage_functions(reorder, "pbs", False)[0](q, k, scale, cfg)
+    p_fast = sparge.select_sparge_fast(q, k, scale, r, cfg)
     p_ref = stage_functions(reorder, "sparge", False)[1](q, k, scale, r, cfg)
     assert_plan_layout(p_fast, p_ref)
     check_plan(p_fast, q, k)
@@ -315,7 +315,7 @@ def test_bfla_select_agrees(reorder, score_scale):
     q, k = structured_qk(B, Hq, Hkv, Nq, Nk, D, 16, seed=3)
     scale = 1 / math.sqrt(D)
     alpha = score_scale if score_scale is not None else scale  # the block softmax's scale (Eq. 9)
-    r = REORDER_STAGES[reorder](q, k, scale, cfg)
+    r = stage_functions(reorder, "pbs", False)[0](q, k, scale, cfg)
     # coarse mass per query head: agreement up to ambiguous blocks
     coarse_fast = fast_bfla_coarse(q, k, alpha, r, cfg)
     coarse_ref = reference_bfla_coarse(q, k, alpha, r, cfg)
@@ -323,7 +323,7 @@ def test_bfla_select_agrees(reorder, score_scale):
         sure, maybe = reference_bounds("bfla_coarse", q, k, alpha, r, cfg)
         assert_keep_agrees(coarse_fast, sure, maybe, what="bfla coarse")
     # the tile stage exactly, from the reference's coarse mass
-    sel = fast._selection()
+    sel = _fast.selection_kernels()
     p = cfg.bfla
     tpos = sel.block_pool(k, 16, key_index=r.key_index, want_mean=False, want_pos=True) if r.key_index is not None else None
     tables = sel.bfla_tiles(coarse_ref.to(torch.int8), batch=B, kv_heads=Hkv, group=Hq // Hkv, num_queries=Nq,
@@ -334,7 +334,7 @@ def test_bfla_select_agrees(reorder, score_scale):
     for name, t in zip(("tile_offsets", "tile_counts", "masked_counts"), tables):
         assert torch.equal(t, getattr(p_ref, name)), name
     # and the whole fast stage
-    p_fast = fast.select_bfla_fast(q, k, scale, r, cfg)
+    p_fast = bfla.select_bfla_fast(q, k, scale, r, cfg)
     assert_plan_layout(p_fast, p_ref)
     check_plan(p_fast, q, k)
     if torch.equal(coarse_fast, coarse_ref):
@@ -349,8 +349,8 @@ def test_s2o_reorder_and_select_agree(sort_queries):
     cfg = _config("s2o", "s2o", params)
     q, k = structured_qk(B, Hq, Hkv, N, N, D, 16, seed=4)
     scale = 1 / math.sqrt(D)
-    r_ref = REORDER_STAGES["s2o"](q, k, scale, cfg)
-    r_fast = fast.reorder_s2o_fast(q, k, scale, cfg)
+    r_ref = stage_functions("s2o", "s2o", False)[0](q, k, scale, cfg)
+    r_fast = s2o.reorder_s2o_fast(q, k, scale, cfg)
     lay = r_ref.extras["layout"]
     assert r_fast.extras["layout"] == lay
     S, g = 64, len(lay.seg_len)
@@ -373,7 +373,7 @@ def test_s2o_reorder_and_select_agree(sort_queries):
             z = a + lay.intra_pad[n]
             assert_order_agrees(ki_f[..., z: z + n * S], ki_r[..., z: z + n * S], s_n, [(0, n * S)],
                                 f"s2o prefix {n}")
-    p_fast = fast.select_s2o_fast(q, k, scale, r_ref, cfg)
+    p_fast = s2o.select_s2o_fast(q, k, scale, r_ref, cfg)
     p_ref = stage_functions("s2o", "s2o", False)[1](q, k, scale, r_ref, cfg)
     assert_plan_layout(p_fast, p_ref)
     assert plans_identical(p_fast, p_ref)
@@ -403,8 +403,8 @@ def test_keep_all_plans_identical(method):
     q, k = structured_qk(2, 4, 2, 100, 100, 8, 16, seed=6)
     cfg = _config(*PRESETS[method]).keep_all()
     scale = 1 / math.sqrt(8)
-    r = REORDER_STAGES[PRESETS[method][0]](q, k, scale, cfg)
-    p_fast = fast.FAST_SELECT_STAGES[PRESETS[method][1]](q, k, scale, r, cfg)
+    r = stage_functions(*PRESETS[method], False)[0](q, k, scale, cfg)
+    p_fast = stage_functions(*PRESETS[method], True)[1](q, k, scale, r, cfg)
     p_ref = stage_functions(*PRESETS[method], False)[1](q, k, scale, r, cfg)
     assert_plan_layout(p_fast, p_ref)
     assert plans_identical(p_fast, p_ref)
@@ -427,13 +427,13 @@ def test_exact_ties_follow_the_stable_order():
 
 def test_top_mass_rule_with_ties_and_head_start():
     """The bisection rule of mass_select against _common.top_mass on exact (dyadic) masses with ties."""
-    sel = fast._selection()
+    sel = _fast.selection_kernels()
     g = torch.Generator().manual_seed(0)
     B, H, nqb, nkt, bm = 1, 2, 8, 8, 16
     # block scores in units of 1/64 (sums exact in float32), with many exact ties
     scores = torch.randint(0, 6, (B, H, nqb, nkt), generator=g).float() / 64
     # XAttention mode: visible tiles' scores, forced tiles (diagonal + first) count first
-    vis = visibility(nqb * bm, nqb * bm, bm, bm, REORDER_STAGES["none"](None, None, 1.0, None), B, H, "cpu")
+    vis = visibility(nqb * bm, nqb * bm, bm, bm, Reordering("none"), B, H, "cpu")
     visible = vis != VISIBLE_NONE
     for tau in (0.0, 0.3, 0.5, 0.77, 0.9, 1.0 - 1 / 128):
         offs, cnt, msk, keep = sel.mass_select(
@@ -450,7 +450,7 @@ def test_top_mass_rule_with_ties_and_head_start():
 
 def test_pieces_match_reference():
     """Pooling statistics, visibility inputs, segmented argsort and BFLA scores against the reference functions."""
-    sel = fast._selection()
+    sel = _fast.selection_kernels()
     q, k = structured_qk(2, 4, 2, 150, 150, 24, 16, seed=7)
     pool = sel.block_pool(q, 16, want_sim=True)
     torch.testing.assert_close(pool["mean"], block_mean(q, 16), rtol=1e-5, atol=1e-5)
@@ -473,7 +473,7 @@ def test_pieces_match_reference():
     # BFLA flatten-g scores (causal region; the reference fills all)
     s_f = sel.bfla_block_scores(q, k, 32, 8)
     s_r = bfla_block_scores(q, k, 32, 8)
-    vis = visibility(150, 150, 32, 32, REORDER_STAGES["none"](None, None, 1.0, None), 2, 4, "cpu") != VISIBLE_NONE
+    vis = visibility(150, 150, 32, 32, Reordering("none"), 2, 4, "cpu") != VISIBLE_NONE
     torch.testing.assert_close(s_f[vis], s_r[vis], rtol=1e-5, atol=1e-4)
 
 
@@ -485,7 +485,12 @@ def test_dispatch_and_config_switch(monkeypatch):
         calls.append("fast")
         return stage_functions("pbs", "pbs", False)[1](q, k, scale, r, config)
 
-    monkeypatch.setitem(fast.FAST_SELECT_STAGES, "pbs", spy)
+    import dataclasses
+
+    from sparse_compile import registry
+
+    pbs_spec = registry.method_spec("pbs")
+    monkeypatch.setitem(registry._METHODS, "pbs", dataclasses.replace(pbs_spec, fast_select=spy))
     cfg = _config("pbs", "pbs")
     build_plan(q, k, None, cfg)  # auto on CPU tensors: the reference
     assert calls == []
@@ -502,16 +507,16 @@ def test_dispatch_and_config_switch(monkeypatch):
     with pytest.raises(ValueError, match="dtype"):
         build_plan(q.double(), k.double(), None, cfg, implementation="fast")
     # no interpreter and no CUDA: "fast" refuses, "auto" runs the reference
-    monkeypatch.setattr(fast._selection(), "interpreting", lambda: False)
+    monkeypatch.setattr(_fast.selection_kernels(), "interpreting", lambda: False)
     with pytest.raises(ValueError, match="CUDA"):
         build_plan(q, k, None, cfg, implementation="fast")
-    # a stage replaced through register_* is never swapped for its fast twin
+    # a method registered without a fast twin runs its reference stage on the fast path too
     def custom(q, k, scale, r, config):
         raise NotImplementedError
 
-    monkeypatch.setitem(sparse_compile.methods.SELECT_STAGES, "pbs", custom)
+    monkeypatch.setitem(registry._METHODS, "pbs", dataclasses.replace(pbs_spec, select=custom, fast_select=None))
     assert stage_functions("pbs", "pbs", True)[1] is custom
-    assert stage_functions("pbs", "sparge", True)[1] is fast.FAST_SELECT_STAGES["sparge"]
+    assert stage_functions("pbs", "sparge", True)[1] is sparge.select_sparge_fast
 
 
 def test_density_reaches_runtime_stats():
@@ -557,8 +562,8 @@ def test_gpu_bf16_agreement(method, shape):
     q, k = structured_qk(B, Hq, Hkv, N, N, D, block, seed=9, dtype=torch.bfloat16, device=dev)
     cfg = SparseConfig(method=method)
     scale = 1 / math.sqrt(D)
-    r_ref = REORDER_STAGES[reorder](q, k, scale, cfg)
-    r_fast = fast.FAST_REORDER_STAGES[reorder](q, k, scale, cfg)
+    r_ref = stage_functions(reorder, "pbs", False)[0](q, k, scale, cfg)
+    r_fast = fast.FAST_stage_functions(reorder, "pbs", False)[0](q, k, scale, cfg)
     if reorder == "pbs":
         imp = pbs_key_importance(q.double(), k.double(), scale, cfg.pbs.block_size)
         assert_order_agrees(r_fast.key_index, r_ref.key_index, imp, _pbs_segments(N, cfg.pbs.segment_size), "pbs")

@@ -6,7 +6,7 @@ import torch
 
 from ..plan import VISIBLE_NONE, VISIBLE_PARTIAL, BlockPlan, block_visibility, plan_from_block_mask
 from ._common import bcast_heads, cdiv
-from .reorder import Reordering
+from ._common import Reordering
 
 __all__ = ["visibility", "diagonal_tiles", "first_key_tile", "finish_plan"]
 

@@ -13,13 +13,15 @@ Conventions used throughout ``sparse_compile.methods``:
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
 __all__ = [
     "CHUNK_ELEMENTS",
     "Unsupported",
+    "Reordering",
     "cdiv",
     "compute_dtype",
     "chunk_count",
@@ -44,6 +46,25 @@ class Unsupported(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class Reordering:
+    """Output of a reorder stage.
+
+    name          the stage that produced it.
+    key_index     int32 (B, Hkv, L) logical -> physical key rows (-1 = padding), or None (identity).
+    query_index   int32 (B, Hq, Nq) logical -> physical query rows, or None (identity).
+    segment_size  PBS segment S: key permutation stays inside absolute segments [sS, (s+1)S); selectors keep the
+                  query block's own ("on-diagonal") segment. None when keys are not permuted.
+    extras        stage-specific data for the matching selector (S2O: the ranked key-list layout).
+    """
+
+    name: str
+    key_index: Optional[torch.Tensor] = None
+    query_index: Optional[torch.Tensor] = None
+    segment_size: Optional[int] = None
+    extras: dict[str, Any] = field(default_factory=dict)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -1,4 +1,4 @@
-"""Select stage ``bfla``: BFLA block-filtered selection (Wu et al. 2026, Sec. 3.2-3.3).
+"""BFLA (Wu et al. 2026), select stage ``bfla``: block-filtered selection (Wu et al. 2026, Sec. 3.2-3.3).
 
 Stage 1, coarse blocks of b tokens (logical order), groups of g tokens, G = b/g groups per block:
 
@@ -32,11 +32,16 @@ the kept tables are (N/b)^2 and (N/tile)^2.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..config import MethodParams, check_block, check_fraction, check_int, fail
 from ..plan import VISIBLE_NONE, BlockPlan
+from ..registry import DensityKnob, Method, register_method
 from ._blocks import finish_plan, visibility
 from ._common import (
+    Reordering,
     bcast_heads,
     cdiv,
     chunk_count,
@@ -47,9 +52,57 @@ from ._common import (
     masked_softmax,
     top_mass,
 )
-from .reorder import Reordering
+from ._fast import check_selectable, plan_from_tables, seg_bound, selection_kernels
 
-__all__ = ["select_bfla", "bfla_block_scores", "RANDOM_SALT"]
+__all__ = ["BFLAParams", "select_bfla", "select_bfla_fast", "bfla_block_scores", "RANDOM_SALT"]
+
+
+@dataclass(frozen=True)
+class BFLAParams(MethodParams):
+    """BFLA (Wu et al. 2026): flatten-g pooled block mass selection, then tile-level rescue.
+
+    Defaults are the paper's highlighted operating point (Table 5): b=256, g=64, γ=0.99, n_local=8, ρ=0, η=16.
+    ``mass_threshold=1.0`` keeps every causal block.
+    ``score_scale`` is α of Eq. 9; ``None`` uses the attention's scale (1/√C), as the paper writes. A flatten-g
+    score sums g token products, so with α = 1/√C the block softmax is nearly one-hot on real models and γ has
+    little effect; α = 1/(g·√C) puts block logits on the scale of token logits.
+    """
+
+    coarse_block_size: int = 256
+    group_size: int = 64
+    mass_threshold: float = 0.99
+    tile_size_q: int = 128
+    tile_size_kv: int = 64
+    local_tiles: int = 8
+    sink_tiles: int = 1
+    stride: int = 16
+    random_rescue: float = 0.0
+    seed: int = 0
+    score_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_block("BFLAParams", "coarse_block_size", self.coarse_block_size)
+        check_int("BFLAParams", "group_size", self.group_size, low=1)
+        if self.coarse_block_size % self.group_size:
+            fail("BFLAParams", "group_size", f"must divide coarse_block_size={self.coarse_block_size}")
+        check_fraction("BFLAParams", "mass_threshold", self.mass_threshold)
+        check_block("BFLAParams", "tile_size_q", self.tile_size_q)
+        check_block("BFLAParams", "tile_size_kv", self.tile_size_kv)
+        for name in ("tile_size_q", "tile_size_kv"):
+            if self.coarse_block_size % getattr(self, name):
+                fail("BFLAParams", name, f"must divide coarse_block_size={self.coarse_block_size}")
+        check_int("BFLAParams", "local_tiles", self.local_tiles)
+        check_int("BFLAParams", "sink_tiles", self.sink_tiles)
+        check_int("BFLAParams", "stride", self.stride)
+        check_fraction("BFLAParams", "random_rescue", self.random_rescue)
+        check_int("BFLAParams", "seed", self.seed)
+        if self.score_scale is not None and (
+            not isinstance(self.score_scale, (int, float)) or isinstance(self.score_scale, bool)
+            or not self.score_scale > 0
+        ):
+            fail("BFLAParams", "score_scale", f"must be a positive number or None, got {self.score_scale!r}")
+
 
 #: XOR-ed into the seed of the random-rescue hash so that it is independent of the stride-rescue hash.
 RANDOM_SALT = 0x5851F42D
@@ -84,7 +137,7 @@ def bfla_block_scores(q: torch.Tensor, k: torch.Tensor, block: int, group: int, 
 
 
 def select_bfla(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, config) -> BlockPlan:
-    p = config.bfla
+    p = config.params_of("bfla")
     b, tq, tk = p.coarse_block_size, p.tile_size_q, p.tile_size_kv
     B, Hq, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -120,3 +173,46 @@ def select_bfla(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, c
         psi = hash32(p.seed ^ RANDOM_SALT, torch.arange(Hkv, device=dev)[:, None, None], i[:, None], j[None, :])
         keep = keep | (dropped & (psi < int(p.random_rescue * 2**32)))
     return finish_plan(keep, tvis, tq, tk, r)
+
+
+# -- GPU fast path: the same plans from Triton kernels ----------------------------------------------------------
+def select_bfla_fast(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, config) -> BlockPlan:
+    """= ``bfla.select_bfla`` (flatten-g mass per query head, OR over the group, tile rescue), per KV head."""
+    check_selectable(r)
+    sel = selection_kernels()
+    p = config.params_of("bfla")
+    b, tq, tk = p.coarse_block_size, p.tile_size_q, p.tile_size_kv
+    B, Hq, Nq, _ = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    L = r.key_index.shape[-1] if r.key_index is not None else Nk
+    seg = r.segment_size or 0
+    tpos = None
+    if r.key_index is not None:
+        tpos = sel.block_pool(k, tk, key_index=r.key_index, want_mean=False, want_pos=True)
+    keep_all = p.mass_threshold >= 1.0
+    mass = None
+    if not keep_all:
+        cpos = None
+        if r.key_index is not None:
+            cpos = sel.block_pool(k, b, key_index=r.key_index, want_mean=False, want_pos=True)
+        score = sel.bfla_block_scores(q, k, b, p.group_size, r.key_index, seg_bound(r))
+        mass = sel.mass_select(
+            score, batch=B, heads=Hq, kv_heads=Hkv, num_query_blocks=cdiv(Nq, b), num_key_tiles=cdiv(L, b),
+            num_queries=Nq, num_keys=Nk, block_m=b, block_n=b,
+            scale=p.score_scale if p.score_scale is not None else scale, tau=p.mass_threshold, segment=seg,
+            tile_pos=cpos, write_plan=False, write_keep=True, device=q.device,
+        )[3]
+    tables = sel.bfla_tiles(
+        mass, batch=B, kv_heads=Hkv, group=Hq // Hkv, num_queries=Nq, num_keys=Nk, key_len=L, coarse=b,
+        tile_q=tq, tile_k=tk, local_tiles=p.local_tiles, sink_tiles=p.sink_tiles, stride=p.stride,
+        random_rescue=p.random_rescue, seed=p.seed, tile_pos=tpos, keep_all=keep_all, segment=seg,
+        device=q.device,
+    )
+    return plan_from_tables(tq, tk, tables, r)
+
+
+register_method(Method(
+    name="bfla", params=BFLAParams, select=select_bfla, fast_select=select_bfla_fast,
+    select_after=("none", "pbs"), density=DensityKnob("mass_threshold"), keep_all={"mass_threshold": 1.0},
+    description="BFLA: flatten-g pooled block mass, then band, sink and stride rescue on the tile grid",
+))

@@ -1,4 +1,5 @@
-"""Select stage ``s2o``: S2O's two passes as one plan (Zhang et al. 2026, Sec. 3.2-3.3, Alg. 2-4).
+"""S2O (Zhang et al. 2026). Reorder stage ``s2o``: intra-segment query sort and per-segment ranked causal
+prefix (Alg. 1, ``reorder_s2o``). Select stage ``s2o``: S2O's two passes as one plan (Zhang et al. 2026, Sec. 3.2-3.3, Alg. 2-4).
 
 Needs the ``s2o`` reorder (its ranked key list). For query block i (``block_size_q`` logical rows, all inside
 one segment n because S is a multiple of the block):
@@ -22,17 +23,164 @@ ranked list to go. Tile tables are per query head (query sorting is per head), (
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
+from ..config import MethodParams, check_block, check_fraction, check_int, fail
 from ..plan import BlockPlan
-from ._common import cdiv
-from .reorder import Reordering, s2o_segment_tensors
+from ..registry import DensityKnob, Method, register_method
+from ._common import Reordering, Unsupported, block_mean, cdiv, chunk_count, compute_dtype, segmented_argsort_desc
+from ._fast import plan_from_tables, selection_kernels
 
-__all__ = ["select_s2o"]
+__all__ = ["S2OParams", "S2OLayout", "s2o_layout", "s2o_segment_tensors", "reorder_s2o", "select_s2o",
+           "reorder_s2o_fast", "select_s2o_fast"]
+
+
+@dataclass(frozen=True)
+class S2OParams(MethodParams):
+    """S2O (Zhang et al. 2026): query sort inside segments, per-segment prefix-key ranking, early stop.
+
+    Defaults from the paper (Sec. 4.1): S=2048, τ=0.005, tiles (128, 128).
+    ``early_stop=0.0`` never stops: every causal key is visited.
+    """
+
+    segment_size: int = 2048
+    early_stop: float = 0.005
+    block_size_q: int = 128
+    block_size_kv: int = 128
+    sort_queries: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_block("S2OParams", "block_size_q", self.block_size_q)
+        check_block("S2OParams", "block_size_kv", self.block_size_kv)
+        check_int("S2OParams", "segment_size", self.segment_size, low=1)
+        for name in ("block_size_q", "block_size_kv"):
+            if self.segment_size % getattr(self, name):
+                fail("S2OParams", "segment_size", f"must be a multiple of {name}={getattr(self, name)}")
+        check_fraction("S2OParams", "early_stop", self.early_stop)
+
+
+@dataclass(frozen=True)
+class S2OLayout:
+    """The logical key list of S2O: per segment n, [its own keys, padded to block_n] + [its ranked prefix].
+
+    Pure shape arithmetic (Python ints, no device work), one entry per segment: ``seg_len`` (own keys),
+    ``intra_pad`` (own keys rounded up to whole tiles), ``prefix_len`` (= n*S) and ``base`` (offset of the
+    segment's part in the list); ``length`` is the list's total length.
+    """
+
+    segment: int
+    seg_len: tuple[int, ...]
+    intra_pad: tuple[int, ...]
+    prefix_len: tuple[int, ...]
+    base: tuple[int, ...]
+    length: int
+
+
+def s2o_segment_tensors(seg: torch.Tensor, n: int, segment: int, block_n: int):
+    """``(base, seg_len, intra_pad)`` of the segments ``seg`` (a device tensor), equal to ``S2OLayout``'s lists.
+
+    Closed forms computed on the device (a host list copied to the GPU could synchronise): only the last segment
+    can be short, so every segment before n is full and base[n] = sum_{m<n} (S + mS) = S * n * (n + 1) / 2.
+    """
+    base = segment * seg * (seg + 1) // 2
+    seg_len = torch.clamp(n - seg * segment, max=segment)
+    intra_pad = (seg_len + block_n - 1) // block_n * block_n
+    return base, seg_len, intra_pad
+
+
+def s2o_layout(n: int, segment: int, block_n: int) -> S2OLayout:
+    g = cdiv(n, segment)
+    seg_len = [min(segment, n - i * segment) for i in range(g)]
+    intra_pad = [cdiv(x, block_n) * block_n for x in seg_len]
+    prefix_len = [i * segment for i in range(g)]
+    base, acc = [], 0
+    for i in range(g):
+        base.append(acc)
+        acc += intra_pad[i] + prefix_len[i]
+    return S2OLayout(segment, tuple(seg_len), tuple(intra_pad), tuple(prefix_len), tuple(base), acc)
+
+
+def reorder_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reordering:
+    """S2O Algorithm 1 (intra-segment lightweight ranking), laid out as one logical key list for the plan.
+
+    * Segments of S over the sequence; the last one may be shorter (it is treated like the others).
+    * Query permutation (if ``sort_queries``): inside each segment, queries sorted by descending
+      <Q[t], k_guide>, k_guide = mean of the first segment's keys (per KV head; Eq. 1). Per query head.
+    * Key ranking: segment n's causal prefix [0, nS) sorted by descending <q_mean[n], K[t]> (Eq. 2), q_mean[n]
+      the mean query of segment n. GQA choice: one ranking per KV group, using the mean of the group's query
+      heads' q_mean (= ranking by the group's mean score). Per query head would multiply the (N/S) x N index
+      table by the group size; the group shares K/V loads.
+    * Logical key list (``key_index``, int32 (B, Hkv, L), L = sum_n (pad(len_n) + nS) ~ N^2 / 2S): for every
+      segment its own keys in original order (padded with -1 to a multiple of block_size_kv), then its ranked
+      prefix. The select stage points each query block at its segment's part. Memory O(N^2/S) int32: this is
+      the paper's KV_perm table itself; at N=128K, S=2048 about 17 MB per KV head.
+    Requires Nq == Nk (the paper's segments describe a full prefill).
+    """
+    p = config.params_of("s2o")
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if Nq != Nk:
+        raise Unsupported(f"s2o: needs a full prefill (Nq == Nk), got Nq={Nq}, Nk={Nk}")
+    n, S, bn = Nk, p.segment_size, p.block_size_kv
+    m = Hq // Hkv
+    cdt = compute_dtype(q)
+    dev = q.device
+    lay = s2o_layout(n, S, bn)
+    g = len(lay.seg_len)
+
+    query_index = None
+    if p.sort_queries:
+        k_guide = k[:, :, : lay.seg_len[0]].to(cdt).mean(2)  # (B, Hkv, D)
+        s_q = torch.empty(B, Hq, n, dtype=cdt, device=dev)
+        step = chunk_count(B * Hq * D)
+        for r0 in range(0, n, step):  # Q cast chunk by chunk
+            r1 = min(r0 + step, n)
+            qc = q[:, :, r0:r1].to(cdt).view(B, Hkv, m, r1 - r0, D)
+            s_q[:, :, r0:r1] = (qc * k_guide[:, :, None, None, :]).sum(-1).view(B, Hq, r1 - r0)
+        query_index = segmented_argsort_desc(s_q, S, g).to(torch.int32).contiguous()
+
+    # segment query means, averaged over the GQA group -> (B, Hkv, g, D)
+    base, seg_len, intra_pad = s2o_segment_tensors(torch.arange(g, device=dev), n, S, bn)
+    q_mean = block_mean(q, S, dtype=cdt).view(B, Hkv, m, g, D).mean(2)
+
+    length = lay.length
+    key_index = torch.empty((B, Hkv, length), dtype=torch.int32, device=dev)
+    kc = k.to(cdt)
+    # segments in chunks: the (chunk, prefix) score table is the only large intermediate
+    step = chunk_count(B * Hkv * n)
+    for n0 in range(0, g, step):
+        n1 = min(n0 + step, g)
+        s0 = lay.base[n0]
+        s1 = lay.base[n1] if n1 < g else length
+        slots = torch.arange(s0, s1, device=dev)
+        seg = torch.searchsorted(base, slots, right=True) - 1
+        local = slots - base[seg]
+        intra = local < intra_pad[seg]
+        own = seg * S + local
+        own = torch.where(local < seg_len[seg], own, torch.full_like(own, -1))
+        plen = (n1 - 1) * S  # longest prefix in this chunk
+        if plen > 0:
+            sc = torch.matmul(q_mean[:, :, n0:n1], kc[:, :, :plen].transpose(-1, -2))  # (B, Hkv, c, plen)
+            # rank only the causal prefix [0, nS): later keys get -inf and sort last (stable)
+            lim = torch.arange(n0, n1, device=dev)[:, None] * S
+            sc = sc.masked_fill(torch.arange(plen, device=dev)[None, :] >= lim, float("-inf"))
+            ranked = torch.argsort(sc, dim=-1, descending=True, stable=True)  # (B, Hkv, c, plen)
+            rank = (local - intra_pad[seg]).clamp(0, plen - 1)
+            flat = (seg - n0) * plen + rank
+            pref = torch.gather(ranked.flatten(2), 2, flat.expand(B, Hkv, -1))
+            vals = torch.where(intra, own.expand(B, Hkv, -1), pref)
+        else:
+            vals = own.expand(B, Hkv, -1)
+        key_index[:, :, s0:s1] = vals.to(torch.int32)
+    return Reordering("s2o", key_index=key_index, query_index=query_index, extras={"layout": lay})
 
 
 def select_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, config) -> BlockPlan:
-    p = config.s2o
+    p = config.params_of("s2o")
     lay = r.extras["layout"]
     bm, bn, S = p.block_size_q, p.block_size_kv, lay.segment
     B, Hq, N, _ = q.shape
@@ -71,3 +219,56 @@ def select_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, co
         query_index=r.query_index,
         early_stop=float(p.early_stop),
     )
+
+
+# -- GPU fast path: the same plans from Triton kernels ----------------------------------------------------------
+@functools.lru_cache(maxsize=64)
+def _s2o_width(n: int, segment: int, block_n: int):
+    lay = s2o_layout(n, segment, block_n)
+    width = max(a // block_n + b // block_n for a, b in zip(lay.intra_pad, lay.prefix_len))
+    return lay, width
+
+
+def reorder_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reordering:
+    """= ``reorder.reorder_s2o``: query sort inside segments, ranked causal prefixes, the logical key list."""
+    p = config.params_of("s2o")
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if Nq != Nk:
+        raise Unsupported(f"s2o: needs a full prefill (Nq == Nk), got Nq={Nq}, Nk={Nk}")
+    sel = selection_kernels()
+    n, S, bn = Nk, p.segment_size, p.block_size_kv
+    lay, _ = _s2o_width(n, S, bn)
+    g = len(lay.seg_len)
+    # k_guide (B, Hkv, D): the first segment's mean key (one reduction, float32 accumulation)
+    guide = k[:, :, : lay.seg_len[0]].mean(2, dtype=torch.float32) if p.sort_queries else None
+    # one pass over Q: per-head segment means (for the key ranking) and <Q[t], k_guide> sorted inside each
+    # segment by the same program (the query order)
+    pool = sel.block_pool(q, S, guide=guide, sort_guide=True)
+    query_index = pool["order"] if p.sort_queries else None
+    # the GQA group's mean of the segment means, once (averaging inside the ranking kernel re-read every head's
+    # means in every program: 0.41 -> 0.58 ms at 128K, NOTES_selection.md)
+    q_mean = pool["mean"].view(B, Hkv, Hq // Hkv, g, D).mean(2)
+    ranked, tb = sel.s2o_rank_keys(k, q_mean, S)
+    key_index = sel.s2o_assemble(ranked, tb, n, S, bn, lay.length)
+    return Reordering("s2o", key_index=key_index, query_index=query_index, extras={"layout": lay})
+
+
+def select_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, config) -> BlockPlan:
+    """= ``s2o.select_s2o``: intra-segment masked tiles, then the ranked prefix; early stop in the kernel."""
+    p = config.params_of("s2o")
+    lay = r.extras["layout"]
+    B, Hq, N, _ = q.shape
+    Hkv = k.shape[1]
+    _, width = _s2o_width(N, lay.segment, p.block_size_kv)
+    heads = Hq if r.query_index is not None else Hkv
+    tables = selection_kernels().s2o_select(r.query_index, batch=B, heads=heads, n=N, segment=lay.segment,
+                                     block_m=p.block_size_q, block_n=p.block_size_kv, width=width, device=q.device)
+    return plan_from_tables(p.block_size_q, p.block_size_kv, tables, r, early_stop=float(p.early_stop))
+
+
+register_method(Method(
+    name="s2o", params=S2OParams, reorder=reorder_s2o, select=select_s2o, fast_reorder=reorder_s2o_fast,
+    fast_select=select_s2o_fast, select_after=(), density=DensityKnob("early_stop", 0.0, 0.5, higher_keeps_more=False),
+    keep_all={"early_stop": 0.0}, description="S2O: query sort, per-segment ranked prefix, early stop in the kernel",
+))

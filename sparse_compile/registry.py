@@ -1,0 +1,126 @@
+"""The method registry: one ``Method`` entry defines a sparse method, and everything else is derived from it.
+
+A method is one module that declares its parameters (a ``MethodParams`` dataclass), its stages (a reference
+select stage and optionally a reorder stage, each with an optional fast GPU twin), the name of its density knob
+and its keep-everything setting, and ends with one line::
+
+    register_method(Method(name="pbs", params=PBSParams, select=select_pbs, reorder=reorder_pbs, ...))
+
+``SparseConfig`` then accepts ``method="pbs"`` and ``pbs={...}``, ``sparsity(method="pbs", threshold=...)`` works,
+``keep_all()`` knows the setting that makes the method exact, and benchmarks find the knob that sets its density.
+A method registered from outside the package works the same way (``tests/window_method.py``).
+
+This module imports nothing from the package: the configuration reads it, the methods fill it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+__all__ = ["Method", "DensityKnob", "register_method", "method_spec", "registered_methods", "reorder_stage_names",
+           "valid_pairs", "check_stage_pair", "NO_REORDER"]
+
+#: the reorder stage of methods that keep keys and queries in order
+NO_REORDER = "none"
+
+
+@dataclass(frozen=True)
+class DensityKnob:
+    """The parameter that sets a method's density: its name, its range, and which way keeps more blocks."""
+
+    name: str
+    low: float = 0.0
+    high: float = 1.0
+    higher_keeps_more: bool = True
+
+
+@dataclass(frozen=True)
+class Method:
+    """One sparse method.
+
+    name          what ``SparseConfig(method=...)`` and ``sparsity(method=...)`` take; also the keyword of its
+                  parameters (``SparseConfig(pbs={...})``).
+    params        its parameters: a frozen dataclass deriving from ``config.MethodParams``.
+    select        reference select stage ``fn(q, k, scale, reordering, config) -> BlockPlan`` (the specification).
+    reorder       reference reorder stage ``fn(q, k, scale, config) -> Reordering``, or None (keys in order).
+    fast_select / fast_reorder   GPU twins with the same signature and the same plans, or None.
+    select_after  reorder stages (besides its own) that its selector accepts, e.g. ``("none", "pbs")``.
+    density       the knob that sets its density (benchmarks calibrate it).
+    keep_all      the parameter values that keep every causal block: with them the method is exact.
+    """
+
+    name: str
+    params: type
+    select: Callable
+    density: DensityKnob
+    keep_all: Mapping[str, Any]
+    reorder: Optional[Callable] = None
+    fast_select: Optional[Callable] = None
+    fast_reorder: Optional[Callable] = None
+    select_after: tuple[str, ...] = (NO_REORDER,)
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier() or self.name == NO_REORDER:
+            raise ValueError(f"Method.name: must be an identifier other than {NO_REORDER!r}, got {self.name!r}")
+        if not callable(self.select):
+            raise ValueError(f"Method {self.name!r}: select must be callable")
+        names = getattr(self.params, "field_names", None)
+        if names is None:
+            raise ValueError(f"Method {self.name!r}: params must be a MethodParams dataclass")
+        for key in list(self.keep_all) + [self.density.name]:
+            if key not in names():
+                raise ValueError(f"Method {self.name!r}: {key!r} is not a field of {self.params.__name__}")
+
+
+_METHODS: dict[str, Method] = {}
+_RESERVED = {"method", "reorder", "select", "enabled", "min_seq_len", "skip_layers", "kernel", "planner",
+             "record_density", "params"}
+
+
+def register_method(method: Method) -> Method:
+    """Add (or replace) a method. Its name becomes a valid ``method=`` and a keyword of ``SparseConfig``."""
+    if method.name in _RESERVED:
+        raise ValueError(f"register_method: {method.name!r} is a SparseConfig field name")
+    _METHODS[method.name] = method
+    return method
+
+
+def registered_methods() -> dict[str, Method]:
+    """name -> Method, in registration order."""
+    return dict(_METHODS)
+
+
+def method_spec(name: str) -> Method:
+    try:
+        return _METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; valid: {list(_METHODS)}") from None
+
+
+def reorder_stage_names() -> tuple[str, ...]:
+    return (NO_REORDER,) + tuple(m.name for m in _METHODS.values() if m.reorder is not None)
+
+
+def valid_pairs() -> set[tuple[str, str]]:
+    """(reorder, select) stage pairs: a selector after its own reorder or after one it declares (if registered)."""
+    reorders = set(reorder_stage_names())
+    pairs = set()
+    for m in _METHODS.values():
+        own = m.name if m.reorder is not None else NO_REORDER
+        pairs.add((own, m.name))
+        pairs.update((r, m.name) for r in m.select_after if r in reorders)
+    return pairs
+
+
+def check_stage_pair(reorder: str, select: str) -> None:
+    """ValueError naming the valid pairs unless (reorder, select) is one of them."""
+    if reorder not in reorder_stage_names():
+        raise ValueError(f"unknown reorder stage {reorder!r}; valid: {sorted(reorder_stage_names())}")
+    if select not in _METHODS:
+        raise ValueError(f"unknown select stage {select!r}; valid: {sorted(_METHODS)}")
+    if (reorder, select) not in valid_pairs():
+        pairs = ", ".join(f"{r}+{s}" for r, s in sorted(valid_pairs()))
+        raise ValueError(f"reorder {reorder!r} cannot be combined with select {select!r}; valid pairs "
+                         f"(reorder+select): {pairs}")
