@@ -1,0 +1,71 @@
+"""Checks and small helpers shared by the kernels' host wrappers and the package above them.
+
+The bottom layer: plain tensors and Python numbers, no Triton import, nothing from ``sparse_compile``. The op, the
+eager ``sparse_attention``, the kernels' host wrappers and ``check_plan`` all validate q/k/v here, so a bad input
+gets the same message whichever door it came through.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["SUPPORTED_DTYPES", "cdiv", "validate_qkv", "expand_heads"]
+
+#: the dtypes the sparse path (kernels, planners, reference) serves
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceil division of non-negative integers."""
+    return -(-a // b)
+
+
+def validate_qkv(q, k, v, *, who: str, dtypes: tuple = SUPPORTED_DTYPES) -> None:
+    """ValueError (TypeError for non-tensors) naming the first problem of an attention call's q, k, v.
+
+    q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Hq a multiple of Hkv, 1 <= Nq <= Nk (queries are the last Nq
+    positions), one device, one dtype among ``dtypes``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{who}: {name} must be 4-D (batch, heads, seq_len, head_dim), got shape "
+                             f"{tuple(t.shape)}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{who}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{who}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{who}: unsupported dtype {q.dtype}; use {names}")
+    if k.shape != v.shape:
+        raise ValueError(f"{who}: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    batch, heads_q, num_queries, dim = q.shape
+    _, heads_kv, num_keys, dim_k = k.shape
+    if k.shape[0] != batch:
+        raise ValueError(f"{who}: batch sizes differ: q {batch}, k {k.shape[0]}")
+    if dim_k != dim:
+        raise ValueError(f"{who}: head dims differ: q {dim}, k {dim_k}")
+    if dim == 0 or heads_q == 0 or heads_kv == 0:
+        raise ValueError(f"{who}: empty head dimension: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if heads_q % heads_kv:
+        raise ValueError(f"{who}: query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
+    if num_queries > num_keys:
+        raise ValueError(f"{who}: q_len {num_queries} > kv_len {num_keys}; queries are the last q_len positions")
+    if num_queries == 0:
+        raise ValueError(f"{who}: q_len must be at least 1")
+
+
+def expand_heads(x: Optional[torch.Tensor], num_heads: int) -> Optional[torch.Tensor]:
+    """Broadcast a per-KV-head tensor (dim 1: 1, Hkv or ``num_heads``) to ``num_heads`` query heads: a view for 1,
+    a repeat for a KV-head table (only ever used on index and block-level tables, never on K/V)."""
+    if x is None or x.shape[1] == num_heads:
+        return x
+    if x.shape[1] == 1:
+        return x.expand(x.shape[0], num_heads, *x.shape[2:])
+    if num_heads % x.shape[1]:
+        raise ValueError(f"head dimension {x.shape[1]} does not divide the {num_heads} query heads")
+    return x.repeat_interleave(num_heads // x.shape[1], dim=1)
