@@ -11,7 +11,6 @@ import functools
 import json
 import logging
 import math
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -22,13 +21,13 @@ from .config import SparseConfig
 from .context import resolve
 from .dense import dense_attention, dense_causal_attention
 from .padding import PaddingLayout, check_query_positions, padding_layout
+from .rules import RUNTIME_RULES, SUPPORTED_DTYPES, CallInfo, first_failure, validate_qkv
 
 __all__ = ["causal_attention", "sparse_attention", "config_to_json", "config_from_json", "decide"]
 
 log = logging.getLogger("sparse_compile")
 
 DENSE, SPARSE = "dense", "sparse"
-SPARSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # -- configuration travels inside the graph as a JSON string: the graph describes itself ---------------------
@@ -54,55 +53,14 @@ def config_from_json(text: str) -> SparseConfig:
     return SparseConfig(**json.loads(text))
 
 
-# -- the run-time decision: small named rules, each with the reason it gives when it fails -----------------
-@dataclass(frozen=True)
-class CallInfo:
-    q: Tensor
-    k: Tensor
-    config: SparseConfig
-    chunked_allowed: bool  # eager entry point: q_len < kv_len means queries at the last positions
-
-
-@dataclass(frozen=True)
-class Rule:
-    name: str
-    holds: Callable[[CallInfo], bool]
-    reason: Callable[[CallInfo], str]
-
-
-RUNTIME_RULES: tuple[Rule, ...] = (
-    Rule("enabled", lambda c: c.config.enabled, lambda c: "sparsity disabled in this region"),
-    Rule("not_decode", lambda c: c.q.shape[-2] > 1, lambda c: "decode step (q_len == 1)"),
-    Rule(
-        "self_attention_lengths",
-        lambda c: c.q.shape[-2] == c.k.shape[-2] or (c.chunked_allowed and c.q.shape[-2] < c.k.shape[-2]),
-        lambda c: f"q_len {c.q.shape[-2]} != kv_len {c.k.shape[-2]}: SDPA's is_causal aligns top-left there; "
-        "left dense",
-    ),
-    Rule(
-        "long_enough",
-        lambda c: c.q.shape[-2] >= c.config.min_seq_len,
-        lambda c: f"q_len {c.q.shape[-2]} < min_seq_len {c.config.min_seq_len}",
-    ),
-    Rule(
-        "dtype",
-        lambda c: c.q.dtype in SPARSE_DTYPES and c.k.dtype == c.q.dtype,
-        lambda c: f"dtype {c.q.dtype} not supported by the sparse path (float16, bfloat16, float32)",
-    ),
-    Rule(
-        "inference",
-        lambda c: not (torch.is_grad_enabled() and (c.q.requires_grad or c.k.requires_grad)),
-        lambda c: "inputs require grad: the sparse path is forward-only (inference)",
-    ),
-)
-
-
-def decide(q: Tensor, k: Tensor, config: SparseConfig, *, chunked_allowed: bool = False) -> tuple[str, str]:
-    """(path, reason): the first rule that fails sends the call to dense attention."""
-    info = CallInfo(q, k, config, chunked_allowed)
-    for rule in RUNTIME_RULES:
-        if not rule.holds(info):
-            return DENSE, rule.reason(info)
+# -- the run-time decision: ``rules.RUNTIME_RULES``, the first that fails sends the call to dense attention ------
+def decide(q: Tensor, k: Tensor, v: Tensor, config: SparseConfig, site: str = "", *,
+           chunked_allowed: bool = False) -> tuple[str, str]:
+    """(path, reason) of one call."""
+    info = CallInfo(q, k, v, config, site, chunked_allowed)
+    failed = first_failure(RUNTIME_RULES, info)
+    if failed is not None:
+        return DENSE, failed.reason(info)
     return SPARSE, f"method {config.method}"
 
 
@@ -145,10 +103,10 @@ def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
     return out, f"method {config.method} ({kernel})", density
 
 
-def run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig,
+def run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
         dense: Callable[[], Tensor], *, chunked_allowed: bool = False):
     """Decide and run the method or ``dense()``: (output, path, reason, per-head density or None)."""
-    path, reason = decide(q, k, config, chunked_allowed=chunked_allowed)
+    path, reason = decide(q, k, v, config, site, chunked_allowed=chunked_allowed)
     out = density = None
     if path == SPARSE:
         out, reason, density = run_sparse(q, k, v, scale, config)
@@ -162,7 +120,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseC
 def dispatch(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
              dense: Callable[[], Tensor], *, chunked_allowed: bool = False) -> Tensor:
     """Decide, run the method or ``dense()``, and record what happened at ``site``."""
-    out, path, reason, density = run(q, k, v, scale, config, dense, chunked_allowed=chunked_allowed)
+    out, path, reason, density = run(q, k, v, scale, config, site, dense, chunked_allowed=chunked_allowed)
     report.record_call(site, path, reason, tuple(q.shape), density)
     return out
 
@@ -188,7 +146,7 @@ def padded_dispatch(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], con
             if queries.numel() == 0:
                 continue
             qg, kg, vg = q[rows][:, :, queries], k[rows][:, :, keys], v[rows][:, :, keys]
-        og, path, reason, density = run(qg, kg, vg, scale, config,
+        og, path, reason, density = run(qg, kg, vg, scale, config, site,
                                         lambda: dense_causal_attention(qg, kg, vg, scale=scale), chunked_allowed=True)
         if isinstance(rows, slice):
             out[rows, :, queries] = og
@@ -226,6 +184,7 @@ def causal_attention(
     ``query_positions`` is the ``cache_position`` input the mask read, held to ``arange(kv_len - q_len, kv_len)``.
     ``binary_padding``: the mask was proven for 0/1 padding values only; other values are an error.
     """
+    validate_qkv(q, k, v, who=f"sparse_compile.causal_attention ({site})")
     config_in_force = resolve(config_from_json(config))
     if not from_mask:
         out = dispatch(q, k, v, scale, config_in_force, site,
@@ -255,36 +214,6 @@ def _causal_attention_fake(q, k, v, scale, enable_gqa, site, config, key_padding
 
 
 # -- eager entry point ----------------------------------------------------------------------------------------
-def _validate(q: Tensor, k: Tensor, v: Tensor) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"sparse_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"sparse_attention: {name} must be 4-D (batch, heads, seq_len, head_dim), got shape {tuple(t.shape)}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"sparse_attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"sparse_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in SPARSE_DTYPES + (torch.float64,):
-        raise ValueError(f"sparse_attention: unsupported dtype {q.dtype}; use float16, bfloat16, float32 (or float64)")
-    if k.shape != v.shape:
-        raise ValueError(f"sparse_attention: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"sparse_attention: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"sparse_attention: head dims differ: q {q.shape[-1]}, k {k.shape[-1]}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"sparse_attention: query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
-        )
-    if q.shape[-2] > k.shape[-2]:
-        raise ValueError(
-            f"sparse_attention: q_len {q.shape[-2]} > kv_len {k.shape[-2]}; queries are the last q_len positions"
-        )
-    if q.shape[-2] == 0:
-        raise ValueError("sparse_attention: q_len must be at least 1")
-
-
 def sparse_attention(
     q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None, config: Optional[SparseConfig] = None
 ) -> Tensor:
@@ -295,7 +224,7 @@ def sparse_attention(
     steps and anything the method cannot do run exact dense attention, as under the compiled backend; a
     ``sparsity(...)`` block in force applies here too.
     """
-    _validate(q, k, v)
+    validate_qkv(q, k, v, who="sparse_attention", dtypes=SUPPORTED_DTYPES + (torch.float64,))
     if config is not None and not isinstance(config, SparseConfig):
         raise TypeError(f"sparse_attention: config must be a SparseConfig, got {type(config).__name__}")
     return dispatch(q, k, v, scale, resolve(config or SparseConfig()), "sparse_attention",
