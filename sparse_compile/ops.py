@@ -21,6 +21,7 @@ from .config import SparseConfig
 from .context import resolve
 from .dense import dense_attention, dense_causal_attention
 from .padding import PaddingLayout, check_query_positions, padding_layout
+from .plan import execute_plan
 from .rules import RUNTIME_RULES, SUPPORTED_DTYPES, CallInfo, first_failure, validate_qkv
 
 __all__ = ["causal_attention", "sparse_attention", "config_to_json", "config_from_json", "decide"]
@@ -86,14 +87,7 @@ def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
     if kernel == "triton" and q.dtype == torch.float32 and q.is_cuda:
         return None, "float32 on GPU: the Triton kernel runs bfloat16/float16; left dense", None
     want_visits = config.record_density
-    if kernel == "triton":
-        from .kernels import block_sparse_attention
-
-        result = block_sparse_attention(q, k, v, plan, scale, return_visited=want_visits)
-    else:
-        from .plan import reference_attention
-
-        result = reference_attention(q, k, v, plan, scale, return_visited=want_visits)
+    result = execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=want_visits)
     density = None
     if want_visits:
         out, visited = result
