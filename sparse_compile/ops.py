@@ -20,8 +20,9 @@ from . import report
 from .config import SparseConfig
 from .context import resolve
 from .dense import dense_attention, dense_causal_attention
+from .breakeven import HISTORY, break_even_density, has_table, plan_shape
 from .padding import PaddingLayout, check_query_positions, padding_layout
-from .plan import execute_plan
+from .plan import causal_tile_count, execute_plan
 from .rules import RUNTIME_RULES, SUPPORTED_DTYPES, CallInfo, first_failure, validate_qkv
 
 __all__ = ["causal_attention", "sparse_attention", "config_to_json", "config_from_json", "decide"]
@@ -71,10 +72,12 @@ def _kernel_for(q: Tensor, config: SparseConfig) -> str:
     return "triton" if q.is_cuda else "reference"
 
 
-def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig):
+def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig,
+               history_key: Optional[tuple] = None):
     """Build the method's plan and execute it. Returns (output or None, reason, per-head density or None).
 
-    ``None`` output means the method declined (``Unsupported``); the caller runs dense with the reason.
+    ``None`` output means the method declined (``Unsupported``); the caller runs dense with the reason. With a
+    ``history_key`` the plan's density (visited tiles under early stop) is remembered for the break-even decision.
     """
     from .methods import Unsupported, build_plan
 
@@ -86,15 +89,37 @@ def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
     kernel = _kernel_for(q, config)
     if kernel == "triton" and q.dtype == torch.float32 and q.is_cuda:
         return None, "float32 on GPU: the Triton kernel runs bfloat16/float16; left dense", None
-    want_visits = config.record_density
+    # early stop decides at run time how many tiles a plan costs: count the visits when the count is wanted
+    want_visits = config.record_density or (history_key is not None and plan.early_stop > 0)
     result = execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=want_visits)
+    out, visited = result if want_visits else (result, None)
+    if history_key is not None:
+        num_queries, num_keys = q.shape[-2], k.shape[-2]
+        if visited is not None:
+            total = causal_tile_count(num_queries, num_keys, plan.block_m, plan.block_n) * visited[:, :, 0].numel()
+            listed = visited.sum(dtype=torch.float32) / max(total, 1)
+        else:
+            listed = plan.density(num_queries, num_keys).mean()
+        HISTORY.record(history_key, listed, plan_shape(plan))
     density = None
-    if want_visits:
-        out, visited = result
+    if config.record_density:
         density = report.density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
-    else:
-        out = result
     return out, f"method {config.method} ({kernel})", density
+
+
+def _break_even(q: Tensor, k: Tensor, config: SparseConfig, site: str) -> tuple[Optional[str], Optional[tuple]]:
+    """(why this call should run dense, or None; the history key when the decision depends on history)."""
+    if not config.dense_when_faster or not has_table(q.device):
+        return None, None  # no measured table for this device: the configured method runs
+    key = HISTORY.key(site, config, q, k)
+    predicted = HISTORY.prediction(key)
+    if predicted is None:
+        return None, key
+    density, shape = predicted
+    limit = break_even_density(q.device, shape, k.shape[-2])
+    if limit is None or density <= limit or HISTORY.should_probe(key):
+        return None, key
+    return f"plan density {density:.2f} above break-even {limit:.2f} (this site's last plan, {shape} tiles)", key
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
@@ -103,9 +128,13 @@ def run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseC
     path, reason = decide(q, k, v, config, site, chunked_allowed=chunked_allowed)
     out = density = None
     if path == SPARSE:
-        out, reason, density = run_sparse(q, k, v, scale, config)
-        if out is None:
-            path = DENSE
+        slower, history_key = _break_even(q, k, config, site)
+        if slower is not None:
+            path, reason = DENSE, slower
+        else:
+            out, reason, density = run_sparse(q, k, v, scale, config, history_key)
+            if out is None:
+                path = DENSE
     if out is None:
         out = dense()
     return out, path, reason, density
