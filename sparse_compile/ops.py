@@ -153,7 +153,7 @@ def padded_dispatch(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], con
     """Causal attention with key padding, queries at the last positions: each group of rows with the same valid
     keys runs as an ordinary causal prefill over those keys (``padding.py``); padded query rows give zeros."""
     offset = k.shape[-2] - q.shape[-2]  # absolute position of query row 0
-    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    out = torch.zeros_like(q)
     paths, reasons, densities = [], [], []
     for group in layout.groups:
         rows = group.row_selector()
@@ -212,8 +212,7 @@ def causal_attention(
     if not from_mask:
         out = dispatch(q, k, v, scale, config_in_force, site,
                        lambda: dense_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa))
-        # a fixed layout, whatever the backend returned: the fake below promises contiguous
-        return out.contiguous()
+        return _in_query_layout(out, q)
     if query_positions is not None:
         check_query_positions(query_positions, q.shape[-2], k.shape[-2])
     layout = None if key_padding is None else padding_layout(key_padding, k.shape[-2])
@@ -227,6 +226,12 @@ def causal_attention(
                        lambda: dense_causal_attention(q, k, v, scale=scale), chunked_allowed=True)
     else:
         out = padded_dispatch(q, k, v, scale, config_in_force, site, layout)
+    return _in_query_layout(out, q)
+
+
+def _in_query_layout(out: Tensor, q: Tensor) -> Tensor:
+    """A fixed layout, whatever the path returned: the fake below promises contiguous. (Mirroring q's layout would
+    save the model's next copy, but Inductor may lay q out differently at run time than when it was traced.)"""
     return out.contiguous()
 
 
