@@ -36,6 +36,7 @@ from .config import BFLAParams, PBSParams, S2OParams, SparseConfig, SpargeParams
 from .context import sparsity  # noqa: E402
 from .explain import ExplainReport, explain  # noqa: E402
 from .ops import sparse_attention  # noqa: E402
+from .parallel import sequence_parallel, ulysses_attention  # noqa: E402
 from .report import reset_runtime_stats, runtime_stats  # noqa: E402
 
 __all__ = [
@@ -50,6 +51,8 @@ __all__ = [
     "explain",
     "ExplainReport",
     "sparse_attention",
+    "sequence_parallel",
+    "ulysses_attention",
     "runtime_stats",
     "reset_runtime_stats",
 ]

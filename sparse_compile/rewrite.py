@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -316,6 +317,10 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
             how += "; repeated K/V undone (GQA native)"
         records.append(SiteRecord(rewritten=True, reason=how, **record))
     if any(r.rewritten for r in records):
+        if "torch.distributed.tensor" in sys.modules:  # the graph may run on DTensors: give the op its sharding rule
+            from .parallel import register_dtensor_sharding
+
+            register_dtensor_sharding()
         _erase(gm, dropped)
         gm.graph.lint()
         gm.recompile()
