@@ -177,9 +177,12 @@ def _sequence_to_heads(tensors: tuple[Tensor, ...], group, chunks: _Chunks) -> l
     world = chunks.world
     batch, _, length, dim = tensors[0].shape
     shares = [t.shape[1] // world for t in tensors]
-    # rank j is sent head share j of every tensor: (P, B, sum H_i/P, n, D), equal parts along dim 0
-    send = torch.cat([t.reshape(batch, world, share, length, dim) for t, share in zip(tensors, shares)], dim=2)
-    send = send.transpose(0, 1).contiguous()
+    # rank j is sent head share j of every tensor: (P, B, sum H_i/P, n, D), equal parts along dim 0 (one copy)
+    send = tensors[0].new_empty((world, batch, sum(shares), length, dim))
+    offset = 0
+    for tensor, share in zip(tensors, shares):
+        send[:, :, offset:offset + share] = tensor.reshape(batch, world, share, length, dim).transpose(0, 1)
+        offset += share
     per_token = batch * send.shape[2] * dim
     received = send.new_empty(per_token * sum(chunks.lengths))
     dist.all_to_all_single(received, send.view(-1), [per_token * n for n in chunks.lengths], [send[0].numel()] * world,
@@ -194,7 +197,10 @@ def _heads_to_sequence(out: Tensor, group, chunks: _Chunks, rank: int) -> Tensor
     """(B, H/P, N, D) head share of whole sequences -> (B, H, n, D) this rank's chunk of every head."""
     world = chunks.world
     batch, share, _, dim = out.shape
-    send = torch.cat([part.reshape(-1) for part in out.split(list(chunks.lengths), dim=2)])  # chunk j to rank j
+    send, offset = out.new_empty(out.numel()), 0  # chunk j of the sequence to rank j, one after another
+    for part in out.split(list(chunks.lengths), dim=2):
+        send[offset:offset + part.numel()].view(part.shape).copy_(part)
+        offset += part.numel()
     per_token = batch * share * dim
     length = chunks.lengths[rank]
     received = out.new_empty((world, batch, share, length, dim))
