@@ -8,7 +8,6 @@ import logging
 import os
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
-import torch
 import torch.fx as fx
 
 from .config import SparseConfig

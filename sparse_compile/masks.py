@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -135,10 +135,6 @@ def _root(node: fx.Node) -> fx.Node:
     return node
 
 
-def _inputs(node: fx.Node) -> list[fx.Node]:
-    return [n for n in node.all_input_nodes]
-
-
 def _slice(mask: fx.Node, site: fx.Node, order: dict) -> set:
     """Ancestors of ``mask`` (size queries are leaves), plus the in-place mutations of their aliases that run
     before ``site``, plus the bracketing global-state calls in between: everything the mask's value depends on."""
@@ -154,7 +150,7 @@ def _slice(mask: fx.Node, site: fx.Node, order: dict) -> set:
             nodes.add(node)
             if node.op in ("placeholder", "get_attr") or _is_size_query(node):
                 continue
-            start.extend(_inputs(node))
+            start.extend(node.all_input_nodes)
 
     add(stack)
     while True:
@@ -368,10 +364,6 @@ def _padding_trials(batch: int, nk: int, dtype: torch.dtype, device, generator: 
     if dtype != torch.bool:
         out.append(as_dtype(torch.rand(batch, nk, generator=generator) < 0.6, other))
     return [t.to(device) for t in out]
-
-
-def _batch_size(value: Any) -> Optional[int]:
-    return value if isinstance(value, int) else None
 
 
 def analyse_mask(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q: torch.Tensor,

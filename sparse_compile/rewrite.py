@@ -17,7 +17,7 @@ import re
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
