@@ -26,11 +26,17 @@ import torch
 
 import sparse_compile
 from sparse_compile import BFLAParams, PBSParams, S2OParams, SparseConfig, SpargeParams
-from sparse_compile.methods import Reordering, _fast, bfla, build_plan, pbs, s2o, sparge, stage_functions
+from sparse_compile.kernels import bfla as bfla_kernels
+from sparse_compile.kernels import common as kernel_common
+from sparse_compile.kernels import pooling, sorting
+from sparse_compile.kernels.host import segmented_argsort_desc
+from sparse_compile.kernels.mass import MassRule, mass_select
+from sparse_compile.kernels.validate import expand_heads
+from sparse_compile.methods import Reordering, bfla, build_plan, pbs, s2o, sparge, stage_functions
+from sparse_compile.methods._fast import tile_grid
 from sparse_compile.plan import plan_density
 from sparse_compile.methods._blocks import diagonal_tiles, first_key_tile, visibility
 from sparse_compile.methods._common import (
-    bcast_heads,
     block_mean,
     block_self_similarity,
     group_scores,
@@ -172,7 +178,7 @@ def reference_bounds(select, q, k, scale, r, config):
         sq = block_self_similarity(qd, bm)
         sk = block_self_similarity(keys, bn, valid)
         q_odd = sq < p.similarity_threshold
-        k_odd = bcast_heads(sk < p.similarity_threshold, Hq)
+        k_odd = expand_heads(sk < p.similarity_threshold, Hq)
         cand = visible & ~k_odd[:, :, None, :]
         prob = masked_softmax(group_scores(block_mean(qd, bm), block_mean(keys, bn, valid)) * scale, cand)
         diag = diagonal_tiles(vis, r, Nq, Nk, bm, bn)
@@ -181,7 +187,7 @@ def reference_bounds(select, q, k, scale, r, config):
         # a judgement within EPS_SIM of theta may go either way: its row (query) or its head's rows (key tile,
         # which changes every row's softmax) keep only the diagonal surely
         amb_q = (sq - p.similarity_threshold).abs() < EPS_SIM
-        amb_k = bcast_heads((sk - p.similarity_threshold).abs() < EPS_SIM, Hq).any(-1)
+        amb_k = expand_heads((sk - p.similarity_threshold).abs() < EPS_SIM, Hq).any(-1)
         rows_amb = (amb_q | amb_k[..., None])[..., None]
         sure = torch.where(rows_amb, diag, sure | forced)
         maybe = torch.where(rows_amb, visible, maybe | forced)
@@ -201,18 +207,13 @@ def reference_bounds(select, q, k, scale, r, config):
 
 def fast_bfla_coarse(q, k, scale, r, config):
     """The fast path's coarse BFLA mass (B, Hq, LQ, LK) bool (the internals of select_bfla_fast)."""
-    sel = _fast.selection_kernels()
     p = config.bfla
     b = p.coarse_block_size
-    B, Hq, Nq, _ = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    L = r.key_index.shape[-1] if r.key_index is not None else Nk
-    cpos = sel.block_pool(k, b, key_index=r.key_index, want_mean=False, want_pos=True) if r.key_index is not None else None
-    score = sel.bfla_block_scores(q, k, b, p.group_size, r.key_index, r.segment_size if r.key_index is not None else 1)
-    keep = sel.mass_select(score, batch=B, heads=Hq, kv_heads=Hkv, num_query_blocks=-(-Nq // b),
-                           num_key_tiles=-(-L // b), num_queries=Nq, num_keys=Nk, block_m=b, block_n=b, scale=scale,
-                           tau=p.mass_threshold, segment=r.segment_size or 0, tile_pos=cpos, write_plan=False,
-                           write_keep=True, device=q.device)[3]
+    permuted = r.key_index is not None
+    cpos = pooling.block_pool(k, b, key_index=r.key_index, want_mean=False, want_positions=True) if permuted else None
+    score = bfla_kernels.bfla_block_scores(q, k, b, p.group_size, r.key_index, r.segment_size if permuted else 1)
+    rule = MassRule(threshold=p.mass_threshold, scale=scale, segment=r.segment_size or 0)
+    keep = mass_select(tile_grid(q, k, r, b, b), rule, score, key_tiles=cpos, keep_table=True)
     return keep != 0
 
 
@@ -323,13 +324,14 @@ def test_bfla_select_agrees(reorder, score_scale):
         sure, maybe = reference_bounds("bfla_coarse", q, k, alpha, r, cfg)
         assert_keep_agrees(coarse_fast, sure, maybe, what="bfla coarse")
     # the tile stage exactly, from the reference's coarse mass
-    sel = _fast.selection_kernels()
     p = cfg.bfla
-    tpos = sel.block_pool(k, 16, key_index=r.key_index, want_mean=False, want_pos=True) if r.key_index is not None else None
-    tables = sel.bfla_tiles(coarse_ref.to(torch.int8), batch=B, kv_heads=Hkv, group=Hq // Hkv, num_queries=Nq,
-                            num_keys=Nk, key_len=Nk, coarse=32, tile_q=16, tile_k=16, local_tiles=p.local_tiles,
-                            sink_tiles=p.sink_tiles, stride=p.stride, random_rescue=p.random_rescue, seed=p.seed,
-                            tile_pos=tpos, segment=r.segment_size or 0)
+    tpos = (pooling.block_pool(k, 16, key_index=r.key_index, want_mean=False, want_positions=True)
+            if r.key_index is not None else None)
+    tables = bfla_kernels.bfla_tiles(tile_grid(q, k, r, 16, 16), coarse_ref.to(torch.int8), coarse=32,
+                                     local_tiles=p.local_tiles, sink_tiles=p.sink_tiles, stride=p.stride,
+                                     stride_seed=p.seed, random_rescue=p.random_rescue,
+                                     random_seed=p.seed ^ bfla.RANDOM_SALT, key_tiles=tpos,
+                                     segment=r.segment_size or 0)
     p_ref = stage_functions(reorder, "bfla", False)[1](q, k, scale, r, cfg)
     for name, t in zip(("tile_offsets", "tile_counts", "masked_counts"), tables):
         assert torch.equal(t, getattr(p_ref, name)), name
@@ -425,53 +427,33 @@ def test_exact_ties_follow_the_stable_order():
             assert torch.equal(p_fast.key_index, p_ref.key_index)
 
 
-def test_top_mass_rule_with_ties_and_head_start():
-    """The bisection rule of mass_select against _common.top_mass on exact (dyadic) masses with ties."""
-    sel = _fast.selection_kernels()
-    g = torch.Generator().manual_seed(0)
-    B, H, nqb, nkt, bm = 1, 2, 8, 8, 16
-    # block scores in units of 1/64 (sums exact in float32), with many exact ties
-    scores = torch.randint(0, 6, (B, H, nqb, nkt), generator=g).float() / 64
-    # XAttention mode: visible tiles' scores, forced tiles (diagonal + first) count first
-    vis = visibility(nqb * bm, nqb * bm, bm, bm, Reordering("none"), B, H, "cpu")
-    visible = vis != VISIBLE_NONE
-    for tau in (0.0, 0.3, 0.5, 0.77, 0.9, 1.0 - 1 / 128):
-        offs, cnt, msk, keep = sel.mass_select(
-            scores, batch=B, heads=H, kv_heads=H, num_query_blocks=nqb, num_key_tiles=nkt, num_queries=nqb * bm,
-            num_keys=nqb * bm, block_m=bm, block_n=bm, tau=tau, mode=1, force_diag=True, force_first=True,
-            write_keep=True, device="cpu")
-        sc = torch.where(visible, scores, torch.zeros(()))
-        forced = (vis == 1) | (torch.arange(nkt) == 0)
-        forced = forced & visible
-        head = torch.where(forced, sc, torch.zeros(())).sum(-1, keepdim=True)
-        ref = top_mass(sc, visible & ~forced, tau, head_start=head, total=sc.sum(-1, keepdim=True)) | forced
-        assert torch.equal(keep != 0, ref & visible), tau
-
-
 def test_pieces_match_reference():
     """Pooling statistics, visibility inputs, segmented argsort and BFLA scores against the reference functions."""
-    sel = _fast.selection_kernels()
     q, k = structured_qk(2, 4, 2, 150, 150, 24, 16, seed=7)
-    pool = sel.block_pool(q, 16, want_sim=True)
-    torch.testing.assert_close(pool["mean"], block_mean(q, 16), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(pool["sim"], block_self_similarity(q, 16), rtol=1e-5, atol=1e-5)
+    pool = pooling.block_pool(q, 16, want_similarity=True)
+    torch.testing.assert_close(pool.mean, block_mean(q, 16), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool.similarity, block_self_similarity(q, 16), rtol=1e-5, atol=1e-5)
     perm = torch.stack([torch.randperm(150) for _ in range(4)]).view(2, 2, 150).to(torch.int32)
     perm[0, 1, 140:] = -1  # padding entries
-    kp = sel.block_pool(k, 32, key_index=perm, want_sim=True, want_pos=True)
+    kp = pooling.block_pool(k, 32, key_index=perm, want_similarity=True, want_positions=True)
     keys, valid = logical_keys(k, perm)
-    torch.testing.assert_close(kp["mean"], block_mean(keys, 32, valid), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(kp["sim"], block_self_similarity(keys, 32, valid), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kp.mean, block_mean(keys, 32, valid), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kp.similarity, block_self_similarity(keys, 32, valid), rtol=1e-5, atol=1e-5)
     pos = torch.where(valid, perm.long(), torch.full_like(perm.long(), 2**31 - 1))
     pos = torch.nn.functional.pad(pos, (0, 10), value=2**31 - 1).view(2, 2, 5, 32)
-    assert torch.equal(kp["kmin"].long(), pos.amin(-1))
+    assert torch.equal(kp.min_position.long(), pos.amin(-1))
+    # a row with a NaN: plain means take it in, finite_rows_mean leaves it out (as block_mean(finite_rows=True))
+    q_nan = q.clone()
+    q_nan[0, 1, 20] = float("nan")
+    assert bool(pooling.block_pool(q_nan, 16).mean[0, 1, 1].isnan().all())
+    torch.testing.assert_close(pooling.block_pool(q_nan, 16, finite_rows_mean=True).mean,
+                               block_mean(q_nan, 16, finite_rows=True), rtol=1e-5, atol=1e-5)
     # segmented argsort with ties and a ragged last segment
-    from sparse_compile.methods._common import segmented_argsort_desc
-
     x = torch.randint(0, 5, (3, 2, 70)).float()
     for seg, nseg in ((16, 4), (16, 5), (32, 2), (64, 1)):
-        assert torch.equal(sel.segmented_argsort_desc(x, seg, nseg), segmented_argsort_desc(x, seg, nseg).int())
+        assert torch.equal(sorting.segmented_argsort_desc(x, seg, nseg), segmented_argsort_desc(x, seg, nseg).int())
     # BFLA flatten-g scores (causal region; the reference fills all)
-    s_f = sel.bfla_block_scores(q, k, 32, 8)
+    s_f = bfla_kernels.bfla_block_scores(q, k, 32, 8)
     s_r = bfla_block_scores(q, k, 32, 8)
     vis = visibility(150, 150, 32, 32, Reordering("none"), 2, 4, "cpu") != VISIBLE_NONE
     torch.testing.assert_close(s_f[vis], s_r[vis], rtol=1e-5, atol=1e-4)
@@ -507,7 +489,7 @@ def test_dispatch_and_config_switch(monkeypatch):
     with pytest.raises(ValueError, match="dtype"):
         build_plan(q.double(), k.double(), None, cfg, implementation="fast")
     # no interpreter and no CUDA: "fast" refuses, "auto" runs the reference
-    monkeypatch.setattr(_fast.selection_kernels(), "interpreting", lambda: False)
+    monkeypatch.setattr(kernel_common, "interpreting", lambda: False)
     with pytest.raises(ValueError, match="CUDA"):
         build_plan(q, k, None, cfg, implementation="fast")
     # a method registered without a fast twin runs its reference stage on the fast path too
@@ -563,7 +545,7 @@ def test_gpu_bf16_agreement(method, shape):
     cfg = SparseConfig(method=method)
     scale = 1 / math.sqrt(D)
     r_ref = stage_functions(reorder, "pbs", False)[0](q, k, scale, cfg)
-    r_fast = fast.FAST_stage_functions(reorder, "pbs", False)[0](q, k, scale, cfg)
+    r_fast = stage_functions(reorder, "pbs", True)[0](q, k, scale, cfg)
     if reorder == "pbs":
         imp = pbs_key_importance(q.double(), k.double(), scale, cfg.pbs.block_size)
         assert_order_agrees(r_fast.key_index, r_ref.key_index, imp, _pbs_segments(N, cfg.pbs.segment_size), "pbs")
@@ -580,7 +562,7 @@ def test_gpu_bf16_agreement(method, shape):
             assert_order_agrees(r_fast.key_index[..., z: z + n * S], r_ref.key_index[..., z: z + n * S], s_n,
                                 [(0, n * S)], f"s2o prefix {n}")
     p_ref = stage_functions(reorder, select, False)[1](q, k, scale, r_ref, cfg)
-    p_fast = fast.FAST_SELECT_STAGES[select](q, k, scale, r_ref, cfg)
+    p_fast = stage_functions(reorder, select, True)[1](q, k, scale, r_ref, cfg)
     assert_plan_layout(p_fast, p_ref)
     check_plan(p_fast, q, k)
     if method in ("pbs", "sparge") and not plans_identical(p_fast, p_ref):
