@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import os
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -14,13 +15,23 @@ from .config import SparseConfig
 from .report import SiteRecord
 from .rewrite import rewrite_graph
 
-__all__ = ["sparse_prefill", "LOG_ENV_VAR"]
+__all__ = ["sparse_prefill", "on_rewrite", "LOG_ENV_VAR"]
 
 log = logging.getLogger("sparse_compile")
 LOG_ENV_VAR = "SPARSE_COMPILE_LOG"
 
-# explain() listens here; a list of callbacks, each given (records, diff) for every compiled graph
-_LISTENERS: list = []
+_LISTENERS: list = []  # callbacks of the on_rewrite blocks in force
+
+
+@contextlib.contextmanager
+def on_rewrite(callback: Callable[[list, str], None]) -> Iterator[None]:
+    """Inside the block, ``callback(records, diff)`` is called for every graph the backend compiles: the per-site
+    ``SiteRecord`` list and the unified diff of the graph before and after the rewrite (what ``explain`` shows)."""
+    _LISTENERS.append(callback)
+    try:
+        yield
+    finally:
+        _LISTENERS.remove(callback)
 
 
 def graph_diff(before: str, after: str, name: str = "graph") -> str:

@@ -105,6 +105,8 @@ class SparseConfig:
     planner         the reorder/select stages that build the plan: "fast" (Triton kernels, CUDA or the interpreter),
                     "reference" (PyTorch) or "auto" (fast on CUDA when Triton is there, else reference).
     record_density  measure each call's achieved density (costs a host sync; off by default).
+    dense_when_faster  on GPUs with a measured break-even table, run dense attention where this site's last plan
+                    was too dense for the sparse path to win (``breakeven.py``); False always runs the method.
     <method name>   that method's parameters (a dict of its fields or its params dataclass), e.g. ``pbs={...}``;
                     read back as ``config.pbs``. ``params`` holds them all, as (name, params) pairs.
     """
@@ -118,11 +120,13 @@ class SparseConfig:
     kernel: str = "auto"
     planner: str = "auto"
     record_density: bool = False
+    dense_when_faster: bool = True
     params: tuple = ()
 
     def __init__(self, method: str = "pbs", reorder: Optional[str] = None, select: Optional[str] = None,
                  enabled: bool = True, min_seq_len: int = 16384, skip_layers=(), kernel: str = "auto",
-                 planner: str = "auto", record_density: bool = False, params=None, **method_params: Any) -> None:
+                 planner: str = "auto", record_density: bool = False, dense_when_faster: bool = True, params=None,
+                 **method_params: Any) -> None:
         registered = registered_methods()
         unknown = sorted(set(method_params) - set(registered))
         if unknown:
@@ -138,7 +142,8 @@ class SparseConfig:
             raise ValueError(f"SparseConfig.method: unknown method {method!r}; valid: {list(registered)}")
         for name, value in (("method", method), ("reorder", reorder), ("select", select), ("enabled", enabled),
                             ("min_seq_len", min_seq_len), ("kernel", kernel), ("planner", planner),
-                            ("record_density", record_density), ("params", tuple(resolved.items()))):
+                            ("record_density", record_density), ("dense_when_faster", dense_when_faster),
+                            ("params", tuple(resolved.items()))):
             object.__setattr__(self, name, value)
         if isinstance(skip_layers, (str, int)) or not all(
             isinstance(x, (int, str)) and not isinstance(x, bool) for x in skip_layers
@@ -158,7 +163,7 @@ class SparseConfig:
             check_stage_pair(self.reorder_stage, self.select_stage)
         except ValueError as exc:
             raise ValueError(f"SparseConfig: {exc}") from None
-        for name in ("enabled", "record_density"):
+        for name in ("enabled", "record_density", "dense_when_faster"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SparseConfig.{name}: must be True or False, got {getattr(self, name)!r}")
         check_int("SparseConfig", "min_seq_len", self.min_seq_len, low=2)

@@ -10,6 +10,17 @@ import torch.nn.functional as F
 __all__ = ["dense_attention", "dense_causal_attention"]
 
 
+def _sdpa(q, k, v, **kwargs) -> torch.Tensor:
+    scale = kwargs.get("scale")
+    if scale is not None and scale <= 0 and q.device.type == "cpu":
+        # PyTorch's CPU flash kernel returns NaN for a scale <= 0; the math kernel (and the sparse path) do not
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
 def dense_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -20,7 +31,7 @@ def dense_attention(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """Exactly the ``scaled_dot_product_attention`` call the rewrite replaced (top-left causal alignment)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    return _sdpa(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
 def dense_causal_attention(
@@ -34,9 +45,7 @@ def dense_causal_attention(
     Nq, Nk = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
     if Nq == Nk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return _sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     from torch.nn.attention.bias import causal_lower_right
 
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=causal_lower_right(Nq, Nk), scale=scale, enable_gqa=gqa
-    )
+    return _sdpa(q, k, v, attn_mask=causal_lower_right(Nq, Nk), scale=scale, enable_gqa=gqa)

@@ -96,12 +96,8 @@ def explain(model, *args, config: Optional[SparseConfig] = None, **kwargs) -> Ex
 
     compiled = torch.compile(model, backend=backend)
     before = runtime_stats()
-    _backend._LISTENERS.append(listener)
-    try:
-        with torch.no_grad():
-            report.output = compiled(*args, **kwargs)
-    finally:
-        _backend._LISTENERS.remove(listener)
+    with _backend.on_rewrite(listener), torch.no_grad():
+        report.output = compiled(*args, **kwargs)
     report.runtime = _delta(before, runtime_stats())
     report.diff = "\n".join(diffs)
     return report

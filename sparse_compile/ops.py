@@ -11,7 +11,6 @@ import functools
 import json
 import logging
 import math
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -21,14 +20,16 @@ from . import report
 from .config import SparseConfig
 from .context import resolve
 from .dense import dense_attention, dense_causal_attention
+from .breakeven import HISTORY, break_even_density, has_table, plan_shape
 from .padding import PaddingLayout, check_query_positions, padding_layout
+from .plan import causal_tile_count, execute_plan
+from .rules import RUNTIME_RULES, SUPPORTED_DTYPES, CallInfo, first_failure, validate_qkv
 
 __all__ = ["causal_attention", "sparse_attention", "config_to_json", "config_from_json", "decide"]
 
 log = logging.getLogger("sparse_compile")
 
 DENSE, SPARSE = "dense", "sparse"
-SPARSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # -- configuration travels inside the graph as a JSON string: the graph describes itself ---------------------
@@ -54,55 +55,14 @@ def config_from_json(text: str) -> SparseConfig:
     return SparseConfig(**json.loads(text))
 
 
-# -- the run-time decision: small named rules, each with the reason it gives when it fails -----------------
-@dataclass(frozen=True)
-class CallInfo:
-    q: Tensor
-    k: Tensor
-    config: SparseConfig
-    chunked_allowed: bool  # eager entry point: q_len < kv_len means queries at the last positions
-
-
-@dataclass(frozen=True)
-class Rule:
-    name: str
-    holds: Callable[[CallInfo], bool]
-    reason: Callable[[CallInfo], str]
-
-
-RUNTIME_RULES: tuple[Rule, ...] = (
-    Rule("enabled", lambda c: c.config.enabled, lambda c: "sparsity disabled in this region"),
-    Rule("not_decode", lambda c: c.q.shape[-2] > 1, lambda c: "decode step (q_len == 1)"),
-    Rule(
-        "self_attention_lengths",
-        lambda c: c.q.shape[-2] == c.k.shape[-2] or (c.chunked_allowed and c.q.shape[-2] < c.k.shape[-2]),
-        lambda c: f"q_len {c.q.shape[-2]} != kv_len {c.k.shape[-2]}: SDPA's is_causal aligns top-left there; "
-        "left dense",
-    ),
-    Rule(
-        "long_enough",
-        lambda c: c.q.shape[-2] >= c.config.min_seq_len,
-        lambda c: f"q_len {c.q.shape[-2]} < min_seq_len {c.config.min_seq_len}",
-    ),
-    Rule(
-        "dtype",
-        lambda c: c.q.dtype in SPARSE_DTYPES and c.k.dtype == c.q.dtype,
-        lambda c: f"dtype {c.q.dtype} not supported by the sparse path (float16, bfloat16, float32)",
-    ),
-    Rule(
-        "inference",
-        lambda c: not (torch.is_grad_enabled() and (c.q.requires_grad or c.k.requires_grad)),
-        lambda c: "inputs require grad: the sparse path is forward-only (inference)",
-    ),
-)
-
-
-def decide(q: Tensor, k: Tensor, config: SparseConfig, *, chunked_allowed: bool = False) -> tuple[str, str]:
-    """(path, reason): the first rule that fails sends the call to dense attention."""
-    info = CallInfo(q, k, config, chunked_allowed)
-    for rule in RUNTIME_RULES:
-        if not rule.holds(info):
-            return DENSE, rule.reason(info)
+# -- the run-time decision: ``rules.RUNTIME_RULES``, the first that fails sends the call to dense attention ------
+def decide(q: Tensor, k: Tensor, v: Tensor, config: SparseConfig, site: str = "", *,
+           chunked_allowed: bool = False) -> tuple[str, str]:
+    """(path, reason) of one call."""
+    info = CallInfo(q, k, v, config, site, chunked_allowed)
+    failed = first_failure(RUNTIME_RULES, info)
+    if failed is not None:
+        return DENSE, failed.reason(info)
     return SPARSE, f"method {config.method}"
 
 
@@ -112,10 +72,12 @@ def _kernel_for(q: Tensor, config: SparseConfig) -> str:
     return "triton" if q.is_cuda else "reference"
 
 
-def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig):
+def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig,
+               history_key: Optional[tuple] = None):
     """Build the method's plan and execute it. Returns (output or None, reason, per-head density or None).
 
-    ``None`` output means the method declined (``Unsupported``); the caller runs dense with the reason.
+    ``None`` output means the method declined (``Unsupported``); the caller runs dense with the reason. With a
+    ``history_key`` the plan's density (visited tiles under early stop) is remembered for the break-even decision.
     """
     from .methods import Unsupported, build_plan
 
@@ -127,33 +89,52 @@ def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
     kernel = _kernel_for(q, config)
     if kernel == "triton" and q.dtype == torch.float32 and q.is_cuda:
         return None, "float32 on GPU: the Triton kernel runs bfloat16/float16; left dense", None
-    want_visits = config.record_density
-    if kernel == "triton":
-        from .kernels import block_sparse_attention
-
-        result = block_sparse_attention(q, k, v, plan, scale, return_visited=want_visits)
-    else:
-        from .plan import reference_attention
-
-        result = reference_attention(q, k, v, plan, scale, return_visited=want_visits)
+    # early stop decides at run time how many tiles a plan costs: count the visits when the count is wanted
+    want_visits = config.record_density or (history_key is not None and plan.early_stop > 0)
+    result = execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=want_visits)
+    out, visited = result if want_visits else (result, None)
+    if history_key is not None:
+        num_queries, num_keys = q.shape[-2], k.shape[-2]
+        if visited is not None:
+            total = causal_tile_count(num_queries, num_keys, plan.block_m, plan.block_n) * visited[:, :, 0].numel()
+            listed = visited.sum(dtype=torch.float32) / max(total, 1)
+        else:
+            listed = plan.density(num_queries, num_keys).mean()
+        HISTORY.record(history_key, listed, plan_shape(plan))
     density = None
-    if want_visits:
-        out, visited = result
+    if config.record_density:
         density = report.density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
-    else:
-        out = result
     return out, f"method {config.method} ({kernel})", density
 
 
-def run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig,
+def _break_even(q: Tensor, k: Tensor, config: SparseConfig, site: str) -> tuple[Optional[str], Optional[tuple]]:
+    """(why this call should run dense, or None; the history key when the decision depends on history)."""
+    if not config.dense_when_faster or not has_table(q.device):
+        return None, None  # no measured table for this device: the configured method runs
+    key = HISTORY.key(site, config, q, k)
+    predicted = HISTORY.prediction(key)
+    if predicted is None:
+        return None, key
+    density, shape = predicted
+    limit = break_even_density(q.device, shape, k.shape[-2])
+    if limit is None or density <= limit or HISTORY.should_probe(key):
+        return None, key
+    return f"plan density {density:.2f} above break-even {limit:.2f} (this site's last plan, {shape} tiles)", key
+
+
+def run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
         dense: Callable[[], Tensor], *, chunked_allowed: bool = False):
     """Decide and run the method or ``dense()``: (output, path, reason, per-head density or None)."""
-    path, reason = decide(q, k, config, chunked_allowed=chunked_allowed)
+    path, reason = decide(q, k, v, config, site, chunked_allowed=chunked_allowed)
     out = density = None
     if path == SPARSE:
-        out, reason, density = run_sparse(q, k, v, scale, config)
-        if out is None:
-            path = DENSE
+        slower, history_key = _break_even(q, k, config, site)
+        if slower is not None:
+            path, reason = DENSE, slower
+        else:
+            out, reason, density = run_sparse(q, k, v, scale, config, history_key)
+            if out is None:
+                path = DENSE
     if out is None:
         out = dense()
     return out, path, reason, density
@@ -162,7 +143,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseC
 def dispatch(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
              dense: Callable[[], Tensor], *, chunked_allowed: bool = False) -> Tensor:
     """Decide, run the method or ``dense()``, and record what happened at ``site``."""
-    out, path, reason, density = run(q, k, v, scale, config, dense, chunked_allowed=chunked_allowed)
+    out, path, reason, density = run(q, k, v, scale, config, site, dense, chunked_allowed=chunked_allowed)
     report.record_call(site, path, reason, tuple(q.shape), density)
     return out
 
@@ -172,7 +153,7 @@ def padded_dispatch(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], con
     """Causal attention with key padding, queries at the last positions: each group of rows with the same valid
     keys runs as an ordinary causal prefill over those keys (``padding.py``); padded query rows give zeros."""
     offset = k.shape[-2] - q.shape[-2]  # absolute position of query row 0
-    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    out = torch.zeros_like(q)
     paths, reasons, densities = [], [], []
     for group in layout.groups:
         rows = group.row_selector()
@@ -188,7 +169,7 @@ def padded_dispatch(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], con
             if queries.numel() == 0:
                 continue
             qg, kg, vg = q[rows][:, :, queries], k[rows][:, :, keys], v[rows][:, :, keys]
-        og, path, reason, density = run(qg, kg, vg, scale, config,
+        og, path, reason, density = run(qg, kg, vg, scale, config, site,
                                         lambda: dense_causal_attention(qg, kg, vg, scale=scale), chunked_allowed=True)
         if isinstance(rows, slice):
             out[rows, :, queries] = og
@@ -226,12 +207,12 @@ def causal_attention(
     ``query_positions`` is the ``cache_position`` input the mask read, held to ``arange(kv_len - q_len, kv_len)``.
     ``binary_padding``: the mask was proven for 0/1 padding values only; other values are an error.
     """
+    validate_qkv(q, k, v, who=f"sparse_compile.causal_attention ({site})")
     config_in_force = resolve(config_from_json(config))
     if not from_mask:
         out = dispatch(q, k, v, scale, config_in_force, site,
                        lambda: dense_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa))
-        # a fixed layout, whatever the backend returned: the fake below promises contiguous
-        return out.contiguous()
+        return _in_query_layout(out, q)
     if query_positions is not None:
         check_query_positions(query_positions, q.shape[-2], k.shape[-2])
     layout = None if key_padding is None else padding_layout(key_padding, k.shape[-2])
@@ -245,6 +226,12 @@ def causal_attention(
                        lambda: dense_causal_attention(q, k, v, scale=scale), chunked_allowed=True)
     else:
         out = padded_dispatch(q, k, v, scale, config_in_force, site, layout)
+    return _in_query_layout(out, q)
+
+
+def _in_query_layout(out: Tensor, q: Tensor) -> Tensor:
+    """A fixed layout, whatever the path returned: the fake below promises contiguous. (Mirroring q's layout would
+    save the model's next copy, but Inductor may lay q out differently at run time than when it was traced.)"""
     return out.contiguous()
 
 
@@ -255,36 +242,6 @@ def _causal_attention_fake(q, k, v, scale, enable_gqa, site, config, key_padding
 
 
 # -- eager entry point ----------------------------------------------------------------------------------------
-def _validate(q: Tensor, k: Tensor, v: Tensor) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"sparse_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"sparse_attention: {name} must be 4-D (batch, heads, seq_len, head_dim), got shape {tuple(t.shape)}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"sparse_attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"sparse_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in SPARSE_DTYPES + (torch.float64,):
-        raise ValueError(f"sparse_attention: unsupported dtype {q.dtype}; use float16, bfloat16, float32 (or float64)")
-    if k.shape != v.shape:
-        raise ValueError(f"sparse_attention: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"sparse_attention: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"sparse_attention: head dims differ: q {q.shape[-1]}, k {k.shape[-1]}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"sparse_attention: query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
-        )
-    if q.shape[-2] > k.shape[-2]:
-        raise ValueError(
-            f"sparse_attention: q_len {q.shape[-2]} > kv_len {k.shape[-2]}; queries are the last q_len positions"
-        )
-    if q.shape[-2] == 0:
-        raise ValueError("sparse_attention: q_len must be at least 1")
-
-
 def sparse_attention(
     q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None, config: Optional[SparseConfig] = None
 ) -> Tensor:
@@ -295,7 +252,7 @@ def sparse_attention(
     steps and anything the method cannot do run exact dense attention, as under the compiled backend; a
     ``sparsity(...)`` block in force applies here too.
     """
-    _validate(q, k, v)
+    validate_qkv(q, k, v, who="sparse_attention", dtypes=SUPPORTED_DTYPES + (torch.float64,))
     if config is not None and not isinstance(config, SparseConfig):
         raise TypeError(f"sparse_attention: config must be a SparseConfig, got {type(config).__name__}")
     return dispatch(q, k, v, scale, resolve(config or SparseConfig()), "sparse_attention",

@@ -76,7 +76,7 @@ class Method:
 
 _METHODS: dict[str, Method] = {}
 _RESERVED = {"method", "reorder", "select", "enabled", "min_seq_len", "skip_layers", "kernel", "planner",
-             "record_density", "params"}
+             "record_density", "dense_when_faster", "params"}
 
 
 def register_method(method: Method) -> Method:

@@ -1,8 +1,7 @@
 """The rewrite pass: every eligible ``scaled_dot_product_attention`` call becomes ``sparse_compile::causal_attention``.
 
-Eligibility is a list of small named rules, each with the reason it gives when it fails (the style of
-Inductor's ``fx_passes/fuse_attention.py``). A site that fails any rule is left exactly as it was, and its
-``SiteRecord`` says why. The rewritten op still decides per call between dense and sparse (see ``ops.py``).
+Eligibility is ``rules.REWRITE_RULES``: small named rules, each with the reason it gives when it fails. A site
+that fails any rule is left exactly as it was, and its ``SiteRecord`` says why. The rewritten op still decides per call between dense and sparse (see ``ops.py``).
 
 A site is causal either by ``is_causal=True`` or by an ``attn_mask`` built inside the graph that ``masks.py``
 proves to be the causal mask, or the causal mask AND a key-padding mask read from one ``(batch, kv_len)`` input
@@ -15,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from .config import SparseConfig
 from .masks import MaskMatch, NotProven, analyse_mask, removable_nodes, undo_repeat_kv
 from .report import SiteRecord
+from .rules import REWRITE_RULES, first_failure, layer_index
 
-__all__ = ["rewrite_graph", "REWRITE_RULES", "head_dim_supported", "module_path", "layer_index"]
+__all__ = ["rewrite_graph", "module_path", "find_sdpa_calls", "SdpaCall"]
 
 log = logging.getLogger("sparse_compile")
 
@@ -35,21 +36,17 @@ if hasattr(torch.ops.aten, "scaled_dot_product_attention"):
     SDPA_TARGETS.add(torch.ops.aten.scaled_dot_product_attention.default)
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-REWRITE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# head dims the sparse kernels serve: powers of two run natively, other multiples of 8 are padded on chip
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
-
-
-def head_dim_supported(dim) -> bool:
-    return isinstance(dim, int) and MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM and dim % 8 == 0
 
 
 @dataclass
 class SdpaCall:
+    """One traced attention call, the subject of ``rules.REWRITE_RULES``."""
+
     node: fx.Node
     args: dict[str, Any]
     site: str
     gm: Optional[fx.GraphModule] = None
+    config: Optional[SparseConfig] = None
     _mask: Any = None  # MaskMatch or NotProven, computed once
 
     @property
@@ -85,118 +82,6 @@ class SdpaCall:
     @property
     def v(self):
         return self.value("value")
-
-
-@dataclass(frozen=True)
-class RewriteRule:
-    name: str
-    holds: Callable[[SdpaCall, SparseConfig], bool]
-    reason: Callable[[SdpaCall, SparseConfig], str]
-
-
-def _is_const(call: SdpaCall, name: str) -> bool:
-    return not isinstance(call.args[name], fx.Node)
-
-
-def _causal_form(call: SdpaCall) -> Optional[str]:
-    """None when the call is causal by ``is_causal=True`` or by a traced mask (checked by ``mask_proven``), else
-    why it is not."""
-    mask, causal = call.args["attn_mask"], call.args["is_causal"]
-    if not _is_const(call, "is_causal"):
-        return "is_causal is not a constant"
-    if mask is None:
-        return None if causal is True else "not causal (is_causal=False) and no mask: encoder, cross-attention " \
-                                            "or a decode step"
-    if causal:
-        return "attn_mask together with is_causal=True"
-    if call.q.shape[-2] == 1:
-        return "decode step (q_len == 1) with a mask"
-    return None
-
-
-def _mask_problem(call: SdpaCall) -> Optional[str]:
-    mask = call.mask
-    if mask is None or isinstance(mask, MaskMatch):
-        return None
-    return f"explicit attn_mask not proven causal: {mask.reason}"
-
-
-def _tensors_known(call: SdpaCall) -> bool:
-    return all(isinstance(t, torch.Tensor) for t in (call.q, call.k, call.v))
-
-
-def _lengths_may_match(call: SdpaCall) -> bool:
-    nq, nk = call.q.shape[-2], call.k.shape[-2]
-    if isinstance(nq, int) and isinstance(nk, int):
-        # a proven mask puts the queries at the last positions (chunked prefill); is_causal aligns top-left
-        return nq == nk or (call.args["attn_mask"] is not None and nq < nk)
-    return True  # symbolic lengths: the op decides per call
-
-
-def layer_index(path: str) -> Optional[int]:
-    """The first integer component of a module path: ``model.layers.3.self_attn`` -> 3."""
-    match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", path)
-    return int(match.group(1)) if match else None
-
-
-def _excluded(call: SdpaCall, config: SparseConfig) -> Optional[str]:
-    index = layer_index(call.site)
-    for item in config.skip_layers:
-        if isinstance(item, int) and index == item:
-            return f"layer {index} is in skip_layers"
-        if isinstance(item, str) and item in call.site:
-            return f"module path matches skip_layers entry {item!r}"
-    return None
-
-
-REWRITE_RULES: tuple[RewriteRule, ...] = (
-    RewriteRule("tensors_known", lambda c, cfg: _tensors_known(c), lambda c, cfg: "no example tensors on the node"),
-    RewriteRule(
-        "four_d",
-        lambda c, cfg: all(t.dim() == 4 for t in (c.q, c.k, c.v)),
-        lambda c, cfg: f"inputs are not 4-D (q {tuple(c.q.shape)})",
-    ),
-    RewriteRule("causal", lambda c, cfg: _causal_form(c) is None, lambda c, cfg: _causal_form(c) or ""),
-    RewriteRule(
-        "no_dropout",
-        lambda c, cfg: _is_const(c, "dropout_p") and float(c.args["dropout_p"]) == 0.0,
-        lambda c, cfg: f"dropout_p={c.args['dropout_p']} (training)",
-    ),
-    RewriteRule(
-        "dtype",
-        lambda c, cfg: c.q.dtype in REWRITE_DTYPES and c.k.dtype == c.q.dtype and c.v.dtype == c.q.dtype,
-        lambda c, cfg: f"dtype {c.q.dtype} not supported (float16, bfloat16, float32)",
-    ),
-    RewriteRule(
-        "head_dim",
-        lambda c, cfg: head_dim_supported(c.q.shape[-1]) and c.v.shape[-1] == c.q.shape[-1],
-        lambda c, cfg: f"head dim {c.q.shape[-1]} (value {c.v.shape[-1]}) not supported; supported: multiples of 8 "
-        f"in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] with an equal value dim",
-    ),
-    RewriteRule(
-        "heads",
-        lambda c, cfg: c.q.shape[1] % c.k.shape[1] == 0
-        and (c.q.shape[1] == c.k.shape[1] or (_is_const(c, "enable_gqa") and c.args["enable_gqa"] is True)),
-        lambda c, cfg: f"query heads {c.q.shape[1]} vs key/value heads {c.k.shape[1]} without enable_gqa",
-    ),
-    RewriteRule(
-        "self_attention",
-        lambda c, cfg: _lengths_may_match(c),
-        lambda c, cfg: f"q_len {c.q.shape[-2]} != kv_len {c.k.shape[-2]} (cross-attention or cached prefill)",
-    ),
-    RewriteRule(
-        "inference",
-        lambda c, cfg: not (c.q.requires_grad or c.k.requires_grad or c.v.requires_grad),
-        lambda c, cfg: "inputs require grad: the sparse path is forward-only (inference)",
-    ),
-    RewriteRule(
-        "layer_selected",
-        lambda c, cfg: _excluded(c, cfg) is None,
-        lambda c, cfg: _excluded(c, cfg) or "",
-    ),
-    # last: the only rule that evaluates anything (the mask's slice at small sizes)
-    RewriteRule("mask_proven", lambda c, cfg: _mask_problem(c) is None, lambda c, cfg: _mask_problem(c) or ""),
-)
 
 
 def _analyse_cached(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q, k):
@@ -247,12 +132,12 @@ def _normalize(node: fx.Node) -> dict[str, Any]:
     return args
 
 
-def find_sdpa_calls(gm: fx.GraphModule) -> list[SdpaCall]:
+def find_sdpa_calls(gm: fx.GraphModule, config: Optional[SparseConfig] = None) -> list[SdpaCall]:
     calls = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in SDPA_TARGETS:
             site = module_path(node) or f"<{node.name}>"
-            calls.append(SdpaCall(node, _normalize(node), site, gm))
+            calls.append(SdpaCall(node, _normalize(node), site, gm, config))
     return calls
 
 
@@ -277,8 +162,8 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
     config_json = config_to_json(config)
     records = []
     dropped: set = set()  # mask slices and repeat_kv chains the rewritten sites no longer read
-    for call in find_sdpa_calls(gm):
-        failed = next((rule for rule in REWRITE_RULES if not rule.holds(call, config)), None)
+    for call in find_sdpa_calls(gm, config):
+        failed = first_failure(REWRITE_RULES, call)
         q = call.q
         record = dict(
             site=call.site,
@@ -288,7 +173,7 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
             dtype=str(q.dtype).replace("torch.", "") if isinstance(q, torch.Tensor) else "?",
         )
         if failed is not None:
-            records.append(SiteRecord(rewritten=False, reason=failed.reason(call, config), **record))
+            records.append(SiteRecord(rewritten=False, reason=failed.reason(call), **record))
             continue
         node = call.node
         mask = call.mask
@@ -315,11 +200,22 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
         if gqa and not call.args["enable_gqa"]:
             how += "; repeated K/V undone (GQA native)"
         records.append(SiteRecord(rewritten=True, reason=how, **record))
+    _warn_unmatched_skips(records, config)
     if any(r.rewritten for r in records):
         _erase(gm, dropped)
         gm.graph.lint()
         gm.recompile()
     return records
+
+
+def _warn_unmatched_skips(records: list[SiteRecord], config: SparseConfig) -> None:
+    """A layer index in skip_layers that no indexed site of this graph has is most likely a mistake."""
+    indices = {layer_index(r.site) for r in records} - {None}
+    missing = [i for i in config.skip_layers if isinstance(i, int) and indices and i not in indices]
+    if missing:
+        warnings.warn(f"sparse_compile: skip_layers {missing} matched no attention site of this graph (its layers: "
+                      f"{min(indices)}..{max(indices)}); a site's layer index is the first integer in its module "
+                      "path", stacklevel=2)
 
 
 def _erase(gm: fx.GraphModule, candidates: set) -> None:

@@ -416,3 +416,49 @@ def test_op_with_key_padding_on_gpu_equals_masked_dense(method):
     err = (out.float() - ref).transpose(1, 2)[rows].norm() / ref.transpose(1, 2)[rows].norm()
     assert torch.isfinite(out).all() and err < 2e-2, err
     assert sparse_compile.runtime_stats()["gpu"].last_path == "sparse"
+
+
+# -- never slower than dense: the break-even decision --------------------------------------------------------
+def test_break_even_runs_dense_where_the_last_plan_was_too_dense(monkeypatch):
+    from sparse_compile import breakeven
+
+    config = SparseConfig(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32})  # threshold 0.9: dense plans
+    shape = "16x16+keys"
+    # a table for the CPU: the sparse kernel at every tile costs 1.25x dense, selection 10%: break-even 0.72
+    monkeypatch.setattr(breakeven, "_TABLES", {"cpu": {shape: {"64": {"kernel": 1.25, "select": 0.1}}}})
+    breakeven.HISTORY.clear()
+    q, k, v = random_qkv(1, 4, 2, 64, 64, 16)
+    first = sparse_compile.sparse_attention(q, k, v, config=config)  # no history: plans, runs sparse, remembers
+    assert sparse_compile.runtime_stats()["sparse_attention"].last_path == "sparse"
+    second = sparse_compile.sparse_attention(q, k, v, config=config)
+    stats = sparse_compile.runtime_stats()["sparse_attention"]
+    assert stats.last_path == "dense" and "above break-even 0.72" in stats.last_reason, stats.last_reason
+    torch.testing.assert_close(second, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    assert torch.isfinite(first).all()
+    # every PROBE_EVERY-th dense call plans again; dense_when_faster=False always runs the method
+    paths = []
+    for _ in range(breakeven.PROBE_EVERY):
+        sparse_compile.sparse_attention(q, k, v, config=config)
+        paths.append(sparse_compile.runtime_stats()["sparse_attention"].last_path)
+    assert paths.count("sparse") == 1
+    sparse_compile.sparse_attention(q, k, v, config=config.replace(dense_when_faster=False))
+    assert sparse_compile.runtime_stats()["sparse_attention"].last_path == "sparse"
+    # a sparse enough plan keeps running sparse
+    breakeven.HISTORY.clear()
+    sparse = config.with_overrides(None, {"threshold": 0.05})
+    q, k, v = random_qkv(1, 4, 2, 512, 512, 16)
+    for _ in range(3):
+        sparse_compile.sparse_attention(q, k, v, config=sparse)
+    assert sparse_compile.runtime_stats()["sparse_attention"].last_path == "sparse"
+
+
+def test_break_even_density_interpolates_in_log_length(monkeypatch):
+    from sparse_compile import breakeven
+
+    table = {"cpu": {"s": {"1024": {"kernel": 2.0, "select": 0.0}, "4096": {"kernel": 1.0, "select": 0.0}}}}
+    monkeypatch.setattr(breakeven, "_TABLES", table)
+    cpu = torch.device("cpu")
+    assert breakeven.break_even_density(cpu, "s", 512) == 0.5  # nearest below
+    assert abs(breakeven.break_even_density(cpu, "s", 2048) - 1 / 1.5) < 1e-9
+    assert breakeven.break_even_density(cpu, "s", 10**6) == 1.0
+    assert breakeven.break_even_density(cpu, "other", 2048) is None

@@ -12,7 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sparse_compile import SparseConfig
-from sparse_compile.rewrite import layer_index, rewrite_graph
+from sparse_compile.rewrite import rewrite_graph
+from sparse_compile.rules import layer_index
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from model import ModelArgs, Transformer  # noqa: E402

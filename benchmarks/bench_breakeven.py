@@ -1,0 +1,224 @@
+"""Break-even table (``sparse_compile/breakeven_tables.json``) and the "never slower than dense" check.
+
+    python benchmarks/bench_breakeven.py --measure            # GPU: the table for this GPU's architecture
+    python benchmarks/bench_breakeven.py --verify             # GPU: each method at its defaults vs cuDNN
+    python benchmarks/bench_breakeven.py --memory             # GPU: peak extra memory per method, 64K-256K
+
+``--measure``: per length and per default plan shape of every registered method, the sparse kernel's time with
+every causal tile kept (early stop and P.V skip present but inert, so their branches cost what they cost) and the
+selection time, each over cuDNN's dense causal time. All three are timed alternately in one loop (the clock
+drifts under load), medians. Writes the architecture's entry of the table (``--table``).
+
+``--verify``: ``sparse_attention`` at each method's defaults against cuDNN SDPA on the same inputs, random and
+structured (``bench_methods.structured_inputs``), alternately timed, medians, after warm-up calls that give each
+site its density history: the ratio, the path taken and why. The target is <= 1.02x cuDNN everywhere.
+
+``--memory``: peak memory above the inputs for cuDNN and each method at its defaults.
+Shape: bf16, B=1, 32 query / 8 KV heads, head dim 128 (Llama-3.1-8B attention). Results: ``results/breakeven.*``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import sparse_compile  # noqa: E402
+from sparse_compile import SparseConfig  # noqa: E402
+from sparse_compile.breakeven import HISTORY, TABLE_FILE, architecture, plan_shape  # noqa: E402
+from sparse_compile.methods import build_plan  # noqa: E402
+from sparse_compile.plan import execute_plan  # noqa: E402
+from sparse_compile.registry import registered_methods  # noqa: E402
+
+from harness import write_results  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+
+
+def sm_clock() -> int | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=5).stdout
+        return int(out.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def alternate(contenders: dict, reps: int) -> dict:
+    """Median milliseconds of each callable, timed A, B, C, A, B, C, ... with CUDA events."""
+    times = {name: [] for name in contenders}
+    for fn in contenders.values():
+        fn()  # warm-up (JIT, history)
+    torch.cuda.synchronize()
+    for _ in range(reps):
+        for name, fn in contenders.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def random_inputs(n: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, HQ, n, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, HKV, n, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, HKV, n, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, k, v
+
+
+def cudnn(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def inert_full_plan_config(method: str) -> SparseConfig:
+    """The method's defaults with every causal tile kept, its early stop / P.V skip present but never firing."""
+    defaults = SparseConfig(method=method).params_of(method)
+    config = SparseConfig(method=method).keep_all()
+    params = config.params_of(method)
+    if getattr(defaults, "early_stop", 0) > 0:
+        params = params.updated({"early_stop": 1e-30})
+    if getattr(defaults, "pv_threshold", None) is not None:
+        params = params.updated({"pv_threshold": -1e30})
+    return config.replace(**{method: params})
+
+
+def measure(args) -> None:
+    arch = architecture(torch.device("cuda"))
+    table = json.loads(Path(args.table).read_text()) if Path(args.table).exists() else {}
+    entry = table.setdefault(arch, {})
+    rows = []
+    for n in args.lengths:
+        q, k, v = random_inputs(n)
+        scale = 1.0 / math.sqrt(D)
+        for method in args.methods:
+            defaults = SparseConfig(method=method)
+            full = inert_full_plan_config(method)
+            full_plan = build_plan(q, k, scale, full)
+            shape = plan_shape(build_plan(q, k, scale, defaults))
+            ms = alternate({
+                "cudnn": lambda: cudnn(q, k, v),
+                "kernel": lambda: execute_plan(q, k, v, full_plan, scale, kernel="triton"),
+                "select": lambda: build_plan(q, k, scale, defaults),
+            }, args.reps)
+            row = {"N": n, "method": method, "shape": shape, "cudnn_ms": ms["cudnn"], "kernel_ms": ms["kernel"],
+                   "select_ms": ms["select"], "kernel": ms["kernel"] / ms["cudnn"],
+                   "select": ms["select"] / ms["cudnn"], "sm_clock_mhz": sm_clock()}
+            row["break_even"] = (1 - row["select"]) / row["kernel"]
+            rows.append(row)
+            entry.setdefault(shape, {})[str(n)] = {"kernel": round(row["kernel"], 4), "select": round(row["select"], 4)}
+            print(json.dumps(row), flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+    Path(args.table).write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(write_results(f"{args.name}_table", rows, out_dir=args.out,
+                        columns=["N", "method", "shape", "cudnn_ms", "kernel", "select", "break_even",
+                                 "sm_clock_mhz"]))
+
+
+def verify(args) -> None:
+    from bench_methods import structured_inputs
+
+    sparse_compile.breakeven._TABLES = None  # read the table again: --measure may just have written it
+
+    rows = []
+    for n in args.lengths:
+        for inputs in ("random", "structured"):
+            q, k, v = random_inputs(n) if inputs == "random" else structured_inputs(n, device="cuda")
+            for method in args.methods:
+                HISTORY.clear()
+                sparse_compile.reset_runtime_stats()
+                config = SparseConfig(method=method, min_seq_len=4096)
+                ms = alternate({
+                    "cudnn": lambda: cudnn(q, k, v),
+                    "sparse": lambda: sparse_compile.sparse_attention(q, k, v, config=config),
+                }, args.reps)
+                stats = sparse_compile.runtime_stats()["sparse_attention"]
+                calls = {path: count for (path, _), count in stats.calls.items()}
+                with torch.no_grad():
+                    out = execute_plan(q, k, v, build_plan(q, k, None, config), None, kernel="triton")
+                    ref = cudnn(q, k, v).float()
+                    rel_l1 = float((out.float() - ref).abs().sum() / ref.abs().sum())
+                    density = float(build_plan(q, k, None, config).density(n, n).mean())
+                row = {"N": n, "inputs": inputs, "method": method, "cudnn_ms": ms["cudnn"],
+                       "sparse_attention_ms": ms["sparse"], "ratio": ms["sparse"] / ms["cudnn"],
+                       "listed_density": density, "rel_l1_sparse": rel_l1, "last_path": stats.last_path,
+                       "last_reason": stats.last_reason, "calls": calls, "sm_clock_mhz": sm_clock()}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del q, k, v
+            torch.cuda.empty_cache()
+    print(write_results(f"{args.name}_verify", rows, out_dir=args.out,
+                        columns=["N", "inputs", "method", "cudnn_ms", "sparse_attention_ms", "ratio", "last_path",
+                                 "listed_density", "rel_l1_sparse", "last_reason"]))
+
+
+def memory(args) -> None:
+    rows = []
+    for n in args.memory_lengths:
+        q, k, v = random_inputs(n)
+        for name in ["cudnn"] + list(args.methods):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            try:
+                with torch.no_grad():
+                    if name == "cudnn":
+                        out = cudnn(q, k, v)
+                    else:
+                        config = SparseConfig(method=name, min_seq_len=4096, dense_when_faster=False)
+                        out = sparse_compile.sparse_attention(q, k, v, config=config)
+                torch.cuda.synchronize()
+                extra = (torch.cuda.max_memory_allocated() - base) / 2**30
+                del out
+            except torch.cuda.OutOfMemoryError:
+                extra = "OOM"
+            torch.cuda.empty_cache()
+            row = {"N": n, "contender": name, "peak_extra_gib": extra}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+    print(write_results(f"{args.name}_memory", rows, out_dir=args.out))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--measure", action="store_true")
+    parser.add_argument("--verify", action="store_true")
+    parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
+    parser.add_argument("--memory-lengths", type=int, nargs="+", default=[65536, 131072, 262144])
+    parser.add_argument("--methods", nargs="+", default=None)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--table", default=str(TABLE_FILE))
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--name", default="breakeven")
+    args = parser.parse_args(argv)
+    args.methods = args.methods or list(registered_methods())
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_breakeven.py needs a CUDA GPU")
+    started = time.perf_counter()
+    if args.measure:
+        measure(args)
+    if args.verify:
+        verify(args)
+    if args.memory:
+        memory(args)
+    print(f"done in {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Every decision with its reason, in one place: which attention sites the rewrite replaces, and which calls of the
+replaced op run sparse. Each rule is small and named, and says why when it fails; the first rule that fails decides.
+
+* ``REWRITE_RULES`` (compile time): a site that fails one stays exactly as it was; its ``SiteRecord`` gives the
+  reason. Subject: the traced call (``rewrite.SdpaCall``, with the configuration compiled in).
+* ``RUNTIME_RULES`` (every call of the op and of ``sparse_attention``): a call that fails one runs exact dense
+  attention; ``runtime_stats()`` and ``explain`` give the reason. Subject: ``CallInfo``.
+
+The q/k/v checks that every entry point shares come from the bottom layer (``kernels/validate.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Optional, Sequence, TypeVar
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from .kernels.validate import SUPPORTED_DTYPES, validate_qkv
+
+__all__ = ["Rule", "first_failure", "REWRITE_RULES", "RUNTIME_RULES", "CallInfo", "validate_qkv",
+           "SUPPORTED_DTYPES", "MIN_HEAD_DIM", "MAX_HEAD_DIM", "head_dim_supported", "layer_index", "excluded"]
+
+Subject = TypeVar("Subject")
+
+
+@dataclass(frozen=True)
+class Rule(Generic[Subject]):
+    name: str
+    holds: Callable[[Subject], bool]
+    reason: Callable[[Subject], str]
+
+
+def first_failure(rules: Sequence[Rule], subject) -> Optional[Rule]:
+    return next((rule for rule in rules if not rule.holds(subject)), None)
+
+
+# -- shared predicates ----------------------------------------------------------------------------------------
+# head dims the sparse kernels serve: powers of two run natively, other multiples of 8 are padded on chip
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+def _concrete(size: Any) -> Any:
+    """An int for an int, the traced example value for a symbolic size (the run-time rule re-checks it)."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return int(hint) if hint is not None else size
+    return size
+
+
+def head_dim_supported(dim: Any) -> bool:
+    dim = _concrete(dim)
+    return isinstance(dim, int) and MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM and dim % 8 == 0
+
+
+def layer_index(path: str) -> Optional[int]:
+    """The first integer component of a module path: ``model.layers.3.self_attn`` -> 3."""
+    match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", path)
+    return int(match.group(1)) if match else None
+
+
+def excluded(site: str, skip_layers: Sequence) -> Optional[str]:
+    """Why ``site`` is skipped by ``skip_layers`` (an int: layer index; a str: module-path substring), or None."""
+    index = layer_index(site)
+    for item in skip_layers:
+        if isinstance(item, int) and index == item:
+            return f"layer {index} is in skip_layers"
+        if isinstance(item, str) and item in site:
+            return f"module path matches skip_layers entry {item!r}"
+    return None
+
+
+# -- compile time -----------------------------------------------------------------------------------------------
+def _is_const(call, name: str) -> bool:
+    return not isinstance(call.args[name], fx.Node)
+
+
+def _tensors_known(call) -> bool:
+    return all(isinstance(t, torch.Tensor) for t in (call.q, call.k, call.v))
+
+
+def _causal_form(call) -> Optional[str]:
+    """None when the call is causal by ``is_causal=True`` or by a traced mask (proven by ``mask_proven``), else
+    why it is not."""
+    mask, causal = call.args["attn_mask"], call.args["is_causal"]
+    if not _is_const(call, "is_causal"):
+        return "is_causal is not a constant"
+    if mask is None:
+        return None if causal is True else ("not causal (is_causal=False) and no mask: encoder, cross-attention "
+                                            "or a decode step")
+    if causal:
+        return "attn_mask together with is_causal=True"
+    if _concrete(call.q.shape[-2]) == 1 and isinstance(call.q.shape[-2], int):
+        return "decode step (q_len == 1) with a mask"
+    return None
+
+
+def _lengths_may_match(call) -> bool:
+    nq, nk = call.q.shape[-2], call.k.shape[-2]
+    if isinstance(nq, int) and isinstance(nk, int):
+        # a proven mask puts the queries at the last positions (chunked prefill); is_causal aligns top-left
+        return nq == nk or (call.args["attn_mask"] is not None and nq < nk)
+    return True  # symbolic lengths: the op decides per call
+
+
+def _mask_problem(call) -> Optional[str]:
+    from .masks import NotProven  # the analysis runs only for sites that passed every other rule
+
+    mask = call.mask
+    if isinstance(mask, NotProven):
+        return f"explicit attn_mask not proven causal: {mask.reason}"
+    return None
+
+
+REWRITE_RULES: tuple[Rule, ...] = (
+    Rule("tensors_known", _tensors_known, lambda c: "no example tensors on the node"),
+    Rule("four_d", lambda c: all(t.dim() == 4 for t in (c.q, c.k, c.v)),
+         lambda c: f"inputs are not 4-D (q {tuple(c.q.shape)})"),
+    Rule("causal", lambda c: _causal_form(c) is None, lambda c: _causal_form(c) or ""),
+    Rule("no_dropout", lambda c: _is_const(c, "dropout_p") and float(c.args["dropout_p"]) == 0.0,
+         lambda c: f"dropout_p={c.args['dropout_p']} (training)"),
+    Rule("dtype", lambda c: c.q.dtype in SUPPORTED_DTYPES and c.k.dtype == c.q.dtype and c.v.dtype == c.q.dtype,
+         lambda c: f"dtype {c.q.dtype} not supported (float16, bfloat16, float32)"),
+    Rule("head_dim", lambda c: head_dim_supported(c.q.shape[-1]) and str(c.v.shape[-1]) == str(c.q.shape[-1]),
+         lambda c: f"head dim {c.q.shape[-1]} (value {c.v.shape[-1]}) not supported; supported: multiples of 8 "
+                   f"in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] with an equal value dim"),
+    Rule("heads", lambda c: c.q.shape[1] % c.k.shape[1] == 0
+         and (c.q.shape[1] == c.k.shape[1] or (_is_const(c, "enable_gqa") and c.args["enable_gqa"] is True)),
+         lambda c: f"query heads {c.q.shape[1]} vs key/value heads {c.k.shape[1]} without enable_gqa"),
+    Rule("self_attention", _lengths_may_match,
+         lambda c: f"q_len {c.q.shape[-2]} != kv_len {c.k.shape[-2]} (cross-attention or cached prefill)"),
+    Rule("inference", lambda c: not (c.q.requires_grad or c.k.requires_grad or c.v.requires_grad),
+         lambda c: "inputs require grad: the sparse path is forward-only (inference)"),
+    Rule("layer_selected", lambda c: excluded(c.site, c.config.skip_layers) is None,
+         lambda c: excluded(c.site, c.config.skip_layers) or ""),
+    # last: the only rule that evaluates anything (the mask's slice at small sizes)
+    Rule("mask_proven", lambda c: _mask_problem(c) is None, lambda c: _mask_problem(c) or ""),
+)
+
+
+# -- run time ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CallInfo:
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    config: Any  # the SparseConfig in force
+    site: str
+    chunked_allowed: bool  # queries at the last positions (eager API, traced masks): q_len < kv_len is fine
+
+
+RUNTIME_RULES: tuple[Rule, ...] = (
+    Rule("enabled", lambda c: c.config.enabled, lambda c: "sparsity disabled in this region"),
+    Rule("layer_selected", lambda c: excluded(c.site, c.config.skip_layers) is None,
+         lambda c: excluded(c.site, c.config.skip_layers) or ""),
+    Rule("real_tensors", lambda c: c.q.device.type != "meta", lambda c: "meta tensors: shapes only"),
+    Rule("not_decode", lambda c: c.q.shape[-2] > 1, lambda c: "decode step (q_len == 1)"),
+    Rule("self_attention_lengths",
+         lambda c: c.q.shape[-2] == c.k.shape[-2] or (c.chunked_allowed and c.q.shape[-2] < c.k.shape[-2]),
+         lambda c: f"q_len {c.q.shape[-2]} != kv_len {c.k.shape[-2]}: SDPA's is_causal aligns top-left there; "
+                   "left dense"),
+    Rule("long_enough", lambda c: c.q.shape[-2] >= c.config.min_seq_len,
+         lambda c: f"q_len {c.q.shape[-2]} < min_seq_len {c.config.min_seq_len}"),
+    Rule("dtype", lambda c: c.q.dtype in SUPPORTED_DTYPES and c.k.dtype == c.q.dtype,
+         lambda c: f"dtype {c.q.dtype} not supported by the sparse path (float16, bfloat16, float32)"),
+    Rule("head_dim", lambda c: head_dim_supported(c.q.shape[-1]) and c.v.shape[-1] == c.q.shape[-1],
+         lambda c: f"head dim {c.q.shape[-1]} (value {c.v.shape[-1]}) not served by the sparse kernels "
+                   f"(multiples of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}])"),
+    Rule("inference",
+         lambda c: not (torch.is_grad_enabled() and (c.q.requires_grad or c.k.requires_grad or c.v.requires_grad)),
+         lambda c: "inputs require grad: the sparse path is forward-only, dense attention is differentiable"),
+)

@@ -1,0 +1,76 @@
+"""The method registry: a method defined outside the package, in one file, registered in one line, runs through
+the compiled backend, ``sparsity`` and ``sparse_attention`` without touching any package file."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sparse_compile
+from sparse_compile import SparseConfig, registry, sparsity
+
+from helpers import random_qkv
+from window_method import WINDOW, WindowParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from model import ModelArgs, Transformer  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
+
+
+@pytest.fixture
+def window_method():
+    sparse_compile.register_method(WINDOW)  # the one line
+    yield WINDOW
+    registry._METHODS.pop("window", None)
+
+
+def test_sixth_method_through_the_compiled_backend(window_method):
+    model = Transformer(ModelArgs(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                  intermediate_size=128)).eval()
+    ids = torch.randint(0, 64, (2, 93))
+    options = {"method": "window", "min_seq_len": 2, "window": {"block_size": 16, "window_blocks": 2}}
+    compiled = torch.compile(model, backend="sparse_prefill", options=options)
+    with torch.no_grad():
+        ref = model(ids)
+        windowed = compiled(ids)
+        with sparsity(window_blocks=0):  # its keep-everything setting, at run time
+            exact = compiled(ids)
+        with sparsity(**WINDOW.keep_all):
+            also_exact = compiled(ids)
+    torch.testing.assert_close(exact, ref, rtol=2e-4, atol=2e-5)
+    torch.testing.assert_close(also_exact, ref, rtol=2e-4, atol=2e-5)
+    assert torch.isfinite(windowed).all() and not torch.allclose(windowed, ref, atol=1e-3)
+    stats = sparse_compile.runtime_stats()
+    assert all(s.calls[("sparse", "method window (reference)")] == 3 for s in stats.values()), stats
+    assert SparseConfig(method="window").keep_all().window.window_blocks == 0
+
+
+def test_sixth_method_through_sparse_attention(window_method):
+    q, k, v = random_qkv(2, 4, 2, 70, 70, 16)
+    config = SparseConfig(method="window", min_seq_len=2, window=WindowParams(block_size=16, window_blocks=1))
+    out = sparse_compile.sparse_attention(q, k, v, config=config)
+    # window 1: each query block sees block 0 and its own diagonal block
+    causal = torch.ones(70, 70, dtype=torch.bool).tril()
+    qb, kb = torch.arange(70)[:, None] // 16, torch.arange(70)[None, :] // 16
+    mask = causal & ((kb == 0) | (kb == qb))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    assert sparse_compile.runtime_stats()["sparse_attention"].last_reason == "method window (reference)"
+
+
+def test_registry_derives_the_rest():
+    methods = registry.registered_methods()
+    assert set(methods) >= {"pbs", "sparge", "bfla", "s2o"}
+    for name, spec in methods.items():
+        assert spec.density.name in spec.params.field_names()
+        config = SparseConfig(method=name).keep_all()
+        for key, value in spec.keep_all.items():
+            assert getattr(config.params_of(name), key) == value
+    with pytest.raises(ValueError, match="unknown method 'window'"):
+        SparseConfig(method="window")
+    with pytest.raises(ValueError, match="SparseConfig field name"):
+        sparse_compile.register_method(sparse_compile.Method(
+            name="enabled", params=WindowParams, select=WINDOW.select, density=WINDOW.density, keep_all={}))
