@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from .common import interpreting
-from .validate import validate_qkv
+from .validate import MAX_HEAD_DIM, validate_qkv
 
 try:  # host-side tensor descriptors (TMA) exist from Triton 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -67,8 +67,6 @@ __all__ = ["block_sparse_attention", "KernelConfig", "default_config"]
 log = logging.getLogger(__name__)
 
 _LOG2E = 1.4426950408889634
-#: the largest head dim the kernel serves
-MAX_HEAD_DIM = 256
 # a running maximum that starts finite keeps exp2(m_old - m_new) and exp2(s - m_new) free of (-inf) - (-inf)
 _M_INIT = tl.constexpr(-1.0e30)
 
@@ -584,11 +582,11 @@ def block_sparse_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     tile_offsets: torch.Tensor,
-    tile_counts: Optional[torch.Tensor] = None,
-    masked_counts: Optional[torch.Tensor] = None,
+    tile_counts: torch.Tensor,
+    masked_counts: torch.Tensor,
     *,
-    block_m: Optional[int] = None,
-    block_n: Optional[int] = None,
+    block_m: int,
+    block_n: int,
     key_index: Optional[torch.Tensor] = None,
     query_index: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
@@ -602,20 +600,10 @@ def block_sparse_attention(
     -> out (B, Hq, Nq, D), and with ``return_visited`` the int32 (B, Hq, n_query_blocks) tiles each block
     computed.
 
-    ``tile_offsets``, ``tile_counts``, ``masked_counts``, ``block_m``, ``block_n`` are required; ``scale``
-    defaults to 1/sqrt(D). ``key_mode`` (with ``key_index``): "gather", "copy" (needs an index with Hkv heads)
-    or "auto". ``config`` overrides the launch parameters (tuning and tests). Raises ValueError naming the first
-    problem with the inputs. ``sparse_compile.plan.execute_plan`` calls this with a plan's fields.
+    ``scale`` defaults to 1/sqrt(D). ``key_mode`` (with ``key_index``): "gather", "copy" (needs an index with Hkv
+    heads) or "auto". ``config`` overrides the launch parameters (tuning and tests). Raises ValueError naming the
+    first problem with the inputs. ``sparse_compile.plan.execute_plan`` calls this with a plan's fields.
     """
-    if not isinstance(tile_offsets, torch.Tensor) and hasattr(tile_offsets, "tile_offsets"):
-        # transitional, until sparse_compile.ops calls plan.execute_plan: its old call passes a plan object and
-        # the scale positionally; read the plan's fields by name (this module never imports the plan class)
-        plan, scale = tile_offsets, tile_counts
-        return block_sparse_attention(
-            q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts, block_m=plan.block_m,
-            block_n=plan.block_n, key_index=plan.key_index, query_index=plan.query_index, scale=scale,
-            early_stop=plan.early_stop, pv_skip=plan.pv_skip, return_visited=return_visited, key_mode=key_mode,
-            config=config)
     _validate(q, k, v, tile_offsets, tile_counts, masked_counts, block_m, block_n, key_index, query_index,
               early_stop, pv_skip)
     B, Hq, Nq, D = q.shape

@@ -404,8 +404,8 @@ def test_empty_query_is_refused_like_everywhere():
         _kernel(q, k, v, plan, return_visited=True)
 
 
-def test_plain_tensor_signature_and_plan_object_call():
-    """The kernel takes tables and numbers (no plan class); ops' older call with a plan object still works."""
+def test_plain_tensor_signature():
+    """The kernel takes tables and numbers (no plan class): the same as through execute_plan."""
     B, Hq, Hkv, N, D = 1, 4, 2, 40, 16
     q, k, v = random_qkv(B, Hq, Hkv, N, N, D, device=DEV)
     plan = causal_plan(B, Hq, N, N, 16, 16, device=DEV).with_options(early_stop=1e-30)
@@ -413,8 +413,8 @@ def test_plain_tensor_signature_and_plan_object_call():
                                           block_m=16, block_n=16, scale=0.3, early_stop=1e-30, return_visited=True)
     _assert_close(out, dense_reference(q, k, v, scale=0.3), torch.float32)
     assert torch.equal(visited, plan.tile_counts)
-    old_out, old_visited = block_sparse_attention(q, k, v, plan, 0.3, return_visited=True)
-    assert torch.equal(old_out, out) and torch.equal(old_visited, visited)
+    via_plan, via_plan_visited = _kernel(q, k, v, plan, 0.3, return_visited=True)
+    assert torch.equal(via_plan, out) and torch.equal(via_plan_visited, visited)
     with pytest.raises(ValueError, match="tile_counts"):
         block_sparse_attention(q, k, v, plan.tile_offsets, None, plan.masked_counts, block_m=16, block_n=16)
 
