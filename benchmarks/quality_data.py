@@ -16,7 +16,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_small_lm as tsl  # noqa: E402
 
-__all__ = ["ckpt_manifest", "load_documents", "capture_attention_inputs"]
+__all__ = ["ckpt_manifest", "load_documents", "sdpa_replaced", "capture_attention_inputs"]
 
 
 def ckpt_manifest(path: Path) -> dict:
@@ -36,18 +36,28 @@ def load_documents(manifest: dict, lengths: list[int], counts: list[int], verify
 
 
 @contextlib.contextmanager
-def capture_attention_inputs(store: list):
-    """Record (q, k, v, scale) of every SDPA call of an eager forward (the attention inputs after RoPE)."""
-    orig = F.scaled_dot_product_attention
+def sdpa_replaced(wrapper):
+    """``F.scaled_dot_product_attention`` replaced by ``wrapper(real_sdpa, q, k, v, attn_mask=..., dropout_p=...,
+    is_causal=..., scale=..., enable_gqa=...)`` for the duration of the block."""
+    real = F.scaled_dot_product_attention
 
-    def capture(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        store.append({"q": q.detach(), "k": k.detach(), "v": v.detach(), "scale": scale, "causal": is_causal,
-                      "mask": attn_mask is not None})
-        return orig(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                    enable_gqa=enable_gqa)
+    def replacement(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        return wrapper(real, q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                       enable_gqa=enable_gqa)
 
-    torch.nn.functional.scaled_dot_product_attention = capture
+    torch.nn.functional.scaled_dot_product_attention = replacement
     try:
         yield
     finally:
-        torch.nn.functional.scaled_dot_product_attention = orig
+        torch.nn.functional.scaled_dot_product_attention = real
+
+
+def capture_attention_inputs(store: list):
+    """Record (q, k, v, scale) of every SDPA call of an eager forward (the attention inputs after RoPE)."""
+
+    def capture(real, q, k, v, **kwargs):
+        store.append({"q": q.detach(), "k": k.detach(), "v": v.detach(), "scale": kwargs["scale"],
+                      "causal": kwargs["is_causal"], "mask": kwargs["attn_mask"] is not None})
+        return real(q, k, v, **kwargs)
+
+    return sdpa_replaced(capture)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality_data import capture_attention_inputs  # noqa: E402
+from quality_data import capture_attention_inputs, sdpa_replaced  # noqa: E402
 
 import sparse_compile  # noqa: E402
 from sparse_compile import SparseConfig, sparsity  # noqa: E402
@@ -145,27 +145,20 @@ def bits_per_byte(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Ten
     return ce.mean(1), ce[:, L // 2:].mean(1)
 
 
-@contextlib.contextmanager
 def sdpa_routed_to_sparse(base_config: SparseConfig):
     """Eager alternative to the compiled backend: causal SDPA calls go through ``sparse_attention``."""
-    orig = F.scaled_dot_product_attention
     inside = []  # sparse_attention's own dense path calls SDPA again: that call must reach the real one
 
-    def routed(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if is_causal and attn_mask is None and dropout_p == 0.0 and not inside:
+    def routed(real, q, k, v, **kwargs):
+        if kwargs["is_causal"] and kwargs["attn_mask"] is None and kwargs["dropout_p"] == 0.0 and not inside:
             inside.append(True)
             try:
-                return sparse_compile.sparse_attention(q, k, v, scale=scale, config=base_config)
+                return sparse_compile.sparse_attention(q, k, v, scale=kwargs["scale"], config=base_config)
             finally:
                 inside.pop()
-        return orig(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                    enable_gqa=enable_gqa)
+        return real(q, k, v, **kwargs)
 
-    torch.nn.functional.scaled_dot_product_attention = routed
-    try:
-        yield
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = orig
+    return sdpa_replaced(routed)
 
 
 def site_summary() -> tuple[Optional[float], int, int, list[str]]:

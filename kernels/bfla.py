@@ -15,21 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (
-    TileGrid,
-    dot,
-    dot_precision,
-    empty_plan_tables,
-    interpreting,
-    is_finite,
-    launchable,
-    mix32,
-    plan_buckets,
-    row_visibility,
-    row_warps,
-    rows_per_program,
-    store_plan_rows,
-)
+from .common import (TileGrid, dot, dot_precision, empty_plan_tables, interpreting, is_finite, launchable, mix32,
+                     physical_rows, plan_buckets, query_block_bounds, row_visibility, row_warps, rows_per_program,
+                     split_heads, store_plan_rows)
 from .host import hash32
 from .pooling import BlockPool
 
@@ -51,11 +39,8 @@ def _bfla_scores_kernel(
     bh = tl.program_id(0)
     jt = tl.program_id(1)
     it = tl.program_id(2)
-    b = bh // HQ
-    h = bh % HQ
-    hk = h // GROUP
-    off = NUM_KEYS - NUM_QUERIES
-    qmax = off + tl.minimum((it * QB + QB) * COARSE, NUM_QUERIES) - 1
+    b, h, hk = split_heads(bh, HQ, GROUP)
+    _, qmax = query_block_bounds(it * QB + QB - 1, COARSE, NUM_QUERIES, NUM_KEYS)  # the program's last block
     # causal skip (the lower bound of any original position in the column block, see common.tile_limit)
     if (jt * KB * COARSE) // SEGMENT_BOUND * SEGMENT_BOUND <= qmax:
         u = it * R + tl.arange(0, R)  # query groups (flatten-g rows)
@@ -72,14 +57,7 @@ def _bfla_scores_kernel(
             qrow = u * G + t
             qa = tl.load(q_base + qrow.to(tl.int64)[:, None] * stride_qn + d[None, :] * stride_qd,
                          mask=(qrow[:, None] < NUM_QUERIES) & dmask[None, :], other=0.0)
-            krow = v * G + t
-            kin = krow < L
-            if HAS_INDEX:
-                phys = tl.load(i_base + krow.to(tl.int64) * stride_in, mask=kin, other=-1)
-                kval = kin & (phys >= 0) & (phys < NUM_KEYS)
-            else:
-                phys = krow
-                kval = kin
+            phys, kval = physical_rows(i_base, v * G + t, stride_in, v * G + t < L, NUM_KEYS, HAS_INDEX)
             klive = klive | kval
             ka = tl.load(k_base + phys.to(tl.int64)[:, None] * stride_kn + d[None, :] * stride_kd,
                          mask=kval[:, None] & dmask[None, :], other=0.0)
@@ -147,12 +125,9 @@ def _bfla_tiles_kernel(
     i = ROW0 + tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rin = i < ROW1
     bh = tl.program_id(1)  # (batch, KV head): the tile mask is shared by the GQA group
-    b = bh // HKV
-    hk = bh % HKV
+    b, hk, _ = split_heads(bh, HKV, 1)
     row = bh.to(tl.int64) * NUM_QUERY_TILES + i
-    off = NUM_KEYS - NUM_QUERIES
-    qmin = off + i * TILE_Q
-    qmax = off + tl.minimum(i * TILE_Q + TILE_Q, NUM_QUERIES) - 1
+    qmin, qmax = query_block_bounds(i, TILE_Q, NUM_QUERIES, NUM_KEYS)
     j = tl.arange(0, W)
     jin = j < NUM_KEY_TILES
     vis, part, kmin = row_visibility(j, jin, qmin, qmax, kmin_ptr, kmax_ptr, kpad_ptr,
@@ -168,8 +143,8 @@ def _bfla_tiles_kernel(
             mrow = ((b.to(tl.int64) * HKV + hk) * GROUP + p) * LQ + ci
             m = tl.load(mass_ptr + mrow[:, None] * LK + cj[None, :], mask=vis & (cj < LK)[None, :], other=0)
             keep = keep | (m != 0)
-        first = (off + i * TILE_Q) // TILE_K - local_tiles
-        last = (off + tl.minimum(i * TILE_Q + TILE_Q, NUM_QUERIES) - 1) // TILE_K
+        first = qmin // TILE_K - local_tiles  # the band: the query tile's own key tiles and local_tiles before
+        last = qmax // TILE_K
         keep = keep | ((j[None, :] >= first[:, None]) & (j[None, :] <= last[:, None])) | (j < sink_tiles)[None, :]
         if STRIDE_ON:
             hi = mix32(tl.cast(seed_stride, tl.uint32) ^ i.to(tl.uint32))

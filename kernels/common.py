@@ -17,12 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["interpreting", "pow2", "dot_precision", "launchable", "TileGrid", "PlanTables", "plan_buckets",
-           "rows_per_program", "row_warps", "INT32_MAX", "FLOAT32_MIN"]
-
-INT32_MAX = 2147483647
-#: float32's most negative value: the references' masked_softmax fill
-FLOAT32_MIN = -3.4028234663852886e38
+__all__ = ["interpreting", "pow2", "dot_precision", "launchable", "TileGrid", "PlanTables", "empty_plan_tables",
+           "plan_buckets", "rows_per_program", "row_warps"]
 
 # read once, like @triton.jit itself reads it when the kernels are defined (and it is on the host hot path)
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -164,6 +160,35 @@ def dot(a, b, PREC: tl.constexpr):
         return tl.dot(a, b)
     else:
         return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def split_heads(bh, HEADS, GROUP):
+    """(batch, query head, KV head) of a program index over (batch, HEADS query heads), GROUP per KV head."""
+    b = bh // HEADS
+    h = bh % HEADS
+    return b, h, h // GROUP
+
+
+@triton.jit
+def query_block_bounds(i, BLOCK, NUM_QUERIES, NUM_KEYS):
+    """(earliest, latest) absolute position of query block ``i`` of BLOCK rows; queries are the last NUM_QUERIES
+    of NUM_KEYS positions."""
+    off = NUM_KEYS - NUM_QUERIES
+    return off + i * BLOCK, off + tl.minimum(i * BLOCK + BLOCK, NUM_QUERIES) - 1
+
+
+@triton.jit
+def physical_rows(index_base, rows, stride_index, in_range, num_rows, HAS_INDEX: tl.constexpr):
+    """(physical row, valid) of logical ``rows``: through the index at ``index_base`` (entries < 0 are padding)
+    or the rows themselves; rows outside ``in_range`` are invalid."""
+    if HAS_INDEX:
+        phys = tl.load(index_base + rows.to(tl.int64) * stride_index, mask=in_range, other=-1)
+        valid = in_range & (phys >= 0) & (phys < num_rows)
+    else:
+        phys = rows
+        valid = in_range
+    return phys, valid
 
 
 @triton.jit

@@ -21,18 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (
-    PlanTables,
-    TileGrid,
-    empty_plan_tables,
-    is_finite,
-    plan_buckets,
-    row_visibility,
-    row_warps,
-    rows_per_program,
-    store_plan_rows,
-    top_mass,
-)
+from .common import (TileGrid, empty_plan_tables, is_finite, plan_buckets, query_block_bounds,
+                     row_visibility, row_warps, rows_per_program, split_heads, store_plan_rows, top_mass)
 from .pooling import BlockPool
 
 __all__ = ["MassRule", "mass_select"]
@@ -84,13 +74,9 @@ def _mass_select_kernel(
     i = ROW0 + tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rin = i < ROW1
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // KV_DIV
+    b, h, hk = split_heads(bh, H, KV_DIV)
     row = bh.to(tl.int64) * NUM_QUERY_BLOCKS + i
-    off = NUM_KEYS - NUM_QUERIES
-    qmin = off + i * BLOCK_M
-    qmax = off + tl.minimum(i * BLOCK_M + BLOCK_M, NUM_QUERIES) - 1
+    qmin, qmax = query_block_bounds(i, BLOCK_M, NUM_QUERIES, NUM_KEYS)
     j = tl.arange(0, W)
     jin = j < NUM_KEY_TILES
     kbase = (b.to(tl.int64) * (H // KV_DIV) + hk) * NUM_KEY_TILES

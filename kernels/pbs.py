@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot, dot_precision, interpreting, is_finite, launchable, pow2
+from .common import dot, dot_precision, interpreting, is_finite, launchable, pow2, split_heads
 from .sorting import segmented_argsort_desc
 
 __all__ = ["pbs_key_importance", "pbs_key_permutation"]
@@ -34,9 +34,7 @@ def _pbs_lse_kernel(
 ):
     c = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // HQ
-    h = bh % HQ
-    hk = h // GROUP
+    b, h, hk = split_heads(bh, HQ, GROUP)
     rows = tl.arange(0, ROWS_PAD)
     rin = rows < ROWS
     qrow = NUM_QUERIES - ROWS + rows
@@ -75,8 +73,7 @@ def _pbs_importance_kernel(
 ):
     c = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // HKV
-    hk = bh % HKV
+    b, hk, _ = split_heads(bh, HKV, 1)
     d = tl.arange(0, D_PAD)
     dmask = d < D
     keys = c * BLOCK_N + tl.arange(0, BLOCK_N)

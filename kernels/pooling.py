@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot, dot_precision, interpreting, is_finite, launchable, orderable, pow2, tile_limit
+from .common import (dot, dot_precision, interpreting, is_finite, launchable, orderable, physical_rows, pow2,
+                     query_block_bounds, split_heads, tile_limit)
 from .sorting import segmented_argsort_desc
 
 __all__ = ["BlockPool", "block_pool", "pooled_logits"]
@@ -62,8 +63,7 @@ def _pool_kernel(
     # BLOCKS_PER_PROGRAM blocks per program, each read CHUNK rows at a time: tiles (blocks, CHUNK, D_PAD)
     blk = tl.program_id(0) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    b, h, _ = split_heads(bh, H, 1)
     offs_d = tl.arange(0, D_PAD)
     dmask = offs_d < D
     d3 = offs_d[None, None, :]
@@ -84,12 +84,7 @@ def _pool_kernel(
         rows = blk[:, None] * BLOCK + loc[None, :]
         in_blk = (loc < BLOCK)[None, :] & (blk < NUM_BLOCKS)[:, None]  # a block not a power of two ends early
         inb = in_blk & (rows < L)
-        if HAS_INDEX:
-            phys = tl.load(i_base + rows.to(tl.int64) * stride_in, mask=inb, other=-1)
-            valid = inb & (phys >= 0) & (phys < N)
-        else:
-            phys = rows
-            valid = inb
+        phys, valid = physical_rows(i_base, rows, stride_in, inb, N, HAS_INDEX)
         ptrs = x_base + phys.to(tl.int64)[:, :, None] * stride_xn + d3 * stride_xd
         x = tl.load(ptrs, mask=valid[:, :, None] & (d3 < D), other=0.0).to(tl.float32)
         cnt += valid.to(tl.int32)
@@ -206,12 +201,8 @@ def _pooled_logits_kernel(
     jt = tl.program_id(0)
     it = tl.program_id(1)
     bh = tl.program_id(2)
-    b = bh // HQ
-    h = bh % HQ
-    hk = h // GROUP
-    off = NUM_KEYS - NUM_QUERIES
-    last = tl.minimum(it * R + R, NUM_QUERY_BLOCKS) - 1
-    qmax = off + tl.minimum(last * BLOCK_M + BLOCK_M, NUM_QUERIES) - 1
+    b, h, hk = split_heads(bh, HQ, GROUP)
+    _, qmax = query_block_bounds(tl.minimum(it * R + R, NUM_QUERY_BLOCKS) - 1, BLOCK_M, NUM_QUERIES, NUM_KEYS)
     # causal skip: nothing in this column block is visible to the row block's last (latest) query block
     if jt * C < tile_limit(qmax, SEGMENT_BOUND, BLOCK_N, NUM_KEY_TILES):
         i = it * R + tl.arange(0, R)

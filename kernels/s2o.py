@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import PlanTables, dot, dot_precision, empty_plan_tables, interpreting, is_finite, launchable, orderable, pow2
+from .common import (PlanTables, dot, dot_precision, empty_plan_tables, interpreting, is_finite, launchable,
+                     orderable, pow2, split_heads)
 
 __all__ = ["s2o_rank_keys", "s2o_assemble", "s2o_select"]
 
@@ -31,8 +32,7 @@ def _s2o_rank_keys_kernel(
     c = tl.program_id(0)
     bh_local = tl.program_id(1)  # (batch, KV head) inside this chunk of them
     bh = BH0 + bh_local
-    b = bh // HKV
-    hk = bh % HKV
+    b, hk, _ = split_heads(bh, HKV, 1)
     t = c * BLOCK_T + tl.arange(0, BLOCK_T)
     tin = t < (NUM_SEGMENTS - 1) * SEGMENT
     d = tl.arange(0, D_PAD)
@@ -142,8 +142,7 @@ def _s2o_select_kernel(qidx_ptr, stride_qb, stride_qh, offs_ptr, stride_pb, stri
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rin = i < NUM_QUERY_BLOCKS
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    b, h, _ = split_heads(bh, H, 1)
     seg = (i * BLOCK_M) // SEGMENT
     if HAS_QUERY_INDEX:
         r = i[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]

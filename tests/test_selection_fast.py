@@ -621,6 +621,18 @@ def _plan_and_output(q, k, v, cfg, planner):
     return plan, execute_plan(q, k, v, plan, kernel=kernel)
 
 
+def _run_with_nan_query_row(q, k, v, cfg, planner, batch, head, row):
+    """(q with the NaN, plan, output) of a NaN in query row (batch, head, row): that row NaN, every other finite."""
+    bad = q.clone()
+    bad[batch, head, row] = float("nan")
+    plan, out = _plan_and_output(bad, k, v, cfg, planner)
+    assert bool(out[batch, head, row].isnan().all())
+    others = torch.ones(out.shape[:3], dtype=torch.bool)
+    others[batch, head, row] = False
+    assert bool(torch.isfinite(out[others]).all())
+    return bad, plan, out
+
+
 def _confinement(method, cfg, batch, head, row, heads_q, heads_kv):
     """bool (B, Hq, N): the output rows a NaN in query row (batch, head, row) may change (module docstrings)."""
     region = torch.zeros(2, heads_q, NAN_N, dtype=torch.bool)
@@ -653,13 +665,7 @@ def test_nan_query_row_stays_confined(method, planner):
     batch, head = int(torch.randint(2, ())), int(torch.randint(4, ()))
     last_block = NAN_N - cfg.pbs.block_size  # PBS's importance rows (tested below)
     row = int(torch.randint(last_block if method == "pbs" else NAN_N, ()))
-    bad = q.clone()
-    bad[batch, head, row] = float("nan")
-    plan, out = _plan_and_output(bad, k, v, cfg, planner)
-    assert bool(out[batch, head, row].isnan().all())
-    others = torch.ones(out.shape[:3], dtype=torch.bool)
-    others[batch, head, row] = False
-    assert bool(torch.isfinite(out[others]).all())
+    _, plan, out = _run_with_nan_query_row(q, k, v, cfg, planner, batch, head, row)
     outside = ~_confinement(method, cfg, batch, head, row, 4, 2)
     torch.testing.assert_close(out[outside], clean[outside], rtol=1e-5, atol=1e-6)
     if method != "s2o":  # the selectors: a query block with non-finite pooled statistics keeps every visible tile
@@ -680,13 +686,7 @@ def test_nan_query_row_in_pbs_last_block_keeps_other_rows_finite(planner):
     cfg = _config(*PRESETS["pbs"])
     batch, head = int(torch.randint(2, ())), int(torch.randint(4, ()))
     row = NAN_N - 1 - int(torch.randint(cfg.pbs.block_size, ()))
-    bad = q.clone()
-    bad[batch, head, row] = float("nan")
-    plan, out = _plan_and_output(bad, k, v, cfg, planner)
-    assert bool(out[batch, head, row].isnan().all())
-    others = torch.ones(out.shape[:3], dtype=torch.bool)
-    others[batch, head, row] = False
-    assert bool(torch.isfinite(out[others]).all())
+    bad, plan, out = _run_with_nan_query_row(q, k, v, cfg, planner, batch, head, row)
     # the importance ignores the row: the same order as from the other rows' scores alone
     importance = pbs_key_importance(bad.double(), k.double(), 1 / math.sqrt(NAN_D), cfg.pbs.block_size)
     assert bool(torch.isfinite(importance).all())

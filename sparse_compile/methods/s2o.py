@@ -114,6 +114,13 @@ def s2o_layout(n: int, segment: int, block_n: int) -> S2OLayout:
     return S2OLayout(segment, tuple(seg_len), tuple(intra_pad), tuple(prefix_len), tuple(base), acc)
 
 
+def _full_prefill_shape(q: torch.Tensor, k: torch.Tensor) -> tuple:
+    """q's shape (B, Hq, N, D); ``Unsupported`` unless N == Nk (the paper's segments describe a full prefill)."""
+    if q.shape[2] != k.shape[2]:
+        raise Unsupported(f"s2o: needs a full prefill (Nq == Nk), got Nq={q.shape[2]}, Nk={k.shape[2]}")
+    return tuple(q.shape)
+
+
 def _rank_first_if_nonfinite(scores: torch.Tensor) -> torch.Tensor:
     # NaN has no order: a non-finite score ranks first (+inf), ties by position (stable sorts)
     return torch.where(torch.isfinite(scores), scores, torch.full((), float("inf"), dtype=scores.dtype,
@@ -138,11 +145,8 @@ def reorder_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reord
     Requires Nq == Nk (the paper's segments describe a full prefill).
     """
     params = config.params_of("s2o")
-    batch, heads_q, num_queries, dim = q.shape
-    heads_kv, num_keys = k.shape[1], k.shape[2]
-    if num_queries != num_keys:
-        raise Unsupported(f"s2o: needs a full prefill (Nq == Nk), got Nq={num_queries}, Nk={num_keys}")
-    n, S, bn = num_keys, params.segment_size, params.block_size_kv
+    batch, heads_q, n, dim = _full_prefill_shape(q, k)
+    heads_kv, S, bn = k.shape[1], params.segment_size, params.block_size_kv
     group = heads_q // heads_kv
     cdt = compute_dtype(q)
     dev = q.device
@@ -253,11 +257,8 @@ def reorder_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> 
     from ..kernels.s2o import s2o_assemble, s2o_rank_keys
 
     params = config.params_of("s2o")
-    batch, heads_q, num_queries, dim = q.shape
-    heads_kv, num_keys = k.shape[1], k.shape[2]
-    if num_queries != num_keys:
-        raise Unsupported(f"s2o: needs a full prefill (Nq == Nk), got Nq={num_queries}, Nk={num_keys}")
-    n, S, bn = num_keys, params.segment_size, params.block_size_kv
+    batch, heads_q, n, dim = _full_prefill_shape(q, k)
+    heads_kv, S, bn = k.shape[1], params.segment_size, params.block_size_kv
     layout, _ = _s2o_width(n, S, bn)
     g = len(layout.seg_len)
     # k_guide (B, Hkv, D): the first segment's mean finite key (one reduction, float32 accumulation)
