@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from .common import interpreting
-from .validate import MAX_HEAD_DIM, validate_qkv
+from .validate import MAX_HEAD_DIM, cdiv, validate_qkv
 
 try:  # host-side tensor descriptors (TMA) exist from Triton 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -476,7 +476,7 @@ def _validate(q, k, v, tile_offsets, tile_counts, masked_counts, block_m, block_
     for name, val in (("block_m", block_m), ("block_n", block_n)):
         if not _is_pow2(val) or not 16 <= val <= 256:
             _fail(f"{name} must be a power of two in [16, 256], got {val!r}")
-    blocks = -(-num_queries // block_m)
+    blocks = cdiv(num_queries, block_m)
     for name, table, rank in (("tile_offsets", tile_offsets, 4), ("tile_counts", tile_counts, 3),
                               ("masked_counts", masked_counts, 3)):
         _check_table(name, table, rank, batch, heads, q.device, blocks, "query blocks")
@@ -608,7 +608,7 @@ def block_sparse_attention(
               early_stop, pv_skip)
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    nqb = -(-Nq // block_m)
+    nqb = cdiv(Nq, block_m)
     head_dim_pad = max(16, triton.next_power_of_2(D))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if not (scale > 0 and math.isfinite(scale)):
@@ -655,7 +655,7 @@ def block_sparse_attention(
     qi_strides = query_index.stride() if query_index is not None else (0, 0, 0)
     q_split = block_m // cfg.block_m
     # trailing kernel blocks past Nq do nothing but must not exist: trim the last plan block's halves
-    n_qblk = min(nqb * q_split, -(-Nq // cfg.block_m))
+    n_qblk = min(nqb * q_split, cdiv(Nq, cfg.block_m))
     if B * Hq * n_qblk >= 2**31:  # one grid dimension: CUDA allows 2^31 - 1 programs along it
         _fail(f"{B * Hq * n_qblk} programs exceed the launch grid (2^31 - 1): use a larger block_m")
     grid = (B * Hq * n_qblk,)

@@ -20,6 +20,7 @@ from .common import (TileGrid, dot, dot_precision, empty_plan_tables, interpreti
                      split_heads, store_plan_rows)
 from .host import hash32
 from .pooling import BlockPool
+from .validate import cdiv
 
 __all__ = ["bfla_block_scores", "bfla_tiles"]
 
@@ -89,7 +90,7 @@ def bfla_block_scores(q: torch.Tensor, k: torch.Tensor, block: int, group: int,
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     L = key_index.shape[-1] if key_index is not None else Nk
-    LQ, LK = -(-Nq // block), -(-L // block)
+    LQ, LK = cdiv(Nq, block), cdiv(L, block)
     groups = block // group
     out = torch.empty(B, Hq, LQ, LK, dtype=torch.float32, device=q.device)
     d_pad = max(16, triton.next_power_of_2(D))
@@ -172,7 +173,7 @@ def bfla_tiles(grid: TileGrid, coarse_keep: Optional[torch.Tensor], *, coarse: i
     ``segment`` keys). Returns ``PlanTables`` with one row per (batch, KV head).
     """
     nqt, nkt = grid.num_query_blocks, grid.num_key_tiles
-    LQ, LK = -(-grid.num_queries // coarse), -(-grid.key_length // coarse)
+    LQ, LK = cdiv(grid.num_queries, coarse), cdiv(grid.key_length, coarse)
     tables = empty_plan_tables(grid.batch, grid.kv_heads, nqt, nkt, grid.device)
     offs, cnt, msk = tables
     dummy = torch.empty(1, dtype=torch.int32, device=grid.device)

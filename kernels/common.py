@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .validate import cdiv
+
 __all__ = ["interpreting", "pow2", "dot_precision", "launchable", "TileGrid", "PlanTables", "empty_plan_tables",
            "plan_buckets", "rows_per_program", "row_warps"]
 
@@ -65,11 +67,11 @@ class TileGrid(NamedTuple):
 
     @property
     def num_query_blocks(self) -> int:
-        return -(-self.num_queries // self.block_m)
+        return cdiv(self.num_queries, self.block_m)
 
     @property
     def num_key_tiles(self) -> int:
-        return -(-self.key_length // self.block_n)
+        return cdiv(self.key_length, self.block_n)
 
 
 class PlanTables(NamedTuple):
@@ -144,7 +146,7 @@ def _row_limits(nqb: int, nkt: int, block_m: int, block_n: int, num_queries: int
     limits = []
     for i in range(nqb):
         qmax = off + min((i + 1) * block_m, num_queries) - 1
-        limits.append(min(nkt, -(-((qmax // seg_bound + 1) * seg_bound) // block_n)))
+        limits.append(min(nkt, cdiv(((qmax // seg_bound + 1) * seg_bound), block_n)))
     return limits
 
 

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .common import dot, dot_precision, interpreting, is_finite, launchable, pow2, split_heads
 from .sorting import segmented_argsort_desc
+from .validate import cdiv
 
 __all__ = ["pbs_key_importance", "pbs_key_permutation"]
 
@@ -78,8 +79,9 @@ def _pbs_importance_kernel(
     dmask = d < D
     keys = c * BLOCK_N + tl.arange(0, BLOCK_N)
     kin = keys < NUM_KEYS
-    kt = tl.load(k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + keys.to(tl.int64)[:, None] * stride_kn
-                 + d[None, :] * stride_kd, mask=kin[:, None] & dmask[None, :], other=0.0)
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    kt = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_kn + d[None, :] * stride_kd,
+                 mask=kin[:, None] & dmask[None, :], other=0.0)
     ch = tl.arange(0, NUM_CHUNKS_PAD)
     # scores are computed transposed, (keys, rows): the sum over query rows runs along axis 1, inside threads and
     # warps, and the probabilities of every head and row chunk accumulate elementwise before one final reduction
@@ -126,7 +128,7 @@ def _pbs_lse(q, k, scale, rows, prec):
     rows_pad = max(16, triton.next_power_of_2(rows))
     block_n = 16 if interpreting() else 64
     # GPU: about 16 chunks per head for parallelism; interpreter: one (it pays per program)
-    chunk = pow2(Nk) if interpreting() else max(block_n, min(4096, pow2(-(-Nk // 16))))
+    chunk = pow2(Nk) if interpreting() else max(block_n, min(4096, pow2(cdiv(Nk, 16))))
     num_chunks = triton.cdiv(Nk, chunk)
     m = torch.empty(B, Hq, rows_pad, num_chunks, dtype=torch.float32, device=q.device)
     s = torch.empty_like(m)
@@ -172,8 +174,8 @@ def _importance_pass(q, k, scale, rows, *, segment, want_importance):
         perm if perm is not None else dummy_i,
         Hkv, Hq // Hkv, Nq, Nk, rows, num_chunks, (Nk // segment) * segment if segment else 0, scale * _LOG2E,
         float((Hq // Hkv) * rows),
-        BLOCK_N=block_n, ROWS_PAD=rows_pad, ROW_BLOCK=row_block, NUM_CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)),
-        D=D, D_PAD=d_pad, PREC=prec, WRITE_IMPORTANCE=importance is not None, SORT=fuse,
+        BLOCK_N=block_n, ROWS_PAD=rows_pad, ROW_BLOCK=row_block,
+        NUM_CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), D=D, D_PAD=d_pad, PREC=prec, WRITE_IMPORTANCE=importance is not None, SORT=fuse,
         num_warps=8 if block_n * row_block >= 128 * 128 else 4, num_stages=2,
     )
     if segment and not fuse:

@@ -23,6 +23,7 @@ import triton.language as tl
 from .common import (dot, dot_precision, interpreting, is_finite, launchable, orderable, physical_rows, pow2,
                      query_block_bounds, split_heads, tile_limit)
 from .sorting import segmented_argsort_desc
+from .validate import cdiv
 
 __all__ = ["BlockPool", "block_pool", "pooled_logits"]
 
@@ -153,7 +154,7 @@ def block_pool(x: torch.Tensor, block: int, *, key_index: Optional[torch.Tensor]
     x = launchable(x)
     B, H, N, D = x.shape
     L = key_index.shape[-1] if key_index is not None else N
-    nb = -(-L // block)
+    nb = cdiv(L, block)
     dev = x.device
     f32 = torch.float32
     mean = torch.empty(B, H, nb, D, dtype=f32, device=dev) if want_mean else None

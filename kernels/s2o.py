@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .common import (PlanTables, dot, dot_precision, empty_plan_tables, interpreting, is_finite, launchable,
                      orderable, pow2, split_heads)
+from .validate import cdiv
 
 __all__ = ["s2o_rank_keys", "s2o_assemble", "s2o_select"]
 
@@ -122,10 +123,10 @@ def s2o_assemble(ranked: torch.Tensor, position_bits: int, n: int, segment: int,
                  length: int) -> torch.Tensor:
     """The S2O logical key list (B, Hkv, L) int32: per segment its own keys (padded with -1), then its ranking."""
     B, Hkv = ranked.shape[:2]
-    g = -(-n // segment)
+    g = cdiv(n, segment)
     out = torch.empty(B, Hkv, length, dtype=torch.int32, device=ranked.device)
     block = 256 if not interpreting() else 64
-    longest = -(-segment // block_n) * block_n + (g - 1) * segment
+    longest = cdiv(segment, block_n) * block_n + (g - 1) * segment
     src = ranked if ranked.numel() else torch.empty(1, dtype=torch.int64, device=ranked.device)
     _s2o_assemble_kernel[(triton.cdiv(longest, block), g, B * Hkv)](
         src, out, n, segment, ranked.shape[-1], (1 << position_bits) - 1, length, block_n, BLOCK=block,
@@ -169,7 +170,7 @@ def _s2o_select_kernel(qidx_ptr, stride_qb, stride_qh, offs_ptr, stride_pb, stri
 def s2o_select(query_index: Optional[torch.Tensor], *, batch: int, heads: int, n: int, segment: int, block_m: int,
                block_n: int, width: int, device=None) -> PlanTables:
     """``sparse_compile.methods.s2o.select_s2o``'s tables, (B, heads, nqb, width)."""
-    nqb = -(-n // block_m)
+    nqb = cdiv(n, block_m)
     tables = empty_plan_tables(batch, heads, nqb, width, device)
     offs, cnt, msk = tables
     qi = query_index if query_index is not None else cnt

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from .common import interpreting, orderable, pow2
 from .host import segmented_argsort_desc as _segmented_argsort_torch
+from .validate import cdiv
 
 __all__ = ["segmented_argsort_desc"]
 
@@ -44,7 +45,7 @@ def segmented_argsort_desc(scores: torch.Tensor, segment: int, num_segments: int
         return _segmented_argsort_torch(scores, segment, num_segments).to(torch.int32)
     x = scores.float().reshape(-1, length).contiguous()
     out = torch.empty(x.shape, dtype=torch.int32, device=x.device)
-    nseg_all = -(-length // segment)
+    nseg_all = cdiv(length, segment)
     s_pad = max(16, triton.next_power_of_2(segment))
     per_program = max(1, min(pow2(nseg_all), ((1 << 14) if interpreting() else 2048) // s_pad))
     _segmented_argsort_kernel[(triton.cdiv(nseg_all, per_program), x.shape[0])](

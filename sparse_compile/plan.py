@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from .kernels.validate import SUPPORTED_DTYPES, expand_heads, validate_qkv
+from .kernels.validate import SUPPORTED_DTYPES, cdiv, expand_heads, validate_qkv
 
 __all__ = [
     "BlockPlan",
@@ -111,7 +111,7 @@ def _positions(index: Optional[torch.Tensor], length: int, batch: int, heads: in
 def _query_block_bounds(qpos: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Min and max absolute query position of each query block: ``(B, H, n_query_blocks)`` each."""
     batch, heads, n = qpos.shape
-    nqb = -(-n // block_m)
+    nqb = cdiv(n, block_m)
     pad = nqb * block_m - n
     qmin = torch.nn.functional.pad(qpos, (0, pad), value=2**62).view(batch, heads, nqb, block_m).amin(-1)
     qmax = torch.nn.functional.pad(qpos, (0, pad), value=-1).view(batch, heads, nqb, block_m).amax(-1)
@@ -158,7 +158,7 @@ def block_visibility(
     # key tiles: min/max valid position, and whether the tile holds padding
     length = key_index.shape[-1] if key_index is not None else num_keys
     kpos = _positions(key_index, length, batch, hk, device)
-    nkt = -(-length // block_n)
+    nkt = cdiv(length, block_n)
     pad_k = nkt * block_n - length
     kpos_p = torch.nn.functional.pad(kpos, (0, pad_k), value=-1).view(batch, kpos.shape[1], nkt, block_n)
     valid = (kpos_p >= 0) & (kpos_p < num_keys)
@@ -236,11 +236,11 @@ def causal_plan(
 def causal_tile_count(num_queries: int, num_keys: int, block_m: int, block_n: int) -> int:
     """Number of (query block, key tile) pairs with at least one visible key, in the identity order."""
     offset = num_keys - num_queries
-    nqb = -(-num_queries // block_m)
+    nqb = cdiv(num_queries, block_m)
     total = 0
     for i in range(nqb):
         last = min((i + 1) * block_m, num_queries) - 1 + offset
-        total += min(last // block_n + 1, -(-num_keys // block_n)) if last >= 0 else 0
+        total += min(last // block_n + 1, cdiv(num_keys, block_n)) if last >= 0 else 0
     return total
 
 
@@ -295,7 +295,7 @@ def check_plan(plan: BlockPlan, q: torch.Tensor, k: torch.Tensor) -> None:
     validate_qkv(q, k, k, who="check_plan", dtypes=_REFERENCE_DTYPES)
     B, Hq, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    nqb = -(-Nq // plan.block_m)
+    nqb = cdiv(Nq, plan.block_m)
     for name in ("tile_offsets", "tile_counts", "masked_counts"):
         t = getattr(plan, name)
         if t.dtype != torch.int32:
@@ -372,7 +372,7 @@ def reference_attention(
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     dev = q.device
     bm, bn = plan.block_m, plan.block_n
-    nqb = -(-Nq // bm)
+    nqb = cdiv(Nq, bm)
     offs = expand_heads(plan.tile_offsets, Hq).long()
     counts = expand_heads(plan.tile_counts, Hq).long()
     masked = expand_heads(plan.masked_counts, Hq).long()

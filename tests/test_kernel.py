@@ -600,8 +600,8 @@ def _computed_tile(plan, visited, b, h, i, tile):
 
 @pytest.mark.parametrize("executor", ["reference", "triton"])
 @pytest.mark.parametrize("where", ["key", "value"])
-@pytest.mark.parametrize("options", [{}, {"pv_skip": -3.0}, {"early_stop": 0.05}, {"early_stop": 0.05, "pv_skip": -3.0}],
-                         ids=["plain", "pv-skip", "early-stop", "both"])
+@pytest.mark.parametrize("options", [{}, {"pv_skip": -3.0}, {"early_stop": 0.05},
+                                     {"early_stop": 0.05, "pv_skip": -3.0}], ids=["plain", "pv-skip", "early-stop", "both"])
 def test_nonfinite_key_or_value_reaches_exactly_the_rows_that_attend_it(executor, where, options):
     """As dense attention: rows that attend a NaN key (or value) output NaN, rows that do not stay finite, and
     query blocks before it are unchanged. (Before: with the P.V skip the reference wrote zero rows for a NaN

@@ -527,6 +527,91 @@ def test_density_reaches_runtime_stats():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# compiles for Hopper (the interpreter accepts code the compiler rejects)
+
+_COMPILE_SELECTION_FOR_SM90 = r"""
+import sys, triton
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:
+    print("NO_BACKEND"); sys.exit(0)
+from sparse_compile.kernels import pooling, mass, sorting, pbs, bfla, s2o, attention
+
+def compile_kernel(fn, pointers, floats, const, warps=4):
+    sig = {}
+    for name in fn.arg_names:
+        if name in const: sig[name] = "constexpr"
+        elif name in pointers: sig[name] = "*" + pointers[name]
+        elif name in floats: sig[name] = "fp32"
+        else: sig[name] = "i32"
+    k = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps))
+    assert k.metadata.shared <= 232448, (fn.__name__, const, k.metadata.shared)  # an H100's 227 KiB
+
+for nbp, chunk, hasidx, mean, sim, pos, guide, sort, finite in [(1, 64, False, True, True, False, False, False, False),
+        (4, 64, True, True, True, True, False, False, False), (1, 128, False, True, False, False, True, True, True)]:
+    compile_kernel(pooling._pool_kernel,
+        dict(x_ptr="bf16", idx_ptr="i32", guide_ptr="fp32", mean_ptr="fp32", sim_ptr="fp32", kmin_ptr="i32",
+             kmax_ptr="i32", kpad_ptr="i32", gdot_ptr="fp32", order_ptr="i32"), set(),
+        dict(BLOCK=128 if sort else 64, BLOCKS_PER_PROGRAM=nbp, CHUNK=chunk, D=128, D_PAD=128, HAS_INDEX=hasidx,
+             WANT_MEAN=mean, WANT_SIM=sim, WANT_POS=pos, WANT_GUIDE=guide, SORT_GUIDE=sort, FINITE_ROWS_MEAN=finite))
+compile_kernel(pooling._pooled_logits_kernel, dict(qm_ptr="fp32", km_ptr="fp32", out_ptr="fp32"), set(),
+               dict(BLOCK_M=128, BLOCK_N=128, D=128, D_PAD=128, R=64, C=64, PREC="tf32x3"))
+for judge, perm, keep_all, plan in [(False, True, False, True), (True, False, False, True), (False, False, False, False),
+                                   (False, False, True, True)]:
+    compile_kernel(mass._mass_select_kernel,
+        dict(logit_ptr="fp32", kmin_ptr="i32", kmax_ptr="i32", kpad_ptr="i32", ksim_ptr="fp32", qsim_ptr="fp32",
+             offs_ptr="i32", cnt_ptr="i32", msk_ptr="i32", keep_ptr="i8"), {"scale", "tau", "theta"},
+        dict(BLOCK_M=128, BLOCK_N=128, SEGMENT=256 if perm else 0, W=256, ROWS=4, HAS_POSITIONS=perm,
+             DIAGONAL_IN_SOFTMAX=not perm, KEEP_DIAGONAL=True, KEEP_FIRST_KEY=True, JUDGE=judge, KEEP_ALL=keep_all,
+             WRITE_PLAN=plan), warps=1)
+compile_kernel(sorting._segmented_argsort_kernel, dict(x_ptr="fp32", out_ptr="i32"), set(),
+               dict(SEGMENT=256, SEGMENT_PAD=256, SEGMENTS_PER_PROGRAM=8), warps=8)
+compile_kernel(pbs._pbs_lse_kernel, dict(q_ptr="bf16", k_ptr="bf16", m_ptr="fp32", s_ptr="fp32"), {"qk_scale"},
+               dict(CHUNK=4096, BLOCK_N=64, ROWS_PAD=128, D=128, D_PAD=128, PREC="none"), warps=8)
+for sort in (True, False):
+    compile_kernel(pbs._pbs_importance_kernel, dict(q_ptr="bf16", k_ptr="bf16", m_ptr="fp32", s_ptr="fp32",
+                   imp_ptr="fp32", perm_ptr="i32"), {"qk_scale", "count"},
+                   dict(BLOCK_N=256, ROWS_PAD=128, ROW_BLOCK=64, NUM_CHUNKS_PAD=16, D=128, D_PAD=128, PREC="none",
+                        WRITE_IMPORTANCE=not sort, SORT=sort), warps=8)
+for idx in (False, True):
+    compile_kernel(bfla._bfla_scores_kernel, dict(q_ptr="bf16", k_ptr="bf16", idx_ptr="i32", out_ptr="fp32"), set(),
+                   dict(COARSE=256, G=64, NG=4, QB=32, KB=32, R=128, C=128, D=128, D_PAD=128, HAS_INDEX=idx,
+                        PREC="none"), warps=8)
+for pos, keep_all in ((False, False), (True, False), (False, True)):
+    compile_kernel(bfla._bfla_tiles_kernel, dict(mass_ptr="i8", kmin_ptr="i32", kmax_ptr="i32", kpad_ptr="i32",
+                   offs_ptr="i32", cnt_ptr="i32", msk_ptr="i32"), set(),
+                   dict(TILE_Q=128, TILE_K=64, COARSE=256, W=512, ROWS=2, HAS_POSITIONS=pos, STRIDE_ON=True,
+                        RANDOM_ON=True, KEEP_ALL=keep_all), warps=1)
+compile_kernel(s2o._s2o_rank_keys_kernel, dict(k_ptr="bf16", qm_ptr="fp32", out_ptr="i64"), set(),
+               dict(BLOCK_T=64, G_PAD=64, D=128, D_PAD=128, PREC="tf32x3"))
+compile_kernel(s2o._s2o_assemble_kernel, dict(ranked_ptr="i64", out_ptr="i32"), set(), dict(BLOCK=256))
+for qidx in (True, False):
+    compile_kernel(s2o._s2o_select_kernel, dict(qidx_ptr="i32", offs_ptr="i32", cnt_ptr="i32", msk_ptr="i32"),
+                   set(), dict(BLOCK_M=128, BLOCK_N=128, W=1024, ROWS=4, HAS_QUERY_INDEX=qidx))
+compile_kernel(attention._permute_rows_kernel, dict(K="bf16", V="bf16", KP="bf16", VP="bf16", KeyIndex="i32"),
+               set(), dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK=64))
+print("ALL OK")
+"""
+
+
+def test_selection_kernels_compile_for_hopper():
+    """Every selection kernel, in its main variants, compiles for sm_90 on the CPU and fits shared memory."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SELECTION_FOR_SM90], capture_output=True, text=True,
+                         env=env, timeout=600)
+    if "NO_BACKEND" in run.stdout:
+        pytest.skip("this Triton has no CUDA compiler backend")
+    assert run.returncode == 0 and "ALL OK" in run.stdout, run.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # GPU: bf16 at 8K and 16K, the methods' paper defaults
 
 
