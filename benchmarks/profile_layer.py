@@ -68,10 +68,10 @@ class InSituTimer:
 
         self._ops, self._original = ops, ops.run_sparse
 
-        def timed(q, k, v, scale, config):
+        def timed(q, k, v, *args, **kwargs):  # whatever else run_sparse takes passes through
             sync()
             start = time.perf_counter()
-            result = self._original(q, k, v, scale, config)
+            result = self._original(q, k, v, *args, **kwargs)
             sync()
             self.calls.append({"ms": (time.perf_counter() - start) * 1e3, "q_stride": tuple(q.stride()),
                                "k_stride": tuple(k.stride()), "v_stride": tuple(v.stride())})
