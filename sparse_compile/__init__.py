@@ -43,6 +43,7 @@ from .explain import ExplainReport, explain  # noqa: E402
 from .ops import sparse_attention  # noqa: E402
 from .plan import BlockPlan, execute_plan  # noqa: E402
 from .registry import DensityKnob, Method, register_method  # noqa: E402
+from .parallel import sequence_parallel, ulysses_attention  # noqa: E402
 from .report import reset_runtime_stats, runtime_stats  # noqa: E402
 
 __all__ = [
@@ -63,6 +64,8 @@ __all__ = [
     "explain",
     "ExplainReport",
     "sparse_attention",
+    "sequence_parallel",
+    "ulysses_attention",
     "runtime_stats",
     "reset_runtime_stats",
 ]

@@ -80,7 +80,13 @@ def sparse_prefill(
     from torch._inductor.compile_fx import compile_fx
 
     patches = list_mode_options(mode) if mode else None
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    left_as_sdpa = [r for r in records if not r.rewritten]
+    if left_as_sdpa:  # plain SDPA cannot follow sequence_parallel: refuse there rather than attend within a chunk
+        from .parallel import refuse_under_sequence_parallel
+
+        compiled = refuse_under_sequence_parallel(compiled, left_as_sdpa)
+    return compiled
 
 
 def _log_records(records: list[SiteRecord], diff: str) -> None:

@@ -393,13 +393,14 @@ def analyse_mask(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q: torch.Tens
             continue  # read by size only
         if value.dim() == 1 and not value.is_floating_point() and _same(value.shape[0], nq) and positions is None:
             positions = node
-        elif value.dim() == 2 and _same(value.shape[1], nk) and padding is None:
+        elif value.dim() == 2 and padding is None and (_same(value.shape[1], nk) or _tied(value.shape[1], nk)):
             padding = node
         else:
             return NotProven(f"the mask reads graph input {node.name} (shape {tuple(value.shape)}) by value, "
                              "which is neither a (batch, kv_len) padding mask nor the query positions")
     try:
-        plan = _evaluation_plan(nodes, q, k)
+        tied = _symbols(_example(padding).shape[1]) if padding is not None else set()
+        plan = _evaluation_plan(nodes, q, k, tied_to_keys=tied - _symbols(nk))
     except _Unsupported as exc:
         return NotProven(str(exc))
     ordered = sorted(nodes, key=order.get)
@@ -428,6 +429,13 @@ def analyse_mask(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q: torch.Tens
                 return NotProven(f"not a causal{' & key-padding' if padding is not None else ''} mask: at "
                                  f"{n_q} tokens{what} it {problem}")
     return MaskMatch(key_padding=padding, query_positions=positions, nodes=frozenset(nodes), binary_padding=binary)
+
+
+def _tied(a: Any, b: Any) -> bool:
+    """Both sizes symbolic: a padding mask's length that Dynamo traced as its own symbol (the op checks at run time
+    that it equals kv_len); the evaluation gives it kv_len's value."""
+    return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and len(_symbols(a)) == 1 \
+        and a.node.expr == next(iter(_symbols(a)))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -459,8 +467,9 @@ def _compare(value: Any, batch: int, nq: int, nk: int, padding: Optional[torch.T
     return None
 
 
-def _evaluation_plan(nodes: set, q: torch.Tensor, k: torch.Tensor) -> list:
-    """(sizes, batch, q_len, kv_len) for each evaluation; raises _Unsupported with a reason."""
+def _evaluation_plan(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set = frozenset()) -> list:
+    """(sizes, batch, q_len, kv_len) for each evaluation; raises _Unsupported with a reason. ``tied_to_keys``:
+    symbols that take kv_len's value (a padding mask's own length symbol)."""
     nq, nk = q.shape[-2], k.shape[-2]
     batch_traced = q.shape[0]
     shape_env = None
@@ -477,7 +486,7 @@ def _evaluation_plan(nodes: set, q: torch.Tensor, k: torch.Tensor) -> list:
         if nq < MIN_STATIC_LENGTH:
             raise _Unsupported(f"q_len {nq} < {MIN_STATIC_LENGTH} at compile time: too short to analyse the mask")
     # symbols that hold lengths are substituted; every other symbol keeps the value it was traced with
-    length_symbols = _symbols(nq) | _symbols(nk)
+    length_symbols = _symbols(nq) | _symbols(nk) | set(tied_to_keys)
     base: dict = {}
     all_symbols: set = set()
     for node in nodes:
@@ -519,6 +528,8 @@ def _evaluation_plan(nodes: set, q: torch.Tensor, k: torch.Tensor) -> list:
                 symbols[s] = 5  # a cached prefix of 5 tokens
         sizes = _Sizes(symbols=symbols, literals={nq + d: n + d for d in range(-2, 3)} if static else {})
         n_q, n_k = sizes.value(nq), sizes.value(nk)
+        for symbol in tied_to_keys:
+            sizes.symbols[symbol] = n_k
         if n_k < n_q:
             raise _Unsupported(f"kv_len {nk} can be shorter than q_len {nq}")
         plan.append((sizes, batch, n_q, n_k))

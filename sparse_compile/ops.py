@@ -24,6 +24,7 @@ from .breakeven import HISTORY, break_even_density, has_table, plan_shape
 from .padding import PaddingLayout, check_query_positions, padding_layout
 from .plan import causal_tile_count, execute_plan
 from .rules import RUNTIME_RULES, SUPPORTED_DTYPES, CallInfo, first_failure, validate_qkv
+from .parallel import active_sequence_group, is_dtensor, register_dtensor_sharding, run_sequence_parallel
 
 __all__ = ["causal_attention", "sparse_attention", "config_to_json", "config_from_json", "decide"]
 
@@ -208,6 +209,19 @@ def causal_attention(
     ``binary_padding``: the mask was proven for 0/1 padding values only; other values are an error.
     """
     validate_qkv(q, k, v, who=f"sparse_compile.causal_attention ({site})")
+    # sequence parallelism (parallel.sequence_parallel): q/k/v are this rank's chunk of one sequence; the Ulysses
+    # all-to-all runs _causal_attention on whole sequences for this rank's share of the heads
+    group = active_sequence_group()
+    if group is not None:
+        return run_sequence_parallel(_causal_attention, group, q, k, v, key_padding, query_positions, scale=scale,
+                                     enable_gqa=enable_gqa, site=site, config=config, from_mask=from_mask,
+                                     binary_padding=binary_padding)
+    return _causal_attention(q, k, v, scale, enable_gqa, site, config, key_padding, query_positions, from_mask,
+                             binary_padding)
+
+
+def _causal_attention(q, k, v, scale, enable_gqa, site, config, key_padding=None, query_positions=None,
+                      from_mask=False, binary_padding=False):
     config_in_force = resolve(config_from_json(config))
     if not from_mask:
         out = dispatch(q, k, v, scale, config_in_force, site,
@@ -255,5 +269,9 @@ def sparse_attention(
     validate_qkv(q, k, v, who="sparse_attention", dtypes=SUPPORTED_DTYPES + (torch.float64,))
     if config is not None and not isinstance(config, SparseConfig):
         raise TypeError(f"sparse_attention: config must be a SparseConfig, got {type(config).__name__}")
+    if is_dtensor(q):  # tensor parallelism: the op's DTensor sharding rule runs each rank's heads (parallel.py)
+        register_dtensor_sharding()
+        return causal_attention(q, k, v, scale, True, "sparse_attention", config_to_json(config or SparseConfig()),
+                                from_mask=True)
     return dispatch(q, k, v, scale, resolve(config or SparseConfig()), "sparse_attention",
                     lambda: dense_causal_attention(q, k, v, scale=scale), chunked_allowed=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -202,6 +203,10 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
         records.append(SiteRecord(rewritten=True, reason=how, **record))
     _warn_unmatched_skips(records, config)
     if any(r.rewritten for r in records):
+        if "torch.distributed.tensor" in sys.modules:  # the graph may run on DTensors: give the op its sharding rule
+            from .parallel import register_dtensor_sharding
+
+            register_dtensor_sharding()
         _erase(gm, dropped)
         gm.graph.lint()
         gm.recompile()

@@ -196,3 +196,22 @@ def test_packed_documents_stay_dense():
         pytest.skip("this transformers version does not build a packed-document mask")
     assert records and not any(r.rewritten for r in records), [r.reason for r in records]
     assert all("not proven causal" in r.reason for r in records)
+
+
+def test_padding_mask_with_its_own_length_symbol_is_proven():
+    """Views whose storage offset equals their length make Dynamo trace the mask's length as its own symbol."""
+    model = tiny("llama")
+    ids = torch.randint(1, 128, (2, 70))
+    mask = torch.ones_like(ids)
+    mask[0, :40] = 0
+    positions = torch.arange(70).expand(2, 70)
+    backend = Recorder(SparseConfig(**SMALL).keep_all())
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        compiled(ids.narrow(1, 35, 35), position_ids=positions.narrow(1, 35, 35))
+        args = dict(attention_mask=mask.narrow(1, 35, 35), position_ids=positions.narrow(1, 35, 35))
+        out = compiled(ids.narrow(1, 35, 35), **args).logits
+        ref = model(ids.narrow(1, 35, 35), **args).logits
+    assert all(r.rewritten for r in backend.prefill_records()), [r.reason for r in backend.prefill_records()]
+    valid = mask.narrow(1, 35, 35).bool()
+    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-4, atol=1e-4)
