@@ -35,12 +35,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
-import quality  # noqa: E402
+import quality_data  # noqa: E402
+from quality_eval import SMOKE_OPTIONS  # noqa: E402
 import train_small_lm as tsl  # noqa: E402
 
 from sparse_compile import SparseConfig  # noqa: E402
 from sparse_compile.methods import build_plan  # noqa: E402
-from sparse_compile.plan import causal_tile_count, expand_heads  # noqa: E402
+from sparse_compile.kernels.validate import expand_heads  # noqa: E402
+from sparse_compile.plan import execute_plan  # noqa: E402
+from sparse_compile.report import density_from_visits  # noqa: E402
 
 
 def block_mass(q: torch.Tensor, k: torch.Tensor, scale: float, bm: int, bn: int, *,
@@ -87,28 +90,18 @@ def selected_tiles(plan, visited: torch.Tensor, head: int, spans: list[tuple[int
     nqb = plan.tile_offsets.shape[2]
     offs = expand_heads(plan.tile_offsets, visited.shape[1])[0, head].cpu()
     vis = visited[0, head].cpu()
-    sel = torch.zeros(nqb, width, dtype=torch.bool)
+    selected = torch.zeros(nqb, width, dtype=torch.bool)
     for i in range(nqb):
         n = int(vis[i])
         cols = offs[i, :n].long() // plan.block_n - spans[i][0] // plan.block_n
-        sel[i, cols[(cols >= 0) & (cols < width)]] = True
-    return sel
+        selected[i, cols[(cols >= 0) & (cols < width)]] = True
+    return selected
 
 
 def run_plan(q, k, v, scale, config: SparseConfig, kernel: str):
     """(plan, visited (B, Hq, n_query_blocks)) for ``config`` on one layer's q/k/v."""
     plan = build_plan(q, k, scale, config)
-    if kernel == "triton" and q.is_cuda:
-        try:
-            from sparse_compile.kernels import block_sparse_attention
-
-            _, visited = block_sparse_attention(q, k, v, plan, scale, return_visited=True)
-            return plan, visited
-        except Exception as exc:  # noqa: BLE001 - a kernel under construction: the reference counts the same
-            print(f"Triton kernel failed ({type(exc).__name__}: {str(exc)[:160]}); using the reference")
-    from sparse_compile.plan import reference_attention
-
-    _, visited = reference_attention(q, k, v, plan, scale, return_visited=True)
+    _, visited = execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=True)
     return plan, visited
 
 
@@ -135,8 +128,8 @@ def long_range_peak(mass: torch.Tensor) -> float:
     return float(m[nqb // 2:].amax(-1).mean())
 
 
-def coverage(mass: torch.Tensor, sel: torch.Tensor) -> float:
-    return float((torch.nan_to_num(mass) * sel).sum(-1).mean())
+def coverage(mass: torch.Tensor, selected: torch.Tensor) -> float:
+    return float((torch.nan_to_num(mass) * selected).sum(-1).mean())
 
 
 def main(argv=None) -> dict:
@@ -158,18 +151,17 @@ def main(argv=None) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     length = args.length or (512 if args.smoke else 8192)
-    base = {"min_seq_len": 2, **quality.cpu_planner(device)}
+    base = {"min_seq_len": 2}  # planner "auto": the fast stages on CUDA, the references otherwise
     if args.smoke:
-        base.update({m: dict(v) for m, v in quality.SMOKE_OPTIONS.items()})
-    kernel = args.kernel if args.kernel != "auto" else ("triton" if device.type == "cuda" else "reference")
-    quality.ensure_source_checkout_imports()
+        base.update({m: dict(v) for m, v in SMOKE_OPTIONS.items()})
+    kernel = args.kernel  # execute_plan: "auto" is the Triton kernel on CUDA, the reference otherwise
 
     model, ckpt = tsl.load_checkpoint(args.checkpoint, device, dtype)
-    manifest = tsl.build_corpus(0).manifest if args.local_heldout else quality.ckpt_manifest(args.checkpoint)
+    manifest = tsl.build_corpus(0).manifest if args.local_heldout else quality_data.ckpt_manifest(args.checkpoint)
     doc = tsl.heldout_documents(manifest, length, 1, verify=not args.no_verify)[0]
     tokens = torch.frombuffer(bytearray(doc["data"][:length]), dtype=torch.uint8).long()[None].to(device)
     captured: list = []
-    with torch.no_grad(), quality.capture_attention_inputs(captured):
+    with torch.no_grad(), quality_data.capture_attention_inputs(captured):
         model(tokens)
     layers = [c for c in captured if c["causal"] and not c["mask"]]
     hq, hkv = layers[0]["q"].shape[1], layers[0]["k"].shape[1]
@@ -212,10 +204,9 @@ def main(argv=None) -> dict:
         panel = {"title": title, "mass": mass, "block": [b_m, b_n], "s2o": s2o}
         if overlay:
             sp = spans or [(0, N)] * nqb
-            sel = selected_tiles(plan, visited, head, sp, mass.shape[1])
-            total = causal_tile_count(N, N, plan.block_m, plan.block_n)
-            panel.update(selected=sel, coverage=coverage(mass, sel),
-                         density=float(visited[0, head].sum()) / total)
+            selected = selected_tiles(plan, visited, head, sp, mass.shape[1])
+            panel.update(selected=selected, coverage=coverage(mass, selected),
+                         density=density_from_visits(visited, plan, N, N, q.shape[1])[head])
         panels[name] = panel
 
     tau = pbs_cfg.pbs.threshold
@@ -248,14 +239,14 @@ def main(argv=None) -> dict:
     return summary
 
 
-def outline_segments(sel: torch.Tensor) -> list:
+def outline_segments(selected: torch.Tensor) -> list:
     """Line segments (image coordinates) on the border of the True region of a boolean grid."""
-    pad = torch.nn.functional.pad(sel, (1, 1, 1, 1))
+    pad = torch.nn.functional.pad(selected, (1, 1, 1, 1))
     segs = []
-    rows, cols = sel.shape
+    rows, cols = selected.shape
     for i in range(rows):
         for j in range(cols):
-            if not sel[i, j]:
+            if not selected[i, j]:
                 continue
             y0, y1, x0, x1 = i - 0.5, i + 0.5, j - 0.5, j + 0.5
             if not pad[i, j + 1]:  # above

@@ -153,7 +153,7 @@ def recorded_density(fn, ids, method: str, params: dict) -> tuple[float, int]:
 def calibrate(method: str, target: float, qk: tuple, base: sparse_compile.SparseConfig, steps: int = 10):
     """The method's density parameter that keeps about ``target`` of the causal tiles on captured Q/K."""
     from sparse_compile.methods import build_plan
-    from sparse_compile.plan import plan_density
+    from sparse_compile.plan import execute_plan
     from sparse_compile.report import density_from_visits
 
     spec = sparse_compile.registry.method_spec(method).density  # the knob that sets the method's density
@@ -166,14 +166,10 @@ def calibrate(method: str, target: float, qk: tuple, base: sparse_compile.Sparse
         config = base.with_overrides(method, {**fixed, knob: value})
         plan = build_plan(q, k, scale, config)
         if method == "s2o":  # early stop decides at run time: count the tiles actually visited
-            if q.is_cuda:
-                from sparse_compile.kernels import block_sparse_attention as execute
-            else:
-                from sparse_compile.plan import reference_attention as execute
-            _, visited = execute(q, k, k, plan, scale, return_visited=True)
+            _, visited = execute_plan(q, k, k, plan, scale, return_visited=True)
             d = density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
             return sum(d) / len(d)
-        return float(plan_density(plan, q.shape[-2], k.shape[-2]).mean())
+        return float(plan.density(q.shape[-2], k.shape[-2]).mean())
 
     best = None
     for _ in range(steps):

@@ -8,7 +8,7 @@ random others; the SAME lists for every sparse contender. Contenders:
   H100 with torch 2.11); dense, so the same time for every rho;
 * ``flex``: FlexAttention (compiled) with a ``BlockMask.from_kv_blocks`` of the same blocks, diagonal blocks
   partial (causal ``mask_mod``), the rest full;
-* ``bsa``: this project's kernel on contiguous keys;
+* ``bsa``: this project's kernel (``sparse_compile.plan.execute_plan(kernel="triton")``) on contiguous keys;
 * ``bsa_kidx_gather`` / ``bsa_kidx_copy``: the kernel reading keys through ``key_index`` (a random permutation
   inside segments of 256 keys), gathering rows in the loop / permuting K/V once per call into a contiguous copy.
   The permutation makes both tiles of a query block's own segment partial; the list gets the one extra partial
@@ -20,6 +20,10 @@ the kept tiles), and efficiency = rho * t_sdpa / t (1.0 = perfectly proportional
     python benchmarks/bench_kernel.py                     # the sweep; JSON + table in benchmarks/results/
     python benchmarks/bench_kernel.py --mode tune --n 32768   # launch-config sweep of the kernel
     ncu ... python benchmarks/bench_kernel.py --mode once --n 32768 --rho 1 0.1 --configs 128,128,8,3  # profile
+
+The kernel ships one path: the v1 launch order and tile-offset schedules ("heads" order, "inloop" and
+"causal_walk" offsets) that the v2 ablations compared are no longer in it; their measurements are in
+NOTES_kernel.md and results/kernel_h100_tune.md.
 """
 
 from __future__ import annotations
@@ -48,13 +52,14 @@ from harness import (  # noqa: E402
     time_ms,
     write_results,
 )
-from sparse_compile.kernels import KernelConfig, block_sparse_attention  # noqa: E402
+from sparse_compile.kernels import KernelConfig  # noqa: E402
+from sparse_compile.kernels.validate import expand_heads  # noqa: E402
 from sparse_compile.plan import (  # noqa: E402
     VISIBLE_FULL,
     VISIBLE_NONE,
     VISIBLE_PARTIAL,
     block_visibility,
-    expand_heads,
+    execute_plan,
     plan_from_block_mask,
 )
 
@@ -65,28 +70,33 @@ DTYPE = torch.bfloat16  # --dtype float16 for CPU dry runs: bf16 tl.dot is wrong
 
 
 def parse_config(spec: str) -> KernelConfig:
-    """``bm,bn,warps,stages[,key=value...]`` -> KernelConfig, e.g. ``128,128,8,3,order=heads,offsets=inloop``."""
+    """``bm,bn,warps,stages[,masked_stages=S][,use_tma=0|1]`` -> KernelConfig, e.g. ``128,128,8,3,use_tma=0``."""
     parts = spec.split(",")
     bm, bn, w, st = (int(x) for x in parts[:4])
     extra = {}
-    for kv in parts[4:]:
-        key, val = kv.split("=", 1)
-        if key in ("masked_stages",):
+    for item in parts[4:]:
+        key, val = item.split("=", 1)
+        if key == "masked_stages":
             extra[key] = int(val)
         elif key == "use_tma":
             extra[key] = val.lower() in ("1", "true", "on")
         else:
-            extra[key] = val
+            raise ValueError(f"unknown launch option {key!r} in {spec!r}: masked_stages, use_tma")
     return KernelConfig(bm, bn, num_warps=w, num_stages=st, **extra)
 
 
 def config_name(cfg: KernelConfig) -> str:
     s = f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}"
-    for key, default in (("masked_stages", None), ("use_tma", None), ("order", "group"), ("offsets", "prefetch")):
+    for key in ("masked_stages", "use_tma"):
         val = getattr(cfg, key)
-        if val != default:
+        if val is not None:
             s += f",{key}={val}"
     return s
+
+
+def run_kernel(q, k, v, plan, cfg=None, key_mode="auto"):
+    """The Triton kernel on ``plan`` through the package's adapter."""
+    return execute_plan(q, k, v, plan, kernel="triton", config=cfg, key_mode=key_mode)
 
 
 def log(msg: str) -> None:
@@ -214,10 +224,9 @@ def sweep(args) -> None:
             row = {"N": n, "rho": round(rho_real, 4), "sdpa_ms": t_sdpa}
             cfg = parse_config(args.config) if args.config else None
             contenders = {
-                "bsa": lambda q, k, v: block_sparse_attention(q, k, v, plan, config=cfg),
-                "bsa_kidx_gather": lambda q, k, v: block_sparse_attention(q, k, v, plan_p, key_mode="gather",
-                                                                          config=cfg),
-                "bsa_kidx_copy": lambda q, k, v: block_sparse_attention(q, k, v, plan_p, key_mode="copy", config=cfg),
+                "bsa": lambda q, k, v: run_kernel(q, k, v, plan, cfg),
+                "bsa_kidx_gather": lambda q, k, v: run_kernel(q, k, v, plan_p, cfg, key_mode="gather"),
+                "bsa_kidx_copy": lambda q, k, v: run_kernel(q, k, v, plan_p, cfg, key_mode="copy"),
             }
             if not args.no_flex:
                 def flex_fn(q, k, v, _bm=[None]):
@@ -305,11 +314,7 @@ def tune(args) -> None:
             plan = plan_from_block_mask(keep, vis, BLOCK, BLOCK)
             keep_p = keep | ((vis_p == VISIBLE_PARTIAL) & (vis == VISIBLE_NONE))
             plan_p = plan_from_block_mask(keep_p, vis_p, BLOCK, BLOCK, key_index=kidx)
-            variants = []
-            for cfg in configs:
-                if cfg.offsets == "causal_walk" and rho < 1.0:
-                    continue  # the causal walk ignores the plan: only a dense causal plan is the same work
-                variants.append(("bsa", cfg, None, plan))
+            variants = [("bsa", cfg, None, plan) for cfg in configs]
             for mode in args.kidx_modes:
                 for cfg in configs[: args.kidx_configs]:
                     variants.append((f"kidx_{mode}", cfg, mode, plan_p))
@@ -318,7 +323,7 @@ def tune(args) -> None:
                 variants.append(("bsa_notma", dataclasses.replace(cfg, use_tma=False), None, plan))
             for name, cfg, mode, pl in variants:
                 def fn(q, k, v, _pl=pl, _cfg=cfg, _mode=mode):
-                    return block_sparse_attention(q, k, v, _pl, config=_cfg, key_mode=_mode or "auto")
+                    return run_kernel(q, k, v, _pl, _cfg, key_mode=_mode or "auto")
 
                 t0 = time.time()
                 out = guarded(lambda: fn(*sets[0]), catch_all=True)
@@ -355,7 +360,7 @@ def once(args) -> None:
     for rho in args.rho:
         plan = plan_from_block_mask(make_keep(vis, rho, gen), vis, BLOCK, BLOCK)
         for cfg in configs:
-            block_sparse_attention(q, k, v, plan, config=cfg)
+            run_kernel(q, k, v, plan, cfg)
             log(f"launched N={n} rho={rho} {config_name(cfg)}")
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -377,8 +382,7 @@ def main(argv=None) -> None:
     p.add_argument("--name", default=None)
     p.add_argument("--out", default=os.environ.get("OUT") or None, help="results folder (default benchmarks/results)")
     p.add_argument("--configs", nargs="+", default=["128,128,8,3"],
-                   help="tune: bm,bn,warps,stages[,order=group|heads][,offsets=prefetch|inloop|causal_walk]"
-                        "[,masked_stages=S][,use_tma=0|1] ...")
+                   help="tune: bm,bn,warps,stages[,masked_stages=S][,use_tma=0|1] ...")
     p.add_argument("--config", default=None, help="sweep: launch config of every bsa contender (default: the "
                                                    "kernel's default_config), same syntax as --configs")
     p.add_argument("--kidx-modes", nargs="*", default=["gather", "copy"])

@@ -5,7 +5,8 @@ paper defaults (``SparseConfig(method=...)``). Per (N, method):
 
 * ``sel_fast_ms``: ``build_plan(..., implementation="fast")`` (reorder + select on the GPU), and
   ``sel_ref_ms``: the PyTorch reference (N <= 32K; it is slow and memory-hungry beyond);
-* ``attn_ms``: ``sparse_compile.kernels.block_sparse_attention`` on that plan (the K/V permutation included);
+* ``attn_ms``: ``sparse_compile.plan.execute_plan`` on that plan (the Triton kernel, the K/V permutation
+  included);
 * ``density``: tiles computed / causal tiles (kernel visited counts: S2O stops early at run time), and
   ``listed``: tiles in the plan / causal tiles;
 * ``rel_l1`` and ``mse`` of the output against dense attention (cuDNN SDPA) on the same inputs;
@@ -49,10 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import OOM, guarded, time_ms, write_results  # noqa: E402
 from sparse_compile.config import SparseConfig  # noqa: E402
-from sparse_compile.kernels import block_sparse_attention  # noqa: E402
 from sparse_compile.methods import build_plan  # noqa: E402
-from sparse_compile.plan import plan_density  # noqa: E402
-from sparse_compile.plan import causal_tile_count  # noqa: E402
+from sparse_compile.plan import execute_plan  # noqa: E402
+from sparse_compile.report import density_from_visits  # noqa: E402
 
 B, HQ, HKV, D = 1, 32, 8, 128
 DTYPE = torch.bfloat16
@@ -164,24 +164,26 @@ def sweep(args) -> list[dict]:
                 row["sel_ref_ms"] = r
             mode = "auto"
             try:
-                out, visited = block_sparse_attention(q, k, v, plan, scale, return_visited=True)
+                out, visited = execute_plan(q, k, v, plan, scale, kernel="triton", return_visited=True)
             except RuntimeError as exc:
                 # the kernel's permuted-copy launch has a grid limit (S2O's key list at 128K is ~4M entries long):
                 # read keys through the index instead, and say so in the table
                 log(f"N={n} {method}: key_mode=auto failed ({str(exc).splitlines()[0][:80]}); using gather")
                 mode = "gather"
-                out, visited = block_sparse_attention(q, k, v, plan, scale, return_visited=True, key_mode=mode)
+                out, visited = execute_plan(q, k, v, plan, scale, kernel="triton", return_visited=True,
+                                            key_mode=mode)
             row["key_mode"] = mode if plan.key_index is not None else "-"
-            row["attn_ms"] = time_ms(lambda: block_sparse_attention(q, k, v, plan, scale, key_mode=mode),
+            row["attn_ms"] = time_ms(lambda: execute_plan(q, k, v, plan, scale, kernel="triton", key_mode=mode),
                                      warmup=warm, rep=rep)
-            total = causal_tile_count(n, n, plan.block_m, plan.block_n)
-            row["density"] = float(visited.double().sum() / (total * B * HQ))
-            row["listed"] = float(plan_density(plan, n, n, HQ).mean())
+            per_head = density_from_visits(visited, plan, n, n, HQ)
+            row["density"] = sum(per_head) / len(per_head)
+            row["listed"] = float(plan.density(n, n, HQ).mean())
             row["rel_l1"], row["mse"] = errors(out, ref)
             row["sel_pct"] = 100 * row["sel_fast_ms"] / t_sdpa
             row["total_ms"] = row["sel_fast_ms"] + row["attn_ms"]
             row["speedup"] = t_sdpa / row["total_ms"]
             rows.append(row)
+            log(f"N={n} {method}: {plan!r}")
             log(f"N={n} {method}: sel {row['sel_fast_ms']:.3f} ms ({row['sel_pct']:.2f}% of sdpa), ref "
                 f"{row.get('sel_ref_ms', '-')}, attn {row['attn_ms']:.2f} ms, density {row['density']:.3f}, "
                 f"rel_l1 {row['rel_l1']:.4f}")

@@ -68,10 +68,10 @@ class InSituTimer:
 
         self._ops, self._original = ops, ops.run_sparse
 
-        def timed(q, k, v, scale, config):
+        def timed(q, k, v, *args, **kwargs):  # whatever else run_sparse takes passes through
             sync()
             start = time.perf_counter()
-            result = self._original(q, k, v, scale, config)
+            result = self._original(q, k, v, *args, **kwargs)
             sync()
             self.calls.append({"ms": (time.perf_counter() - start) * 1e3, "q_stride": tuple(q.stride()),
                                "k_stride": tuple(k.stride()), "v_stride": tuple(v.stride())})
@@ -98,19 +98,15 @@ def main() -> None:
     args = parser.parse_args()
 
     from sparse_compile.methods import build_plan
-    from sparse_compile.plan import plan_density
     from sparse_compile.ops import config_to_json
-    from sparse_compile.plan import reference_attention
+    from sparse_compile.plan import execute_plan as execute  # the Triton kernel on CUDA, the reference otherwise
     from sparse_compile.report import density_from_visits
 
     cuda = torch.cuda.is_available() and not args.smoke
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     if cuda:
-        from sparse_compile.kernels import block_sparse_attention as execute
         timer = time_ms
     else:
-        execute = reference_attention
-
         def timer(fn):
             fn()
             start = time.perf_counter()
@@ -169,11 +165,11 @@ def main() -> None:
             with torch.no_grad():
                 t_plan = timer(lambda: build_plan(q, k, scale, config))
                 plan = build_plan(q, k, scale, config)
-                listed = float(plan_density(plan, n, n, q.shape[1]).mean())
+                listed = float(plan.density(n, n, q.shape[1]).mean())
                 _, visited = execute(q, k, v, plan, scale, return_visited=True)
                 visits = density_from_visits(visited, plan, n, n, q.shape[1])
                 rho = sum(visits) / len(visits)
-                detail = f"plan {plan.block_m}x{plan.block_n}, listed {listed:.3f}"
+                detail = f"{plan!r}, listed {listed:.3f}"
                 emit(N=n, part="isolated build_plan", method=method, ms=t_plan, density=rho, detail=detail)
                 for name, (qq, kk, vv) in layouts.items():
                     t_kernel = timer(lambda: execute(qq, kk, vv, plan, scale))

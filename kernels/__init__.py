@@ -1,21 +1,32 @@
 """Triton kernels of sparse_compile (installed as ``sparse_compile.kernels``): the bottom layer.
 
-They take plain tensors and numbers and import nothing from the package. ``validate`` (shared checks) imports no
-Triton; the kernels are imported on first use, so ``import sparse_compile`` does not load Triton.
+They take plain tensors and numbers and import nothing from the package; ``sparse_compile.plan.execute_plan``
+adapts a ``BlockPlan`` to ``block_sparse_attention``, and each method's fast stage calls its selection kernels.
+
+Modules (``validate`` and ``host`` import no Triton; the others are imported on first use, so
+``import sparse_compile`` does not load Triton):
+
+* ``validate``: the q/k/v validator, the supported dtypes, ``cdiv``, ``expand_heads``;
+* ``host``: the 32-bit hash and the segmented argsort (PyTorch), shared with the package's references;
+* ``attention``: the block-sparse FlashAttention forward (``block_sparse_attention``, ``KernelConfig``);
+* ``common``: Triton helpers and launch arithmetic shared by the selection kernels;
+* ``pooling``: block pooling (``block_pool`` -> ``BlockPool``) and pooled scores;
+* ``mass``: the cumulative-mass selection (``MassRule``, ``mass_select``) into plan rows;
+* ``sorting``: the segmented argsort in registers;
+* ``pbs``, ``bfla``, ``s2o``: the per-method kernels (mirroring ``sparse_compile/methods/<name>.py``).
 """
 
 import importlib
 
 __all__ = ["block_sparse_attention", "KernelConfig", "default_config"]
 
-_LAZY = {"block_sparse_attention": ".block_sparse_attention", "KernelConfig": ".block_sparse_attention",
-         "default_config": ".block_sparse_attention"}
+_LAZY = {"block_sparse_attention": ".attention", "KernelConfig": ".attention", "default_config": ".attention"}
 
 
 def __getattr__(name):
     if name in _LAZY:
         module = importlib.import_module(_LAZY[name], __name__)
-        for exported, where in _LAZY.items():  # the functions, not the submodule bound under the same name
+        for exported, where in _LAZY.items():
             if where == _LAZY[name]:
                 globals()[exported] = getattr(module, exported)
         return globals()[name]

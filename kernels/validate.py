@@ -11,10 +11,12 @@ from typing import Optional
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "cdiv", "validate_qkv", "expand_heads"]
+__all__ = ["SUPPORTED_DTYPES", "MAX_HEAD_DIM", "cdiv", "validate_qkv", "expand_heads"]
 
 #: the dtypes the sparse path (kernels, planners, reference) serves
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: the largest head dim the attention kernel serves (smaller ones that are not powers of two are padded on chip)
+MAX_HEAD_DIM = 256
 
 
 def cdiv(a: int, b: int) -> int:

@@ -21,6 +21,12 @@ Every method ends in a ``BlockPlan``; the Triton kernel (``sparse_compile.kernel
 * P·V skip (``pv_skip = λ < 0``). For any tile, when ``rowmax(S_tile) - m_new < λ`` for every query row of the
   block, the P·V product is skipped (the denominator is still updated).
 * Rows that see no key produce zeros.
+* Non-finite values behave as in dense attention: a row whose visited scores include a NaN or an infinity
+  outputs non-finite values, and such a row neither keeps an early-stop walk going nor prevents a P·V skip (it
+  is non-finite whatever the others do), so rows that see only finite scores are unaffected. A NaN in V reaches
+  every row that multiplies it, including rows of its tile that mask it (P = 0, and 0 · NaN is NaN, as in the
+  dense kernels); a tile the plan does not list is never read, so non-finite V there goes unseen (no selector
+  reads V; the selectors keep every tile whose pooled keys are not finite).
 
 Head dimensions: ``tile_*`` and index tensors have ``Hq`` heads or ``Hkv`` heads; with ``Hkv`` the query heads of
 a GQA group share the entry.
@@ -34,6 +40,8 @@ from typing import Optional
 
 import torch
 
+from .kernels.validate import SUPPORTED_DTYPES, cdiv, expand_heads, validate_qkv
+
 __all__ = [
     "BlockPlan",
     "execute_plan",
@@ -44,13 +52,15 @@ __all__ = [
     "causal_plan",
     "block_visibility",
     "causal_tile_count",
-    "expand_heads",
     "VISIBLE_NONE",
     "VISIBLE_PARTIAL",
     "VISIBLE_FULL",
 ]
 
 VISIBLE_NONE, VISIBLE_PARTIAL, VISIBLE_FULL = 0, 1, 2
+
+# the PyTorch reference also runs float64 (exact comparisons in tests); the kernels run SUPPORTED_DTYPES
+_REFERENCE_DTYPES = SUPPORTED_DTYPES + (torch.float64,)
 
 
 @dataclass(frozen=True)
@@ -92,15 +102,6 @@ class BlockPlan:
         return f"BlockPlan({', '.join(parts)})"
 
 
-def expand_heads(x: Optional[torch.Tensor], num_heads: int) -> Optional[torch.Tensor]:
-    """Broadcast a per-KV-head tensor (dim 1) to ``num_heads`` query heads; per-query-head tensors pass."""
-    if x is None or x.shape[1] == num_heads:
-        return x
-    if num_heads % x.shape[1]:
-        raise ValueError(f"head dimension {x.shape[1]} does not divide the {num_heads} query heads")
-    return x.repeat_interleave(num_heads // x.shape[1], dim=1)
-
-
 def _positions(index: Optional[torch.Tensor], length: int, batch: int, heads: int, device) -> torch.Tensor:
     if index is None:
         return torch.arange(length, device=device).expand(batch, heads, length)
@@ -110,7 +111,7 @@ def _positions(index: Optional[torch.Tensor], length: int, batch: int, heads: in
 def _query_block_bounds(qpos: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Min and max absolute query position of each query block: ``(B, H, n_query_blocks)`` each."""
     batch, heads, n = qpos.shape
-    nqb = -(-n // block_m)
+    nqb = cdiv(n, block_m)
     pad = nqb * block_m - n
     qmin = torch.nn.functional.pad(qpos, (0, pad), value=2**62).view(batch, heads, nqb, block_m).amin(-1)
     qmax = torch.nn.functional.pad(qpos, (0, pad), value=-1).view(batch, heads, nqb, block_m).amax(-1)
@@ -157,7 +158,7 @@ def block_visibility(
     # key tiles: min/max valid position, and whether the tile holds padding
     length = key_index.shape[-1] if key_index is not None else num_keys
     kpos = _positions(key_index, length, batch, hk, device)
-    nkt = -(-length // block_n)
+    nkt = cdiv(length, block_n)
     pad_k = nkt * block_n - length
     kpos_p = torch.nn.functional.pad(kpos, (0, pad_k), value=-1).view(batch, kpos.shape[1], nkt, block_n)
     valid = (kpos_p >= 0) & (kpos_p < num_keys)
@@ -235,11 +236,11 @@ def causal_plan(
 def causal_tile_count(num_queries: int, num_keys: int, block_m: int, block_n: int) -> int:
     """Number of (query block, key tile) pairs with at least one visible key, in the identity order."""
     offset = num_keys - num_queries
-    nqb = -(-num_queries // block_m)
+    nqb = cdiv(num_queries, block_m)
     total = 0
     for i in range(nqb):
         last = min((i + 1) * block_m, num_queries) - 1 + offset
-        total += min(last // block_n + 1, -(-num_keys // block_n)) if last >= 0 else 0
+        total += min(last // block_n + 1, cdiv(num_keys, block_n)) if last >= 0 else 0
     return total
 
 
@@ -262,25 +263,39 @@ def plan_density(plan: BlockPlan, num_queries: int, num_keys: int, num_heads: Op
 
 
 def execute_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: Optional[float] = None,
-                 *, kernel: str = "auto", return_visited: bool = False):
-    """Run ``plan``: the Triton kernel (``kernel="triton"``, or "auto" on CUDA) or ``reference_attention``.
+                 *, kernel: str = "auto", return_visited: bool = False, check: bool = False,
+                 key_mode: str = "auto", config=None):
+    """Run ``plan`` on q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D): the one place that picks the executor.
 
-    Returns the output, and with ``return_visited`` also the tiles each (batch, query head, query block) computed.
+    ``kernel``: "triton" (the Triton kernel: CUDA, or the CPU under ``TRITON_INTERPRET=1``), "reference"
+    (``reference_attention``, pure PyTorch) or "auto" (Triton for CUDA inputs, the reference otherwise).
+    ``check=True`` runs ``check_plan`` first (host syncs). ``key_mode`` and ``config`` (a
+    ``sparse_compile.kernels.KernelConfig``) go to the Triton kernel. Returns the output, and with
+    ``return_visited`` also the tiles each (batch, query head, query block) computed, int32.
     """
     if kernel not in ("auto", "triton", "reference"):
         raise ValueError(f"execute_plan: kernel must be 'auto', 'triton' or 'reference', got {kernel!r}")
+    if not isinstance(plan, BlockPlan):
+        raise ValueError(f"execute_plan: plan must be a sparse_compile.plan.BlockPlan, got {type(plan).__name__}")
+    if check:
+        check_plan(plan, q, k)
     if kernel == "triton" or (kernel == "auto" and q.is_cuda):
         from .kernels import block_sparse_attention
 
-        return block_sparse_attention(q, k, v, plan, scale, return_visited=return_visited)
+        return block_sparse_attention(
+            q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts, block_m=plan.block_m,
+            block_n=plan.block_n, key_index=plan.key_index, query_index=plan.query_index, scale=scale,
+            early_stop=plan.early_stop, pv_skip=plan.pv_skip, return_visited=return_visited, key_mode=key_mode,
+            config=config)
     return reference_attention(q, k, v, plan, scale, return_visited=return_visited)
 
 
 def check_plan(plan: BlockPlan, q: torch.Tensor, k: torch.Tensor) -> None:
     """Validate a plan against its inputs; raises ValueError naming the first problem. Syncs with the host."""
+    validate_qkv(q, k, k, who="check_plan", dtypes=_REFERENCE_DTYPES)
     B, Hq, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    nqb = -(-Nq // plan.block_m)
+    nqb = cdiv(Nq, plan.block_m)
     for name in ("tile_offsets", "tile_counts", "masked_counts"):
         t = getattr(plan, name)
         if t.dtype != torch.int32:
@@ -349,6 +364,7 @@ def reference_attention(
     Computes in float32 (float64 for float64 inputs) and returns the output in ``q.dtype``; with
     ``return_visited`` also the number of tiles each (batch, query head, query block) computed, int32.
     """
+    validate_qkv(q, k, v, who="reference_attention", dtypes=_REFERENCE_DTYPES)
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -356,7 +372,7 @@ def reference_attention(
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     dev = q.device
     bm, bn = plan.block_m, plan.block_n
-    nqb = -(-Nq // bm)
+    nqb = cdiv(Nq, bm)
     offs = expand_heads(plan.tile_offsets, Hq).long()
     counts = expand_heads(plan.tile_counts, Hq).long()
     masked = expand_heads(plan.masked_counts, Hq).long()
@@ -397,10 +413,11 @@ def reference_attention(
         if plan.early_stop <= 0 and plan.pv_skip is None:
             s2 = s.flatten(3)
             mx = s2.amax(-1, keepdim=True)
-            mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+            mx = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)  # rows that see nothing
             p = torch.exp(s2 - mx)
             denom = p.sum(-1, keepdim=True)
-            o = torch.matmul(p, vb.flatten(2, 3)) / torch.where(denom > 0, denom, torch.ones_like(denom))
+            # only an empty row divides by 1: a NaN denominator (a non-finite score) stays NaN
+            o = torch.matmul(p, vb.flatten(2, 3)) / torch.where(denom == 0, torch.ones_like(denom), denom)
             visited[:, :, i] = counts[:, :, i].to(torch.int32)
         else:
             o, vis = _sequential_tiles(s, vb, live, is_masked, plan.early_stop, plan.pv_skip)
@@ -411,7 +428,11 @@ def reference_attention(
 
 
 def _sequential_tiles(s, vb, live, is_masked, early_stop, pv_skip):
-    """Online softmax tile by tile, for early stop and P·V skip. s: (B, H, m, T, bn); vb: (B, H, T, bn, D)."""
+    """Online softmax tile by tile, for early stop and P·V skip. s: (B, H, m, T, bn); vb: (B, H, T, bn, D).
+
+    Non-finite scores flow through as in the kernel: a NaN or +inf score makes the row's denominator NaN, which
+    stays NaN and reaches the output; such a row does not keep the walk going nor prevent a skip.
+    """
     B, H, m, T, bn = s.shape
     D = vb.shape[-1]
     neg_inf = float("-inf")
@@ -427,15 +448,16 @@ def _sequential_tiles(s, vb, live, is_masked, early_stop, pv_skip):
         st = s[:, :, :, t, :]
         tile_max = st.amax(-1)
         m_new = torch.maximum(mrow, tile_max)
-        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        alpha = torch.where(torch.isfinite(mrow), torch.exp(mrow - m_safe), torch.zeros_like(mrow))
+        # a row that has seen no key yet (-inf) subtracts 0: exp(-inf) = 0, no (-inf) - (-inf)
+        m_safe = torch.where(m_new == neg_inf, torch.zeros_like(m_new), m_new)
+        alpha = torch.exp(mrow - m_safe)
         p = torch.exp(st - m_safe[..., None])
         gain = p.sum(-1)
         l_prev = lrow * alpha
         l_new = l_prev + gain
         pv = torch.matmul(p, vb[:, :, t])
         if pv_skip is not None:
-            gap = torch.where(torch.isfinite(m_new), tile_max - m_safe, torch.full_like(tile_max, neg_inf))
+            gap = torch.where(torch.isfinite(l_new), tile_max - m_safe, torch.full_like(tile_max, neg_inf))
             skip = (gap < pv_skip).all(-1)  # (B, H): every row far below its running max
             pv = torch.where(skip[..., None, None], torch.zeros_like(pv), pv)
         acc_new = acc * alpha[..., None] + pv
@@ -445,7 +467,8 @@ def _sequential_tiles(s, vb, live, is_masked, early_stop, pv_skip):
         acc = torch.where(upd[..., None], acc_new, acc)
         visited = visited + run.to(torch.int32)
         if early_stop > 0:
-            converged = (gain < early_stop * l_prev).all(-1) & ~is_masked[:, :, t]
-            active = active & ~(run & converged)
-    out = acc / torch.where(lrow > 0, lrow, torch.ones_like(lrow))[..., None]
+            # the walk goes on while some row gains at least tau of what it had (NaN compares false)
+            goes_on = (gain >= early_stop * l_prev).any(-1) | is_masked[:, :, t]
+            active = active & ~(run & ~goes_on)
+    out = acc / torch.where(lrow == 0, torch.ones_like(lrow), lrow)[..., None]
     return out, visited

@@ -26,11 +26,17 @@ import torch
 
 import sparse_compile
 from sparse_compile import BFLAParams, PBSParams, S2OParams, SparseConfig, SpargeParams
-from sparse_compile.methods import Reordering, _fast, bfla, build_plan, pbs, s2o, sparge, stage_functions
+from sparse_compile.kernels import bfla as bfla_kernels
+from sparse_compile.kernels import common as kernel_common
+from sparse_compile.kernels import pooling, sorting
+from sparse_compile.kernels.host import segmented_argsort_desc
+from sparse_compile.kernels.mass import MassRule, mass_select
+from sparse_compile.kernels.validate import expand_heads
+from sparse_compile.methods import Reordering, bfla, build_plan, pbs, s2o, sparge, stage_functions
+from sparse_compile.methods._fast import tile_grid
 from sparse_compile.plan import plan_density
 from sparse_compile.methods._blocks import diagonal_tiles, first_key_tile, visibility
 from sparse_compile.methods._common import (
-    bcast_heads,
     block_mean,
     block_self_similarity,
     group_scores,
@@ -40,7 +46,7 @@ from sparse_compile.methods._common import (
 )
 from sparse_compile.methods.bfla import bfla_block_scores
 from sparse_compile.methods.pbs import pbs_key_importance
-from sparse_compile.plan import VISIBLE_NONE, check_plan, reference_attention
+from sparse_compile.plan import VISIBLE_NONE, block_visibility, check_plan, execute_plan, reference_attention
 
 EPS_P = 2e-4  # relative margin on a block probability when ordering blocks
 EPS_M = 5e-5  # absolute margin on a cumulative mass against tau * total
@@ -172,7 +178,7 @@ def reference_bounds(select, q, k, scale, r, config):
         sq = block_self_similarity(qd, bm)
         sk = block_self_similarity(keys, bn, valid)
         q_odd = sq < p.similarity_threshold
-        k_odd = bcast_heads(sk < p.similarity_threshold, Hq)
+        k_odd = expand_heads(sk < p.similarity_threshold, Hq)
         cand = visible & ~k_odd[:, :, None, :]
         prob = masked_softmax(group_scores(block_mean(qd, bm), block_mean(keys, bn, valid)) * scale, cand)
         diag = diagonal_tiles(vis, r, Nq, Nk, bm, bn)
@@ -181,7 +187,7 @@ def reference_bounds(select, q, k, scale, r, config):
         # a judgement within EPS_SIM of theta may go either way: its row (query) or its head's rows (key tile,
         # which changes every row's softmax) keep only the diagonal surely
         amb_q = (sq - p.similarity_threshold).abs() < EPS_SIM
-        amb_k = bcast_heads((sk - p.similarity_threshold).abs() < EPS_SIM, Hq).any(-1)
+        amb_k = expand_heads((sk - p.similarity_threshold).abs() < EPS_SIM, Hq).any(-1)
         rows_amb = (amb_q | amb_k[..., None])[..., None]
         sure = torch.where(rows_amb, diag, sure | forced)
         maybe = torch.where(rows_amb, visible, maybe | forced)
@@ -201,18 +207,13 @@ def reference_bounds(select, q, k, scale, r, config):
 
 def fast_bfla_coarse(q, k, scale, r, config):
     """The fast path's coarse BFLA mass (B, Hq, LQ, LK) bool (the internals of select_bfla_fast)."""
-    sel = _fast.selection_kernels()
     p = config.bfla
     b = p.coarse_block_size
-    B, Hq, Nq, _ = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    L = r.key_index.shape[-1] if r.key_index is not None else Nk
-    cpos = sel.block_pool(k, b, key_index=r.key_index, want_mean=False, want_pos=True) if r.key_index is not None else None
-    score = sel.bfla_block_scores(q, k, b, p.group_size, r.key_index, r.segment_size if r.key_index is not None else 1)
-    keep = sel.mass_select(score, batch=B, heads=Hq, kv_heads=Hkv, num_query_blocks=-(-Nq // b),
-                           num_key_tiles=-(-L // b), num_queries=Nq, num_keys=Nk, block_m=b, block_n=b, scale=scale,
-                           tau=p.mass_threshold, segment=r.segment_size or 0, tile_pos=cpos, write_plan=False,
-                           write_keep=True, device=q.device)[3]
+    permuted = r.key_index is not None
+    cpos = pooling.block_pool(k, b, key_index=r.key_index, want_mean=False, want_positions=True) if permuted else None
+    score = bfla_kernels.bfla_block_scores(q, k, b, p.group_size, r.key_index, r.segment_size if permuted else 1)
+    rule = MassRule(threshold=p.mass_threshold, scale=scale, segment=r.segment_size or 0)
+    keep = mass_select(tile_grid(q, k, r, b, b), rule, score, key_tiles=cpos, keep_table=True)
     return keep != 0
 
 
@@ -323,13 +324,14 @@ def test_bfla_select_agrees(reorder, score_scale):
         sure, maybe = reference_bounds("bfla_coarse", q, k, alpha, r, cfg)
         assert_keep_agrees(coarse_fast, sure, maybe, what="bfla coarse")
     # the tile stage exactly, from the reference's coarse mass
-    sel = _fast.selection_kernels()
     p = cfg.bfla
-    tpos = sel.block_pool(k, 16, key_index=r.key_index, want_mean=False, want_pos=True) if r.key_index is not None else None
-    tables = sel.bfla_tiles(coarse_ref.to(torch.int8), batch=B, kv_heads=Hkv, group=Hq // Hkv, num_queries=Nq,
-                            num_keys=Nk, key_len=Nk, coarse=32, tile_q=16, tile_k=16, local_tiles=p.local_tiles,
-                            sink_tiles=p.sink_tiles, stride=p.stride, random_rescue=p.random_rescue, seed=p.seed,
-                            tile_pos=tpos, segment=r.segment_size or 0)
+    tpos = (pooling.block_pool(k, 16, key_index=r.key_index, want_mean=False, want_positions=True)
+            if r.key_index is not None else None)
+    tables = bfla_kernels.bfla_tiles(tile_grid(q, k, r, 16, 16), coarse_ref.to(torch.int8), coarse=32,
+                                     local_tiles=p.local_tiles, sink_tiles=p.sink_tiles, stride=p.stride,
+                                     stride_seed=p.seed, random_rescue=p.random_rescue,
+                                     random_seed=p.seed ^ bfla.RANDOM_SALT, key_tiles=tpos,
+                                     segment=r.segment_size or 0)
     p_ref = stage_functions(reorder, "bfla", False)[1](q, k, scale, r, cfg)
     for name, t in zip(("tile_offsets", "tile_counts", "masked_counts"), tables):
         assert torch.equal(t, getattr(p_ref, name)), name
@@ -425,53 +427,33 @@ def test_exact_ties_follow_the_stable_order():
             assert torch.equal(p_fast.key_index, p_ref.key_index)
 
 
-def test_top_mass_rule_with_ties_and_head_start():
-    """The bisection rule of mass_select against _common.top_mass on exact (dyadic) masses with ties."""
-    sel = _fast.selection_kernels()
-    g = torch.Generator().manual_seed(0)
-    B, H, nqb, nkt, bm = 1, 2, 8, 8, 16
-    # block scores in units of 1/64 (sums exact in float32), with many exact ties
-    scores = torch.randint(0, 6, (B, H, nqb, nkt), generator=g).float() / 64
-    # XAttention mode: visible tiles' scores, forced tiles (diagonal + first) count first
-    vis = visibility(nqb * bm, nqb * bm, bm, bm, Reordering("none"), B, H, "cpu")
-    visible = vis != VISIBLE_NONE
-    for tau in (0.0, 0.3, 0.5, 0.77, 0.9, 1.0 - 1 / 128):
-        offs, cnt, msk, keep = sel.mass_select(
-            scores, batch=B, heads=H, kv_heads=H, num_query_blocks=nqb, num_key_tiles=nkt, num_queries=nqb * bm,
-            num_keys=nqb * bm, block_m=bm, block_n=bm, tau=tau, mode=1, force_diag=True, force_first=True,
-            write_keep=True, device="cpu")
-        sc = torch.where(visible, scores, torch.zeros(()))
-        forced = (vis == 1) | (torch.arange(nkt) == 0)
-        forced = forced & visible
-        head = torch.where(forced, sc, torch.zeros(())).sum(-1, keepdim=True)
-        ref = top_mass(sc, visible & ~forced, tau, head_start=head, total=sc.sum(-1, keepdim=True)) | forced
-        assert torch.equal(keep != 0, ref & visible), tau
-
-
 def test_pieces_match_reference():
     """Pooling statistics, visibility inputs, segmented argsort and BFLA scores against the reference functions."""
-    sel = _fast.selection_kernels()
     q, k = structured_qk(2, 4, 2, 150, 150, 24, 16, seed=7)
-    pool = sel.block_pool(q, 16, want_sim=True)
-    torch.testing.assert_close(pool["mean"], block_mean(q, 16), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(pool["sim"], block_self_similarity(q, 16), rtol=1e-5, atol=1e-5)
+    pool = pooling.block_pool(q, 16, want_similarity=True)
+    torch.testing.assert_close(pool.mean, block_mean(q, 16), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool.similarity, block_self_similarity(q, 16), rtol=1e-5, atol=1e-5)
     perm = torch.stack([torch.randperm(150) for _ in range(4)]).view(2, 2, 150).to(torch.int32)
     perm[0, 1, 140:] = -1  # padding entries
-    kp = sel.block_pool(k, 32, key_index=perm, want_sim=True, want_pos=True)
+    kp = pooling.block_pool(k, 32, key_index=perm, want_similarity=True, want_positions=True)
     keys, valid = logical_keys(k, perm)
-    torch.testing.assert_close(kp["mean"], block_mean(keys, 32, valid), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(kp["sim"], block_self_similarity(keys, 32, valid), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kp.mean, block_mean(keys, 32, valid), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kp.similarity, block_self_similarity(keys, 32, valid), rtol=1e-5, atol=1e-5)
     pos = torch.where(valid, perm.long(), torch.full_like(perm.long(), 2**31 - 1))
     pos = torch.nn.functional.pad(pos, (0, 10), value=2**31 - 1).view(2, 2, 5, 32)
-    assert torch.equal(kp["kmin"].long(), pos.amin(-1))
+    assert torch.equal(kp.min_position.long(), pos.amin(-1))
+    # a row with a NaN: plain means take it in, finite_rows_mean leaves it out (as block_mean(finite_rows=True))
+    q_nan = q.clone()
+    q_nan[0, 1, 20] = float("nan")
+    assert bool(pooling.block_pool(q_nan, 16).mean[0, 1, 1].isnan().all())
+    torch.testing.assert_close(pooling.block_pool(q_nan, 16, finite_rows_mean=True).mean,
+                               block_mean(q_nan, 16, finite_rows=True), rtol=1e-5, atol=1e-5)
     # segmented argsort with ties and a ragged last segment
-    from sparse_compile.methods._common import segmented_argsort_desc
-
     x = torch.randint(0, 5, (3, 2, 70)).float()
     for seg, nseg in ((16, 4), (16, 5), (32, 2), (64, 1)):
-        assert torch.equal(sel.segmented_argsort_desc(x, seg, nseg), segmented_argsort_desc(x, seg, nseg).int())
+        assert torch.equal(sorting.segmented_argsort_desc(x, seg, nseg), segmented_argsort_desc(x, seg, nseg).int())
     # BFLA flatten-g scores (causal region; the reference fills all)
-    s_f = sel.bfla_block_scores(q, k, 32, 8)
+    s_f = bfla_kernels.bfla_block_scores(q, k, 32, 8)
     s_r = bfla_block_scores(q, k, 32, 8)
     vis = visibility(150, 150, 32, 32, Reordering("none"), 2, 4, "cpu") != VISIBLE_NONE
     torch.testing.assert_close(s_f[vis], s_r[vis], rtol=1e-5, atol=1e-4)
@@ -507,7 +489,7 @@ def test_dispatch_and_config_switch(monkeypatch):
     with pytest.raises(ValueError, match="dtype"):
         build_plan(q.double(), k.double(), None, cfg, implementation="fast")
     # no interpreter and no CUDA: "fast" refuses, "auto" runs the reference
-    monkeypatch.setattr(_fast.selection_kernels(), "interpreting", lambda: False)
+    monkeypatch.setattr(kernel_common, "interpreting", lambda: False)
     with pytest.raises(ValueError, match="CUDA"):
         build_plan(q, k, None, cfg, implementation="fast")
     # a method registered without a fast twin runs its reference stage on the fast path too
@@ -545,6 +527,91 @@ def test_density_reaches_runtime_stats():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# compiles for Hopper (the interpreter accepts code the compiler rejects)
+
+_COMPILE_SELECTION_FOR_SM90 = r"""
+import sys, triton
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:
+    print("NO_BACKEND"); sys.exit(0)
+from sparse_compile.kernels import pooling, mass, sorting, pbs, bfla, s2o, attention
+
+def compile_kernel(fn, pointers, floats, const, warps=4):
+    sig = {}
+    for name in fn.arg_names:
+        if name in const: sig[name] = "constexpr"
+        elif name in pointers: sig[name] = "*" + pointers[name]
+        elif name in floats: sig[name] = "fp32"
+        else: sig[name] = "i32"
+    k = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps))
+    assert k.metadata.shared <= 232448, (fn.__name__, const, k.metadata.shared)  # an H100's 227 KiB
+
+for nbp, chunk, hasidx, mean, sim, pos, guide, sort, finite in [(1, 64, False, True, True, False, False, False, False),
+        (4, 64, True, True, True, True, False, False, False), (1, 128, False, True, False, False, True, True, True)]:
+    compile_kernel(pooling._pool_kernel,
+        dict(x_ptr="bf16", idx_ptr="i32", guide_ptr="fp32", mean_ptr="fp32", sim_ptr="fp32", kmin_ptr="i32",
+             kmax_ptr="i32", kpad_ptr="i32", gdot_ptr="fp32", order_ptr="i32"), set(),
+        dict(BLOCK=128 if sort else 64, BLOCKS_PER_PROGRAM=nbp, CHUNK=chunk, D=128, D_PAD=128, HAS_INDEX=hasidx,
+             WANT_MEAN=mean, WANT_SIM=sim, WANT_POS=pos, WANT_GUIDE=guide, SORT_GUIDE=sort, FINITE_ROWS_MEAN=finite))
+compile_kernel(pooling._pooled_logits_kernel, dict(qm_ptr="fp32", km_ptr="fp32", out_ptr="fp32"), set(),
+               dict(BLOCK_M=128, BLOCK_N=128, D=128, D_PAD=128, R=64, C=64, PREC="tf32x3"))
+for judge, perm, keep_all, plan in [(False, True, False, True), (True, False, False, True), (False, False, False, False),
+                                   (False, False, True, True)]:
+    compile_kernel(mass._mass_select_kernel,
+        dict(logit_ptr="fp32", kmin_ptr="i32", kmax_ptr="i32", kpad_ptr="i32", ksim_ptr="fp32", qsim_ptr="fp32",
+             offs_ptr="i32", cnt_ptr="i32", msk_ptr="i32", keep_ptr="i8"), {"scale", "tau", "theta"},
+        dict(BLOCK_M=128, BLOCK_N=128, SEGMENT=256 if perm else 0, W=256, ROWS=4, HAS_POSITIONS=perm,
+             DIAGONAL_IN_SOFTMAX=not perm, KEEP_DIAGONAL=True, KEEP_FIRST_KEY=True, JUDGE=judge, KEEP_ALL=keep_all,
+             WRITE_PLAN=plan), warps=1)
+compile_kernel(sorting._segmented_argsort_kernel, dict(x_ptr="fp32", out_ptr="i32"), set(),
+               dict(SEGMENT=256, SEGMENT_PAD=256, SEGMENTS_PER_PROGRAM=8), warps=8)
+compile_kernel(pbs._pbs_lse_kernel, dict(q_ptr="bf16", k_ptr="bf16", m_ptr="fp32", s_ptr="fp32"), {"qk_scale"},
+               dict(CHUNK=4096, BLOCK_N=64, ROWS_PAD=128, D=128, D_PAD=128, PREC="none"), warps=8)
+for sort in (True, False):
+    compile_kernel(pbs._pbs_importance_kernel, dict(q_ptr="bf16", k_ptr="bf16", m_ptr="fp32", s_ptr="fp32",
+                   imp_ptr="fp32", perm_ptr="i32"), {"qk_scale", "count"},
+                   dict(BLOCK_N=256, ROWS_PAD=128, ROW_BLOCK=64, NUM_CHUNKS_PAD=16, D=128, D_PAD=128, PREC="none",
+                        WRITE_IMPORTANCE=not sort, SORT=sort), warps=8)
+for idx in (False, True):
+    compile_kernel(bfla._bfla_scores_kernel, dict(q_ptr="bf16", k_ptr="bf16", idx_ptr="i32", out_ptr="fp32"), set(),
+                   dict(COARSE=256, G=64, NG=4, QB=32, KB=32, R=128, C=128, D=128, D_PAD=128, HAS_INDEX=idx,
+                        PREC="none"), warps=8)
+for pos, keep_all in ((False, False), (True, False), (False, True)):
+    compile_kernel(bfla._bfla_tiles_kernel, dict(mass_ptr="i8", kmin_ptr="i32", kmax_ptr="i32", kpad_ptr="i32",
+                   offs_ptr="i32", cnt_ptr="i32", msk_ptr="i32"), set(),
+                   dict(TILE_Q=128, TILE_K=64, COARSE=256, W=512, ROWS=2, HAS_POSITIONS=pos, STRIDE_ON=True,
+                        RANDOM_ON=True, KEEP_ALL=keep_all), warps=1)
+compile_kernel(s2o._s2o_rank_keys_kernel, dict(k_ptr="bf16", qm_ptr="fp32", out_ptr="i64"), set(),
+               dict(BLOCK_T=64, G_PAD=64, D=128, D_PAD=128, PREC="tf32x3"))
+compile_kernel(s2o._s2o_assemble_kernel, dict(ranked_ptr="i64", out_ptr="i32"), set(), dict(BLOCK=256))
+for qidx in (True, False):
+    compile_kernel(s2o._s2o_select_kernel, dict(qidx_ptr="i32", offs_ptr="i32", cnt_ptr="i32", msk_ptr="i32"),
+                   set(), dict(BLOCK_M=128, BLOCK_N=128, W=1024, ROWS=4, HAS_QUERY_INDEX=qidx))
+compile_kernel(attention._permute_rows_kernel, dict(K="bf16", V="bf16", KP="bf16", VP="bf16", KeyIndex="i32"),
+               set(), dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK=64))
+print("ALL OK")
+"""
+
+
+def test_selection_kernels_compile_for_hopper():
+    """Every selection kernel, in its main variants, compiles for sm_90 on the CPU and fits shared memory."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SELECTION_FOR_SM90], capture_output=True, text=True,
+                         env=env, timeout=600)
+    if "NO_BACKEND" in run.stdout:
+        pytest.skip("this Triton has no CUDA compiler backend")
+    assert run.returncode == 0 and "ALL OK" in run.stdout, run.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # GPU: bf16 at 8K and 16K, the methods' paper defaults
 
 
@@ -563,7 +630,7 @@ def test_gpu_bf16_agreement(method, shape):
     cfg = SparseConfig(method=method)
     scale = 1 / math.sqrt(D)
     r_ref = stage_functions(reorder, "pbs", False)[0](q, k, scale, cfg)
-    r_fast = fast.FAST_stage_functions(reorder, "pbs", False)[0](q, k, scale, cfg)
+    r_fast = stage_functions(reorder, "pbs", True)[0](q, k, scale, cfg)
     if reorder == "pbs":
         imp = pbs_key_importance(q.double(), k.double(), scale, cfg.pbs.block_size)
         assert_order_agrees(r_fast.key_index, r_ref.key_index, imp, _pbs_segments(N, cfg.pbs.segment_size), "pbs")
@@ -580,7 +647,7 @@ def test_gpu_bf16_agreement(method, shape):
             assert_order_agrees(r_fast.key_index[..., z: z + n * S], r_ref.key_index[..., z: z + n * S], s_n,
                                 [(0, n * S)], f"s2o prefix {n}")
     p_ref = stage_functions(reorder, select, False)[1](q, k, scale, r_ref, cfg)
-    p_fast = fast.FAST_SELECT_STAGES[select](q, k, scale, r_ref, cfg)
+    p_fast = stage_functions(reorder, select, True)[1](q, k, scale, r_ref, cfg)
     assert_plan_layout(p_fast, p_ref)
     check_plan(p_fast, q, k)
     if method in ("pbs", "sparge") and not plans_identical(p_fast, p_ref):
@@ -617,3 +684,113 @@ def test_bfla_score_scale_softens_the_block_softmax():
     assert densities[1] > densities[0], densities
     with pytest.raises(ValueError, match="score_scale"):
         BFLAParams(score_scale=0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# non-finite inputs stay confined, as in dense attention (reference planner and executor; fast planner with the
+# Triton kernel, under the interpreter on the CPU)
+
+NAN_N, NAN_D = 128, 16
+
+
+def _nan_inputs():
+    seed = int(torch.randint(2**31 - 1, ()))  # fresh per test (conftest seeds torch per test)
+    q, k = structured_qk(2, 4, 2, NAN_N, NAN_N, NAN_D, 16, seed=seed)
+    return q, k, torch.randn(2, 2, NAN_N, NAN_D)
+
+
+def _plan_and_output(q, k, v, cfg, planner):
+    plan = build_plan(q, k, None, cfg, implementation=planner)
+    check_plan(plan, q, k)
+    kernel = "triton" if planner == "fast" else "reference"
+    return plan, execute_plan(q, k, v, plan, kernel=kernel)
+
+
+def _run_with_nan_query_row(q, k, v, cfg, planner, batch, head, row):
+    """(q with the NaN, plan, output) of a NaN in query row (batch, head, row): that row NaN, every other finite."""
+    bad = q.clone()
+    bad[batch, head, row] = float("nan")
+    plan, out = _plan_and_output(bad, k, v, cfg, planner)
+    assert bool(out[batch, head, row].isnan().all())
+    others = torch.ones(out.shape[:3], dtype=torch.bool)
+    others[batch, head, row] = False
+    assert bool(torch.isfinite(out[others]).all())
+    return bad, plan, out
+
+
+def _confinement(method, cfg, batch, head, row, heads_q, heads_kv):
+    """bool (B, Hq, N): the output rows a NaN in query row (batch, head, row) may change (module docstrings)."""
+    region = torch.zeros(2, heads_q, NAN_N, dtype=torch.bool)
+    group = heads_q // heads_kv
+    group_heads = slice(head // group * group, head // group * group + group)
+    if method == "pbs":  # its query block, in its head
+        size = cfg.pbs.block_size
+        region[batch, head, row // size * size: row // size * size + size] = True
+    elif method == "sparge":
+        size = cfg.sparge.block_size_q
+        region[batch, head, row // size * size: row // size * size + size] = True
+    elif method == "bfla":  # its coarse query block, in every head of its KV group (the tile mask is shared)
+        size = cfg.bfla.coarse_block_size
+        region[batch, group_heads, row // size * size: row // size * size + size] = True
+    else:  # s2o: its segment, in every head of its KV group (query order and the group's key ranking)
+        size = cfg.s2o.segment_size
+        region[batch, group_heads, row // size * size: row // size * size + size] = True
+    return region
+
+
+@pytest.mark.parametrize("planner", ["reference", "fast"])
+@pytest.mark.parametrize("method", list(PRESETS))
+def test_nan_query_row_stays_confined(method, planner):
+    """A NaN in one query row: that row is NaN, every other row finite, and rows outside the row's query block
+    (as each method defines it) equal the NaN-free run. Before: the pooled mean of the block went NaN and its
+    selection arbitrary (and a NaN in PBS's last block reordered the whole head)."""
+    q, k, v = _nan_inputs()
+    cfg = _config(*PRESETS[method])
+    _, clean = _plan_and_output(q, k, v, cfg, planner)
+    batch, head = int(torch.randint(2, ())), int(torch.randint(4, ()))
+    last_block = NAN_N - cfg.pbs.block_size  # PBS's importance rows (tested below)
+    row = int(torch.randint(last_block if method == "pbs" else NAN_N, ()))
+    _, plan, out = _run_with_nan_query_row(q, k, v, cfg, planner, batch, head, row)
+    outside = ~_confinement(method, cfg, batch, head, row, 4, 2)
+    torch.testing.assert_close(out[outside], clean[outside], rtol=1e-5, atol=1e-6)
+    if method != "s2o":  # the selectors: a query block with non-finite pooled statistics keeps every visible tile
+        vis = block_visibility(NAN_N, NAN_N, plan.block_m, plan.block_n, key_index=plan.key_index, batch=2,
+                               heads=plan.tile_counts.shape[1])
+        visible = expand_heads((vis != VISIBLE_NONE).sum(-1, dtype=torch.int32), plan.tile_counts.shape[1])
+        size = cfg.bfla.coarse_block_size if method == "bfla" else plan.block_m
+        blocks = slice(row // size * size // plan.block_m, (row // size * size + size) // plan.block_m)
+        plan_head = head if plan.tile_counts.shape[1] == 4 else head // 2
+        assert torch.equal(plan.tile_counts[batch, plan_head, blocks], visible[batch, plan_head, blocks])
+
+
+@pytest.mark.parametrize("planner", ["reference", "fast"])
+def test_nan_query_row_in_pbs_last_block_keeps_other_rows_finite(planner):
+    """PBS's key order comes from its last query block: a NaN row there is left out of the importance (one row
+    fewer, documented), so the order may change, but it is not scrambled and no other row goes non-finite."""
+    q, k, v = _nan_inputs()
+    cfg = _config(*PRESETS["pbs"])
+    batch, head = int(torch.randint(2, ())), int(torch.randint(4, ()))
+    row = NAN_N - 1 - int(torch.randint(cfg.pbs.block_size, ()))
+    bad, plan, out = _run_with_nan_query_row(q, k, v, cfg, planner, batch, head, row)
+    # the importance ignores the row: the same order as from the other rows' scores alone
+    importance = pbs_key_importance(bad.double(), k.double(), 1 / math.sqrt(NAN_D), cfg.pbs.block_size)
+    assert bool(torch.isfinite(importance).all())
+    assert_order_agrees(plan.key_index, segmented_argsort_desc(importance, 32, NAN_N // 32).int(), importance,
+                        _pbs_segments(NAN_N, 32), "pbs key order with a NaN row")
+
+
+@pytest.mark.parametrize("planner", ["reference", "fast"])
+@pytest.mark.parametrize("method", list(PRESETS))
+def test_nan_key_reaches_every_row_that_sees_it(method, planner):
+    """A NaN key: every row that sees it in dense attention is NaN (its tile is kept by every block that sees it,
+    and S2O ranks it first, before any early stop); every other row stays finite."""
+    q, k, v = _nan_inputs()
+    cfg = _config(*PRESETS[method])
+    batch, kv_head, j = int(torch.randint(2, ())), int(torch.randint(2, ())), int(torch.randint(NAN_N, ()))
+    bad = k.clone()
+    bad[batch, kv_head, j] = float("nan")
+    _, out = _plan_and_output(q, bad, v, cfg, planner)
+    sees = torch.zeros(out.shape[:3], dtype=torch.bool)
+    sees[batch, 2 * kv_head: 2 * kv_head + 2, j:] = True
+    assert bool(out[sees].isnan().all())
+    assert bool(torch.isfinite(out[~sees]).all())

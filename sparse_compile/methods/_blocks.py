@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.validate import cdiv, expand_heads
 from ..plan import VISIBLE_NONE, VISIBLE_PARTIAL, BlockPlan, block_visibility, plan_from_block_mask
-from ._common import bcast_heads, cdiv
 from ._common import Reordering
 
 __all__ = ["visibility", "diagonal_tiles", "first_key_tile", "finish_plan"]
 
 
-def visibility(num_queries: int, num_keys: int, block_m: int, block_n: int, r: Reordering, batch: int,
+def visibility(num_queries: int, num_keys: int, block_m: int, block_n: int, reordering: Reordering, batch: int,
                heads: int, device) -> torch.Tensor:
     """int8 (B, heads, n_query_blocks, n_key_tiles) visibility of the logical tiling, from ORIGINAL positions."""
-    vis = block_visibility(num_queries, num_keys, block_m, block_n, key_index=r.key_index,
-                           query_index=r.query_index, batch=batch, heads=1, device=device)
-    return bcast_heads(vis.expand(batch, *vis.shape[1:]), heads)
+    vis = block_visibility(num_queries, num_keys, block_m, block_n, key_index=reordering.key_index,
+                           query_index=reordering.query_index, batch=batch, heads=1, device=device)
+    return expand_heads(vis.expand(batch, *vis.shape[1:]), heads)
 
 
-def diagonal_tiles(vis: torch.Tensor, r: Reordering, num_queries: int, num_keys: int, block_m: int,
+def diagonal_tiles(vis: torch.Tensor, reordering: Reordering, num_queries: int, num_keys: int, block_m: int,
                    block_n: int) -> torch.Tensor:
     """Tiles on the causal diagonal of each query block, which every selector except BFLA keeps.
 
@@ -29,9 +29,9 @@ def diagonal_tiles(vis: torch.Tensor, r: Reordering, num_queries: int, num_keys:
     in segment (t*bn)//S because the permutation stays inside segments). Without one: the partially visible
     tiles (those holding the query block's own positions).
     """
-    if r.segment_size is None:
+    if reordering.segment_size is None:
         return vis == VISIBLE_PARTIAL
-    S = r.segment_size
+    S = reordering.segment_size
     nqb, nkt = vis.shape[-2], vis.shape[-1]
     off = num_keys - num_queries
     i = torch.arange(nqb, device=vis.device)
@@ -42,26 +42,26 @@ def diagonal_tiles(vis: torch.Tensor, r: Reordering, num_queries: int, num_keys:
     return on & (vis != VISIBLE_NONE)
 
 
-def first_key_tile(r: Reordering, num_keys: int, block_n: int, batch: int, heads: int, device) -> torch.Tensor:
+def first_key_tile(reordering: Reordering, num_keys: int, block_n: int, batch: int, heads: int, device) -> torch.Tensor:
     """bool (B, heads, 1, n_key_tiles): the logical tile that holds original key 0 (the attention sink).
 
     Identity order: tile 0. With a permutation, wherever key 0 was sorted to (as the PBS code's first-token mask).
     """
-    if r.key_index is None:
+    if reordering.key_index is None:
         nkt = cdiv(num_keys, block_n)
         out = torch.zeros(1, 1, 1, nkt, dtype=torch.bool, device=device)
         out[..., 0] = True
         return out.expand(batch, heads, 1, nkt)
-    ki = r.key_index
+    ki = reordering.key_index
     nkt = cdiv(ki.shape[-1], block_n)
     where = torch.argmax((ki == 0).to(torch.int8), dim=-1)  # (B, Hkv) logical position of key 0
     tiles = torch.arange(nkt, device=device)
     out = (tiles == (where // block_n)[..., None])[:, :, None, :]
-    return bcast_heads(out, heads)
+    return expand_heads(out, heads)
 
 
-def finish_plan(keep: torch.Tensor, vis: torch.Tensor, block_m: int, block_n: int, r: Reordering,
+def finish_plan(keep: torch.Tensor, vis: torch.Tensor, block_m: int, block_n: int, reordering: Reordering,
                 **options) -> BlockPlan:
     """The BlockPlan of a keep mask: invisible tiles dropped, partial ones first (masked), ascending order."""
-    return plan_from_block_mask(keep & (vis != VISIBLE_NONE), vis, block_m, block_n, key_index=r.key_index,
-                                query_index=r.query_index, **options)
+    return plan_from_block_mask(keep & (vis != VISIBLE_NONE), vis, block_m, block_n, key_index=reordering.key_index,
+                                query_index=reordering.query_index, **options)

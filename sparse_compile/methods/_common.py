@@ -1,14 +1,19 @@
-"""Pieces shared by the reorder and select stages: pooling, masked softmax, mass selection, sorting, hashing.
+"""Pieces shared by the reorder and select stages: pooling, masked softmax, mass selection.
 
 Conventions used throughout ``sparse_compile.methods``:
 
 * ``q`` is ``(B, Hq, Nq, D)``, ``k`` is ``(B, Hkv, Nk, D)``, ``Hq = m * Hkv`` (GQA group size ``m``). K is never
   repeated per query head: per-query-head scores against per-KV-head summaries go through ``group_scores``.
 * Selection math runs in float32 (float64 for float64 inputs), whatever the input dtype.
-* Anything that grows like N^2 / c (XAttention's strided scores, BFLA's group scores, PBS's last-block softmax)
+* Anything that grows like N^2 / c (BFLA's group scores, PBS's last-block softmax, S2O's prefix scores)
   is computed in chunks of at most ``CHUNK_ELEMENTS`` elements. Block-level tables ``(N/block)^2`` are
   materialised whole.
 * No host synchronisation: only Python integers derived from shapes and parameters drive control flow.
+* Non-finite inputs stay confined as in dense attention: a pooled score that is not finite keeps its tile
+  (``mass_keep``), and rankings leave non-finite rows out of their means.
+
+The helpers the kernels share with the package live in ``sparse_compile.kernels``: ``cdiv`` and
+``expand_heads`` in ``kernels.validate``, ``hash32`` and ``segmented_argsort_desc`` in ``kernels.host``.
 """
 
 from __future__ import annotations
@@ -18,22 +23,22 @@ from typing import Any, Optional
 
 import torch
 
+from ..kernels.validate import cdiv
+
 __all__ = [
     "CHUNK_ELEMENTS",
     "Unsupported",
     "Reordering",
-    "cdiv",
     "compute_dtype",
     "chunk_count",
-    "bcast_heads",
     "block_mean",
+    "finite_row_mean",
     "block_self_similarity",
     "logical_keys",
     "group_scores",
     "masked_softmax",
     "top_mass",
-    "segmented_argsort_desc",
-    "hash32",
+    "mass_keep",
 ]
 
 #: Upper bound on the element count of any chunked intermediate (about 256 MB in float32).
@@ -67,10 +72,6 @@ class Reordering:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -79,18 +80,6 @@ def chunk_count(elements_per_item: int, budget: Optional[int] = None) -> int:
     """How many items of ``elements_per_item`` elements fit in the chunk budget (at least one)."""
     budget = CHUNK_ELEMENTS if budget is None else budget
     return max(1, budget // max(1, elements_per_item))
-
-
-def bcast_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Dim 1 of ``x`` (1, Hkv or ``heads``) broadcast to ``heads``: a view for 1, a repeat for a KV-head table.
-
-    Only used on block-level tables (never on K/V).
-    """
-    if x.shape[1] == heads:
-        return x
-    if x.shape[1] == 1:
-        return x.expand(x.shape[0], heads, *x.shape[2:])
-    return x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
 def _block_chunks(x: torch.Tensor, block: int, valid: Optional[torch.Tensor], dtype: torch.dtype):
@@ -119,19 +108,33 @@ def _block_chunks(x: torch.Tensor, block: int, valid: Optional[torch.Tensor], dt
 
 
 def block_mean(x: torch.Tensor, block: int, valid: Optional[torch.Tensor] = None,
-               dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+               dtype: Optional[torch.dtype] = None, *, finite_rows: bool = False) -> torch.Tensor:
     """Mean of each block of ``block`` rows of ``x`` (..., N, D) over its valid rows -> (..., ceil(N/block), D).
 
     ``valid`` (broadcastable to ``x[..., 0]``) marks real rows (padding of a permuted key order is invalid).
-    The ragged last block is averaged over the rows it has, not over ``block``. Computed in ``dtype`` (default:
-    ``compute_dtype(x)``), chunk by chunk.
+    The ragged last block is averaged over the rows it has, not over ``block``. A row holding a non-finite value
+    makes its block's mean non-finite, unless ``finite_rows`` leaves such rows out. Computed in ``dtype``
+    (default: ``compute_dtype(x)``), chunk by chunk.
     """
     dtype = compute_dtype(x) if dtype is None else dtype
     out = torch.empty(*x.shape[:-2], cdiv(x.shape[-2], block), x.shape[-1], dtype=dtype, device=x.device)
     for b0, b1, xb, vb in _block_chunks(x, block, valid, dtype):
+        if finite_rows:
+            row_ok = torch.isfinite(xb).all(-1)
+            vb = vb & row_ok
+            xb = torch.where(row_ok[..., None], xb, torch.zeros((), dtype=dtype, device=x.device))
         cnt = vb.sum(-1).to(dtype).clamp_min(1)
         out[..., b0:b1, :] = xb.sum(-2) / cnt[..., None]
     return out
+
+
+def finite_row_mean(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Mean of ``x`` (..., N, D) along ``dim`` (its N axis) over the rows that hold only finite values, 0 where
+    there are none; in ``compute_dtype(x)``. S2O's guide key, in both implementations."""
+    dtype = compute_dtype(x)
+    row_ok = torch.isfinite(x).all(-1, keepdim=True)
+    total = torch.where(row_ok, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(dim, dtype=dtype)
+    return total / row_ok.sum(dim, dtype=dtype).clamp_min(1)
 
 
 def block_self_similarity(x: torch.Tensor, block: int, valid: Optional[torch.Tensor] = None,
@@ -184,88 +187,37 @@ def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return p / torch.where(den > 0, den, torch.ones_like(den))
 
 
-def top_mass(
-    prob: torch.Tensor,
-    candidates: torch.Tensor,
-    tau: float,
-    *,
-    head_start: Optional[torch.Tensor] = None,
-    total: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+def top_mass(prob: torch.Tensor, candidates: torch.Tensor, tau: float) -> torch.Tensor:
     """Keep the fewest highest-mass candidates whose cumulative mass reaches ``tau`` of the row total.
 
     Sort candidates by descending mass (stable: ties keep the lower index) and keep candidate ``r`` iff the mass
-    before it, ``head_start + sum_{r' < r} p_{r'}``, is below ``tau * total``. So the kept mass is >= tau (the
-    block that crosses the threshold is kept) and, for tau > 0, a row with any mass keeps at least one block.
-    This is PBS Algorithm 2 line 13, BFLA Eq. (11) and XAttention's selection rule; SpargeAttn's TopCdf snippet
-    (``cumsum <= tau * sum``) would drop the crossing block, we keep it (coverage >= tau, one rule for all).
+    before it, ``sum_{r' < r} p_{r'}``, is below ``tau`` times the candidates' sum. So the kept mass is >= tau
+    (the block that crosses the threshold is kept) and, for tau > 0, a row with any mass keeps at least one
+    block. This is PBS Algorithm 2 line 13 and BFLA Eq. (11); SpargeAttn's TopCdf snippet (``cumsum <= tau *
+    sum``) would drop the crossing block, we keep it (coverage >= tau, one rule for all).
 
-    ``head_start`` (..., 1) is mass already covered by always-kept blocks (XAttention); ``total`` defaults to the
-    candidates' sum. ``tau >= 1`` keeps every candidate explicitly (no reliance on a float cumsum reaching 1).
+    ``tau >= 1`` keeps every candidate explicitly (no reliance on a float cumsum reaching 1).
     Returns a bool mask, a subset of ``candidates``.
     """
     if tau >= 1.0:
         return candidates.clone()
     p = torch.where(candidates, prob, torch.zeros((), dtype=prob.dtype, device=prob.device))
-    if total is None:
-        total = p.sum(-1, keepdim=True)
+    total = p.sum(-1, keepdim=True)
     sp, order = torch.sort(p, dim=-1, descending=True, stable=True)
     before = torch.cumsum(sp, dim=-1) - sp
-    if head_start is not None:
-        before = before + head_start
     keep_sorted = before < tau * total
     keep = torch.zeros_like(candidates).scatter(-1, order, keep_sorted)
     return keep & candidates
 
 
-def segmented_argsort_desc(scores: torch.Tensor, segment: int, num_segments: int) -> torch.Tensor:
-    """Permutation sorting ``scores`` (..., L) descending inside each of the first ``num_segments`` segments.
+def mass_keep(logits: torch.Tensor, candidates: torch.Tensor, tau: float) -> torch.Tensor:
+    """``top_mass`` of the softmax of ``logits`` over ``candidates``, where a candidate whose logit is not finite
+    (its pooled query or key statistics are not) is kept and leaves the softmax.
 
-    Entries past ``num_segments * segment`` stay in place; the last listed segment may be shorter than
-    ``segment`` (it is padded with -inf, which sorts after every real entry because the sort is stable).
-    Returns int64 physical indices (..., L): position p of a segment holds the index of its p-th best entry.
+    So a query block with a non-finite row keeps every candidate, and a key tile with a non-finite key is kept by
+    every row that has it as a candidate; the other rows and columns are selected as without them. The fast
+    path's ``kernels.mass`` applies the same rule.
     """
-    length = scores.shape[-1]
-    span = min(num_segments * segment, length)
-    if span <= 0:
-        return torch.arange(length, device=scores.device).expand(scores.shape).clone()
-    head = scores[..., :span]
-    pad = num_segments * segment - span
-    head = torch.nn.functional.pad(head, (0, pad), value=float("-inf"))
-    order = torch.argsort(head.unflatten(-1, (num_segments, segment)), dim=-1, descending=True, stable=True)
-    order = order + torch.arange(num_segments, device=scores.device)[:, None] * segment
-    order = order.flatten(-2)[..., :span]
-    tail = torch.arange(span, length, device=scores.device).expand(*scores.shape[:-1], length - span)
-    return torch.cat([order, tail], dim=-1)
-
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    # exact (x * c) mod 2^32 in int64 without overflow: split c into 16-bit halves
-    lo = x * (c & 0xFFFF)
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _MASK32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    # "lowbias32" integer finaliser (C. Wellons): a bijection on 32-bit words, cheap in Triton with uint32
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def hash32(seed: int, *parts: torch.Tensor) -> torch.Tensor:
-    """Deterministic 32-bit hash of integer tensors (broadcast together) under ``seed``, as int64 in [0, 2^32).
-
-    h = mix(seed); for each part: h = mix(h XOR part). Identical on every device; a Triton kernel can reproduce
-    it with uint32 arithmetic (wrapping multiply).
-    """
-    dev = parts[0].device
-    h = _mix32(torch.full((), int(seed) & _MASK32, dtype=torch.int64, device=dev))  # a fill, not a copy
-    for part in parts:
-        h = _mix32(h ^ (part.long() & _MASK32))
-    return h
+    unreadable = candidates & ~torch.isfinite(logits)
+    readable = candidates & ~unreadable
+    return top_mass(masked_softmax(logits, readable), readable, tau) | unreadable

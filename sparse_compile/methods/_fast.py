@@ -1,14 +1,16 @@
-"""Shared pieces of the GPU fast path of the reorder and select stages: the same plans as the PyTorch references, from Triton kernels.
+"""Shared pieces of the GPU fast path of the reorder and select stages: the same plans as the PyTorch references,
+from Triton kernels.
 
-Each function here has the signature of the reference stage it replaces and returns the same ``Reordering`` /
-``BlockPlan`` (same shapes, same tile order, same ``key_index`` layout); the references are the specification and
-``tests/test_selection_fast.py`` checks the agreement. What changes is how the numbers are computed
-(``sparse_compile.kernels.selection``):
+Each method module's ``*_fast`` stages have the signature of the reference stage they replace and return the same
+``Reordering`` / ``BlockPlan`` (same shapes, same tile order, same ``key_index`` layout); the references are the
+specification and ``tests/test_selection_fast.py`` checks the agreement. What changes is how the numbers are
+computed (``sparse_compile.kernels``: ``pooling``, ``mass``, ``sorting``, ``pbs``, ``bfla``, ``s2o``):
 
 * one pass over Q and over K for all pooled statistics (means, SpargeAttn's self-similarity, the positions of a
   permuted tiling), read through ``key_index`` instead of a permuted copy of K;
 * pooled scores only for causally visible tiles, per GQA group without repeating K;
-* the cumulative-mass selection fused with writing the plan rows (no boolean tables, no int64 argsorts);
+* the cumulative-mass selection fused with writing the plan rows (no boolean tables, no int64 argsorts), driven
+  by a ``MassRule`` that each method builds;
 * BFLA's flatten-g scores as a tensor-core matmul with a max epilogue, its tile stage fused with the plan;
 * PBS's importance in two Triton passes with the in-segment sort fused into the second;
 * S2O's per-segment prefix ranking as one radix sort of packed (segment, score, position) keys.
@@ -18,59 +20,60 @@ products, prefix masses), so a quantity that sits on a decision boundary within 
 at tau, two keys with scores equal to ~1e-7 relative, a self-similarity exactly at theta) may fall the other way.
 
 Inputs: CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``, where bf16 runs in float32 because the
-interpreter's bf16 ``tl.dot`` is wrong), float16/bfloat16/float32. Everything runs without host synchronisation;
-host work is shape arithmetic, cached per shape.
+interpreter's bf16 ``tl.dot`` is wrong), in ``kernels.validate.SUPPORTED_DTYPES``. Everything runs without host
+synchronisation; host work is shape arithmetic, cached per shape.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 
+from ..kernels.validate import SUPPORTED_DTYPES
 from ..plan import BlockPlan
 from ._common import Reordering
 
-__all__ = ["available", "FAST_DTYPES", "selection_kernels", "plan_from_tables", "seg_bound", "check_selectable"]
-
-FAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@functools.lru_cache(maxsize=1)
-def selection_kernels():
-    from ..kernels import selection  # imports Triton: only when the fast path is used
-
-    return selection
+__all__ = ["available", "tile_grid", "plan_from_tables", "segment_bound", "check_selectable"]
 
 
 def available(q: torch.Tensor, k: torch.Tensor) -> Optional[str]:
     """None when the fast path can run on these inputs, else the reason it cannot."""
-    if q.dtype not in FAST_DTYPES or k.dtype not in FAST_DTYPES:
-        return f"dtype {q.dtype}: the fast path runs float16, bfloat16 and float32"
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+        return f"dtype {q.dtype}: the fast path runs {names}"
     try:
-        sel = selection_kernels()
+        from ..kernels import common  # imports Triton: only when the fast path is asked for
     except Exception as exc:  # noqa: BLE001 - no Triton (or a broken one): the references still work
         return f"Triton unavailable ({type(exc).__name__}: {exc})"
-    if not q.is_cuda and not sel.interpreting():
+    if not q.is_cuda and not common.interpreting():
         return "inputs are not on a CUDA device (set TRITON_INTERPRET=1 to run the kernels on the CPU)"
     return None
 
 
-def seg_bound(r: Reordering) -> int:
-    # original positions of logical keys: in order, or permuted inside PBS segments
-    return r.segment_size if (r.key_index is not None and r.segment_size) else 1
+def tile_grid(q: torch.Tensor, k: torch.Tensor, reordering: Reordering, block_m: int, block_n: int):
+    """The ``kernels.common.TileGrid`` of ``q``/``k`` in ``reordering``'s logical key order."""
+    from ..kernels.common import TileGrid
+
+    key_length = reordering.key_index.shape[-1] if reordering.key_index is not None else k.shape[2]
+    return TileGrid(batch=q.shape[0], heads=q.shape[1], kv_heads=k.shape[1], num_queries=q.shape[2],
+                    num_keys=k.shape[2], key_length=key_length, block_m=block_m, block_n=block_n, device=q.device)
 
 
-def check_selectable(r: Reordering) -> None:
-    # the fast selectors know the layouts of the built-in reorders only (bounds of the causal region)
-    if r.query_index is not None or (r.key_index is not None and not r.segment_size):
-        raise ValueError(f"fast selectors take the 'none' or 'pbs' reorder, got {r.name!r}")
+def segment_bound(reordering: Reordering) -> int:
+    """Original positions of logical keys: in order (1), or permuted inside PBS segments (the segment)."""
+    return reordering.segment_size if (reordering.key_index is not None and reordering.segment_size) else 1
 
 
-def plan_from_tables(bm, bn, tables, r: Reordering, **options) -> BlockPlan:
-    offs, cnt, msk = tables[:3]
-    return BlockPlan(block_m=bm, block_n=bn, tile_offsets=offs, tile_counts=cnt, masked_counts=msk,
-                     key_index=r.key_index, query_index=r.query_index, **options)
+def check_selectable(reordering: Reordering) -> None:
+    """The fast selectors know the layouts of the built-in reorders only (bounds of the causal region)."""
+    if reordering.query_index is not None or (reordering.key_index is not None and not reordering.segment_size):
+        raise ValueError(f"fast selectors take the 'none' or 'pbs' reorder, got {reordering.name!r}")
 
+
+def plan_from_tables(block_m: int, block_n: int, tables, reordering: Reordering, **options) -> BlockPlan:
+    """The ``BlockPlan`` of ``kernels.common.PlanTables`` in ``reordering``'s order (options: early stop, P.V skip)."""
+    return BlockPlan(block_m=block_m, block_n=block_n, tile_offsets=tables.tile_offsets,
+                     tile_counts=tables.tile_counts, masked_counts=tables.masked_counts,
+                     key_index=reordering.key_index, query_index=reordering.query_index, **options)
 

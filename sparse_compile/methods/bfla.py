@@ -28,6 +28,13 @@ Only causally visible tiles are ever kept. Under a PBS permutation, band and sin
 
 Memory: group scores are computed for chunks of coarse query blocks (at most ``CHUNK_ELEMENTS`` elements each);
 the kept tables are (N/b)^2 and (N/tile)^2.
+
+Non-finite inputs (not in the paper; kept confined as in dense attention): a block score that is not finite (a
+group holding a non-finite query or key) keeps its coarse block and leaves the softmax (``mass_keep``): a NaN
+query row makes its coarse query block keep every visible coarse block, a NaN key is computed by every block
+that sees it. Because the tile mask is shared by the GQA group, a NaN query row changes the tiles of every query
+head of its KV group inside its coarse query block (their rows stay finite; rows outside the coarse block are
+unchanged). A NaN in V is read only where its tile is selected (no selector reads V).
 """
 
 from __future__ import annotations
@@ -37,22 +44,13 @@ from dataclasses import dataclass
 import torch
 
 from ..config import MethodParams, check_block, check_fraction, check_int, fail
+from ..kernels.host import hash32
+from ..kernels.validate import cdiv, expand_heads
 from ..plan import VISIBLE_NONE, BlockPlan
 from ..registry import DensityKnob, Method, register_method
 from ._blocks import finish_plan, visibility
-from ._common import (
-    Reordering,
-    bcast_heads,
-    cdiv,
-    chunk_count,
-    compute_dtype,
-    group_scores,
-    hash32,
-    logical_keys,
-    masked_softmax,
-    top_mass,
-)
-from ._fast import check_selectable, plan_from_tables, seg_bound, selection_kernels
+from ._common import Reordering, chunk_count, compute_dtype, group_scores, logical_keys, mass_keep
+from ._fast import check_selectable, plan_from_tables, segment_bound, tile_grid
 
 __all__ = ["BFLAParams", "select_bfla", "select_bfla_fast", "bfla_block_scores", "RANDOM_SALT"]
 
@@ -109,7 +107,9 @@ RANDOM_SALT = 0x5851F42D
 
 
 def bfla_block_scores(q: torch.Tensor, k: torch.Tensor, block: int, group: int, key_index=None) -> torch.Tensor:
-    """Steps 1-2: max-over-group-pairs block scores (B, Hq, ceil(Nq/b), ceil(L/b)) (unscaled, unmasked)."""
+    """Steps 1-2: max-over-group-pairs block scores (B, Hq, ceil(Nq/b), ceil(L/b)) (unscaled, unmasked).
+
+    A block pair with a non-finite group product (a group holding a non-finite row) scores NaN."""
     B, Hq, Nq, D = q.shape
     Hkv = k.shape[1]
     cdt = compute_dtype(q)
@@ -121,7 +121,7 @@ def bfla_block_scores(q: torch.Tensor, k: torch.Tensor, block: int, group: int, 
     pk = torch.nn.functional.pad(keys.to(cdt), (0, 0, 0, lk * block - L)).reshape(B, Hkv, lk * G, group * D)
     qlive = torch.arange(lq * G, device=dev) * group < Nq
     klive = torch.nn.functional.pad(valid, (0, lk * block - L)).view(*valid.shape[:2], lk * G, group).any(-1)
-    klive = bcast_heads(klive, Hq)  # (B|1, Hq, lk*G)
+    klive = expand_heads(klive, Hq)  # (B|1, Hq, lk*G)
     neg = torch.finfo(cdt).min
     out = torch.empty(B, Hq, lq, lk, dtype=cdt, device=dev)
     step = chunk_count(B * Hq * G * lk * G)
@@ -131,84 +131,86 @@ def bfla_block_scores(q: torch.Tensor, k: torch.Tensor, block: int, group: int, 
         qc = q[:, :, i0 * block: min(i1 * block, Nq)].to(cdt)  # cast chunk by chunk
         qc = torch.nn.functional.pad(qc, (0, 0, 0, (i1 - i0) * block - qc.shape[2]))
         z = group_scores(qc.reshape(B, Hq, (i1 - i0) * G, group * D), pk)  # (B, Hq, c*G, lk*G)
-        z = torch.where(qlive[rows, None] & klive[:, :, None, :], z, torch.full((), neg, dtype=cdt, device=dev))
-        out[:, :, i0:i1] = z.view(B, Hq, i1 - i0, G, lk, G).amax((3, 5))
+        live = qlive[rows, None] & klive[:, :, None, :]
+        nonfinite = (live & ~torch.isfinite(z)).view(B, Hq, i1 - i0, G, lk, G).any(5).any(3)
+        z = torch.where(live, z, torch.full((), neg, dtype=cdt, device=dev))
+        best = z.view(B, Hq, i1 - i0, G, lk, G).amax((3, 5))
+        out[:, :, i0:i1] = torch.where(nonfinite, torch.full((), float("nan"), dtype=cdt, device=dev), best)
     return out
 
 
-def select_bfla(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, config) -> BlockPlan:
-    p = config.params_of("bfla")
-    b, tq, tk = p.coarse_block_size, p.tile_size_q, p.tile_size_kv
-    B, Hq, Nq, _ = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+def select_bfla(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
+    params = config.params_of("bfla")
+    coarse, tile_q, tile_k = params.coarse_block_size, params.tile_size_q, params.tile_size_kv
+    batch, heads_q, num_queries, _ = q.shape
+    heads_kv, num_keys = k.shape[1], k.shape[2]
     dev = q.device
-    tvis = visibility(Nq, Nk, tq, tk, r, B, Hkv, dev)  # per KV head: the tile mask is shared by the group
-    tvisible = tvis != VISIBLE_NONE
-    if p.mass_threshold >= 1.0:
-        return finish_plan(tvisible, tvis, tq, tk, r)
+    # per KV head: the tile mask is shared by the group
+    tile_vis = visibility(num_queries, num_keys, tile_q, tile_k, reordering, batch, heads_kv, dev)
+    tile_visible = tile_vis != VISIBLE_NONE
+    if params.mass_threshold >= 1.0:
+        return finish_plan(tile_visible, tile_vis, tile_q, tile_k, reordering)
 
     # stage 1: coarse mass selection per query head, OR-ed over the GQA group
-    cvis = visibility(Nq, Nk, b, b, r, B, Hq, dev) != VISIBLE_NONE
-    alpha = p.score_scale if p.score_scale is not None else scale
-    score = bfla_block_scores(q, k, b, p.group_size, r.key_index) * alpha
-    mass = top_mass(masked_softmax(score, cvis), cvis, p.mass_threshold)
-    mass = mass.view(B, Hkv, Hq // Hkv, *mass.shape[2:]).any(2)  # (B, Hkv, Lq, Lk)
+    coarse_visible = visibility(num_queries, num_keys, coarse, coarse, reordering, batch, heads_q, dev) != VISIBLE_NONE
+    alpha = params.score_scale if params.score_scale is not None else scale
+    score = bfla_block_scores(q, k, coarse, params.group_size, reordering.key_index) * alpha
+    mass = mass_keep(score, coarse_visible, params.mass_threshold)
+    mass = mass.view(batch, heads_kv, heads_q // heads_kv, *mass.shape[2:]).any(2)  # (B, Hkv, Lq, Lk)
 
     # stage 2: expand to tiles, then band, sink and the two rescues
-    nqt, nkt = tvis.shape[-2], tvis.shape[-1]
+    nqt, nkt = tile_vis.shape[-2], tile_vis.shape[-1]
     i = torch.arange(nqt, device=dev)
     j = torch.arange(nkt, device=dev)
-    keep = mass[:, :, (i * tq // b)][:, :, :, (j * tk // b)]
-    off = Nk - Nq
-    first = (off + i * tq) // tk - p.local_tiles
-    last = (off + torch.clamp((i + 1) * tq, max=Nq) - 1) // tk
+    keep = mass[:, :, (i * tile_q // coarse)][:, :, :, (j * tile_k // coarse)]
+    off = num_keys - num_queries
+    first = (off + i * tile_q) // tile_k - params.local_tiles
+    last = (off + torch.clamp((i + 1) * tile_q, max=num_queries) - 1) // tile_k
     band = (j[None, :] >= first[:, None]) & (j[None, :] <= last[:, None])
-    keep = keep | band | (j < p.sink_tiles)
-    if p.stride > 0:
-        dropped = tvisible & ~keep
-        chi = hash32(p.seed, i[:, None], j[None, :])
-        keep = keep | (dropped & (chi % p.stride == 0))
-    if p.random_rescue > 0:
-        dropped = tvisible & ~keep
-        psi = hash32(p.seed ^ RANDOM_SALT, torch.arange(Hkv, device=dev)[:, None, None], i[:, None], j[None, :])
-        keep = keep | (dropped & (psi < int(p.random_rescue * 2**32)))
-    return finish_plan(keep, tvis, tq, tk, r)
+    keep = keep | band | (j < params.sink_tiles)
+    if params.stride > 0:
+        dropped = tile_visible & ~keep
+        chi = hash32(params.seed, i[:, None], j[None, :])
+        keep = keep | (dropped & (chi % params.stride == 0))
+    if params.random_rescue > 0:
+        dropped = tile_visible & ~keep
+        psi = hash32(params.seed ^ RANDOM_SALT, torch.arange(heads_kv, device=dev)[:, None, None], i[:, None],
+                     j[None, :])
+        keep = keep | (dropped & (psi < int(params.random_rescue * 2**32)))
+    return finish_plan(keep, tile_vis, tile_q, tile_k, reordering)
 
 
 # -- GPU fast path: the same plans from Triton kernels ----------------------------------------------------------
-def select_bfla_fast(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, config) -> BlockPlan:
-    """= ``bfla.select_bfla`` (flatten-g mass per query head, OR over the group, tile rescue), per KV head."""
-    check_selectable(r)
-    sel = selection_kernels()
-    p = config.params_of("bfla")
-    b, tq, tk = p.coarse_block_size, p.tile_size_q, p.tile_size_kv
-    B, Hq, Nq, _ = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    L = r.key_index.shape[-1] if r.key_index is not None else Nk
-    seg = r.segment_size or 0
-    tpos = None
-    if r.key_index is not None:
-        tpos = sel.block_pool(k, tk, key_index=r.key_index, want_mean=False, want_pos=True)
-    keep_all = p.mass_threshold >= 1.0
-    mass = None
-    if not keep_all:
-        cpos = None
-        if r.key_index is not None:
-            cpos = sel.block_pool(k, b, key_index=r.key_index, want_mean=False, want_pos=True)
-        score = sel.bfla_block_scores(q, k, b, p.group_size, r.key_index, seg_bound(r))
-        mass = sel.mass_select(
-            score, batch=B, heads=Hq, kv_heads=Hkv, num_query_blocks=cdiv(Nq, b), num_key_tiles=cdiv(L, b),
-            num_queries=Nq, num_keys=Nk, block_m=b, block_n=b,
-            scale=p.score_scale if p.score_scale is not None else scale, tau=p.mass_threshold, segment=seg,
-            tile_pos=cpos, write_plan=False, write_keep=True, device=q.device,
-        )[3]
-    tables = sel.bfla_tiles(
-        mass, batch=B, kv_heads=Hkv, group=Hq // Hkv, num_queries=Nq, num_keys=Nk, key_len=L, coarse=b,
-        tile_q=tq, tile_k=tk, local_tiles=p.local_tiles, sink_tiles=p.sink_tiles, stride=p.stride,
-        random_rescue=p.random_rescue, seed=p.seed, tile_pos=tpos, keep_all=keep_all, segment=seg,
-        device=q.device,
+def select_bfla_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
+    """= ``select_bfla`` (flatten-g mass per query head, OR over the group, tile rescue), per KV head."""
+    from ..kernels.bfla import bfla_block_scores as block_scores_fast
+    from ..kernels.bfla import bfla_tiles
+    from ..kernels.mass import MassRule, mass_select
+    from ..kernels.pooling import block_pool
+
+    check_selectable(reordering)
+    params = config.params_of("bfla")
+    coarse, tile_q, tile_k = params.coarse_block_size, params.tile_size_q, params.tile_size_kv
+    segment = reordering.segment_size or 0
+    permuted = reordering.key_index is not None
+    rule = MassRule(threshold=params.mass_threshold, segment=segment,
+                    scale=params.score_scale if params.score_scale is not None else scale)
+    coarse_keep = None
+    if not rule.keeps_all:
+        coarse_positions = (block_pool(k, coarse, key_index=reordering.key_index, want_mean=False,
+                                       want_positions=True) if permuted else None)
+        score = block_scores_fast(q, k, coarse, params.group_size, reordering.key_index, segment_bound(reordering))
+        coarse_keep = mass_select(tile_grid(q, k, reordering, coarse, coarse), rule, score,
+                                  key_tiles=coarse_positions, keep_table=True)
+    tile_positions = (block_pool(k, tile_k, key_index=reordering.key_index, want_mean=False, want_positions=True)
+                      if permuted else None)
+    tables = bfla_tiles(
+        tile_grid(q, k, reordering, tile_q, tile_k), coarse_keep, coarse=coarse, local_tiles=params.local_tiles,
+        sink_tiles=params.sink_tiles, stride=params.stride, stride_seed=params.seed,
+        random_rescue=params.random_rescue, random_seed=params.seed ^ RANDOM_SALT, key_tiles=tile_positions,
+        segment=segment,
     )
-    return plan_from_tables(tq, tk, tables, r)
+    return plan_from_tables(tile_q, tile_k, tables, reordering)
 
 
 register_method(Method(

@@ -20,6 +20,14 @@ Per query head h, query block i (block size B both ways, logical order):
 GQA: selection per query head (pooled queries are per head; pooled keys per KV head are shared, not repeated),
 as in the paper, which selects per head; the kernel runs one program per query head anyway.
 With reorder ``none`` this is the paper's MeanPooling baseline (first and most recent key blocks forced).
+
+Non-finite inputs (not in the paper; kept confined as in dense attention): a query block or key tile whose pooled
+mean is not finite gives non-finite scores, and such a tile is kept and leaves the softmax (``mass_keep``), so a
+NaN query row makes its block keep every visible tile and a NaN key is computed by every block that sees it. The
+importance ignores non-finite scores (such a key gets no mass from that row, such a row gives none). What stays
+inexact: a NaN query row in the LAST query block changes the importance of its KV head (one row fewer), hence
+possibly its key order, so every block of the GQA group's heads may select differently (rows stay finite); and a
+NaN in V is read only where its tile is selected (no selector reads V).
 """
 
 from __future__ import annotations
@@ -29,22 +37,12 @@ from dataclasses import dataclass
 import torch
 
 from ..config import MethodParams, check_block, check_fraction, check_int, fail
+from ..kernels.host import segmented_argsort_desc
 from ..plan import VISIBLE_NONE, BlockPlan
 from ..registry import DensityKnob, Method, register_method
 from ._blocks import diagonal_tiles, finish_plan, first_key_tile, visibility
-from ._common import (
-    Reordering,
-    block_mean,
-    cdiv,
-    chunk_count,
-    compute_dtype,
-    group_scores,
-    logical_keys,
-    masked_softmax,
-    segmented_argsort_desc,
-    top_mass,
-)
-from ._fast import check_selectable, plan_from_tables, seg_bound, selection_kernels
+from ._common import Reordering, block_mean, chunk_count, compute_dtype, group_scores, logical_keys, mass_keep
+from ._fast import check_selectable, plan_from_tables, segment_bound, tile_grid
 
 __all__ = ["PBSParams", "pbs_key_importance", "reorder_pbs", "select_pbs", "reorder_pbs_fast", "select_pbs_fast"]
 
@@ -76,41 +74,42 @@ def pbs_key_importance(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int
     ``rows`` = the last ``min(rows, Nq)`` query rows (a full block, even when Nq is not a multiple of the block).
     The softmax is causal (a row gives no mass to keys after its own position; with Nq == Nk only keys inside
     the last, always-kept segment are affected). GQA: the mean also runs over the group's query heads, so one
-    key order serves the whole group and K/V are permuted once per KV head.
+    key order serves the whole group and K/V are permuted once per KV head. A non-finite score leaves its row's
+    softmax like a future key (a non-finite row gives every key 0), so importances are always finite.
     Never forms the (rows x Nk) matrix whole: two passes over key chunks (log-sum-exp, then the mean).
     Returns (B, Hkv, Nk) in the compute dtype.
     """
-    B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    m = Hq // Hkv
-    r = min(rows, Nq)
+    batch, heads_q, num_queries, _ = q.shape
+    heads_kv, num_keys = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    rows = min(rows, num_queries)
     cdt = compute_dtype(q)
-    ql = q[:, :, Nq - r:].to(cdt)  # (B, Hq, r, D)
-    qpos = torch.arange(Nq - r, Nq, device=q.device) + (Nk - Nq)  # absolute positions of those rows
-    step = chunk_count(B * Hq * r)
+    q_last = q[:, :, num_queries - rows:].to(cdt)  # (B, Hq, rows, D)
+    positions = torch.arange(num_queries - rows, num_queries, device=q.device) + (num_keys - num_queries)
+    step = chunk_count(batch * heads_q * rows)
     neg = torch.finfo(cdt).min
 
-    def logits(c0: int, c1: int) -> torch.Tensor:
-        z = group_scores(ql, k[:, :, c0:c1].to(cdt)) * scale  # (B, Hq, r, c)
-        vis = torch.arange(c0, c1, device=q.device)[None, :] <= qpos[:, None]
-        return torch.where(vis, z, torch.full((), neg, dtype=cdt, device=q.device)), vis
+    def logits(c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        z = group_scores(q_last, k[:, :, c0:c1].to(cdt)) * scale  # (B, Hq, rows, c)
+        counted = (torch.arange(c0, c1, device=q.device)[None, :] <= positions[:, None]) & torch.isfinite(z)
+        return torch.where(counted, z, torch.full((), neg, dtype=cdt, device=q.device)), counted
 
     # pass 1: running max and sum of exp per row
-    mx = torch.full((B, Hq, r), neg, dtype=cdt, device=q.device)
-    se = torch.zeros((B, Hq, r), dtype=cdt, device=q.device)
-    for c0 in range(0, Nk, step):
-        z, vis = logits(c0, min(c0 + step, Nk))
+    mx = torch.full((batch, heads_q, rows), neg, dtype=cdt, device=q.device)
+    se = torch.zeros((batch, heads_q, rows), dtype=cdt, device=q.device)
+    for c0 in range(0, num_keys, step):
+        z, counted = logits(c0, min(c0 + step, num_keys))
         new = torch.maximum(mx, z.amax(-1))
-        se = se * torch.exp(mx - new) + (torch.exp(z - new[..., None]) * vis).sum(-1)
+        se = se * torch.exp(mx - new) + (torch.exp(z - new[..., None]) * counted).sum(-1)
         mx = new
-    lse = mx + torch.log(se)
+    lse = mx + torch.log(se)  # -inf for a row with no finite score: its probabilities below are all masked
     # pass 2: probabilities, averaged over the rows of every query head of the group
-    out = torch.empty((B, Hkv, Nk), dtype=cdt, device=q.device)
-    for c0 in range(0, Nk, step):
-        c1 = min(c0 + step, Nk)
-        z, vis = logits(c0, c1)
-        p = torch.exp(z - lse[..., None]) * vis
-        out[:, :, c0:c1] = p.view(B, Hkv, m * r, c1 - c0).mean(2)
+    out = torch.empty((batch, heads_kv, num_keys), dtype=cdt, device=q.device)
+    for c0 in range(0, num_keys, step):
+        c1 = min(c0 + step, num_keys)
+        z, counted = logits(c0, c1)
+        prob = torch.where(counted, torch.exp(z - lse[..., None]), torch.zeros((), dtype=cdt, device=q.device))
+        out[:, :, c0:c1] = prob.view(batch, heads_kv, group * rows, c1 - c0).mean(2)
     return out
 
 
@@ -122,71 +121,67 @@ def reorder_pbs(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reord
     GQA, permuting queries would cost per query head). Works for chunked prefill (Nq < Nk): segments are over
     the absolute key positions.
     """
-    p = config.params_of("pbs")
-    Nk = k.shape[2]
-    s = pbs_key_importance(q, k, scale, p.block_size)
-    perm = segmented_argsort_desc(s, p.segment_size, Nk // p.segment_size)
-    return Reordering("pbs", key_index=perm.to(torch.int32).contiguous(), segment_size=p.segment_size)
+    params = config.params_of("pbs")
+    num_keys = k.shape[2]
+    importance = pbs_key_importance(q, k, scale, params.block_size)
+    perm = segmented_argsort_desc(importance, params.segment_size, num_keys // params.segment_size)
+    return Reordering("pbs", key_index=perm.to(torch.int32).contiguous(), segment_size=params.segment_size)
 
 
-def select_pbs(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, config) -> BlockPlan:
-    p = config.params_of("pbs")
-    bs = p.block_size
-    B, Hq, Nq, _ = q.shape
-    Nk = k.shape[2]
-    vis = visibility(Nq, Nk, bs, bs, r, B, Hq, q.device)
+def select_pbs(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
+    params = config.params_of("pbs")
+    bs = params.block_size
+    batch, heads_q, num_queries, _ = q.shape
+    num_keys = k.shape[2]
+    vis = visibility(num_queries, num_keys, bs, bs, reordering, batch, heads_q, q.device)
     visible = vis != VISIBLE_NONE
-    if p.threshold >= 1.0:
-        return finish_plan(visible, vis, bs, bs, r)
+    if params.threshold >= 1.0:
+        return finish_plan(visible, vis, bs, bs, reordering)
     cdt = compute_dtype(q)
-    keys, valid = logical_keys(k, r.key_index)
-    qbar = block_mean(q, bs, dtype=cdt)
-    kbar = block_mean(keys, bs, valid, dtype=cdt)
-    diag = diagonal_tiles(vis, r, Nq, Nk, bs, bs)
-    cand = visible & ~diag if r.segment_size is not None else visible
-    prob = masked_softmax(group_scores(qbar, kbar) * scale, cand)
-    keep = top_mass(prob, cand, p.threshold) | diag
-    if p.keep_first_block:
-        keep = keep | first_key_tile(r, Nk, bs, B, Hq, q.device)
-    return finish_plan(keep, vis, bs, bs, r)
+    keys, valid = logical_keys(k, reordering.key_index)
+    query_mean = block_mean(q, bs, dtype=cdt)
+    key_mean = block_mean(keys, bs, valid, dtype=cdt)
+    diag = diagonal_tiles(vis, reordering, num_queries, num_keys, bs, bs)
+    candidates = visible & ~diag if reordering.segment_size is not None else visible
+    keep = mass_keep(group_scores(query_mean, key_mean) * scale, candidates, params.threshold) | diag
+    if params.keep_first_block:
+        keep = keep | first_key_tile(reordering, num_keys, bs, batch, heads_q, q.device)
+    return finish_plan(keep, vis, bs, bs, reordering)
 
 
 # -- GPU fast path: the same plans from Triton kernels ----------------------------------------------------------
 def reorder_pbs_fast(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reordering:
-    """= ``reorder.reorder_pbs``: importance of the last query block, keys sorted inside segments."""
-    p = config.params_of("pbs")
-    perm = selection_kernels().pbs_key_permutation(q, k, scale, p.block_size, p.segment_size)
-    return Reordering("pbs", key_index=perm, segment_size=p.segment_size)
+    """= ``reorder_pbs``: importance of the last query block, keys sorted inside segments."""
+    from ..kernels.pbs import pbs_key_permutation
+
+    params = config.params_of("pbs")
+    perm = pbs_key_permutation(q, k, scale, params.block_size, params.segment_size)
+    return Reordering("pbs", key_index=perm, segment_size=params.segment_size)
 
 
-def select_pbs_fast(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, config) -> BlockPlan:
-    """= ``pbs.select_pbs`` (MeanPooling block selection)."""
-    check_selectable(r)
-    sel = selection_kernels()
-    p = config.params_of("pbs")
-    bs = p.block_size
-    B, Hq, Nq, _ = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    L = r.key_index.shape[-1] if r.key_index is not None else Nk
-    nqb, nkt = cdiv(Nq, bs), cdiv(L, bs)
-    keep_all = p.threshold >= 1.0
-    kpool = None
-    if r.key_index is not None or not keep_all:
-        kpool = sel.block_pool(k, bs, key_index=r.key_index, want_mean=not keep_all,
-                               want_pos=r.key_index is not None)
-    logits = None
-    if not keep_all:
-        qbar = sel.block_pool(q, bs)["mean"]
-        logits = sel.pooled_logits(qbar, kpool["mean"], block_m=bs, block_n=bs, num_queries=Nq, num_keys=Nk,
-                                   seg_bound=seg_bound(r))
-    seg = r.segment_size or 0
-    tables = sel.mass_select(
-        logits, batch=B, heads=Hq, kv_heads=Hkv, num_query_blocks=nqb, num_key_tiles=nkt, num_queries=Nq,
-        num_keys=Nk, block_m=bs, block_n=bs, scale=scale, tau=p.threshold, segment=seg,
-        tile_pos=kpool if r.key_index is not None else None, exclude_diag=seg > 0, force_diag=True,
-        force_first=p.keep_first_block, keep_all=keep_all, device=q.device,
-    )
-    return plan_from_tables(bs, bs, tables, r)
+def select_pbs_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
+    """= ``select_pbs`` (MeanPooling block selection)."""
+    from ..kernels.mass import MassRule, mass_select
+    from ..kernels.pooling import block_pool, pooled_logits
+
+    check_selectable(reordering)
+    params = config.params_of("pbs")
+    bs = params.block_size
+    grid = tile_grid(q, k, reordering, bs, bs)
+    segment = reordering.segment_size or 0
+    rule = MassRule(threshold=params.threshold, scale=scale, segment=segment, keep_diagonal=True,
+                    diagonal_in_softmax=segment == 0, keep_first_key=params.keep_first_block)
+    permuted = reordering.key_index is not None
+    key_tiles = logits = None
+    if permuted or not rule.keeps_all:
+        key_tiles = block_pool(k, bs, key_index=reordering.key_index, want_mean=not rule.keeps_all,
+                               want_positions=permuted)
+    if not rule.keeps_all:
+        logits = pooled_logits(block_pool(q, bs).mean, key_tiles.mean, block_m=bs, block_n=bs,
+                               num_queries=grid.num_queries, num_keys=grid.num_keys,
+                               segment_bound=segment_bound(reordering))
+    tables = mass_select(grid, rule, logits, key_tiles=key_tiles)
+    return plan_from_tables(bs, bs, tables, reordering)
 
 
 register_method(Method(

@@ -19,6 +19,14 @@ ablation (Table 3) describes the window as the intra-segment pass that avoids sp
 
 Selection is thus nothing up front: every causal tile is listed; the kernel decides online how far down the
 ranked list to go. Tile tables are per query head (query sorting is per head), (B, Hq, N/bm, <= N/bn + S/bn).
+
+Non-finite inputs (not in the paper; kept confined as in dense attention): the guide key and the segment query
+means leave non-finite rows out, and a non-finite ranking score ranks first (as +inf, ties by position). So a
+key whose scores are not finite is visited before any early stop can pass it (its NaN reaches every row that
+sees it, as in dense attention), and a NaN query row does not scramble the rankings. What stays inexact: a NaN
+query row moves within its segment's query order and its segment's query mean loses that row, so the rows of its
+segment (in every query head of its GQA group) may stop at other tiles than without it; they stay finite, and
+other segments are unchanged. A NaN in V is read only where its tile is visited (no ranking reads V).
 """
 
 from __future__ import annotations
@@ -29,10 +37,12 @@ from dataclasses import dataclass
 import torch
 
 from ..config import MethodParams, check_block, check_fraction, check_int, fail
+from ..kernels.host import segmented_argsort_desc
+from ..kernels.validate import cdiv
 from ..plan import BlockPlan
 from ..registry import DensityKnob, Method, register_method
-from ._common import Reordering, Unsupported, block_mean, cdiv, chunk_count, compute_dtype, segmented_argsort_desc
-from ._fast import plan_from_tables, selection_kernels
+from ._common import Reordering, Unsupported, block_mean, chunk_count, compute_dtype, finite_row_mean
+from ._fast import plan_from_tables
 
 __all__ = ["S2OParams", "S2OLayout", "s2o_layout", "s2o_segment_tensors", "reorder_s2o", "select_s2o",
            "reorder_s2o_fast", "select_s2o_fast"]
@@ -104,6 +114,19 @@ def s2o_layout(n: int, segment: int, block_n: int) -> S2OLayout:
     return S2OLayout(segment, tuple(seg_len), tuple(intra_pad), tuple(prefix_len), tuple(base), acc)
 
 
+def _full_prefill_shape(q: torch.Tensor, k: torch.Tensor) -> tuple:
+    """q's shape (B, Hq, N, D); ``Unsupported`` unless N == Nk (the paper's segments describe a full prefill)."""
+    if q.shape[2] != k.shape[2]:
+        raise Unsupported(f"s2o: needs a full prefill (Nq == Nk), got Nq={q.shape[2]}, Nk={k.shape[2]}")
+    return tuple(q.shape)
+
+
+def _rank_first_if_nonfinite(scores: torch.Tensor) -> torch.Tensor:
+    # NaN has no order: a non-finite score ranks first (+inf), ties by position (stable sorts)
+    return torch.where(torch.isfinite(scores), scores, torch.full((), float("inf"), dtype=scores.dtype,
+                                                                  device=scores.device))
+
+
 def reorder_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reordering:
     """S2O Algorithm 1 (intra-segment lightweight ranking), laid out as one logical key list for the plan.
 
@@ -118,44 +141,42 @@ def reorder_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reord
       segment its own keys in original order (padded with -1 to a multiple of block_size_kv), then its ranked
       prefix. The select stage points each query block at its segment's part. Memory O(N^2/S) int32: this is
       the paper's KV_perm table itself; at N=128K, S=2048 about 17 MB per KV head.
+    * Non-finite rows are left out of k_guide and q_mean; non-finite scores rank first (module docstring).
     Requires Nq == Nk (the paper's segments describe a full prefill).
     """
-    p = config.params_of("s2o")
-    B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    if Nq != Nk:
-        raise Unsupported(f"s2o: needs a full prefill (Nq == Nk), got Nq={Nq}, Nk={Nk}")
-    n, S, bn = Nk, p.segment_size, p.block_size_kv
-    m = Hq // Hkv
+    params = config.params_of("s2o")
+    batch, heads_q, n, dim = _full_prefill_shape(q, k)
+    heads_kv, S, bn = k.shape[1], params.segment_size, params.block_size_kv
+    group = heads_q // heads_kv
     cdt = compute_dtype(q)
     dev = q.device
-    lay = s2o_layout(n, S, bn)
-    g = len(lay.seg_len)
+    layout = s2o_layout(n, S, bn)
+    g = len(layout.seg_len)
 
     query_index = None
-    if p.sort_queries:
-        k_guide = k[:, :, : lay.seg_len[0]].to(cdt).mean(2)  # (B, Hkv, D)
-        s_q = torch.empty(B, Hq, n, dtype=cdt, device=dev)
-        step = chunk_count(B * Hq * D)
+    if params.sort_queries:
+        k_guide = finite_row_mean(k[:, :, : layout.seg_len[0]], dim=2)  # (B, Hkv, D)
+        s_q = torch.empty(batch, heads_q, n, dtype=cdt, device=dev)
+        step = chunk_count(batch * heads_q * dim)
         for r0 in range(0, n, step):  # Q cast chunk by chunk
             r1 = min(r0 + step, n)
-            qc = q[:, :, r0:r1].to(cdt).view(B, Hkv, m, r1 - r0, D)
-            s_q[:, :, r0:r1] = (qc * k_guide[:, :, None, None, :]).sum(-1).view(B, Hq, r1 - r0)
-        query_index = segmented_argsort_desc(s_q, S, g).to(torch.int32).contiguous()
+            qc = q[:, :, r0:r1].to(cdt).view(batch, heads_kv, group, r1 - r0, dim)
+            s_q[:, :, r0:r1] = (qc * k_guide[:, :, None, None, :]).sum(-1).view(batch, heads_q, r1 - r0)
+        query_index = segmented_argsort_desc(_rank_first_if_nonfinite(s_q), S, g).to(torch.int32).contiguous()
 
-    # segment query means, averaged over the GQA group -> (B, Hkv, g, D)
+    # segment query means over finite rows, averaged over the GQA group -> (B, Hkv, g, D)
     base, seg_len, intra_pad = s2o_segment_tensors(torch.arange(g, device=dev), n, S, bn)
-    q_mean = block_mean(q, S, dtype=cdt).view(B, Hkv, m, g, D).mean(2)
+    q_mean = block_mean(q, S, dtype=cdt, finite_rows=True).view(batch, heads_kv, group, g, dim).mean(2)
 
-    length = lay.length
-    key_index = torch.empty((B, Hkv, length), dtype=torch.int32, device=dev)
+    length = layout.length
+    key_index = torch.empty((batch, heads_kv, length), dtype=torch.int32, device=dev)
     kc = k.to(cdt)
     # segments in chunks: the (chunk, prefix) score table is the only large intermediate
-    step = chunk_count(B * Hkv * n)
+    step = chunk_count(batch * heads_kv * n)
     for n0 in range(0, g, step):
         n1 = min(n0 + step, g)
-        s0 = lay.base[n0]
-        s1 = lay.base[n1] if n1 < g else length
+        s0 = layout.base[n0]
+        s1 = layout.base[n1] if n1 < g else length
         slots = torch.arange(s0, s1, device=dev)
         seg = torch.searchsorted(base, slots, right=True) - 1
         local = slots - base[seg]
@@ -165,43 +186,44 @@ def reorder_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reord
         plen = (n1 - 1) * S  # longest prefix in this chunk
         if plen > 0:
             sc = torch.matmul(q_mean[:, :, n0:n1], kc[:, :, :plen].transpose(-1, -2))  # (B, Hkv, c, plen)
+            sc = _rank_first_if_nonfinite(sc)
             # rank only the causal prefix [0, nS): later keys get -inf and sort last (stable)
             lim = torch.arange(n0, n1, device=dev)[:, None] * S
             sc = sc.masked_fill(torch.arange(plen, device=dev)[None, :] >= lim, float("-inf"))
             ranked = torch.argsort(sc, dim=-1, descending=True, stable=True)  # (B, Hkv, c, plen)
             rank = (local - intra_pad[seg]).clamp(0, plen - 1)
             flat = (seg - n0) * plen + rank
-            pref = torch.gather(ranked.flatten(2), 2, flat.expand(B, Hkv, -1))
-            vals = torch.where(intra, own.expand(B, Hkv, -1), pref)
+            pref = torch.gather(ranked.flatten(2), 2, flat.expand(batch, heads_kv, -1))
+            vals = torch.where(intra, own.expand(batch, heads_kv, -1), pref)
         else:
-            vals = own.expand(B, Hkv, -1)
+            vals = own.expand(batch, heads_kv, -1)
         key_index[:, :, s0:s1] = vals.to(torch.int32)
-    return Reordering("s2o", key_index=key_index, query_index=query_index, extras={"layout": lay})
+    return Reordering("s2o", key_index=key_index, query_index=query_index, extras={"layout": layout})
 
 
-def select_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, config) -> BlockPlan:
-    p = config.params_of("s2o")
-    lay = r.extras["layout"]
-    bm, bn, S = p.block_size_q, p.block_size_kv, lay.segment
-    B, Hq, N, _ = q.shape
-    Hkv = k.shape[1]
+def select_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
+    params = config.params_of("s2o")
+    layout = reordering.extras["layout"]
+    bm, bn, S = params.block_size_q, params.block_size_kv, layout.segment
+    batch, heads_q, n, _ = q.shape
+    heads_kv = k.shape[1]
     dev = q.device
-    nqb = cdiv(N, bm)
+    nqb = cdiv(n, bm)
     i = torch.arange(nqb, device=dev)
     seg = i * bm // S
     # last (absolute) query position of each block, after the query permutation
-    if r.query_index is None:
-        qmax = (torch.clamp((i + 1) * bm, max=N) - 1).expand(B, Hkv, nqb)
+    if reordering.query_index is None:
+        qmax = (torch.clamp((i + 1) * bm, max=n) - 1).expand(batch, heads_kv, nqb)
     else:
-        qi = torch.nn.functional.pad(r.query_index.long(), (0, nqb * bm - N), value=-1)
-        qmax = qi.view(B, Hq, nqb, bm).amax(-1)
-    base, _, intra_pad = s2o_segment_tensors(seg, N, S, bn)
+        qi = torch.nn.functional.pad(reordering.query_index.long(), (0, nqb * bm - n), value=-1)
+        qmax = qi.view(batch, heads_q, nqb, bm).amax(-1)
+    base, _, intra_pad = s2o_segment_tensors(seg, n, S, bn)
     intra_tiles = intra_pad // bn
     prefix_tiles = seg * S // bn
     # pass-1 tiles: own-segment tiles starting at or before qmax (a prefix of them, in original order)
     n_masked = torch.minimum((qmax - seg * S) // bn + 1, intra_tiles)
     counts = n_masked + prefix_tiles
-    width = max(a // bn + b // bn for a, b in zip(lay.intra_pad, lay.prefix_len))
+    width = max(a // bn + b // bn for a, b in zip(layout.intra_pad, layout.prefix_len))
     t = torch.arange(width, device=dev)
     offs = torch.where(
         t < n_masked[..., None],
@@ -215,60 +237,63 @@ def select_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, co
         tile_offsets=offs.to(torch.int32).contiguous(),
         tile_counts=counts.to(torch.int32).contiguous(),
         masked_counts=n_masked.to(torch.int32).contiguous(),
-        key_index=r.key_index,
-        query_index=r.query_index,
-        early_stop=float(p.early_stop),
+        key_index=reordering.key_index,
+        query_index=reordering.query_index,
+        early_stop=float(params.early_stop),
     )
 
 
 # -- GPU fast path: the same plans from Triton kernels ----------------------------------------------------------
 @functools.lru_cache(maxsize=64)
 def _s2o_width(n: int, segment: int, block_n: int):
-    lay = s2o_layout(n, segment, block_n)
-    width = max(a // block_n + b // block_n for a, b in zip(lay.intra_pad, lay.prefix_len))
-    return lay, width
+    layout = s2o_layout(n, segment, block_n)
+    width = max(a // block_n + b // block_n for a, b in zip(layout.intra_pad, layout.prefix_len))
+    return layout, width
 
 
 def reorder_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reordering:
-    """= ``reorder.reorder_s2o``: query sort inside segments, ranked causal prefixes, the logical key list."""
-    p = config.params_of("s2o")
-    B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    if Nq != Nk:
-        raise Unsupported(f"s2o: needs a full prefill (Nq == Nk), got Nq={Nq}, Nk={Nk}")
-    sel = selection_kernels()
-    n, S, bn = Nk, p.segment_size, p.block_size_kv
-    lay, _ = _s2o_width(n, S, bn)
-    g = len(lay.seg_len)
-    # k_guide (B, Hkv, D): the first segment's mean key (one reduction, float32 accumulation)
-    guide = k[:, :, : lay.seg_len[0]].mean(2, dtype=torch.float32) if p.sort_queries else None
+    """= ``reorder_s2o``: query sort inside segments, ranked causal prefixes, the logical key list."""
+    from ..kernels.pooling import block_pool
+    from ..kernels.s2o import s2o_assemble, s2o_rank_keys
+
+    params = config.params_of("s2o")
+    batch, heads_q, n, dim = _full_prefill_shape(q, k)
+    heads_kv, S, bn = k.shape[1], params.segment_size, params.block_size_kv
+    layout, _ = _s2o_width(n, S, bn)
+    g = len(layout.seg_len)
+    # k_guide (B, Hkv, D): the first segment's mean finite key (one reduction, float32 accumulation)
+    guide = finite_row_mean(k[:, :, : layout.seg_len[0]], dim=2) if params.sort_queries else None
     # one pass over Q: per-head segment means (for the key ranking) and <Q[t], k_guide> sorted inside each
     # segment by the same program (the query order)
-    pool = sel.block_pool(q, S, guide=guide, sort_guide=True)
-    query_index = pool["order"] if p.sort_queries else None
+    pool = block_pool(q, S, guide=guide, sort_guide=True, finite_rows_mean=True)
+    query_index = pool.guide_order if params.sort_queries else None
     # the GQA group's mean of the segment means, once (averaging inside the ranking kernel re-read every head's
     # means in every program: 0.41 -> 0.58 ms at 128K, NOTES_selection.md)
-    q_mean = pool["mean"].view(B, Hkv, Hq // Hkv, g, D).mean(2)
-    ranked, tb = sel.s2o_rank_keys(k, q_mean, S)
-    key_index = sel.s2o_assemble(ranked, tb, n, S, bn, lay.length)
-    return Reordering("s2o", key_index=key_index, query_index=query_index, extras={"layout": lay})
+    q_mean = pool.mean.view(batch, heads_kv, heads_q // heads_kv, g, dim).mean(2)
+    ranked, position_bits = s2o_rank_keys(k, q_mean, S)
+    key_index = s2o_assemble(ranked, position_bits, n, S, bn, layout.length)
+    return Reordering("s2o", key_index=key_index, query_index=query_index, extras={"layout": layout})
 
 
-def select_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, config) -> BlockPlan:
-    """= ``s2o.select_s2o``: intra-segment masked tiles, then the ranked prefix; early stop in the kernel."""
-    p = config.params_of("s2o")
-    lay = r.extras["layout"]
-    B, Hq, N, _ = q.shape
-    Hkv = k.shape[1]
-    _, width = _s2o_width(N, lay.segment, p.block_size_kv)
-    heads = Hq if r.query_index is not None else Hkv
-    tables = selection_kernels().s2o_select(r.query_index, batch=B, heads=heads, n=N, segment=lay.segment,
-                                     block_m=p.block_size_q, block_n=p.block_size_kv, width=width, device=q.device)
-    return plan_from_tables(p.block_size_q, p.block_size_kv, tables, r, early_stop=float(p.early_stop))
+def select_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
+    """= ``select_s2o``: intra-segment masked tiles, then the ranked prefix; early stop in the kernel."""
+    from ..kernels.s2o import s2o_select
+
+    params = config.params_of("s2o")
+    layout = reordering.extras["layout"]
+    batch, heads_q, n, _ = q.shape
+    heads_kv = k.shape[1]
+    _, width = _s2o_width(n, layout.segment, params.block_size_kv)
+    heads = heads_q if reordering.query_index is not None else heads_kv
+    tables = s2o_select(reordering.query_index, batch=batch, heads=heads, n=n, segment=layout.segment,
+                        block_m=params.block_size_q, block_n=params.block_size_kv, width=width, device=q.device)
+    return plan_from_tables(params.block_size_q, params.block_size_kv, tables, reordering,
+                            early_stop=float(params.early_stop))
 
 
 register_method(Method(
     name="s2o", params=S2OParams, reorder=reorder_s2o, select=select_s2o, fast_reorder=reorder_s2o_fast,
-    fast_select=select_s2o_fast, select_after=(), density=DensityKnob("early_stop", 0.0, 0.5, higher_keeps_more=False),
+    fast_select=select_s2o_fast, select_after=(),
+    density=DensityKnob("early_stop", 0.0, 0.5, higher_keeps_more=False),
     keep_all={"early_stop": 0.0}, description="S2O: query sort, per-segment ranked prefix, early stop in the kernel",
 ))

@@ -19,6 +19,14 @@ Query blocks of ``block_size_q`` rows, key tiles of ``block_size_kv`` logical ke
 
 GQA: per query head, as the reference implementation (which repeats the pooled keys per head; here the pooled
 keys are shared through ``group_scores``).
+
+Non-finite inputs (not in the paper; kept confined as in dense attention): a query block or key tile whose pooled
+mean is not finite gives non-finite scores, and such a tile is kept and leaves the softmax (``mass_keep``): a
+NaN query row makes its block keep every visible tile, a NaN key is computed by every block that sees it, and
+the kernel's online softmax carries the NaN into those rows' outputs (a non-finite row never decides a P.V
+skip). What stays inexact: the other rows of a block holding a NaN query row or key may see a different P.V
+skip decision than without it (the decision is per block), and a NaN in V is read only where its tile is
+selected and its P.V is not skipped (no selector reads V).
 """
 
 from __future__ import annotations
@@ -28,22 +36,12 @@ from dataclasses import dataclass
 import torch
 
 from ..config import MethodParams, check_block, check_fraction, fail
+from ..kernels.validate import expand_heads
 from ..plan import VISIBLE_NONE, BlockPlan
 from ..registry import DensityKnob, Method, register_method
 from ._blocks import diagonal_tiles, finish_plan, visibility
-from ._common import (
-    Reordering,
-    bcast_heads,
-    block_mean,
-    block_self_similarity,
-    cdiv,
-    compute_dtype,
-    group_scores,
-    logical_keys,
-    masked_softmax,
-    top_mass,
-)
-from ._fast import check_selectable, plan_from_tables, seg_bound, selection_kernels
+from ._common import Reordering, block_mean, block_self_similarity, compute_dtype, group_scores, logical_keys, mass_keep
+from ._fast import check_selectable, plan_from_tables, segment_bound, tile_grid
 
 __all__ = ["SpargeParams", "select_sparge", "select_sparge_fast"]
 
@@ -76,57 +74,53 @@ class SpargeParams(MethodParams):
             fail("SpargeParams", "pv_threshold", f"must be a negative number or None, got {self.pv_threshold!r}")
 
 
-def select_sparge(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, config) -> BlockPlan:
-    p = config.params_of("sparge")
-    bm, bn = p.block_size_q, p.block_size_kv
-    B, Hq, Nq, _ = q.shape
-    Nk = k.shape[2]
-    vis = visibility(Nq, Nk, bm, bn, r, B, Hq, q.device)
+def select_sparge(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
+    params = config.params_of("sparge")
+    bm, bn = params.block_size_q, params.block_size_kv
+    batch, heads_q, num_queries, _ = q.shape
+    num_keys = k.shape[2]
+    vis = visibility(num_queries, num_keys, bm, bn, reordering, batch, heads_q, q.device)
     visible = vis != VISIBLE_NONE
-    if p.cdf_threshold >= 1.0:
-        return finish_plan(visible, vis, bm, bn, r, pv_skip=p.pv_threshold)
+    if params.cdf_threshold >= 1.0:
+        return finish_plan(visible, vis, bm, bn, reordering, pv_skip=params.pv_threshold)
     cdt = compute_dtype(q)
-    keys, valid = logical_keys(k, r.key_index)
-    theta = p.similarity_threshold
-    q_odd = block_self_similarity(q, bm, dtype=cdt) < theta  # (B, Hq, nqb)
-    k_odd = bcast_heads(block_self_similarity(keys, bn, valid, dtype=cdt) < theta, Hq)  # (B, Hq, nkt)
-    cand = visible & ~k_odd[:, :, None, :]
+    keys, valid = logical_keys(k, reordering.key_index)
+    theta = params.similarity_threshold
+    query_odd = block_self_similarity(q, bm, dtype=cdt) < theta  # (B, Hq, nqb)
+    key_odd = expand_heads(block_self_similarity(keys, bn, valid, dtype=cdt) < theta, heads_q)  # (B, Hq, nkt)
+    candidates = visible & ~key_odd[:, :, None, :]
     pooled = group_scores(block_mean(q, bm, dtype=cdt), block_mean(keys, bn, valid, dtype=cdt))
-    prob = masked_softmax(pooled * scale, cand)
-    keep = top_mass(prob, cand, p.cdf_threshold)
-    keep = keep | q_odd[..., None] | k_odd[:, :, None, :] | diagonal_tiles(vis, r, Nq, Nk, bm, bn)
-    return finish_plan(keep, vis, bm, bn, r, pv_skip=p.pv_threshold)
+    keep = mass_keep(pooled * scale, candidates, params.cdf_threshold)
+    keep = keep | query_odd[..., None] | key_odd[:, :, None, :] | diagonal_tiles(vis, reordering, num_queries,
+                                                                                 num_keys, bm, bn)
+    return finish_plan(keep, vis, bm, bn, reordering, pv_skip=params.pv_threshold)
 
 
 # -- GPU fast path: the same plans from Triton kernels ----------------------------------------------------------
-def select_sparge_fast(q: torch.Tensor, k: torch.Tensor, scale: float, r: Reordering, config) -> BlockPlan:
-    """= ``sparge.select_sparge`` (self-similarity judge + TopCdf; P.V skip to the plan)."""
-    check_selectable(r)
-    sel = selection_kernels()
-    p = config.params_of("sparge")
-    bm, bn = p.block_size_q, p.block_size_kv
-    B, Hq, Nq, _ = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    L = r.key_index.shape[-1] if r.key_index is not None else Nk
-    nqb, nkt = cdiv(Nq, bm), cdiv(L, bn)
-    keep_all = p.cdf_threshold >= 1.0
-    kpool = None
-    if r.key_index is not None or not keep_all:
-        kpool = sel.block_pool(k, bn, key_index=r.key_index, want_mean=not keep_all, want_sim=not keep_all,
-                               want_pos=r.key_index is not None)
-    logits = judge = None
-    if not keep_all:
-        qpool = sel.block_pool(q, bm, want_sim=True)
-        logits = sel.pooled_logits(qpool["mean"], kpool["mean"], block_m=bm, block_n=bn, num_queries=Nq,
-                                   num_keys=Nk, seg_bound=seg_bound(r))
-        judge = (kpool["sim"], qpool["sim"], p.similarity_threshold)
-    tables = sel.mass_select(
-        logits, batch=B, heads=Hq, kv_heads=Hkv, num_query_blocks=nqb, num_key_tiles=nkt, num_queries=Nq,
-        num_keys=Nk, block_m=bm, block_n=bn, scale=scale, tau=p.cdf_threshold, segment=r.segment_size or 0,
-        tile_pos=kpool if r.key_index is not None else None, force_diag=True, judge=judge, keep_all=keep_all,
-        device=q.device,
-    )
-    return plan_from_tables(bm, bn, tables, r, pv_skip=p.pv_threshold)
+def select_sparge_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
+    """= ``select_sparge`` (self-similarity judge + TopCdf; P.V skip to the plan)."""
+    from ..kernels.mass import MassRule, mass_select
+    from ..kernels.pooling import block_pool, pooled_logits
+
+    check_selectable(reordering)
+    params = config.params_of("sparge")
+    bm, bn = params.block_size_q, params.block_size_kv
+    grid = tile_grid(q, k, reordering, bm, bn)
+    rule = MassRule(threshold=params.cdf_threshold, scale=scale, segment=reordering.segment_size or 0,
+                    keep_diagonal=True, similarity_threshold=params.similarity_threshold)
+    permuted = reordering.key_index is not None
+    key_tiles = logits = query_tiles = None
+    if permuted or not rule.keeps_all:
+        key_tiles = block_pool(k, bn, key_index=reordering.key_index, want_mean=not rule.keeps_all,
+                               want_similarity=not rule.keeps_all, want_positions=permuted)
+    if not rule.keeps_all:
+        query_tiles = block_pool(q, bm, want_similarity=True)
+        logits = pooled_logits(query_tiles.mean, key_tiles.mean, block_m=bm, block_n=bn,
+                               num_queries=grid.num_queries, num_keys=grid.num_keys,
+                               segment_bound=segment_bound(reordering))
+    tables = mass_select(grid, rule, logits, key_tiles=key_tiles,
+                         query_similarity=query_tiles.similarity if query_tiles is not None else None)
+    return plan_from_tables(bm, bn, tables, reordering, pv_skip=params.pv_threshold)
 
 
 register_method(Method(

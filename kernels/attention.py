@@ -1,44 +1,52 @@
-"""Block-sparse FlashAttention forward: executes a ``sparse_compile.plan.BlockPlan`` in Triton.
+"""Block-sparse FlashAttention forward in Triton: per query block, a list of key tiles.
 
-The semantics are exactly plan.py's docstring (and ``reference_attention``): per query block, a list of key tiles
-in visiting order, the first ``masked_counts`` of them masked (causal by original position, padding), the rest
-unmasked; optional ``key_index`` / ``query_index`` (rows read through an index), early stop (tau) and P.V skip
-(lambda).
+The host wrapper ``block_sparse_attention`` takes plain tensors and numbers; ``sparse_compile.plan`` documents
+their semantics (the ``BlockPlan`` contract) and ``sparse_compile.plan.execute_plan`` passes a plan's fields here:
+
+* ``tile_offsets`` int32 (B, Ht, n_query_blocks, max_tiles): query block ``i`` visits the logical keys
+  ``[offset, offset + block_n)`` of ``tile_offsets[b, h, i, t]`` for ``t < tile_counts[b, h, i]``, in that order;
+* the first ``masked_counts[b, h, i]`` tiles are masked (keys after the query's absolute position and padding
+  are excluded); the others are promised fully visible and are not masked;
+* ``key_index`` / ``query_index`` (optional): logical -> physical rows (key entries < 0 are padding);
+* ``early_stop`` tau > 0: after each unmasked tile the block stops once no row gains at least tau of its softmax
+  denominator (the stopping tile counts); ``pv_skip`` lambda < 0: a tile's P.V is skipped when every row's tile
+  maximum is below its running maximum by more than |lambda|;
+* rows that see no key write zeros; a row whose scores include a non-finite value writes a non-finite output
+  (as dense attention), and such a row does not decide an early stop or a P.V skip for the others.
 
 Shape of the kernel (FlashAttention-2 forward, like Triton's fused-attention tutorial): one program per
-(batch, query head, query block); ``q`` stays on chip; the program walks its tile list in two loops, masked tiles
-first (scores masked by position) and then unmasked ones (no mask arithmetic at all), keeping the online softmax
-in base 2 with the softmax scale folded into the exponent. The launch order runs the query heads of one KV head
-and its query blocks together (their K/V stays in L2), query blocks last-first, because in a causal plan later
-query blocks carry more tiles (heavy work first, short tail). Each tile's offset is loaded one trip ahead of its
-K/V load, so the software pipeline keeps num_stages K/V buffers in flight (NOTES_kernel.md, v2).
+(batch, query head, query block); ``q`` stays on chip; ``_fwd_inner`` walks the tile list twice, masked tiles
+first (scores masked by position), then unmasked ones (no mask arithmetic at all), keeping the online softmax
+in base 2 with the softmax scale folded into the exponent. Programs run the query heads of one KV head and its
+query blocks together (their K/V stays in L2), query blocks last-first (in a causal plan later blocks carry more
+tiles: heavy work first, short tail). Each tile's offset is loaded one trip ahead of its K/V load, so the
+software pipeline keeps num_stages K/V buffers in flight. Measurements behind these choices, and the ablations
+that were removed from this kernel: ``benchmarks/NOTES_kernel.md``.
 
 Supported configurations
 ------------------------
 * dtypes: float16, bfloat16 (fp32 accumulation), and float32 (IEEE dot; slow, for tests and the interpreter);
   the output has the input dtype.
 * head dims: any ``D <= 256``; powers of two >= 16 run natively, others are padded on chip (masked loads).
-* ``plan.block_m``/``plan.block_n``: powers of two in [16, 256]. The kernel's BLOCK_M is ``block_m`` or (without
+* ``block_m`` / ``block_n``: powers of two in [16, 256]. The kernel's BLOCK_M is ``block_m`` or (without
   early stop / P.V skip, whose decisions are per plan block) ``block_m / 2``; its BLOCK_N is ``block_n`` or a
-  divisor of it (sub-tiles of a plan tile, again only without early stop / P.V skip). Anything else is refused.
-* GQA: ``Hq`` a multiple of ``Hkv``; K/V are never repeated. Plan tensors and indices may have Hq or Hkv heads.
+  divisor of it (sub-tiles of a plan tile, again only without early stop / P.V skip).
+* GQA: ``Hq`` a multiple of ``Hkv``; K/V are never repeated. Tile tables and indices may have Hq or Hkv heads.
 * ``Nq <= Nk`` (queries are the last ``Nq`` positions), any lengths.
-* Keys through ``key_index``: either gathered row by row inside the loop (``key_mode="gather"``) or, when the index
-  has Hkv heads, copied once into a permuted contiguous K/V that the loop reads like ordinary keys, with the index
-  read only in masked tiles for positions (``key_mode="copy"``). ``"auto"`` copies when the index has Hkv heads
-  (one pass over K/V, amortised over every query head and tile) and gathers otherwise; see NOTES_kernel.md.
+* Keys through ``key_index``: gathered row by row inside the loop (``key_mode="gather"``) or, when the index
+  has Hkv heads, copied once into a permuted contiguous K/V that the loop reads like ordinary keys, with the
+  index read only in masked tiles for positions (``key_mode="copy"``; what "auto" picks then).
 * On Hopper and newer GPUs, K/V tiles of the contiguous paths are loaded through tensor descriptors (TMA) when the
   layout allows it (16-byte aligned strides); the portable pointer path is used otherwise and by the interpreter.
 
-The plan's promise that unmasked tiles are fully visible is not checked on the hot path (``check=True`` runs
-``sparse_compile.plan.check_plan``, which syncs); a plan that breaks it reads out of range.
+The promise that unmasked tiles are fully visible is not checked here (``sparse_compile.plan.check_plan`` does,
+with host syncs); a table that breaks it reads out of range.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,7 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_compile.plan import BlockPlan, check_plan
+from .common import interpreting
+from .validate import MAX_HEAD_DIM, cdiv, validate_qkv
 
 try:  # host-side tensor descriptors (TMA) exist from Triton 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -58,13 +67,8 @@ __all__ = ["block_sparse_attention", "KernelConfig", "default_config"]
 log = logging.getLogger(__name__)
 
 _LOG2E = 1.4426950408889634
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # a running maximum that starts finite keeps exp2(m_old - m_new) and exp2(s - m_new) free of (-inf) - (-inf)
 _M_INIT = tl.constexpr(-1.0e30)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -94,7 +98,15 @@ def _load_rows(base, rows, stride_row, stride_d, offs_d, row_mask,
 
 
 @triton.jit
-def _attn_fwd_tile(
+def _tile_start(tile_ptr, j, j_end, stride_tt, TILE_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """First logical key of kernel tile ``j`` (plan tile ``j // TILE_SPLIT``); clamped to the last tile so that a
+    prefetch one past the end reads inside the list."""
+    j = tl.maximum(tl.minimum(j, j_end - 1), 0)
+    return tl.load(tile_ptr + (j // TILE_SPLIT) * stride_tt, mask=j_end > 0, other=0) + (j % TILE_SPLIT) * BLOCK_N
+
+
+@triton.jit
+def _fwd_tile(
     acc, l_i, m_i, q, q_pos, row_ok, start,
     k_base, v_base, desc_k, desc_v, kidx_base,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_kip,
@@ -164,8 +176,9 @@ def _attn_fwd_tile(
         v = _load_rows(v_base, offs_n, stride_vn, stride_vd, offs_d, valid, MASKED, HEAD_DIM, HEAD_DIM_PAD,
                        INT64_ROWS)
     if PV_SKIP:
-        # skip when every real row's tile maximum is far below its running maximum (rows seeing nothing: -inf)
-        gap = tl.where(row_ok, tile_max - m_new, float("-inf"))
+        # skip when every real row's tile maximum is far below its running maximum; rows that see nothing here
+        # (-inf) and rows already non-finite (l is NaN: their output is NaN whatever happens) do not count
+        gap = tl.where(row_ok & (l_i == l_i), tile_max - m_new, float("-inf"))
         if tl.max(gap, 0) >= pv_lambda:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
     else:
@@ -174,11 +187,58 @@ def _attn_fwd_tile(
 
 
 @triton.jit
-def _tile_start(tile_ptr, j, j_end, stride_tt, TILE_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """First logical key of kernel tile ``j`` (plan tile ``j // TILE_SPLIT``); clamped to the last tile so that a
-    prefetch one past the end reads inside the list."""
-    j = tl.maximum(tl.minimum(j, j_end - 1), 0)
-    return tl.load(tile_ptr + (j // TILE_SPLIT) * stride_tt, mask=j_end > 0, other=0) + (j % TILE_SPLIT) * BLOCK_N
+def _fwd_inner(
+    acc, l_i, m_i, q, q_pos, row_ok,
+    tile_ptr, stride_tt, t_begin, t_end,
+    k_base, v_base, desc_k, desc_v, kidx_base,
+    stride_kn, stride_kd, stride_vn, stride_vd, stride_kip,
+    k_row0, k_col0, v_row0, v_col0,
+    qk_scale, es_tau, pv_lambda, N_K, KEY_LEN,
+    offs_d,
+    MASKED: tl.constexpr, EARLY_STOP: tl.constexpr, NUM_STAGES: tl.constexpr, TILE_SPLIT: tl.constexpr,
+    HAS_KIDX: tl.constexpr, KEY_GATHER: tl.constexpr, USE_TMA: tl.constexpr, PV_SKIP: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
+    INT64_ROWS: tl.constexpr,
+):
+    """Plan tiles ``t_begin .. t_end`` of the list at ``tile_ptr`` (each split into TILE_SPLIT kernel tiles)
+    folded into (acc, l, m). Returns them and the plan tile where the walk ended (``t_end`` unless it stopped
+    early)."""
+    tl.static_assert(not (EARLY_STOP and (MASKED or TILE_SPLIT > 1)), "early stop: unmasked plan tiles only")
+    if EARLY_STOP:
+        # one tile per trip; stop once no real row gains at least tau of what it had (the stopping tile counts;
+        # a non-finite row compares false and does not keep the walk going)
+        t = t_begin
+        go = t < t_end
+        while go:
+            start = tl.load(tile_ptr + t * stride_tt)
+            acc, l_i, m_i, gain, l_prev = _fwd_tile(
+                acc, l_i, m_i, q, q_pos, row_ok, start, k_base, v_base, desc_k, desc_v, kidx_base,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_kip, k_row0, k_col0, v_row0, v_col0,
+                qk_scale, pv_lambda, N_K, KEY_LEN, offs_d,
+                MASKED, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PREC,
+                INT64_ROWS)
+            t += 1
+            still = tl.max(tl.where(row_ok & (gain >= es_tau * l_prev), 1, 0), 0)
+            go = (t < t_end) & (still > 0)
+        t_stop = t
+    else:
+        # the next tile's offset is loaded one trip ahead (loop-carried), not in front of its own K/V load: an
+        # in-loop load that feeds the TMA coordinate is pipelined as a stage of its own, which costs one K/V
+        # buffer (NOTES_kernel.md, v2)
+        j_begin = t_begin * TILE_SPLIT
+        j_end = t_end * TILE_SPLIT
+        nxt = _tile_start(tile_ptr, j_begin, j_end, stride_tt, TILE_SPLIT, BLOCK_N)
+        for j in tl.range(j_begin, j_end, num_stages=NUM_STAGES):
+            start = nxt
+            nxt = _tile_start(tile_ptr, j + 1, j_end, stride_tt, TILE_SPLIT, BLOCK_N)
+            acc, l_i, m_i, gain, l_prev = _fwd_tile(
+                acc, l_i, m_i, q, q_pos, row_ok, start, k_base, v_base, desc_k, desc_v, kidx_base,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_kip, k_row0, k_col0, v_row0, v_col0,
+                qk_scale, pv_lambda, N_K, KEY_LEN, offs_d,
+                MASKED, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PREC,
+                INT64_ROWS)
+        t_stop = t_end
+    return acc, l_i, m_i, t_stop
 
 
 @triton.jit
@@ -196,14 +256,13 @@ def _block_sparse_attn_fwd(
     stride_kib, stride_kih, stride_kip,
     stride_qib, stride_qih, stride_qip,
     k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
-    H_Q, N_Q, N_K, KEY_LEN, N_QBLK, N_PBLK, N_BH,
+    H_Q, N_Q, N_K, KEY_LEN, N_QBLK, N_PBLK,
     GQA, PLAN_DIV, KIDX_DIV, QIDX_DIV,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_SPLIT: tl.constexpr, TILE_SPLIT: tl.constexpr,
     HAS_KIDX: tl.constexpr, HAS_QIDX: tl.constexpr, KEY_GATHER: tl.constexpr, USE_TMA: tl.constexpr,
     EARLY_STOP: tl.constexpr, PV_SKIP: tl.constexpr, WRITE_VISITED: tl.constexpr, DOT_PREC: tl.constexpr,
-    INT64_ROWS: tl.constexpr, STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, OFFSET_MODE: tl.constexpr,
-    GROUP_ORDER: tl.constexpr,
+    INT64_ROWS: tl.constexpr, STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(HEAD_DIM <= HEAD_DIM_PAD)
@@ -212,26 +271,18 @@ def _block_sparse_attn_fwd(
     # early stop and P.V skip decide per plan tile and per plan query block: no sub-tiles then
     tl.static_assert(not ((EARLY_STOP or PV_SKIP) and (TILE_SPLIT > 1 or Q_SPLIT > 1)))
 
-    # -- which (batch, query head, query block) this program computes; query blocks go last-first because in a
-    # causal plan later blocks carry more tiles (heavy work first, short tail)
+    # -- which (batch, query head, query block) this program computes: the query heads of one KV head fastest,
+    # then its query blocks (last-first), then the next KV head, so the ~132 programs resident at a time all read
+    # one KV head's K/V (16 MB at 32K), which stays in L2
     pid = tl.program_id(0)
-    if GROUP_ORDER:
-        # the query heads of one KV head fastest, then its query blocks, then the next KV head: the ~132
-        # programs resident at a time all read one KV head's K/V (16 MB at 32K), which stays in L2
-        n_kv = H_Q // GQA
-        h_in = pid % GQA
-        rest = pid // GQA
-        qblk = N_QBLK - 1 - rest % N_QBLK
-        bkv = rest // N_QBLK
-        b = bkv // n_kv
-        hkv = bkv % n_kv
-        h = hkv * GQA + h_in
-    else:
-        # v1: every query head of one query block, then the next block (resident programs spread over all KV heads)
-        b = (pid % N_BH) // H_Q
-        h = pid % H_Q
-        qblk = N_QBLK - 1 - pid // N_BH
-        hkv = h // GQA
+    n_kv = H_Q // GQA
+    h_in = pid % GQA
+    rest = pid // GQA
+    qblk = N_QBLK - 1 - rest % N_QBLK
+    bkv = rest // N_QBLK
+    b = bkv // n_kv
+    hkv = bkv % n_kv
+    h = hkv * GQA + h_in
     pid_bh = b * H_Q + h
     pblk = qblk // Q_SPLIT
     b64 = b.to(tl.int64)
@@ -271,60 +322,25 @@ def _block_sparse_attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
 
-    # -- stage 1: masked tiles (the plan lists them first); never subject to early stop
-    # (few trips, so fewer stages: its V passes through registers for the padding mask, and its buffers would
-    # otherwise set the kernel's shared memory)
-    jm_end = n_masked * TILE_SPLIT
-    nxt = _tile_start(tile_ptr, 0, jm_end, stride_tt, TILE_SPLIT, BLOCK_N)
-    for j in tl.range(0, jm_end, num_stages=MASKED_STAGES):
-        start = nxt
-        nxt = _tile_start(tile_ptr, j + 1, jm_end, stride_tt, TILE_SPLIT, BLOCK_N)
-        acc, l_i, m_i, gain, l_prev = _attn_fwd_tile(
-            acc, l_i, m_i, q, q_pos, row_ok, start, k_base, v_base, desc_k, desc_v, kidx_base,
-            stride_kn, stride_kd, stride_vn, stride_vd, stride_kip, k_row0, k_col0, v_row0, v_col0,
-            qk_scale, pv_lambda, N_K, KEY_LEN, offs_d,
-            True, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PREC, INT64_ROWS)
-
+    # -- stage 1: masked tiles (listed first); never subject to early stop. Few trips, so fewer stages: its V
+    # passes through registers for the padding mask, and its buffers would otherwise set the shared memory
+    acc, l_i, m_i, _ = _fwd_inner(
+        acc, l_i, m_i, q, q_pos, row_ok, tile_ptr, stride_tt, 0, n_masked,
+        k_base, v_base, desc_k, desc_v, kidx_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_kip,
+        k_row0, k_col0, v_row0, v_col0, qk_scale, es_tau, pv_lambda, N_K, KEY_LEN, offs_d,
+        True, False, MASKED_STAGES, TILE_SPLIT, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM,
+        HEAD_DIM_PAD, DOT_PREC, INT64_ROWS)
     # -- stage 2: unmasked tiles, fully visible by the plan's promise: no mask arithmetic
-    if EARLY_STOP:
-        t = n_masked
-        go = t < n_tiles
-        while go:
-            start = tl.load(tile_ptr + t * stride_tt)
-            acc, l_i, m_i, gain, l_prev = _attn_fwd_tile(
-                acc, l_i, m_i, q, q_pos, row_ok, start, k_base, v_base, desc_k, desc_v, kidx_base,
-                stride_kn, stride_kd, stride_vn, stride_vd, stride_kip, k_row0, k_col0, v_row0, v_col0,
-                qk_scale, pv_lambda, N_K, KEY_LEN, offs_d,
-                False, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PREC, INT64_ROWS)
-            t += 1
-            # stop once no real row gains at least tau of what it had (the stopping tile stays counted)
-            still = tl.max(tl.where(row_ok & (gain >= es_tau * l_prev), 1, 0), 0)
-            go = (t < n_tiles) & (still > 0)
-        n_visited = t
-    else:
-        # the next tile's offset is loaded one trip ahead (loop-carried), not in front of its own K/V load: an
-        # in-loop load that feeds the TMA coordinate is pipelined as a stage of its own, which costs one K/V
-        # buffer (num_stages=3 gave 2-deep K/V instead of 3-deep; see NOTES_kernel.md, v2)
-        j0 = n_masked * TILE_SPLIT
-        j_end = n_tiles * TILE_SPLIT
-        nxt = _tile_start(tile_ptr, j0, j_end, stride_tt, TILE_SPLIT, BLOCK_N)
-        for j in tl.range(j0, j_end, num_stages=STAGES):
-            if OFFSET_MODE == 0:  # v1: the offset loaded right before its K/V load
-                start = tl.load(tile_ptr + (j // TILE_SPLIT) * stride_tt) + (j % TILE_SPLIT) * BLOCK_N
-            elif OFFSET_MODE == 1:  # measurement only: the identity causal walk, no offset load (ignores the plan)
-                start = (j - j0) * BLOCK_N
-            else:
-                start = nxt
-                nxt = _tile_start(tile_ptr, j + 1, j_end, stride_tt, TILE_SPLIT, BLOCK_N)
-            acc, l_i, m_i, gain, l_prev = _attn_fwd_tile(
-                acc, l_i, m_i, q, q_pos, row_ok, start, k_base, v_base, desc_k, desc_v, kidx_base,
-                stride_kn, stride_kd, stride_vn, stride_vd, stride_kip, k_row0, k_col0, v_row0, v_col0,
-                qk_scale, pv_lambda, N_K, KEY_LEN, offs_d,
-                False, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PREC, INT64_ROWS)
-        n_visited = n_tiles
+    acc, l_i, m_i, n_visited = _fwd_inner(
+        acc, l_i, m_i, q, q_pos, row_ok, tile_ptr, stride_tt, n_masked, n_tiles,
+        k_base, v_base, desc_k, desc_v, kidx_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_kip,
+        k_row0, k_col0, v_row0, v_col0, qk_scale, es_tau, pv_lambda, N_K, KEY_LEN, offs_d,
+        False, EARLY_STOP, STAGES, TILE_SPLIT, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM,
+        HEAD_DIM_PAD, DOT_PREC, INT64_ROWS)
 
-    # -- epilogue: rows that saw no key have l == 0 and acc == 0 and write zeros
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    # -- epilogue: rows that saw no key have l == 0 and acc == 0 and write zeros; a NaN l (the row met a
+    # non-finite score) stays in the division, so the row writes NaN as dense attention would
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     o_rows = phys_rows
     if INT64_ROWS:
@@ -378,16 +394,12 @@ def _permute_rows_kernel(
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters. ``block_m`` divides ``plan.block_m`` (ratio 1 or 2); ``block_n`` divides ``plan.block_n``.
+    """Launch parameters. ``block_m`` divides the tables' ``block_m`` (ratio 1 or 2); ``block_n`` divides their
+    ``block_n``.
 
     ``num_stages``: software-pipelining depth of the loop over unmasked tiles (K/V buffers = num_stages);
     ``masked_stages``: the same for the short loop over masked tiles (None: min(num_stages, 2)).
     ``use_tma``: None = when possible (GPU of compute capability >= 9, 16-byte aligned layout).
-    ``order``: "group" runs the query heads of one KV head and its query blocks together (K/V reuse in L2);
-    "heads" (v1) runs every query head of a query block together.
-    ``offsets``: how the unmasked loop gets tile offsets: "prefetch" (one trip ahead), "inloop" (v1), or
-    "causal_walk" -- measurement only: walks keys 0, block_n, ... and ignores the plan's offsets, which equals
-    the plan only for ``causal_plan`` (it isolates the cost of plan-driven offsets).
     """
 
     block_m: int
@@ -396,18 +408,17 @@ class KernelConfig:
     num_stages: int = 2
     use_tma: Optional[bool] = None
     masked_stages: Optional[int] = None
-    order: str = "group"
-    offsets: str = "prefetch"
 
 
-def default_config(plan: BlockPlan, head_dim_pad: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
-    """Launch parameters for this plan granularity, head dim and dtype (see benchmarks/NOTES_kernel.md).
+def default_config(block_m: int, block_n: int, *, head_dim_pad: int, dtype: torch.dtype, device: torch.device,
+                   exact: bool) -> KernelConfig:
+    """Launch parameters for tiles of ``block_m`` x ``block_n``, a head dim and dtype (see benchmarks/NOTES_kernel.md).
 
+    ``exact``: early stop or P.V skip is on, whose decisions are per table tile: no sub-tiles then.
     Shared memory was checked for each branch by compiling for sm_90a (Triton 3.6): every choice fits 227 KiB.
     """
-    bm, bn = plan.block_m, plan.block_n
-    exact = plan.early_stop > 0 or plan.pv_skip is not None  # decisions per plan tile/block: no splitting
-    if _interpreting() or device.type != "cuda":
+    bm, bn = block_m, block_n
+    if interpreting() or device.type != "cuda":
         return KernelConfig(bm, bn, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         # IEEE fp32 dots run on CUDA cores with large register tiles: small tiles, no pipeline buffers
@@ -418,12 +429,12 @@ def default_config(plan: BlockPlan, head_dim_pad: int, dtype: torch.dtype, devic
         if exact:  # 128-row blocks with D=256 fit only without pipeline buffers
             return KernelConfig(bm, bn, num_warps=8 if bm >= 128 else 4, num_stages=1 if bm * bn >= 128 * 128 else 2)
         return KernelConfig(bm // 2 if bm >= 128 else bm, min(bn, 64), num_warps=8 if bm >= 256 else 4, num_stages=2)
-    block_m = bm if (exact or bm <= 128) else bm // 2
-    block_n = bn if (exact or bn <= 128) else 128
+    kernel_bm = bm if (exact or bm <= 128) else bm // 2
+    kernel_bn = bn if (exact or bn <= 128) else 128
     # two warpgroups of 64 rows each for 128-row blocks (wgmma is m64 per warpgroup). Measured on the H100
     # (kernel_h100_tune.md): 128x128, 8 warps, 3 stages (3-deep K/V, 224 KiB) was the fastest of 10 configs at
     # 32K and 128K, rho 1 and 0.1; 2 stages +5-13%, 128x64 +18-71%, 64x64 with two programs per SM +7-19%.
-    return KernelConfig(block_m, block_n, num_warps=8 if block_m >= 128 else 4, num_stages=3)
+    return KernelConfig(kernel_bm, kernel_bn, num_warps=8 if kernel_bm >= 128 else 4, num_stages=3)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -431,84 +442,54 @@ def default_config(plan: BlockPlan, head_dim_pad: int, dtype: torch.dtype, devic
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _is_pow2(x: int) -> bool:
-    return x > 0 and (x & (x - 1)) == 0
-
-
 def _fail(msg: str) -> None:
     raise ValueError(f"block_sparse_attention: {msg}")
 
 
-def _validate(q, k, v, plan) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            _fail(f"{name} must be 4-D (batch, heads, length, head_dim), got shape {tuple(t.shape)}")
-        if t.dtype not in _DTYPES:
-            _fail(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
-    if not (q.device == k.device == v.device):
-        _fail(f"q, k, v on different devices: {q.device}, {k.device}, {v.device}")
-    if not (q.dtype == k.dtype == v.dtype):
-        _fail(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.device.type != "cuda" and not _interpreting():
-        _fail(f"inputs on {q.device}: the Triton kernel needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
-    B, Hq, Nq, D = q.shape
-    if k.shape != v.shape:
-        _fail(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    Bk, Hkv, Nk, Dk = k.shape
-    if Bk != B:
-        _fail(f"batch sizes differ: q has {B}, k/v have {Bk}")
-    if Dk != D:
-        _fail(f"head dims differ: q has {D}, k/v have {Dk}")
-    if D > 256 or D < 1:
-        _fail(f"head dim {D} unsupported (1..256)")
-    if Hkv == 0 or Hq % Hkv:
-        _fail(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
-    if Nq > Nk:
-        _fail(f"more queries ({Nq}) than keys ({Nk}): queries are the last Nq of the Nk positions")
-    if not isinstance(plan, BlockPlan):
-        _fail(f"plan must be a sparse_compile.plan.BlockPlan, got {type(plan).__name__}")
-    for name in ("block_m", "block_n"):
-        val = getattr(plan, name)
-        if not isinstance(val, int) or not _is_pow2(val) or not 16 <= val <= 256:
-            _fail(f"plan.{name} must be a power of two in [16, 256], got {val!r}")
-    nqb = -(-Nq // plan.block_m)
-    for name, rank in (("tile_offsets", 4), ("tile_counts", 3), ("masked_counts", 3)):
-        t = getattr(plan, name)
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
-            _fail(f"plan.{name} must be an int32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-        if t.device != q.device:
-            _fail(f"plan.{name} is on {t.device}, inputs on {q.device}")
-        if t.dim() != rank:
-            _fail(f"plan.{name} must be {rank}-D, got shape {tuple(t.shape)}")
-        if t.shape[0] != B or t.shape[1] not in (Hq, Hkv) or t.shape[2] != nqb:
-            _fail(f"plan.{name} has shape {tuple(t.shape)}; expected (B={B}, Hq={Hq} or Hkv={Hkv}, "
-                  f"{nqb} query blocks{', tiles' if rank == 4 else ''})")
-    if plan.tile_counts.shape != plan.tile_offsets.shape[:3] or plan.masked_counts.shape != plan.tile_counts.shape:
-        _fail("plan.tile_offsets, tile_counts and masked_counts disagree in shape")
-    if plan.key_index is not None:
-        ki = plan.key_index
-        if not isinstance(ki, torch.Tensor) or ki.dtype != torch.int32 or ki.dim() != 3:
-            _fail(f"plan.key_index must be an int32 (B, H, L) tensor, got {getattr(ki, 'dtype', ki)} "
-                  f"{tuple(getattr(ki, 'shape', ()))}")
-        if ki.device != q.device:
-            _fail(f"plan.key_index is on {ki.device}, inputs on {q.device}")
-        if ki.shape[0] != B or ki.shape[1] not in (Hq, Hkv):
-            _fail(f"plan.key_index has shape {tuple(ki.shape)}; expected (B={B}, Hq={Hq} or Hkv={Hkv}, L)")
-    if plan.query_index is not None:
-        qi = plan.query_index
-        if not isinstance(qi, torch.Tensor) or qi.dtype != torch.int32 or qi.dim() != 3:
-            _fail(f"plan.query_index must be an int32 (B, H, Nq) tensor, got {getattr(qi, 'dtype', qi)} "
-                  f"{tuple(getattr(qi, 'shape', ()))}")
-        if qi.device != q.device:
-            _fail(f"plan.query_index is on {qi.device}, inputs on {q.device}")
-        if qi.shape[0] != B or qi.shape[1] not in (Hq, Hkv) or qi.shape[2] != Nq:
-            _fail(f"plan.query_index has shape {tuple(qi.shape)}; expected (B={B}, Hq={Hq} or Hkv={Hkv}, Nq={Nq})")
-    if not isinstance(plan.early_stop, (int, float)) or not plan.early_stop >= 0:
-        _fail(f"plan.early_stop must be a number >= 0, got {plan.early_stop!r}")
-    if plan.pv_skip is not None and (not isinstance(plan.pv_skip, (int, float)) or not plan.pv_skip < 0):
-        _fail(f"plan.pv_skip must be None or a negative number, got {plan.pv_skip!r}")
+def _is_pow2(x) -> bool:
+    return isinstance(x, int) and x > 0 and (x & (x - 1)) == 0
+
+
+def _check_table(name: str, t, rank: int, batch: int, heads: tuple, device, dim2: Optional[int] = None,
+                 dim2_name: str = "") -> None:
+    """An int32 table on ``device`` of ``rank`` dims: (B, one of ``heads``, ``dim2``, ...)."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+        _fail(f"{name} must be an int32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if t.device != device:
+        _fail(f"{name} is on {t.device}, inputs on {device}")
+    if t.dim() != rank:
+        _fail(f"{name} must be {rank}-D, got shape {tuple(t.shape)}")
+    if t.shape[0] != batch or t.shape[1] not in heads or (dim2 is not None and t.shape[2] != dim2):
+        expected = f"B={batch}, Hq={heads[0]} or Hkv={heads[1]}" + (f", {dim2} {dim2_name}" if dim2 is not None else "")
+        _fail(f"{name} has shape {tuple(t.shape)}; expected ({expected}, ...)")
+
+
+def _validate(q, k, v, tile_offsets, tile_counts, masked_counts, block_m, block_n, key_index, query_index,
+              early_stop, pv_skip) -> None:
+    validate_qkv(q, k, v, who="block_sparse_attention")
+    if q.device.type != "cuda" and not interpreting():
+        _fail(f"inputs on {q.device}: the Triton kernel needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
+    batch, heads_q, num_queries, dim = q.shape
+    heads = (heads_q, k.shape[1])
+    if dim > MAX_HEAD_DIM:
+        _fail(f"head dim {dim} unsupported (at most {MAX_HEAD_DIM})")
+    for name, val in (("block_m", block_m), ("block_n", block_n)):
+        if not _is_pow2(val) or not 16 <= val <= 256:
+            _fail(f"{name} must be a power of two in [16, 256], got {val!r}")
+    blocks = cdiv(num_queries, block_m)
+    for name, table, rank in (("tile_offsets", tile_offsets, 4), ("tile_counts", tile_counts, 3),
+                              ("masked_counts", masked_counts, 3)):
+        _check_table(name, table, rank, batch, heads, q.device, blocks, "query blocks")
+    if tile_counts.shape != tile_offsets.shape[:3] or masked_counts.shape != tile_counts.shape:
+        _fail("tile_offsets, tile_counts and masked_counts disagree in shape")
+    if key_index is not None:
+        _check_table("key_index", key_index, 3, batch, heads, q.device)
+    if query_index is not None:
+        _check_table("query_index", query_index, 3, batch, heads, q.device, num_queries, "queries")
+    if not isinstance(early_stop, (int, float)) or not early_stop >= 0:
+        _fail(f"early_stop must be a number >= 0, got {early_stop!r}")
+    if pv_skip is not None and (not isinstance(pv_skip, (int, float)) or not pv_skip < 0):
+        _fail(f"pv_skip must be None or a negative number, got {pv_skip!r}")
 
 
 def _tma_view(x: torch.Tensor, block_rows: int, head_dim: int):
@@ -551,12 +532,11 @@ def _tma_view(x: torch.Tensor, block_rows: int, head_dim: int):
     return desc, rb, rh, ch
 
 
-_OFFSET_MODES = {"inloop": 0, "causal_walk": 1, "prefetch": 2}
 _CAPABILITY: dict = {}
 
 
 def _supports_tma(device: torch.device) -> bool:
-    if TensorDescriptor is None or _interpreting() or device.type != "cuda":
+    if TensorDescriptor is None or interpreting() or device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _CAPABILITY:
@@ -579,75 +559,74 @@ def _permute_keys(k: torch.Tensor, v: torch.Tensor, key_index: torch.Tensor, hea
     return kp, vp
 
 
+def _key_layout(k, v, key_index, key_mode: str, head_dim_pad: int):
+    """(K, V as the loop reads them, gather?): the permuted copy, gathered rows, or K/V themselves."""
+    if key_mode not in ("auto", "gather", "copy"):
+        _fail(f"key_mode must be 'auto', 'gather' or 'copy', got {key_mode!r}")
+    if key_index is None:
+        return k, v, False
+    num_kv_heads = k.shape[1]
+    copyable = key_index.shape[1] == num_kv_heads  # a per-query-head index cannot share one copy per KV head
+    if key_mode == "copy" and not copyable:
+        _fail(f"key_mode='copy' needs a key_index with Hkv={num_kv_heads} heads, got {key_index.shape[1]}")
+    # "auto" copies whenever it can: one pass over K/V, amortised over every query head and tile (gathered loads
+    # were 11-29% slower in every measured cell, NOTES_kernel.md)
+    if key_mode == "gather" or not copyable:
+        return k, v, True
+    kp, vp = _permute_keys(k, v, key_index, head_dim_pad)
+    return kp, vp, False
+
+
 def block_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    plan: BlockPlan,
-    scale: Optional[float] = None,
+    tile_offsets: torch.Tensor,
+    tile_counts: torch.Tensor,
+    masked_counts: torch.Tensor,
     *,
+    block_m: int,
+    block_n: int,
+    key_index: Optional[torch.Tensor] = None,
+    query_index: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    early_stop: float = 0.0,
+    pv_skip: Optional[float] = None,
     return_visited: bool = False,
-    check: bool = False,
     key_mode: str = "auto",
     config: Optional[KernelConfig] = None,
 ):
-    """Execute ``plan`` (see ``sparse_compile.plan``): q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D) -> out (B, Hq, Nq, D).
+    """Block-sparse causal attention over tile lists (module docstring): q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D)
+    -> out (B, Hq, Nq, D), and with ``return_visited`` the int32 (B, Hq, n_query_blocks) tiles each block
+    computed.
 
-    With ``return_visited`` also returns int32 (B, Hq, n_query_blocks): the tiles each block computed.
-    ``check=True`` validates the plan's index ranges and promises first (syncs with the host).
-    ``key_mode`` (only with ``plan.key_index``): "gather" reads K/V rows through the index inside the loop;
-    "copy" permutes K/V once into a contiguous copy (needs an index with Hkv heads); "auto" picks.
-    ``config`` overrides the launch parameters (tuning and tests).
+    ``scale`` defaults to 1/sqrt(D). ``key_mode`` (with ``key_index``): "gather", "copy" (needs an index with Hkv
+    heads) or "auto". ``config`` overrides the launch parameters (tuning and tests). Raises ValueError naming the
+    first problem with the inputs. ``sparse_compile.plan.execute_plan`` calls this with a plan's fields.
     """
-    _validate(q, k, v, plan)
-    if check:
-        check_plan(plan, q, k)
-    if key_mode not in ("auto", "gather", "copy"):
-        _fail(f"key_mode must be 'auto', 'gather' or 'copy', got {key_mode!r}")
+    _validate(q, k, v, tile_offsets, tile_counts, masked_counts, block_m, block_n, key_index, query_index,
+              early_stop, pv_skip)
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    nqb = -(-Nq // plan.block_m)
+    nqb = cdiv(Nq, block_m)
     head_dim_pad = max(16, triton.next_power_of_2(D))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if not (scale > 0 and math.isfinite(scale)):
         _fail(f"scale must be a positive finite number, got {scale!r}")
 
-    exact = plan.early_stop > 0 or plan.pv_skip is not None
-    cfg = config or default_config(plan, head_dim_pad, q.dtype, q.device)
-    if plan.block_m % cfg.block_m or plan.block_m // cfg.block_m not in (1, 2) or cfg.block_m < 16:
-        _fail(f"config.block_m={cfg.block_m} must be plan.block_m ({plan.block_m}) or half of it")
-    if plan.block_n % cfg.block_n or cfg.block_n < 16:
-        _fail(f"config.block_n={cfg.block_n} must divide plan.block_n ({plan.block_n}) and be >= 16")
-    if cfg.order not in ("group", "heads"):
-        _fail(f"config.order must be 'group' or 'heads', got {cfg.order!r}")
-    if cfg.offsets not in _OFFSET_MODES:
-        _fail(f"config.offsets must be one of {sorted(_OFFSET_MODES)}, got {cfg.offsets!r}")
-    if exact and (cfg.block_m != plan.block_m or cfg.block_n != plan.block_n):
-        _fail("early stop and P.V skip decide per plan tile: config block sizes must equal the plan's")
+    exact = early_stop > 0 or pv_skip is not None
+    cfg = config or default_config(block_m, block_n, head_dim_pad=head_dim_pad, dtype=q.dtype, device=q.device,
+                                   exact=exact)
+    if block_m % cfg.block_m or block_m // cfg.block_m not in (1, 2) or cfg.block_m < 16:
+        _fail(f"config.block_m={cfg.block_m} must be block_m ({block_m}) or half of it")
+    if block_n % cfg.block_n or cfg.block_n < 16:
+        _fail(f"config.block_n={cfg.block_n} must divide block_n ({block_n}) and be >= 16")
+    if exact and (cfg.block_m != block_m or cfg.block_n != block_n):
+        _fail("early stop and P.V skip decide per table tile: config block sizes must equal block_m, block_n")
 
+    kk, vv, gather = _key_layout(k, v, key_index, key_mode, head_dim_pad)
     out = torch.empty_like(q)
     visited = torch.empty(B, Hq, nqb, dtype=torch.int32, device=q.device) if return_visited else None
-    if Nq == 0 or B == 0 or Hq == 0:
-        if visited is not None:
-            visited.zero_()
-        return (out, visited) if return_visited else out
-
-    key_index, query_index = plan.key_index, plan.query_index
-    has_kidx = key_index is not None
-    key_len = key_index.shape[-1] if has_kidx else Nk
-    gather = False
-    kk, vv = k, v
-    if has_kidx:
-        mode = key_mode
-        if mode == "auto":
-            mode = _auto_key_mode(key_index, Hkv, Nk)
-        if mode == "copy" and key_index.shape[1] != Hkv:
-            if key_mode == "copy":
-                _fail(f"key_mode='copy' needs a key_index with Hkv={Hkv} heads, got {key_index.shape[1]}")
-            mode = "gather"
-        if mode == "copy":
-            kk, vv = _permute_keys(k, v, key_index, head_dim_pad)
-        gather = mode == "gather"
 
     use_tma = cfg.use_tma
     tma_ok = (not gather) and D == head_dim_pad and _supports_tma(q.device) and q.dtype != torch.float32
@@ -668,48 +647,39 @@ def block_sparse_attention(
             desc_k, k_geo = kt[0], kt[1:]
             desc_v, v_geo = vt[0], vt[1:]
 
-    t_off, t_cnt, m_cnt = plan.tile_offsets, plan.tile_counts, plan.masked_counts
-    Ht = t_off.shape[1]
-    kidx = key_index if has_kidx else t_cnt  # any int32 tensor: never read without HAS_KIDX
-    qidx = query_index if query_index is not None else t_cnt
+    has_kidx = key_index is not None
+    key_len = key_index.shape[-1] if has_kidx else Nk
+    kidx = key_index if has_kidx else tile_counts  # any int32 tensor: never read without HAS_KIDX
+    qidx = query_index if query_index is not None else tile_counts
     ki_strides = key_index.stride() if has_kidx else (0, 0, 0)
     qi_strides = query_index.stride() if query_index is not None else (0, 0, 0)
-    q_split = plan.block_m // cfg.block_m
-    n_qblk = nqb * q_split
+    q_split = block_m // cfg.block_m
     # trailing kernel blocks past Nq do nothing but must not exist: trim the last plan block's halves
-    n_qblk = min(n_qblk, -(-Nq // cfg.block_m))
+    n_qblk = min(nqb * q_split, cdiv(Nq, cfg.block_m))
     if B * Hq * n_qblk >= 2**31:  # one grid dimension: CUDA allows 2^31 - 1 programs along it
         _fail(f"{B * Hq * n_qblk} programs exceed the launch grid (2^31 - 1): use a larger block_m")
     grid = (B * Hq * n_qblk,)
     _block_sparse_attn_fwd[grid](
         q, kk, vv, out, desc_k, desc_v,
-        t_off, t_cnt, m_cnt, kidx, qidx, visited if visited is not None else t_cnt,
-        scale * _LOG2E, float(plan.early_stop), (plan.pv_skip or 0.0) * _LOG2E,
+        tile_offsets, tile_counts, masked_counts, kidx, qidx, visited if visited is not None else tile_counts,
+        scale * _LOG2E, float(early_stop), (pv_skip or 0.0) * _LOG2E,
         *q.stride(), *kk.stride(), *vv.stride(), *out.stride(),
-        *t_off.stride(), *t_cnt.stride(), *m_cnt.stride(),
+        *tile_offsets.stride(), *tile_counts.stride(), *masked_counts.stride(),
         *ki_strides, *qi_strides,
         *k_geo, *v_geo,
-        Hq, Nq, Nk, key_len, n_qblk, nqb, B * Hq,
-        Hq // Hkv, Hq // Ht,
+        Hq, Nq, Nk, key_len, n_qblk, nqb,
+        Hq // Hkv, Hq // tile_offsets.shape[1],
         Hq // key_index.shape[1] if has_kidx else 1,
         Hq // query_index.shape[1] if query_index is not None else 1,
         HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_SPLIT=q_split, TILE_SPLIT=plan.block_n // cfg.block_n,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, Q_SPLIT=q_split, TILE_SPLIT=block_n // cfg.block_n,
         HAS_KIDX=has_kidx, HAS_QIDX=query_index is not None, KEY_GATHER=gather, USE_TMA=bool(use_tma),
-        EARLY_STOP=plan.early_stop > 0, PV_SKIP=plan.pv_skip is not None, WRITE_VISITED=visited is not None,
+        EARLY_STOP=early_stop > 0, PV_SKIP=pv_skip is not None, WRITE_VISITED=visited is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         INT64_ROWS=max(q.shape[2] * q.stride(2), out.shape[2] * out.stride(2), kk.shape[2] * kk.stride(2),
                        vv.shape[2] * vv.stride(2)) >= 2**31,
         STAGES=cfg.num_stages,
         MASKED_STAGES=cfg.masked_stages if cfg.masked_stages is not None else min(cfg.num_stages, 2),
-        OFFSET_MODE=_OFFSET_MODES[cfg.offsets], GROUP_ORDER=cfg.order == "group",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, visited) if return_visited else out
-
-
-def _auto_key_mode(key_index: torch.Tensor, num_kv_heads: int, num_keys: int) -> str:
-    """Gathered loads or a permuted copy: see benchmarks/NOTES_kernel.md for the measurement behind this."""
-    if key_index.shape[1] != num_kv_heads:
-        return "gather"
-    return "copy"
