@@ -51,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparse_compile  # noqa: E402
-from harness import env_info, write_results  # noqa: E402
+from harness import write_results  # noqa: E402
 
 METHODS = ("pbs", "sparge", "bfla", "s2o")
 # parameters held fixed while calibrating, so that the target densities are reachable on random weights:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -48,7 +47,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import OOM, guarded, time_ms, write_results  # noqa: E402
+from harness import guarded, time_ms, write_results  # noqa: E402
 from sparse_compile.config import SparseConfig  # noqa: E402
 from sparse_compile.methods import build_plan  # noqa: E402
 from sparse_compile.plan import execute_plan  # noqa: E402

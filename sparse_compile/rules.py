@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from .kernels.validate import SUPPORTED_DTYPES, validate_qkv
+from .kernels.validate import MAX_HEAD_DIM, SUPPORTED_DTYPES, validate_qkv
 
 __all__ = ["Rule", "first_failure", "REWRITE_RULES", "RUNTIME_RULES", "CallInfo", "validate_qkv",
            "SUPPORTED_DTYPES", "MIN_HEAD_DIM", "MAX_HEAD_DIM", "head_dim_supported", "layer_index", "excluded"]
@@ -40,7 +40,7 @@ def first_failure(rules: Sequence[Rule], subject) -> Optional[Rule]:
 
 # -- shared predicates ----------------------------------------------------------------------------------------
 # head dims the sparse kernels serve: powers of two run natively, other multiples of 8 are padded on chip
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+MIN_HEAD_DIM = 16
 
 
 def _concrete(size: Any) -> Any:

@@ -1,7 +1,8 @@
 """Silent surprises found by probing the public API with bad and unusual inputs: each is now loud or right.
 
 One test per finding (issue "One obvious place for each thing, and no silent surprises"); each failed before the
-fix. The non-finite-input findings of the kernels and selectors are tested in test_methods.py / test_plan.py.
+fix. The non-finite-input findings of the kernels and selectors are tested in test_kernel.py and
+test_selection_fast.py.
 """
 
 import sys
