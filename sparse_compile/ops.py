@@ -23,6 +23,7 @@ from .dense import dense_attention, dense_causal_attention
 from .breakeven import HISTORY, break_even_density, has_table, plan_shape
 from .padding import PaddingLayout, check_query_positions, padding_layout
 from .plan import causal_tile_count, execute_plan
+from .registry import method_spec
 from .rules import RUNTIME_RULES, SUPPORTED_DTYPES, CallInfo, first_failure, validate_qkv
 from .parallel import active_sequence_group, is_dtensor, register_dtensor_sharding, run_sequence_parallel
 
@@ -92,7 +93,11 @@ def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
         return None, "float32 on GPU: the Triton kernel runs bfloat16/float16; left dense", None
     # early stop decides at run time how many tiles a plan costs: count the visits when the count is wanted
     want_visits = config.record_density or (history_key is not None and plan.early_stop > 0)
-    result = execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=want_visits)
+    executor = method_spec(config.select_stage).execute
+    if executor is not None:
+        result = executor(q, k, v, plan, scale, config, kernel=kernel, return_visited=want_visits)
+    else:
+        result = execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=want_visits)
     out, visited = result if want_visits else (result, None)
     if history_key is not None:
         num_queries, num_keys = q.shape[-2], k.shape[-2]

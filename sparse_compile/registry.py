@@ -45,6 +45,8 @@ class Method:
     select        reference select stage ``fn(q, k, scale, reordering, config) -> BlockPlan`` (the specification).
     reorder       reference reorder stage ``fn(q, k, scale, config) -> Reordering``, or None (keys in order).
     fast_select / fast_reorder   GPU twins with the same signature and the same plans, or None.
+    execute       the method's own executor ``fn(q, k, v, plan, scale, config, *, kernel, return_visited)`` when
+                  ``plan.execute_plan`` alone would not do (S2O runs its plans in segment chunks), or None.
     select_after  reorder stages (besides its own) that its selector accepts, e.g. ``("none", "pbs")``.
     density       the knob that sets its density (benchmarks calibrate it).
     keep_all      the parameter values that keep every causal block: with them the method is exact.
@@ -58,6 +60,7 @@ class Method:
     reorder: Optional[Callable] = None
     fast_select: Optional[Callable] = None
     fast_reorder: Optional[Callable] = None
+    execute: Optional[Callable] = None
     select_after: tuple[str, ...] = (NO_REORDER,)
     description: str = ""
 

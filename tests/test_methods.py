@@ -528,3 +528,22 @@ def test_plan_density():
     assert torch.equal(plan_density(half, 100, 100), torch.zeros(2, 3))
     per_kv = causal_plan(1, 2, 64, 64, 16, 16)
     assert plan_density(per_kv, 64, 64, num_heads=8).shape == (1, 8)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+def test_s2o_runs_in_segment_chunks_with_the_same_result(kernel, monkeypatch):
+    """S2O's executor runs its plan chunk of segments by chunk (O(N) extra memory): the same output and visits."""
+    from sparse_compile.methods import s2o
+    from sparse_compile.plan import execute_plan
+
+    q, k, v = random_qkv(2, 4, 2, 300, 300, 16)  # GQA, a ragged last segment
+    config = SparseConfig(method="s2o", s2o=S2OParams(segment_size=64, block_size_q=16, block_size_kv=16,
+                                                      early_stop=0.02))
+    plan = build_plan(q, k, None, config)
+    whole, visits = execute_plan(q, k, v, plan, None, kernel=kernel, return_visited=True)
+    monkeypatch.setattr(s2o, "LIST_BUDGET", 0.5)  # many chunks
+    chunked, chunked_visits = s2o.execute_s2o(q, k, v, plan, None, config, kernel=kernel, return_visited=True)
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
+    assert torch.equal(chunked_visits, visits)
+    exact = s2o.execute_s2o(q, k, v, build_plan(q, k, None, config.keep_all()), None, config, kernel=kernel)
+    assert rel_error(exact, dense_reference(q, k, v)) < 1e-5

@@ -39,7 +39,7 @@ import torch
 from ..config import MethodParams, check_block, check_fraction, check_int, fail
 from ..kernels.host import segmented_argsort_desc
 from ..kernels.validate import cdiv
-from ..plan import BlockPlan
+from ..plan import BlockPlan, execute_plan
 from ..registry import DensityKnob, Method, register_method
 from ._common import Reordering, Unsupported, block_mean, chunk_count, compute_dtype, finite_row_mean
 from ._fast import plan_from_tables
@@ -291,9 +291,63 @@ def select_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: 
                             early_stop=float(params.early_stop))
 
 
+# -- execution in segment chunks: O(N) extra memory -----------------------------------------------------------
+#: the longest slice of the ranked key list run at once, in sequence lengths. The kernel reads keys in list order
+#: from a permuted copy of K and V; the whole list is ~N^2 / 2S long (17 GiB of copies at 128K), so the plan runs
+#: in chunks of whole segments, each over its own slice of the list and K/V cut at the chunk's last position.
+LIST_BUDGET = 2
+
+
+def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale, config, *,
+                kernel: str = "auto", return_visited: bool = False):
+    """``execute_plan`` for S2O's plans, segment chunk by segment chunk (same result, O(N) extra memory).
+
+    Segment n's queries are physical rows [nS, (n+1)S) (the query sort stays inside segments) and its keys are
+    list entries [base[n], base[n+1]), all physical keys < (n+1)S. So a chunk of segments is a chunked prefill:
+    its queries are the last positions of K/V cut at the chunk's end.
+    """
+    params = config.params_of("s2o")
+    n = q.shape[-2]
+    layout = s2o_layout(n, params.segment_size, plan.block_n)
+    segments = len(layout.seg_len)
+    ends = list(layout.base[1:]) + [layout.length]
+    chunks, start = [], 0
+    for last in range(segments):
+        if ends[last] - layout.base[start] > LIST_BUDGET * n and last > start:
+            chunks.append((start, last))
+            start = last
+    chunks.append((start, segments))
+    if len(chunks) == 1:
+        return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited)
+    out = torch.empty_like(q) if v.shape[-1] == q.shape[-1] else q.new_empty((*q.shape[:-1], v.shape[-1]))
+    visited = None
+    if return_visited:
+        visited = torch.zeros((q.shape[0], q.shape[1], plan.num_query_blocks), dtype=torch.int32, device=q.device)
+    segment = params.segment_size
+    for first, stop in chunks:
+        row0, row1 = first * segment, min(stop * segment, n)
+        block0, block1 = row0 // plan.block_m, cdiv(row1, plan.block_m)
+        list0, list1 = layout.base[first], ends[stop - 1]
+        chunk_plan = BlockPlan(
+            block_m=plan.block_m, block_n=plan.block_n,
+            tile_offsets=plan.tile_offsets[:, :, block0:block1] - list0,
+            tile_counts=plan.tile_counts[:, :, block0:block1], masked_counts=plan.masked_counts[:, :, block0:block1],
+            key_index=plan.key_index[..., list0:list1],
+            query_index=None if plan.query_index is None else plan.query_index[..., row0:row1] - row0,
+            early_stop=plan.early_stop, pv_skip=plan.pv_skip,
+        )
+        result = execute_plan(q[:, :, row0:row1], k[:, :, :row1], v[:, :, :row1], chunk_plan, scale, kernel=kernel,
+                              return_visited=return_visited)
+        if return_visited:
+            out[:, :, row0:row1], visited[:, :, block0:block1] = result
+        else:
+            out[:, :, row0:row1] = result
+    return (out, visited) if return_visited else out
+
+
 register_method(Method(
     name="s2o", params=S2OParams, reorder=reorder_s2o, select=select_s2o, fast_reorder=reorder_s2o_fast,
-    fast_select=select_s2o_fast, select_after=(),
+    fast_select=select_s2o_fast, execute=execute_s2o, select_after=(),
     density=DensityKnob("early_stop", 0.0, 0.5, higher_keeps_more=False),
     keep_all={"early_stop": 0.0}, description="S2O: query sort, per-segment ranked prefix, early stop in the kernel",
 ))
