@@ -19,6 +19,7 @@ plans and runs sparse. Devices or plan shapes without a table keep the configure
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
@@ -62,9 +63,14 @@ def load_tables() -> dict:
 
 def architecture(device: torch.device) -> str:
     """The table's key for ``device``: ``sm_90`` for an H100, the device type otherwise (no table there)."""
-    if device.type != "cuda":
-        return device.type
-    major, minor = torch.cuda.get_device_capability(device)
+    return _architecture(device.type, device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _architecture(kind: str, index: Optional[int]) -> str:  # a driver query: once per device, not per call
+    if kind != "cuda":
+        return kind
+    major, minor = torch.cuda.get_device_capability(index)
     return f"sm_{major}{minor}"
 
 
@@ -77,7 +83,12 @@ def break_even_density(device: torch.device, shape: str, num_keys: int) -> Optio
 
     Between measured lengths the two ratios are interpolated in log2(length); outside, the nearest is used.
     """
-    table = load_tables().get(architecture(device), {}).get(shape)
+    return _break_even(architecture(device), shape, num_keys, id(load_tables()))
+
+
+@functools.lru_cache(maxsize=1024)
+def _break_even(arch: str, shape: str, num_keys: int, tables_id: int) -> Optional[float]:
+    table = load_tables().get(arch, {}).get(shape)
     if not table:
         return None
     points = sorted((int(n), entry) for n, entry in table.items())

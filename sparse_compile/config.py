@@ -9,6 +9,7 @@ Every method's defaults are its paper's defaults; each documents the setting tha
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
@@ -171,6 +172,15 @@ class SparseConfig:
             raise ValueError(f"SparseConfig.kernel: unknown kernel {self.kernel!r}; valid: {list(KERNEL_NAMES)}")
         if self.planner not in PLANNER_NAMES:
             raise ValueError(f"SparseConfig.planner: unknown planner {self.planner!r}; valid: {list(PLANNER_NAMES)}")
+
+    def __hash__(self) -> int:
+        # hashed on every call of the op (the resolved configuration and the density history are keyed by it):
+        # computed once per process (string hashes differ between processes, and a pickled config may travel)
+        cached = self.__dict__.get("_hash")
+        if cached is None or cached[0] != os.getpid():
+            cached = (os.getpid(), hash(tuple(getattr(self, f.name) for f in fields(self))))
+            object.__setattr__(self, "_hash", cached)
+        return cached[1]
 
     def __getattr__(self, name: str):
         # config.pbs, config.bfla, ...: a registered method's parameters
