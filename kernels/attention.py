@@ -14,7 +14,7 @@ their semantics (the ``BlockPlan`` contract) and ``sparse_compile.plan.execute_p
 * rows that see no key write zeros; a row whose scores include a non-finite value writes a non-finite output
   (as dense attention), and such a row does not decide an early stop or a P.V skip for the others.
 
-Shape of the kernel (FlashAttention-2 forward, like Triton's fused-attention tutorial): one program per
+Shape of the kernel (a FlashAttention-2 style forward): one program per
 (batch, query head, query block); ``q`` stays on chip; ``_fwd_inner`` walks the tile list twice, masked tiles
 first (scores masked by position), then unmasked ones (no mask arithmetic at all), keeping the online softmax
 in base 2 with the softmax scale folded into the exponent. Programs run the query heads of one KV head and its

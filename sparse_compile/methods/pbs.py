@@ -9,7 +9,7 @@ Per query head h, query block i (block size B both ways, logical order):
    rows they have).
 2. Candidates: tiles visible to the block (causal, from original positions). With a PBS key permutation the
    query block's own (on-diagonal) segment is masked out of the pooled softmax, as App. B.1 says ("this mask also
-   includes the on-diagonal segments") and the authors' code does: it is always computed. Without a
+   includes the on-diagonal segments"): it is always computed. Without a
    permutation (the MeanPooling baseline) C is only the causal mask, so the diagonal tiles stay candidates.
 3. a = softmax over candidates of Q_bar_i . K_bar_j * scale (scale = the attention's, 1/sqrt(d) by default).
 4. Keep the fewest top-a candidates whose mass reaches tau (Alg. 2 lines 11-15; see ``top_mass``). tau >= 1 keeps

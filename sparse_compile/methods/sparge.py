@@ -3,7 +3,7 @@
 Query blocks of ``block_size_q`` rows, key tiles of ``block_size_kv`` logical keys:
 
 1. q_i = mean of query block i, k_j = mean of key tile j; s_qi, s_kj = the block's mean token cosine
-   similarity (``block_self_similarity``; the reference code's mean of the normalised Gram matrix).
+   similarity (``block_self_similarity``: the mean of the block's normalised Gram matrix).
 2. S_hat = q k^T * scale (scale = the attention's, 1/sqrt(d) by default); S_hat[:, j] = -inf for
    non-self-similar key tiles (s_kj < theta) and for causally invisible tiles (block-causal, original positions).
 3. P_hat[i] = softmax(S_hat[i]); M[i] = TopCdf(P_hat[i], tau). Boundary choice: the fewest top blocks whose
@@ -17,7 +17,7 @@ Query blocks of ``block_size_q`` rows, key tiles of ``block_size_kv`` logical ke
    every row's tile maximum is below its running maximum by more than |lambda| (plan.py's rule; the paper
    applies it per warp's slice of rows, the plan per query block).
 
-GQA: per query head, as the reference implementation (which repeats the pooled keys per head; here the pooled
+GQA: per query head, as the paper selects per head (the pooled
 keys are shared through ``group_scores``).
 
 Non-finite inputs (not in the paper; kept confined as in dense attention): a query block or key tile whose pooled
