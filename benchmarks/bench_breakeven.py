@@ -23,7 +23,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,18 +39,9 @@ from sparse_compile.methods import build_plan  # noqa: E402
 from sparse_compile.plan import execute_plan  # noqa: E402
 from sparse_compile.registry import registered_methods  # noqa: E402
 
-from harness import write_results  # noqa: E402
+from harness import sm_clock_mhz, write_results  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
-
-
-def sm_clock() -> int | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, timeout=5).stdout
-        return int(out.split()[0])
-    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
-        return None
 
 
 def alternate(contenders: dict, reps: int, calls: int = 1) -> dict:
@@ -123,7 +113,7 @@ def measure(args) -> None:
             }, args.reps)
             row = {"N": n, "method": method, "shape": shape, "cudnn_ms": ms["cudnn"], "kernel_ms": ms["kernel"],
                    "select_ms": ms["select"], "kernel": ms["kernel"] / ms["cudnn"],
-                   "select": ms["select"] / ms["cudnn"], "sm_clock_mhz": sm_clock()}
+                   "select": ms["select"] / ms["cudnn"], "sm_clock_mhz": sm_clock_mhz()}
             row["break_even"] = (1 - row["select"]) / row["kernel"]
             rows.append(row)
             entry.setdefault(shape, {})[str(n)] = {"kernel": round(row["kernel"], 4), "select": round(row["select"], 4)}
@@ -163,7 +153,7 @@ def verify(args) -> None:
                 row = {"N": n, "inputs": inputs, "method": method, "calls_per_sample": args.calls, "cudnn_ms": ms["cudnn"],
                        "sparse_attention_ms": ms["sparse"], "ratio": ms["sparse"] / ms["cudnn"],
                        "listed_density": density, "rel_l1_sparse": rel_l1, "last_path": stats.last_path,
-                       "last_reason": stats.last_reason, "calls": calls, "sm_clock_mhz": sm_clock()}
+                       "last_reason": stats.last_reason, "calls": calls, "sm_clock_mhz": sm_clock_mhz()}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del q, k, v

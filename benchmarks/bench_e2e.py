@@ -51,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparse_compile  # noqa: E402
-from harness import write_results  # noqa: E402
+from harness import sm_clock_mhz, write_results  # noqa: E402
 
 METHODS = ("pbs", "sparge", "bfla", "s2o")
 # parameters held fixed while calibrating, so that the target densities are reachable on random weights:
@@ -104,20 +104,6 @@ def register_noop_attention() -> str:
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def sm_clock_mhz() -> int | None:
-    """The GPU's current SM clock (nvidia-smi; None without one): recorded next to every timed run."""
-    if not torch.cuda.is_available():
-        return None
-    import subprocess
-
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, timeout=5).stdout
-        return int(out.split()[0])
-    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
-        return None
 
 
 def ttft(fn, ids, reps: int) -> float:

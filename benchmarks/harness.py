@@ -122,6 +122,21 @@ def guarded(fn: Callable[[], Any], *, catch_all: bool = False):
         raise
 
 
+def sm_clock_mhz() -> Optional[int]:
+    """The GPU's current SM clock (nvidia-smi; None without one): recorded next to timed runs, since the clock
+    drifts under sustained load."""
+    if not torch.cuda.is_available():
+        return None
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=5).stdout
+        return int(out.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
 def env_info() -> dict:
     info = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
