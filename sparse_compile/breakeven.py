@@ -12,9 +12,13 @@ With density rho (the fraction of causal tiles the plan keeps, or visits under e
 
 The density is only known after planning, and planning is what a dense call must not pay. So each site keeps the
 density of its last plan at that length, read back without draining the GPU queue (a non-blocking copy, picked
-up by a later call once it has landed). A site whose last plan was denser than break-even runs dense directly;
-every ``PROBE_EVERY``-th call there plans again so that the decision follows the inputs. A site without history
-plans and runs sparse. Devices or plan shapes without a table keep the configured method (CPU tests, other GPUs).
+up by a later call once it has landed). A site whose last plan was denser than break-even runs dense directly.
+So that the decision follows the inputs, a dense site plans again after ``PROBE_EVERY`` dense calls, then after
+twice as many each time the new plan is still too dense (up to ``PROBE_MAX``); such a re-plan runs dense too
+unless the plan's cost is only known by running it (early stop). Where break-even lies below the lowest density
+any plan of the shape can have (one tile per query block), the call runs dense without planning at all. A site
+without history plans and runs sparse. Devices or plan shapes without a table keep the configured method (CPU
+tests, other GPUs).
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ from typing import Optional
 
 import torch
 
-__all__ = ["plan_shape", "break_even_density", "has_table", "DensityHistory", "HISTORY", "PROBE_EVERY",
-           "load_tables"]
+__all__ = ["plan_shape", "break_even_density", "lowest_density", "has_table", "DensityHistory", "HISTORY",
+           "PROBE_EVERY", "PROBE_MAX", "load_tables"]
 
-PROBE_EVERY = 16  # calls between re-plans at a site that runs dense
+PROBE_EVERY = 16  # dense calls before the first re-plan at a site that runs dense
+PROBE_MAX = 256  # the interval doubles while re-plans stay too dense, up to this
 TABLE_FILE = Path(__file__).with_name("breakeven_tables.json")
 
 
@@ -48,6 +53,15 @@ def plan_shape(plan) -> str:
     if plan.pv_skip is not None:
         parts.append("pvskip")
     return "+".join(parts)
+
+
+@functools.lru_cache(maxsize=1024)
+def lowest_density(shape: str, num_queries: int, num_keys: int) -> float:
+    """The least density a plan of ``shape`` can have: every query block keeps at least one tile."""
+    from .plan import causal_tile_count
+
+    block_m, block_n = (int(side) for side in shape.split("+")[0].split("x"))
+    return -(-num_queries // block_m) / max(causal_tile_count(num_queries, num_keys, block_m, block_n), 1)
 
 
 _TABLES: Optional[dict] = None
@@ -111,7 +125,8 @@ class _Entry:
     density: Optional[float] = None  # the last plan's density that has landed on the host
     pending: Optional[tuple] = None  # (host tensor, event) of a plan's density still on its way
     shape: Optional[str] = None
-    dense_calls: int = 0  # consecutive calls that ran dense on this history
+    dense_calls: int = 0  # dense calls since the last plan
+    interval: int = PROBE_EVERY  # dense calls before the next re-plan
 
 
 class DensityHistory:
@@ -120,6 +135,7 @@ class DensityHistory:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict = {}
+        self._shapes: dict = {}  # configuration -> the shape of its last plan (the same at every site)
 
     @staticmethod
     def key(site: str, config, q: torch.Tensor, k: torch.Tensor) -> tuple:
@@ -141,14 +157,29 @@ class DensityHistory:
                 return None
             return entry.density, entry.shape
 
+    def shape_of(self, config) -> Optional[str]:
+        """The plan shape ``config`` produced last anywhere, before this site has planned itself."""
+        with self._lock:
+            return self._shapes.get(config)
+
     def should_probe(self, key) -> bool:
-        """Count one more dense call at ``key``; True every PROBE_EVERY-th time: plan again."""
+        """Count one more dense call at ``key``; True when it is time to plan again (the next wait doubles)."""
         with self._lock:
             entry = self._entries.setdefault(key, _Entry())
             entry.dense_calls += 1
-            return entry.dense_calls % PROBE_EVERY == 0
+            if entry.dense_calls < entry.interval:
+                return False
+            entry.interval = min(2 * entry.interval, PROBE_MAX)
+            return True
 
-    def record(self, key, density: torch.Tensor, shape: str) -> None:
+    def went_sparse(self, key) -> None:
+        """The last plan at ``key`` was sparse enough: re-plan soon again if the site turns dense."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.interval = PROBE_EVERY
+
+    def record(self, key, density: torch.Tensor, shape: str, config=None) -> None:
         """Remember a plan's density (a 0-d tensor, on any device) without waiting for it."""
         if density.is_cuda:
             host = torch.empty((), dtype=density.dtype, pin_memory=True)
@@ -160,10 +191,13 @@ class DensityHistory:
         with self._lock:
             entry = self._entries.setdefault(key, _Entry())
             entry.pending, entry.shape, entry.dense_calls = (host, event), shape, 0
+            if config is not None:
+                self._shapes[config] = shape
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._shapes.clear()
 
 
 HISTORY = DensityHistory()

@@ -20,7 +20,7 @@ from . import report
 from .config import SparseConfig
 from .context import resolve
 from .dense import dense_attention, dense_causal_attention
-from .breakeven import HISTORY, break_even_density, has_table, plan_shape
+from .breakeven import HISTORY, break_even_density, has_table, lowest_density, plan_shape
 from .padding import PaddingLayout, check_query_positions, padding_layout
 from .plan import causal_tile_count, execute_plan
 from .registry import method_spec
@@ -75,11 +75,13 @@ def _kernel_for(q: Tensor, config: SparseConfig) -> str:
 
 
 def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig,
-               history_key: Optional[tuple] = None):
+               history_key: Optional[tuple] = None, *, plan_only: bool = False):
     """Build the method's plan and execute it. Returns (output or None, reason, per-head density or None).
 
-    ``None`` output means the method declined (``Unsupported``); the caller runs dense with the reason. With a
-    ``history_key`` the plan's density (visited tiles under early stop) is remembered for the break-even decision.
+    ``None`` output means the method declined (``Unsupported``) or, with ``plan_only``, that the plan was only
+    built to be remembered; the caller runs dense. With a ``history_key`` the plan's density (visited tiles
+    under early stop, which only running the plan tells: ``plan_only`` then runs it all the same) is remembered
+    for the break-even decision.
     """
     from .methods import Unsupported, build_plan
 
@@ -91,6 +93,10 @@ def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
     kernel = _kernel_for(q, config)
     if kernel == "triton" and q.dtype == torch.float32 and q.is_cuda:
         return None, "float32 on GPU: the Triton kernel runs bfloat16/float16; left dense", None
+    num_queries, num_keys = q.shape[-2], k.shape[-2]
+    if plan_only and plan.early_stop == 0:
+        HISTORY.record(history_key, plan.density(num_queries, num_keys).mean(), plan_shape(plan), config)
+        return None, "re-planned", None
     # early stop decides at run time how many tiles a plan costs: count the visits when the count is wanted
     want_visits = config.record_density or (history_key is not None and plan.early_stop > 0)
     executor = method_spec(config.select_stage).execute
@@ -100,32 +106,41 @@ def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
         result = execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=want_visits)
     out, visited = result if want_visits else (result, None)
     if history_key is not None:
-        num_queries, num_keys = q.shape[-2], k.shape[-2]
         if visited is not None:
             total = causal_tile_count(num_queries, num_keys, plan.block_m, plan.block_n) * visited[:, :, 0].numel()
             listed = visited.sum(dtype=torch.float32) / max(total, 1)
         else:
             listed = plan.density(num_queries, num_keys).mean()
-        HISTORY.record(history_key, listed, plan_shape(plan))
+        HISTORY.record(history_key, listed, plan_shape(plan), config)
     density = None
     if config.record_density:
         density = report.density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
     return out, f"method {config.method} ({kernel})", density
 
 
-def _break_even(q: Tensor, k: Tensor, config: SparseConfig, site: str) -> tuple[Optional[str], Optional[tuple]]:
-    """(why this call should run dense, or None; the history key when the decision depends on history)."""
+def _break_even(q: Tensor, k: Tensor, config: SparseConfig, site: str) -> tuple[Optional[str], Optional[tuple], bool]:
+    """(why this call should run dense, or None; the history key when the decision depends on history; whether
+    to plan again although the call runs dense)."""
     if not config.dense_when_faster or not has_table(q.device):
-        return None, None  # no measured table for this device: the configured method runs
+        return None, None, False  # no measured table for this device: the configured method runs
+    num_queries, num_keys = q.shape[-2], k.shape[-2]
     key = HISTORY.key(site, config, q, k)
     predicted = HISTORY.prediction(key)
-    if predicted is None:
-        return None, key
-    density, shape = predicted
-    limit = break_even_density(q.device, shape, k.shape[-2])
-    if limit is None or density <= limit or HISTORY.should_probe(key):
-        return None, key
-    return f"plan density {density:.2f} above break-even {limit:.2f} (this site's last plan, {shape} tiles)", key
+    shape = predicted[1] if predicted is not None else HISTORY.shape_of(config)
+    limit = None if shape is None else break_even_density(q.device, shape, num_keys)
+    if limit is not None:
+        lowest = lowest_density(shape, num_queries, num_keys)
+        if limit < lowest:  # no plan can win at this length: do not even plan
+            return (f"break-even density {limit:.2f} is below the least any {shape} plan keeps at {num_keys} keys "
+                    f"({lowest:.2f})"), None, False
+    if predicted is None or limit is None:
+        return None, key, False
+    density = predicted[0]
+    if density <= limit:
+        HISTORY.went_sparse(key)
+        return None, key, False
+    reason = f"plan density {density:.2f} above break-even {limit:.2f} (this site's last plan, {shape} tiles)"
+    return reason, key, HISTORY.should_probe(key)
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
@@ -134,13 +149,15 @@ def run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseC
     path, reason = decide(q, k, v, config, site, chunked_allowed=chunked_allowed)
     out = density = None
     if path == SPARSE:
-        slower, history_key = _break_even(q, k, config, site)
-        if slower is not None:
+        slower, history_key, replan = _break_even(q, k, config, site)
+        if slower is not None and not replan:
             path, reason = DENSE, slower
         else:
-            out, reason, density = run_sparse(q, k, v, scale, config, history_key)
+            out, reason, density = run_sparse(q, k, v, scale, config, history_key, plan_only=replan)
             if out is None:
                 path = DENSE
+                if replan and reason == "re-planned":
+                    reason = f"{slower}; planned again, for the next call"
     if out is None:
         out = dense()
     return out, path, reason, density
@@ -231,7 +248,7 @@ def _causal_attention(q, k, v, scale, enable_gqa, site, config, key_padding=None
     if not from_mask:
         out = dispatch(q, k, v, scale, config_in_force, site,
                        lambda: dense_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa))
-        return _in_query_layout(out, q)
+        return _in_output_layout(out)
     if query_positions is not None:
         check_query_positions(query_positions, q.shape[-2], k.shape[-2])
     layout = None if key_padding is None else padding_layout(key_padding, k.shape[-2])
@@ -245,19 +262,31 @@ def _causal_attention(q, k, v, scale, enable_gqa, site, config, key_padding=None
                        lambda: dense_causal_attention(q, k, v, scale=scale), chunked_allowed=True)
     else:
         out = padded_dispatch(q, k, v, scale, config_in_force, site, layout)
-    return _in_query_layout(out, q)
+    return _in_output_layout(out)
 
 
-def _in_query_layout(out: Tensor, q: Tensor) -> Tensor:
-    """A fixed layout, whatever the path returned: the fake below promises contiguous. (Mirroring q's layout would
-    save the model's next copy, but Inductor may lay q out differently at run time than when it was traced.)"""
-    return out.contiguous()
+def _output_strides(shape) -> tuple[int, ...]:
+    batch, heads, length, dim = shape
+    return length * heads * dim, dim, heads * dim, 1
+
+
+def _in_output_layout(out: Tensor) -> Tensor:
+    """(B, H, N, D) with (B, N, H, D) memory, whatever the path returned, as the fake below promises.
+
+    One fixed layout, so Inductor's stride assumptions hold however it lays q out; and the layout attention
+    outputs are read in next (``out.transpose(1, 2).reshape(B, N, H * D)``), so that step copies nothing. SDPA's
+    fused kernels and the sparse kernel (which mirrors q's projection layout) already return it: no copy then.
+    """
+    if out.stride() == _output_strides(out.shape):
+        return out
+    fixed = out.new_empty((out.shape[0], out.shape[2], out.shape[1], out.shape[3])).transpose(1, 2)
+    return fixed.copy_(out)
 
 
 @causal_attention.register_fake
 def _causal_attention_fake(q, k, v, scale, enable_gqa, site, config, key_padding=None, query_positions=None,
                            from_mask=False, binary_padding=False):
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+    return q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1])).transpose(1, 2)
 
 
 # -- eager entry point ----------------------------------------------------------------------------------------

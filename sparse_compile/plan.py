@@ -34,6 +34,7 @@ a GQA group share the entry.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -233,6 +234,7 @@ def causal_plan(
     return plan_from_block_mask(torch.ones_like(vis, dtype=torch.bool), vis, block_m, block_n)
 
 
+@functools.lru_cache(maxsize=256)  # asked on every planned call: a loop over query blocks, once per shape
 def causal_tile_count(num_queries: int, num_keys: int, block_m: int, block_n: int) -> int:
     """Number of (query block, key tile) pairs with at least one visible key, in the identity order."""
     offset = num_keys - num_queries

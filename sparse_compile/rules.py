@@ -11,6 +11,7 @@ The q/k/v checks that every entry point shares come from the bottom layer (``ker
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Optional, Sequence, TypeVar
@@ -56,6 +57,7 @@ def head_dim_supported(dim: Any) -> bool:
     return isinstance(dim, int) and MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM and dim % 8 == 0
 
 
+@functools.lru_cache(maxsize=4096)  # asked on every call of the op: a regex per site, once
 def layer_index(path: str) -> Optional[int]:
     """The first integer component of a module path: ``model.layers.3.self_attn`` -> 3."""
     match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", path)

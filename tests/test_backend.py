@@ -435,12 +435,16 @@ def test_break_even_runs_dense_where_the_last_plan_was_too_dense(monkeypatch):
     assert stats.last_path == "dense" and "above break-even 0.72" in stats.last_reason, stats.last_reason
     torch.testing.assert_close(second, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     assert torch.isfinite(first).all()
-    # every PROBE_EVERY-th dense call plans again; dense_when_faster=False always runs the method
-    paths = []
-    for _ in range(breakeven.PROBE_EVERY):
+    # after PROBE_EVERY dense calls the site plans again (and still runs dense: the plan is known to be too
+    # dense only once it lands); while the new plans stay too dense, the wait doubles
+    replans = []
+    for call in range(1, 3 * breakeven.PROBE_EVERY + 1):
         sparse_compile.sparse_attention(q, k, v, config=config)
-        paths.append(sparse_compile.runtime_stats()["sparse_attention"].last_path)
-    assert paths.count("sparse") == 1
+        stats = sparse_compile.runtime_stats()["sparse_attention"]
+        assert stats.last_path == "dense", stats.last_reason
+        if "planned again" in stats.last_reason:
+            replans.append(call)
+    assert replans == [breakeven.PROBE_EVERY - 1, 3 * breakeven.PROBE_EVERY - 1], replans
     sparse_compile.sparse_attention(q, k, v, config=config.replace(dense_when_faster=False))
     assert sparse_compile.runtime_stats()["sparse_attention"].last_path == "sparse"
     # a sparse enough plan keeps running sparse
@@ -450,6 +454,28 @@ def test_break_even_runs_dense_where_the_last_plan_was_too_dense(monkeypatch):
     for _ in range(3):
         sparse_compile.sparse_attention(q, k, v, config=sparse)
     assert sparse_compile.runtime_stats()["sparse_attention"].last_path == "sparse"
+
+
+def test_break_even_below_any_plan_skips_planning(monkeypatch):
+    from sparse_compile import breakeven, methods
+
+    config = SparseConfig(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32})
+    # selection alone costs 1.5x dense: break-even 0, below the least density of any 16x16 plan
+    monkeypatch.setattr(breakeven, "_TABLES", {"cpu": {"16x16+keys": {"64": {"kernel": 1.0, "select": 1.5}}}})
+    breakeven.HISTORY.clear()
+    q, k, v = random_qkv(1, 4, 2, 64, 64, 16)
+    sparse_compile.sparse_attention(q, k, v, config=config)  # the first plan of this configuration: its shape
+    planned = []
+    monkeypatch.setattr(methods, "build_plan", lambda *a, **kw: planned.append(1))
+    for site_length in (64, 96):  # another length: no history there, but the shape is known
+        q, k, v = random_qkv(1, 4, 2, site_length, site_length, 16)
+        out = sparse_compile.sparse_attention(q, k, v, config=config)
+        stats = sparse_compile.runtime_stats()["sparse_attention"]
+        assert stats.last_path == "dense" and "below the least any 16x16+keys plan keeps" in stats.last_reason
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    assert not planned
+    assert breakeven.lowest_density("16x16+keys", 64, 64) == 4 / 10
+    breakeven.HISTORY.clear()
 
 
 def test_break_even_density_interpolates_in_log_length(monkeypatch):
