@@ -136,6 +136,21 @@ def recorded_density(fn, ids, method: str, params: dict) -> tuple[float, int]:
     return (sum(values) / len(values) if values else float("nan")), calls
 
 
+def dispatch_summary(stats: dict) -> str:
+    """``"32 sparse"`` or ``"4 sparse, 28 dense (plan density 0.91 above break-even 0.58 ...)"`` for one run."""
+    counts: dict = {}
+    reasons: dict = {}
+    for site in stats.values():
+        for (path, reason), n in site.calls.items():
+            counts[path] = counts.get(path, 0) + n
+            if path == "dense":
+                reasons[reason.split(" (")[0]] = reasons.get(reason.split(" (")[0], 0) + n
+    text = ", ".join(f"{counts[p]} {p}" for p in ("sparse", "dense") if counts.get(p))
+    if reasons:
+        text += f" ({max(reasons, key=reasons.get)})"
+    return text
+
+
 def calibrate(method: str, target: float, qk: tuple, base: sparse_compile.SparseConfig, steps: int = 10):
     """The method's density parameter that keeps about ``target`` of the causal tiles on captured Q/K."""
     from sparse_compile.methods import build_plan
@@ -273,7 +288,7 @@ def summarize(rows: list, args, meta: dict) -> None:
         if isinstance(t, float):
             row["ttft_ms"] = t * 1e3
     columns = ["N", "contender", "ttft_ms", "speedup", "density", "efficiency", "best_possible_speedup",
-               "sparse_calls", "sm_clock_mhz", "params"]
+               "sparse_calls", "dispatch", "sm_clock_mhz", "params"]
     table = write_results(args.name, rows, meta=meta, columns=columns, out_dir=args.out)
     print(table)
     plot(rows, args)
@@ -292,6 +307,7 @@ def main() -> None:
     parser.add_argument("--budgets-only", action="store_true",
                         help="only the fixed-density runs (merge with a run that has the dense rows, --from-jsonl)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's 32)")
+    parser.add_argument("--skip-eager", action="store_true", help="leave out uncompiled transformers (saves time)")
     parser.add_argument("--eager-floor", action="store_true", help="also time the non-attention floor uncompiled")
     parser.add_argument("--regional", action="store_true",
                         help="compile each decoder layer (regional compilation) instead of the whole model")
@@ -379,7 +395,7 @@ def main() -> None:
             sync()
             first_call[key] = round(time.perf_counter() - started, 1)
 
-    total = sum((0 if args.budgets_only else 4 + args.eager_floor + bool(inductor) + len(args.methods))
+    total = sum((0 if args.budgets_only else 4 - args.skip_eager + args.eager_floor + bool(inductor) + len(args.methods))
                 + (len(args.methods) * len(args.budgets) if n in args.budget_lengths else 0) for n in args.lengths)
     bar = tqdm(total=total, desc="prefill", unit="contender") if tqdm else None
     for n in args.lengths:
@@ -387,7 +403,8 @@ def main() -> None:
         # 1. set up every contender at this length: compile, calibrate, record density, warm up
         entries = []  # (row, fn, reps)
         if not args.budgets_only:
-            entries.append(({"contender": "eager"}, run(model), args.reps))
+            if not args.skip_eager:
+                entries.append(({"contender": "eager"}, run(model), args.reps))
             if args.eager_floor:
                 entries.append(({"contender": "floor (eager)"}, eager_floor, args.reps))
             first("sparse_prefill", with_region(run(compiled), enabled=False), ids)
@@ -413,7 +430,9 @@ def main() -> None:
                 except torch.cuda.OutOfMemoryError:
                     torch.cuda.empty_cache()
                     row["ttft_s"] = "OOM"
-                if row.get("sparse_calls") != num_layers:  # some layers ran dense: the row does not measure the method
+                # at fixed densities every layer must run the method (a dense layer would not measure it); at the
+                # defaults the break-even dispatch may send layers to dense attention: the timed runs record that
+                if budget is not None and row.get("sparse_calls") != num_layers:
                     print(f"warning: {method} at {n}: {row.get('sparse_calls')} of {num_layers} attention layers "
                           "ran sparse", file=sys.stderr)
                 entries.append((row, with_region(run(compiled), method=method, **params),
@@ -436,12 +455,15 @@ def main() -> None:
                 for row, fn, reps in live:
                     if round_ >= reps:
                         continue
+                    sparse_compile.reset_runtime_stats()
                     sync()
                     started = time.perf_counter()
                     fn(ids)
                     sync()
                     times[id(row)].append(time.perf_counter() - started)
                     clocks[id(row)].append(sm_clock_mhz())
+                    if "density" in row:  # which way the method's calls went in the timed run, and why
+                        row["dispatch"] = dispatch_summary(sparse_compile.runtime_stats())
         for row, _, _ in entries:
             row["N"] = n
             if times[id(row)]:

@@ -1,11 +1,30 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, the break-even table, the never-slower check and the memory table (H100, ~7 min).
-#   bash benchmarks/run_h100_session.sh "$OUT"
+# The H100 session's device calls, one part per call (each well inside the 10-minute limit):
+#   bash benchmarks/run_h100_session.sh "$OUT" check     # GPU tests + never-slower check at defaults (~9 min)
+#   bash benchmarks/run_h100_session.sh "$OUT" e2e       # whole-model TTFT at defaults, 8K-64K (~8 min)
+#   bash benchmarks/run_h100_session.sh "$OUT" e2e-long  # the same at 128K, plus the density-0.1 rows (~8 min)
+#   bash benchmarks/run_h100_session.sh "$OUT" table     # re-measure the break-even table, peak memory (~7 min)
 set -uo pipefail
 out=${1:?results folder}
+part=${2:?part: check, e2e, e2e-long or table}
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv | tee "$out/gpu.txt"
-timeout 170 python -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -25 | tee "$out/gpu_tests.txt"
-timeout 280 python benchmarks/bench_breakeven.py --measure --verify --memory --reps 5 --out "$out" 2>&1 | tee "$out/breakeven_log.txt" | grep -v "^{" | tail -60
-cp sparse_compile/breakeven_tables.json "$out/" 2>/dev/null
-nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader | tee -a "$out/gpu.txt"
+clock() { nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader | tee -a "$out/gpu.txt"; }
+clock
+case "$part" in
+check)
+    timeout 300 python -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -30 > "$out/gpu_tests.txt"
+    tail -3 "$out/gpu_tests.txt"
+    timeout 260 python benchmarks/bench_breakeven.py --verify --calls 4 --reps 5 --out "$out" 2>&1 \
+        | tee "$out/breakeven_log.txt" | grep -v "^{" | tail -50 ;;
+e2e)
+    timeout 560 python benchmarks/bench_e2e.py --lengths 8192 16384 32768 65536 --budget-lengths --skip-eager \
+        --reps 3 --out "$out" 2>&1 | tee "$out/e2e_log.txt" | grep -v "^{" | tail -40 ;;
+e2e-long)
+    timeout 560 python benchmarks/bench_e2e.py --lengths 131072 --budgets 0.1 --budget-lengths 131072 --skip-eager \
+        --reps 2 --name e2e_long --out "$out" 2>&1 | tee "$out/e2e_long_log.txt" | grep -v "^{" | tail -40 ;;
+table)
+    timeout 560 python benchmarks/bench_breakeven.py --measure --memory --reps 5 --out "$out" 2>&1 \
+        | tee "$out/breakeven_log.txt" | grep -v "^{" | tail -40
+    cp sparse_compile/breakeven_tables.json "$out/" ;;
+esac
+clock
