@@ -45,11 +45,12 @@ from harness import sm_clock_mhz, write_results  # noqa: E402
 HQ, HKV, D = 32, 8, 128
 
 
-def alternate(contenders: dict, reps: int, calls: int = 1) -> dict:
-    """Median milliseconds of each callable, timed A, B, C, A, B, C, ... with CUDA events.
+def alternate(contenders: dict, reps: int, calls: int = 1, queue_ahead: bool = False) -> dict:
+    """Median milliseconds of each callable, timed A, B, C, A, B, C, ... with CUDA events (and the means).
 
-    ``calls`` back-to-back calls per sample (divided out): with 1 the host time of a call shows whenever the GPU
-    finishes first; with several, the host queues ahead as in a model's forward pass.
+    ``calls`` back-to-back calls per sample (divided out). ``queue_ahead``: each sample starts behind a short GPU
+    sleep, so the host is ahead of the GPU as inside a model's forward pass (a call's host time then shows only
+    where it exceeds its GPU time); otherwise the GPU idles while the first call of a sample is prepared.
     """
     times = {name: [] for name in contenders}
     for _ in range(2):  # warm-up: JIT, and a density history that has landed
@@ -59,6 +60,8 @@ def alternate(contenders: dict, reps: int, calls: int = 1) -> dict:
     for _ in range(reps):
         for name, fn in contenders.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if queue_ahead:
+                torch.cuda._sleep(2_000_000)  # about 1 ms at the H100's clock
             start.record()
             for _ in range(calls):
                 fn()
@@ -75,6 +78,12 @@ def random_inputs(n: int, seed: int = 0):
     k = torch.randn(1, HKV, n, D, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn(1, HKV, n, D, device="cuda", dtype=torch.bfloat16, generator=g)
     return q, k, v
+
+
+def in_model_layout(*tensors):
+    """The same values laid out as a transformers model passes them: (B, H, N, D) views of (B, N, H, D) memory
+    (the projection's output, transposed)."""
+    return tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in tensors)
 
 
 def cudnn(q, k, v):
@@ -138,6 +147,8 @@ def verify(args) -> None:
     for n in args.lengths:
         for inputs in ("random", "structured"):
             q, k, v = random_inputs(n) if inputs == "random" else structured_inputs(n, device="cuda")
+            if args.layout == "model":
+                q, k, v = in_model_layout(q, k, v)
             for method in args.methods:
                 HISTORY.clear()
                 sparse_compile.reset_runtime_stats()
@@ -148,16 +159,19 @@ def verify(args) -> None:
                     "sparse": lambda: sparse_compile.sparse_attention(q, k, v, config=config),
                     # the registered op as the compiled graph calls it (its own site, its own history)
                     "op": lambda: torch.ops.sparse_compile.causal_attention(q, k, v, None, True, "op", config_json),
-                }, args.reps, calls=args.calls)
+                }, args.reps, calls=args.calls, queue_ahead=args.queue_ahead)
                 op_stats = sparse_compile.runtime_stats()["op"]
                 stats = sparse_compile.runtime_stats()["sparse_attention"]
-                calls = {path: count for (path, _), count in stats.calls.items()}
+                calls: dict = {}
+                for (path, _), count in stats.calls.items():
+                    calls[path] = calls.get(path, 0) + count
                 with torch.no_grad():
                     out = sparse_compile.sparse_attention(q, k, v, config=config.replace(dense_when_faster=False))
                     ref = cudnn(q, k, v).float()
                     rel_l1 = float((out.float() - ref).abs().sum() / ref.abs().sum())
                     density = float(build_plan(q, k, None, config).density(n, n).mean())
-                row = {"N": n, "inputs": inputs, "method": method, "calls_per_sample": args.calls, "cudnn_ms": ms["cudnn"],
+                row = {"N": n, "inputs": inputs, "method": method, "calls_per_sample": args.calls,
+                       "layout": args.layout, "queue_ahead": args.queue_ahead, "cudnn_ms": ms["cudnn"],
                        "sparse_attention_ms": ms["sparse"], "ratio": ms["sparse"] / ms["cudnn"],
                        "ratio_of_means": ms["sparse_mean"] / ms["cudnn_mean"], "op_ms": ms["op"],
                        "op_ratio": ms["op"] / ms["cudnn"], "op_ratio_of_means": ms["op_mean"] / ms["cudnn_mean"],
@@ -214,6 +228,10 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--calls", type=int, default=1,
                         help="--verify: back-to-back calls per timed sample (1: each call's host time shows)")
+    parser.add_argument("--queue-ahead", action="store_true",
+                        help="--verify: start each sample behind a GPU sleep (host ahead, as in a forward pass)")
+    parser.add_argument("--layout", choices=("model", "contiguous"), default="model",
+                        help="--verify: q/k/v as a model passes them (B, N, H, D memory) or contiguous (B, H, N, D)")
     parser.add_argument("--table", default=str(TABLE_FILE))
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default="breakeven")
