@@ -4,6 +4,7 @@
     with sparse_compile.sparsity(method="bfla"):
         logits = model(input_ids)
     print(sparse_compile.explain(model, input_ids))
+    calibration = sparse_compile.calibrate(model, input_ids, method="pbs", target_error=0.02)
 """
 
 import importlib.util as _importlib_util
@@ -39,6 +40,7 @@ from .methods.sparge import SpargeParams  # noqa: E402
 from .backend import sparse_prefill  # noqa: E402
 from .config import MethodParams, SparseConfig  # noqa: E402
 from .context import sparsity  # noqa: E402
+from .calibrate import Calibration, SiteCalibration, calibrate  # noqa: E402
 from .explain import ExplainReport, explain  # noqa: E402
 from .ops import sparse_attention  # noqa: E402
 from .plan import BlockPlan, execute_plan  # noqa: E402
@@ -61,6 +63,9 @@ __all__ = [
     "execute_plan",
     "sparse_prefill",
     "sparsity",
+    "calibrate",
+    "Calibration",
+    "SiteCalibration",
     "explain",
     "ExplainReport",
     "sparse_attention",

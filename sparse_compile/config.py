@@ -9,6 +9,7 @@ Every method's defaults are its paper's defaults; each documents the setting tha
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
@@ -16,7 +17,7 @@ from typing import Any, Mapping, Optional
 from .registry import NO_REORDER, check_stage_pair, method_spec, registered_methods
 
 __all__ = ["SparseConfig", "MethodParams", "KERNEL_NAMES", "PLANNER_NAMES", "check_block", "check_fraction",
-           "check_int", "fail"]
+           "check_int", "fail", "normalize_site_params"]
 
 KERNEL_NAMES = ("auto", "triton", "reference")
 PLANNER_NAMES = ("auto", "fast", "reference")
@@ -90,6 +91,39 @@ def _method_params(name: str, value: Any) -> MethodParams:
                      f"{type(value).__name__}")
 
 
+def normalize_site_params(value: Any, owner: str = "SparseConfig.site_params") -> tuple:
+    """``{site: {param: value}}`` (or this function's own output) as a sorted, hashable tuple of
+    ``(site, ((param, value), ...))`` pairs. Checks the shape only; the parameters are checked against the method
+    by ``SparseConfig``."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = [(site, overrides) for site, overrides in items]
+    except (TypeError, ValueError):
+        raise ValueError(f"{owner}: must be a dict {{module path: {{parameter: value}}}}, got {value!r}") from None
+    out = []
+    for site, overrides in pairs:
+        if not isinstance(site, str) or not site:
+            raise ValueError(f"{owner}: keys must be attention sites' module paths (non-empty str, as "
+                             f"runtime_stats() names them), got {site!r}")
+        if isinstance(overrides, Mapping):
+            overrides = overrides.items()
+        try:
+            overrides = tuple(sorted((str(k), v) for k, v in overrides))
+        except (TypeError, ValueError):
+            raise ValueError(f"{owner}[{site!r}]: must be a dict of the method's parameters, got "
+                             f"{overrides!r}") from None
+        for key, item in overrides:
+            if not (item is None or isinstance(item, (bool, int, float, str))):
+                raise ValueError(f"{owner}[{site!r}].{key}: must be a number, bool, str or None, got {item!r}")
+        if overrides:  # an empty entry changes nothing
+            out.append((site, overrides))
+    if len({site for site, _ in out}) != len(out):
+        raise ValueError(f"{owner}: a site appears twice in {value!r}")
+    return tuple(sorted(out))
+
+
 @dataclass(frozen=True, init=False)
 class SparseConfig:
     """Everything the ``sparse_prefill`` backend and ``sparse_attention`` need.
@@ -108,6 +142,11 @@ class SparseConfig:
     record_density  measure each call's achieved density (costs a host sync; off by default).
     dense_when_faster  on GPUs with a measured break-even table, run dense attention where this site's last plan
                     was too dense for the sparse path to win (``breakeven.py``); False always runs the method.
+    site_params     per-site parameters of the method (its select stage), applied at run time on top of the method's
+                    own: ``{"model.layers.3.self_attn": {"threshold": 0.93}}``. Keys are module paths exactly as
+                    ``runtime_stats()`` names the sites (relative to the compiled module); ``sparse_attention``'s site
+                    is ``"sparse_attention"``. ``calibrate`` writes them. They belong to the method: a region that
+                    switches the method (``sparsity(method=...)``) leaves them behind.
     <method name>   that method's parameters (a dict of its fields or its params dataclass), e.g. ``pbs={...}``;
                     read back as ``config.pbs``. ``params`` holds them all, as (name, params) pairs.
     """
@@ -122,12 +161,13 @@ class SparseConfig:
     planner: str = "auto"
     record_density: bool = False
     dense_when_faster: bool = True
+    site_params: tuple = ()
     params: tuple = ()
 
     def __init__(self, method: str = "pbs", reorder: Optional[str] = None, select: Optional[str] = None,
                  enabled: bool = True, min_seq_len: int = 16384, skip_layers=(), kernel: str = "auto",
-                 planner: str = "auto", record_density: bool = False, dense_when_faster: bool = True, params=None,
-                 **method_params: Any) -> None:
+                 planner: str = "auto", record_density: bool = False, dense_when_faster: bool = True,
+                 site_params=None, params=None, **method_params: Any) -> None:
         registered = registered_methods()
         unknown = sorted(set(method_params) - set(registered))
         if unknown:
@@ -172,6 +212,14 @@ class SparseConfig:
             raise ValueError(f"SparseConfig.kernel: unknown kernel {self.kernel!r}; valid: {list(KERNEL_NAMES)}")
         if self.planner not in PLANNER_NAMES:
             raise ValueError(f"SparseConfig.planner: unknown planner {self.planner!r}; valid: {list(PLANNER_NAMES)}")
+        object.__setattr__(self, "site_params", normalize_site_params(site_params))
+        stage = self.select_stage
+        for site, overrides in self.site_params:
+            try:
+                self.params_of(stage).updated(dict(overrides))
+            except ValueError as exc:
+                raise ValueError(f"SparseConfig.site_params[{site!r}] (parameters of method {stage!r}): "
+                                 f"{exc}") from None
 
     def __hash__(self) -> int:
         # hashed on every call of the op (the resolved configuration and the density history are keyed by it):
@@ -215,8 +263,9 @@ class SparseConfig:
         return cls(**options)
 
     def to_dict(self) -> dict[str, Any]:
-        """Keyword arguments that rebuild this configuration (methods' parameters as dicts)."""
+        """Keyword arguments that rebuild this configuration (methods' parameters and ``site_params`` as dicts)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "params"}
+        out["site_params"] = {site: dict(overrides) for site, overrides in self.site_params}
         out.update({name: dataclasses.asdict(value) for name, value in self.params})
         return out
 
@@ -241,7 +290,7 @@ class SparseConfig:
         ``params`` keys may be SparseConfig fields (``min_seq_len=...``) or fields of the selected method's
         parameter dataclass (``threshold=0.8`` for pbs). A key that is neither is an error naming the valid ones.
         """
-        config = self if method is None else self.replace(method=method, reorder=None, select=None)
+        config = self if method is None else self._switched(method=method, reorder=None, select=None)
         if not params:
             return config
         own = {f.name for f in fields(self)} - {"params"}
@@ -261,9 +310,34 @@ class SparseConfig:
                 )
         if stage:
             top[stage_name] = stage_params.updated(stage)
-        return config.replace(**top)
+        return config._switched(**top)
+
+    def _switched(self, **changes: Any) -> "SparseConfig":
+        """``replace``, leaving ``site_params`` behind when the select stage changes (they are its parameters)."""
+        if self.site_params and "site_params" not in changes:
+            method = changes.get("method", self.method)
+            select = changes.get("select", self.select)
+            if (select if select is not None else method) != self.select_stage:
+                changes["site_params"] = ()
+        return self.replace(**changes)
+
+    def for_site(self, site: str) -> "SparseConfig":
+        """The configuration in force at ``site``: its ``site_params`` entry, if any, applied to the method's
+        parameters. Cached: asked on every call of the op."""
+        if not self.site_params:
+            return self
+        return _at_site(self, site)
 
     def keep_all(self) -> "SparseConfig":
         """The same configuration with every method's keep-everything setting: exact dense attention."""
-        return self.replace(**{name: spec_params.updated(method_spec(name).keep_all)
-                               for name, spec_params in self.params})
+        return self.replace(site_params=(), **{name: spec_params.updated(method_spec(name).keep_all)
+                                               for name, spec_params in self.params})
+
+
+@functools.lru_cache(maxsize=4096)
+def _at_site(config: SparseConfig, site: str) -> SparseConfig:
+    overrides = dict(config.site_params).get(site)
+    if overrides is None:
+        return config
+    stage = config.select_stage
+    return config.replace(site_params=(), **{stage: config.params_of(stage).updated(dict(overrides))})

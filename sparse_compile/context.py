@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .config import SparseConfig
+from .config import SparseConfig, normalize_site_params
 from .registry import registered_methods
 
 __all__ = ["sparsity", "RegionState", "current_region"]
@@ -80,13 +80,15 @@ class sparsity:
         self._method = method
         # hashable values: the resolved configuration is cached per region
         self._params = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
+        if "site_params" in params:
+            self._params["site_params"] = normalize_site_params(params["site_params"], "sparsity(site_params=...)")
         self._entered: list[tuple[contextvars.Token, RegionState]] = []
 
     def _state(self, outer: RegionState) -> RegionState:
         merged = dict(outer.params)
         if self._method is not None and self._method != outer.method:
-            # another method: the outer block's method parameters no longer apply, its general ones still do
-            merged = {k: v for k, v in merged.items() if k in SparseConfig.field_names()}
+            # another method: the outer block's method parameters (per site too) no longer apply, its general ones do
+            merged = {k: v for k, v in merged.items() if k in SparseConfig.field_names() and k != "site_params"}
         merged.update(self._params)
         return RegionState(
             enabled=self._enabled if self._enabled is not None else outer.enabled,
@@ -122,9 +124,16 @@ class sparsity:
 
 def _check_values(params: dict) -> None:
     # the backend's own fields are checked now; a method's parameters when the region meets its method
-    own = {k: v for k, v in params.items() if k in SparseConfig.field_names()}
+    own = {k: v for k, v in params.items() if k in SparseConfig.field_names() and k != "site_params"}
     if own:
         SparseConfig().with_overrides(None, own)
+    # per-site parameters: each must belong to some method now, their values are checked against the method
+    valid = _valid_param_names() - set(SparseConfig.field_names())
+    for site, overrides in normalize_site_params(params.get("site_params"), "sparsity(site_params=...)"):
+        unknown = sorted(set(dict(overrides)) - valid)
+        if unknown:
+            raise ValueError(f"sparsity(site_params=...)[{site!r}]: unknown parameter(s) {unknown}; valid: "
+                             f"{sorted(valid)}")
 
 
 @functools.lru_cache(maxsize=256)

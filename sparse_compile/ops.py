@@ -7,11 +7,13 @@ every prompt length and every region without recompiling.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
 import logging
 import math
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -27,7 +29,7 @@ from .registry import method_spec
 from .rules import RUNTIME_RULES, SUPPORTED_DTYPES, CallInfo, first_failure, validate_qkv
 from .parallel import active_sequence_group, is_dtensor, register_dtensor_sharding, run_sequence_parallel
 
-__all__ = ["causal_attention", "sparse_attention", "config_to_json", "config_from_json", "decide"]
+__all__ = ["causal_attention", "sparse_attention", "config_to_json", "config_from_json", "decide", "capturing"]
 
 log = logging.getLogger("sparse_compile")
 
@@ -38,7 +40,9 @@ DENSE, SPARSE = "dense", "sparse"
 def _non_default(value: dict, default: dict) -> dict:
     out = {}
     for key, item in value.items():
-        if isinstance(item, dict):
+        if key not in default:  # an entry of a free-form mapping (site_params): kept whole
+            out[key] = item
+        elif isinstance(item, dict):
             sub = _non_default(item, default[key])
             if sub:
                 out[key] = sub
@@ -55,6 +59,22 @@ def config_to_json(config: SparseConfig) -> str:
 @functools.lru_cache(maxsize=64)
 def config_from_json(text: str) -> SparseConfig:
     return SparseConfig(**json.loads(text))
+
+
+# -- calibration: see what every call gets -------------------------------------------------------------------
+_CAPTURE: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar("sparse_compile_capture", default=None)
+
+
+@contextlib.contextmanager
+def capturing(callback: Callable) -> Iterator[None]:
+    """Inside the block, every causal attention problem the op (or ``sparse_attention``) decides on is passed to
+    ``callback(site, q, k, v, scale, chunked_allowed)`` first: one call per padded group, before any rule.
+    ``calibrate`` collects its samples so."""
+    token = _CAPTURE.set(callback)
+    try:
+        yield
+    finally:
+        _CAPTURE.reset(token)
 
 
 # -- the run-time decision: ``rules.RUNTIME_RULES``, the first that fails sends the call to dense attention ------
@@ -146,6 +166,9 @@ def _break_even(q: Tensor, k: Tensor, config: SparseConfig, site: str) -> tuple[
 def run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
         dense: Callable[[], Tensor], *, chunked_allowed: bool = False):
     """Decide and run the method or ``dense()``: (output, path, reason, per-head density or None)."""
+    capture = _CAPTURE.get()
+    if capture is not None:
+        capture(site, q, k, v, scale, chunked_allowed)
     path, reason = decide(q, k, v, config, site, chunked_allowed=chunked_allowed)
     out = density = None
     if path == SPARSE:
@@ -244,7 +267,7 @@ def causal_attention(
 
 def _causal_attention(q, k, v, scale, enable_gqa, site, config, key_padding=None, query_positions=None,
                       from_mask=False, binary_padding=False):
-    config_in_force = resolve(config_from_json(config))
+    config_in_force = resolve(config_from_json(config)).for_site(site)
     if not from_mask:
         out = dispatch(q, k, v, scale, config_in_force, site,
                        lambda: dense_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa))
@@ -307,5 +330,6 @@ def sparse_attention(
         register_dtensor_sharding()
         return causal_attention(q, k, v, scale, True, "sparse_attention", config_to_json(config or SparseConfig()),
                                 from_mask=True)
-    return dispatch(q, k, v, scale, resolve(config or SparseConfig()), "sparse_attention",
+    site = "sparse_attention"
+    return dispatch(q, k, v, scale, resolve(config or SparseConfig()).for_site(site), site,
                     lambda: dense_causal_attention(q, k, v, scale=scale), chunked_allowed=True)

@@ -79,7 +79,7 @@ class Method:
 
 _METHODS: dict[str, Method] = {}
 _RESERVED = {"method", "reorder", "select", "enabled", "min_seq_len", "skip_layers", "kernel", "planner",
-             "record_density", "dense_when_faster", "params"}
+             "record_density", "dense_when_faster", "site_params", "params"}
 
 
 def register_method(method: Method) -> Method:

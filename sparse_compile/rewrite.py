@@ -202,6 +202,7 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
             how += "; repeated K/V undone (GQA native)"
         records.append(SiteRecord(rewritten=True, reason=how, **record))
     _warn_unmatched_skips(records, config)
+    _warn_unmatched_site_params(records, config)
     if any(r.rewritten for r in records):
         if "torch.distributed.tensor" in sys.modules:  # the graph may run on DTensors: give the op its sharding rule
             from .parallel import register_dtensor_sharding
@@ -221,6 +222,17 @@ def _warn_unmatched_skips(records: list[SiteRecord], config: SparseConfig) -> No
         warnings.warn(f"sparse_compile: skip_layers {missing} matched no attention site of this graph (its layers: "
                       f"{min(indices)}..{max(indices)}); a site's layer index is the first integer in its module "
                       "path", stacklevel=2)
+
+
+def _warn_unmatched_site_params(records: list[SiteRecord], config: SparseConfig) -> None:
+    """site_params that name none of this graph's sites were most likely written for another compiled module
+    (``calibrate(model)``, then ``torch.compile(model.model)``: every path loses its ``model.`` prefix)."""
+    sites = [r.site for r in records if r.rewritten]
+    names = {site for site, _ in config.site_params}
+    if sites and names and not names.intersection(sites):
+        warnings.warn(f"sparse_compile: site_params name none of this graph's {len(sites)} attention sites (e.g. "
+                      f"{sites[0]!r}; site_params has e.g. {min(names)!r}); keys are module paths relative to the "
+                      "compiled module, as runtime_stats() names them", stacklevel=2)
 
 
 def _erase(gm: fx.GraphModule, candidates: set) -> None:
