@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # retrieval_tasks, when imported from elsewhere
 DEFAULT_CHECKPOINT = REPO / "benchmarks" / "checkpoints" / "small_lm.pt"
 
 # --- corpus -------------------------------------------------------------------------------------------------
@@ -271,6 +272,12 @@ GPU_MODEL = dict(vocab_size=256, dim=256, n_layers=6, n_heads=4, n_kv_heads=2, i
                  rope_base=100000.0)
 SMOKE_MODEL = dict(vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=256,
                    rope_base=100000.0)
+# --retrieval: the attention geometry of production models (head dim 128, GQA 4:1, RoPE) in a model whose bf16
+# checkpoint stays under 16 MB; RoPE's base is raised for 64K contexts
+RETRIEVAL_MODEL = dict(vocab_size=256, dim=512, n_layers=4, n_heads=4, n_kv_heads=1, intermediate_size=768,
+                       rope_base=500000.0)
+RETRIEVAL_SMOKE_MODEL = dict(vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=256,
+                             rope_base=500000.0)
 
 
 def save_checkpoint(model, path: Path, meta: dict) -> int:
@@ -334,6 +341,54 @@ def fused_attention_for_training(device: torch.device):
         torch.nn.functional.scaled_dot_product_attention = orig
 
 
+def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: float, device):
+    """Like ``_batches``, but each window is, with probability ``task_share``, a retrieval instance
+    (``retrieval_tasks.py``) built on that window's code; built on the host while the GPU runs the last step."""
+    import retrieval_tasks as rt
+
+    rows = []
+    for _ in range(batch):
+        start = rng.randrange(0, len(train) - seq_len - 2)
+        window = train[start:start + seq_len + 1]
+        if rng.random() < task_share:
+            rows.append(rt.make_instance(rng.choice(rt.TASKS), window, seq_len + 1, rng).tokens)
+        else:
+            rows.append(torch.frombuffer(bytearray(window), dtype=torch.uint8))
+    data = torch.stack(rows)
+    if device.type == "cuda":  # a pageable copy would wait for the GPU: pinned, the host builds ahead
+        data = data.pin_memory()
+    data = data.to(device, non_blocking=True).long()
+    return data[:, :-1], data[:, 1:]
+
+
+@torch.no_grad()
+def evaluate_retrieval(model, heldout: bytes, lengths, per_task: dict, seed: int, amp: bool, device) -> dict:
+    """Dense retrieval accuracy on held-out instances: per length and task, the share of values retrieved exactly
+    (teacher-forced argmax, ``retrieval_tasks.score``) and of value bytes, plus per needle-depth bin."""
+    import random
+
+    import retrieval_tasks as rt
+
+    model.eval()
+    out = {}
+    for length in lengths:
+        rng = random.Random(seed * 1_000_003 + length)
+        rows = {}
+        for task in rt.TASKS:
+            results = []
+            for inst in rt.make_batch([task] * per_task.get(length, 4), heldout, length, rng):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                    logits = model(inst.tokens[None].to(device).long())[0]
+                results += rt.score(logits.float(), inst)
+            rows[task] = {"exact": sum(r["exact"] for r in results) / len(results),
+                          "chars": sum(r["chars"] for r in results) / len(results), "values": len(results)}
+        rows["mean_exact"] = sum(rows[t]["exact"] for t in rt.TASKS) / len(rt.TASKS)
+        out[str(length)] = rows
+        print(f"retrieval at {length}: " + ", ".join(f"{t} {rows[t]['exact']:.2f}" for t in rt.TASKS), flush=True)
+    model.train()
+    return out
+
+
 def _loss(model, x, y, amp: bool) -> torch.Tensor:
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
         logits = model(x)
@@ -391,14 +446,23 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-train-bytes", type=int, default=None)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--eval-windows", type=int, default=None)
+    parser.add_argument("--retrieval", action="store_true",
+                        help="the retrieval model: production attention geometry, code mixed with retrieval tasks")
+    parser.add_argument("--task-share", type=float, default=0.7,
+                        help="--retrieval: share of training windows that carry a retrieval instance")
     args = parser.parse_args(argv)
+    if args.retrieval and args.name == "small_lm":
+        args.name = "retrieval_lm"
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     smoke = args.smoke
-    phases = parse_phases(args.phases or ("256x4:0.5,512x2:0.5" if smoke else "4096x16:0.6,16384x4:0.25,32768x2:0.15"))
+    default_phases = (("1024x2:0.5,2048x1:0.5" if args.retrieval else "256x4:0.5,512x2:0.5") if smoke else
+                      "4096x16:0.4,16384x4:0.25,32768x2:0.2,65536x1:0.15" if args.retrieval else
+                      "4096x16:0.6,16384x4:0.25,32768x2:0.15")
+    phases = parse_phases(args.phases or default_phases)
     max_train_bytes = args.max_train_bytes or ((2 << 20) if smoke else (256 << 20))
     steps_total = args.steps if args.steps is not None else (6 if smoke and args.time_budget is None else None)
-    time_budget = args.time_budget if args.time_budget is not None else 330.0
+    time_budget = args.time_budget if args.time_budget is not None else (420.0 if args.retrieval else 330.0)
     eval_windows = args.eval_windows or (4 if smoke else 64)
     amp = device.type == "cuda"  # bf16 autocast on the GPU; fp32 on CPU (bf16 matmuls are slow there)
     t_start = time.time()
@@ -414,7 +478,9 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     held_stream = torch.frombuffer(bytearray(corpus.heldout), dtype=torch.uint8).to(device)
 
     mod = load_model_module()
-    model_args = mod.ModelArgs(**(SMOKE_MODEL if smoke else GPU_MODEL), max_seq_len=max(p[0] for p in phases))
+    sizes = ((RETRIEVAL_SMOKE_MODEL if smoke else RETRIEVAL_MODEL) if args.retrieval else
+             (SMOKE_MODEL if smoke else GPU_MODEL))
+    model_args = mod.ModelArgs(**sizes, max_seq_len=max(p[0] for p in phases))
     model = mod.Transformer(model_args).to(device)
     n_params = param_count(model)
     print(f"model: {dataclasses.asdict(model_args)}; {n_params / 1e6:.2f} M parameters; device {device}")
@@ -425,6 +491,14 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
     gen = torch.Generator(device=device).manual_seed(args.seed)
+    import random
+
+    host_rng = random.Random(args.seed)  # --retrieval: windows and instances are drawn on the host
+
+    def next_batch(seq, batch, generator):
+        if args.retrieval:
+            return _retrieval_batches(corpus.train, seq, batch, host_rng, args.task_share, device)
+        return _batches(train_stream, seq, batch, generator)
 
     def sync():
         if device.type == "cuda":
@@ -438,7 +512,7 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
         for seq, batch, _ in phases:
             times = []
             for i in range(7):
-                x, y = _batches(train_stream, seq, batch, calib_gen)
+                x, y = next_batch(seq, batch, calib_gen)
                 sync()
                 t = time.perf_counter()
                 _loss(model, x, y, amp).backward()
@@ -464,7 +538,7 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
             lr = lr_at(step, total_steps, args.lr, min(args.warmup, max(1, total_steps // 10)), 0.1)
             for group in opt.param_groups:
                 group["lr"] = lr
-            x, y = _batches(train_stream, seq, batch, gen)
+            x, y = next_batch(seq, batch, gen)
             loss = _loss(model, x, y, amp)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -494,6 +568,11 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
         final[str(seq)]["train_bpb"] = round(final[str(seq)]["train_loss"] / math.log(2), 4)
         final[str(seq)]["heldout_bpb"] = round(final[str(seq)]["heldout_loss"] / math.log(2), 4)
     print(f"final loss (nats/byte) per context length: {json.dumps(final)}")
+    retrieval = None
+    if args.retrieval:
+        lengths = [seq for seq, _, _ in phases] if smoke else [16384, 32768, 65536]
+        per_task = {n: (2 if smoke else 16 if n <= 16384 else 8) for n in lengths}
+        retrieval = evaluate_retrieval(model, corpus.heldout, lengths, per_task, args.seed + 9, amp, device)
 
     out_dir = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -520,10 +599,12 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
             "log": log,
         },
         "final": final,
+        "retrieval": retrieval,
+        "task_share": args.task_share if args.retrieval else None,
         "eval_windows": eval_windows,
         "manifest": corpus.manifest,
     }
-    size = save_checkpoint(model, ckpt_path, {"final": final, "steps": total_steps})
+    size = save_checkpoint(model, ckpt_path, {"final": final, "steps": total_steps, "retrieval": retrieval})
     record["checkpoint_bytes"] = size
     record["training"]["total_seconds"] = round(time.time() - t_start, 1)
     (out_dir / f"{args.name}.json").write_text(json.dumps(record, indent=1) + "\n")

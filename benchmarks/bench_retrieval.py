@@ -1,0 +1,309 @@
+"""Retrieval accuracy per method, through the compiled backend, on a model that retrieves (RULER-style).
+
+    python benchmarks/bench_retrieval.py                      # GPU: 16K, 32K, 64K; every method; ~6 min
+    python benchmarks/bench_retrieval.py --lengths 16384 --densities 0.1
+    python benchmarks/bench_retrieval.py --smoke              # CPU: an untrained tiny model, seconds
+
+The model is ``checkpoints/retrieval_lm.pt`` (``train_small_lm.py --retrieval``: byte level, head dim 128, GQA 4:1,
+RoPE), compiled whole with ``backend="sparse_prefill"`` as a user would. Instances (``retrieval_tasks.py``) plant
+needles in held-out code and end with queries; a value is retrieved when the teacher-forced argmax reproduces all
+its bytes. Contenders, all in the one compiled model and switched by ``sparsity(...)`` regions:
+
+* ``dense``: sparsity off (cuDNN / the SDPA the op falls back to);
+* ``<method>``: each method at its defaults, forced to run its plan (``dense_when_faster=False``: the question here
+  is what the selector keeps, not whether dispatch would have run dense);
+* ``<method>@ρ``: the method's density knob calibrated so that its plans keep about ρ of the causal tiles (on the
+  first instance's middle layer, as ``bench_e2e.calibrate``);
+* ``pbs-noperm`` (and ``@ρ``): PBS's selector without its permutation.
+
+Per contender and length: accuracy per task and per needle-depth bin, the achieved density, the difference in
+bits per byte on held-out code windows against dense, and for every missed value whether the needle's key tile
+was listed for the query block that reads it (share of layers x heads; for S2O a listed tile may still be cut by
+early stop). Results: ``results/retrieval.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import sparse_compile  # noqa: E402
+import retrieval_tasks as rt  # noqa: E402
+import train_small_lm as tsl  # noqa: E402
+from bench_e2e import budget_fixed  # noqa: E402
+from harness import write_results  # noqa: E402
+
+METHODS = ("pbs", "sparge", "bfla", "s2o")
+NEEDLE_BYTES = 50  # a needle line's span checked for coverage: the key and the value
+
+
+def base_config(smoke: bool) -> sparse_compile.SparseConfig:
+    if not smoke:
+        return sparse_compile.SparseConfig(min_seq_len=4096, dense_when_faster=False)
+    return sparse_compile.SparseConfig(
+        min_seq_len=256, dense_when_faster=False, pbs={"block_size": 32, "segment_size": 64},
+        sparge={"block_size_q": 32, "block_size_kv": 32},
+        bfla={"coarse_block_size": 64, "group_size": 16, "tile_size_q": 32, "tile_size_kv": 32},
+        s2o={"segment_size": 64, "block_size_q": 32, "block_size_kv": 32})
+
+
+def contender_region(name: str, params: dict) -> dict:
+    """``sparsity(...)`` keywords of a contender."""
+    if name == "dense":
+        return {"enabled": False}
+    method = name.split("@")[0]
+    if method == "pbs-noperm":
+        return {"method": "pbs", "reorder": "none", **params}
+    return {"method": method, **params}
+
+
+def calibrate(method: str, target: float, qk: tuple, base: sparse_compile.SparseConfig, reorder=None, steps=10):
+    """The method's density-knob value whose plan on ``qk`` keeps about ``target`` of the causal tiles (bisection;
+    SpargeAttn's judge and BFLA's alpha held as in ``bench_e2e.budget_fixed``)."""
+    from sparse_compile.methods import build_plan
+    from sparse_compile.plan import execute_plan
+    from sparse_compile.report import density_from_visits
+
+    spec = sparse_compile.registry.method_spec(method).density
+    q, k = qk
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    fixed = budget_fixed(method, base, q.shape[-1])
+    low, high, best = spec.low, spec.high, None
+    for _ in range(steps):
+        mid = (low + high) / 2
+        config = base.with_overrides(method, {**fixed, spec.name: mid})
+        if reorder is not None:
+            config = config.replace(reorder=reorder)
+        plan = build_plan(q, k, scale, config)
+        if plan.early_stop > 0:  # early stop decides at run time: count the tiles actually visited
+            _, visited = execute_plan(q, k, k, plan, scale, return_visited=True)
+            per_head = density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
+            density = sum(per_head) / len(per_head)
+        else:
+            density = float(plan.density(q.shape[-2], k.shape[-2]).mean())
+        if best is None or abs(density - target) < abs(best[1] - target):
+            best = (mid, density)
+        if (density < target) == spec.higher_keeps_more:
+            low = mid
+        else:
+            high = mid
+    return {**fixed, spec.name: best[0]}, best[1]
+
+
+def capture_qk(compiled, tokens, layer: int):
+    """(q, k) of the ``layer``-th attention call of a dense run (calibration input)."""
+    calls = []
+
+    def keep(site, q, k, v, scale, chunked):
+        calls.append((q.detach().clone(), k.detach().clone()))
+
+    with torch.no_grad(), sparse_compile.sparsity(enabled=False), sparse_compile.ops.capturing(keep):
+        compiled(tokens)
+    return calls[min(layer, len(calls) - 1)]
+
+
+def needle_coverage(compiled, base, instance, answer, region: dict) -> float:
+    """Share of (layer, head) plans that list a tile holding a byte of ``answer``'s needle for the query block that
+    predicts the value's first byte. Plans are rebuilt from the attention inputs of this run."""
+    from sparse_compile.context import resolve
+    from sparse_compile.methods import build_plan
+
+    inputs = []
+
+    def keep(site, q, k, v, scale, chunked):
+        inputs.append((q.detach(), k.detach(), scale))
+
+    tokens = instance.tokens[None].to(next(compiled.parameters()).device).long()
+    with torch.no_grad(), sparse_compile.sparsity(**region), sparse_compile.ops.capturing(keep):
+        compiled(tokens)
+        config = resolve(base)
+    row = answer.start - 1
+    needle = torch.arange(answer.needle_start, answer.needle_start + NEEDLE_BYTES)
+    hits, total = 0, 0
+    for q, k, scale in inputs:
+        plan = build_plan(q, k, scale, config)
+        heads = plan.tile_offsets.shape[1]
+        for h in range(heads):
+            if plan.query_index is not None:
+                qi = plan.query_index[0, h * plan.query_index.shape[1] // heads].long()
+                logical = int((qi == row).nonzero()[0, 0])
+            else:
+                logical = row
+            block = logical // plan.block_m
+            count = int(plan.tile_counts[0, h, block])
+            offsets = plan.tile_offsets[0, h, block, :count].long()
+            keys = (offsets[:, None] + torch.arange(plan.block_n, device=offsets.device)).flatten()
+            if plan.key_index is not None:
+                index = plan.key_index[0, h * plan.key_index.shape[1] // heads]
+                keys = index.long()[keys.clamp(max=index.numel() - 1)]
+            hits += bool(torch.isin(needle.to(keys.device), keys).any())
+            total += 1
+    return hits / max(total, 1)
+
+
+def bits_per_byte(compiled, windows, region: dict) -> float:
+    total, count = 0.0, 0
+    with torch.no_grad(), sparse_compile.sparsity(**region):
+        for window in windows:
+            logits = compiled(window[None, :-1])
+            total += float(F.cross_entropy(logits[0].float(), window[1:], reduction="sum"))
+            count += window.numel() - 1
+    return total / count / math.log(2)
+
+
+def run(args) -> list[dict]:
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if args.smoke:
+        mod = tsl.load_model_module()
+        torch.manual_seed(0)
+        model = mod.Transformer(mod.ModelArgs(**tsl.RETRIEVAL_SMOKE_MODEL, max_seq_len=4096)).to(device).eval()
+        manifest = None
+    else:
+        model, ckpt = tsl.load_checkpoint(args.checkpoint, device=device, dtype=dtype)
+        manifest = json.loads(Path(args.checkpoint).with_suffix(".json").read_text())["manifest"]
+    corpus = tsl.build_corpus(1 << 20)
+    if manifest is not None and corpus.manifest["heldout"]["bytes"] != manifest["heldout"]["bytes"]:
+        print("warning: this machine's held-out corpus differs from the one the checkpoint was trained next to",
+              file=sys.stderr)
+    base = base_config(args.smoke)
+    options = {f: getattr(base, f) for f in ("min_seq_len", "dense_when_faster", "pbs", "sparge", "bfla", "s2o")}
+    compiled = torch.compile(model, backend=functools.partial(sparse_compile.sparse_prefill, options=options),
+                             dynamic=True)
+
+    rows = []
+    for length in args.lengths:
+        rng = random.Random(7_777_777 + length)
+        instances = [inst for task in rt.TASKS for inst in rt.make_batch([task] * args.per_task, corpus.heldout,
+                                                                          length, rng)]
+        windows = []
+        for _ in range(args.bpb_windows):
+            start = rng.randrange(0, len(corpus.heldout) - length - 2)
+            windows.append(torch.frombuffer(bytearray(corpus.heldout[start:start + length + 1]),
+                                            dtype=torch.uint8).to(device).long())
+        first = instances[0].tokens[None].to(device).long()
+        qk = capture_qk(compiled, first, layer=model.args.n_layers // 2)
+        contenders = [("dense", {})] + [(m, {}) for m in args.methods]
+        if "pbs" in args.methods:
+            contenders.append(("pbs-noperm", {}))
+        for rho in args.densities:
+            for m in list(args.methods) + (["pbs-noperm"] if "pbs" in args.methods else []):
+                method = "pbs" if m == "pbs-noperm" else m
+                params, _ = calibrate(method, rho, qk, base, reorder="none" if m == "pbs-noperm" else None)
+                contenders.append((f"{m}@{rho}", params))
+        dense_bpb = None
+        for name, params in contenders:
+            region = contender_region(name, params)
+            started = time.perf_counter()
+            results = []
+            for inst in instances:
+                with torch.no_grad(), sparse_compile.sparsity(**region):
+                    logits = compiled(inst.tokens[None].to(device).long())[0]
+                for result, answer in zip(rt.score(logits.float(), inst), inst.answers):
+                    result["answer"], result["instance"] = answer, inst
+                    results.append(result)
+            # achieved density: one recorded run (recording costs syncs: not part of the timing above)
+            sparse_compile.reset_runtime_stats()
+            density = None
+            if name != "dense":
+                with torch.no_grad(), sparse_compile.sparsity(record_density=True, **region):
+                    compiled(first)
+                values = [s.mean_density for s in sparse_compile.runtime_stats().values()
+                          if s.mean_density is not None]
+                density = sum(values) / len(values) if values else None
+            bpb = bits_per_byte(compiled, windows, region) if windows else None
+            if name == "dense":
+                dense_bpb = bpb
+            row = {"N": length, "contender": name, "density": density,
+                   "params": ", ".join(f"{k}={v:.4g}" for k, v in params.items()),
+                   "exact": sum(r["exact"] for r in results) / len(results),
+                   "chars": sum(r["chars"] for r in results) / len(results), "values": len(results),
+                   "delta_bpb": None if bpb is None or dense_bpb is None else bpb - dense_bpb,
+                   "seconds": round(time.perf_counter() - started, 1)}
+            for task in rt.TASKS:
+                mine = [r for r in results if r["task"] == task]
+                row[task] = sum(r["exact"] for r in mine) / len(mine)
+            row["by_depth"] = {}
+            for lo, hi in zip(rt.DEPTH_BINS, rt.DEPTH_BINS[1:]):
+                mine = [r for r in results if lo <= r["depth"] < hi]
+                if mine:
+                    row["by_depth"][f"{lo:.1f}-{min(hi, 1.0):.1f}"] = sum(r["exact"] for r in mine) / len(mine)
+            missed = [r for r in results if not r["exact"]]
+            if name != "dense" and missed and args.coverage:
+                cover = [needle_coverage(compiled, base, r["instance"], r["answer"], region)
+                         for r in missed[:args.coverage]]
+                row["missed_needle_listed"] = sum(cover) / len(cover)
+                row["missed_examined"] = len(cover)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def plot(rows: list, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    lengths = sorted({r["N"] for r in rows})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.4), squeeze=False)
+    for ax, n in zip(axes[0], lengths):
+        mine = [r for r in rows if r["N"] == n]
+        dense = [r["exact"] for r in mine if r["contender"] == "dense"]
+        for m in METHODS + ("pbs-noperm",):
+            pts = sorted((r["density"], r["exact"]) for r in mine
+                         if r["contender"].split("@")[0] == m and r["density"] is not None)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", lw=1.2, label=m)
+        if dense:
+            ax.axhline(dense[0], color="k", ls=":", lw=1, label="dense")
+        ax.set_title(f"{n // 1024}K", fontsize=9)
+        ax.set_xlabel("density (kept causal tiles)")
+        ax.set_ylabel("values retrieved exactly")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", default=str(tsl.DEFAULT_CHECKPOINT.with_name("retrieval_lm.pt")))
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--densities", type=float, nargs="*", default=[0.05, 0.1, 0.2, 0.3])
+    parser.add_argument("--per-task", type=int, default=8, help="instances per task and length")
+    parser.add_argument("--bpb-windows", type=int, default=2, help="held-out code windows per length for bits/byte")
+    parser.add_argument("--coverage", type=int, default=4, help="missed values examined per contender (0: none)")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--name", default="retrieval")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.lengths, args.per_task, args.densities, args.bpb_windows = [1024], 1, [0.3], 1
+    rows = run(args)
+    columns = ["N", "contender", "density", "exact", "chars", *rt.TASKS, "delta_bpb", "missed_needle_listed",
+               "params"]
+    print(write_results(args.name, rows, out_dir=args.out, columns=columns,
+                        meta={"checkpoint": None if args.smoke else str(args.checkpoint), "per_task": args.per_task}))
+    out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results"
+    plot(rows, out_dir / f"{args.name}.png")
+
+
+if __name__ == "__main__":
+    main()

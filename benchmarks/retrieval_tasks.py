@@ -1,0 +1,199 @@
+"""Synthetic long-range retrieval tasks planted in real code: what the retrieval model trains on and is judged by.
+
+Every task plants assignment lines in a window of Python source (the small LM's corpus) and ends with assertions
+whose right-hand side the model must copy from far back. Byte level, all ASCII, lines kept intact::
+
+    _vkey_402913 = "9f1c0a6e5b2d47c8a1e03f5d6b7c8a90"     (a needle, somewhere in the code)
+    ...
+    assert _vkey_402913 == "9f1c0a6e5b2d47c8a1e03f5d6b7c8a90"   (a query; the value bytes are scored)
+
+Tasks (``TASKS``), each at needle depths spread over 0-100% of the prompt:
+
+* ``passkey``: one needle, one query.
+* ``multikey``: eight needles whose keys share their first four digits (distractors), one of them queried.
+* ``multivalue``: one key extended three times (``_vkey_X += ["..."]``) among distractor keys; the query asks
+  for the list, in order.
+* ``recall``: multi-query associative recall, 24 needles and 6 queries in random order.
+
+Scoring is teacher-forced: the whole instance (answers included) is one prefill, and a value counts as retrieved
+when the model's argmax predicts every one of its bytes (greedy decoding would then write it exactly). Training
+instances take their code from the training stream and their randomness from the step's generator; evaluation
+instances take held-out code and a separate seed space, so no evaluation instance (text or value) is trained on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["TASKS", "Answer", "Instance", "make_instance", "make_batch", "score", "DEPTH_BINS"]
+
+TASKS = ("passkey", "multikey", "multivalue", "recall")
+HEX = "0123456789abcdef"
+VALUE_CHARS = 32
+DEPTH_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0001)
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """One scored value: its bytes sit at ``[start, end)`` of the instance; ``depth`` is where its needle was
+    planted (0 = start of the prompt, 1 = just before the queries); ``needle_start`` is the needle's byte offset."""
+
+    task: str
+    start: int
+    end: int
+    depth: float
+    needle_start: int
+
+
+@dataclasses.dataclass
+class Instance:
+    tokens: torch.Tensor  # (length,) uint8
+    answers: list[Answer]
+    task: str
+
+
+def _value(rng: random.Random) -> str:
+    return "".join(rng.choice(HEX) for _ in range(VALUE_CHARS))
+
+
+def _keys(rng: random.Random, count: int, shared_prefix: bool) -> list[str]:
+    """Distinct six-digit keys; with ``shared_prefix`` all share their first four digits (near-miss distractors)."""
+    prefix = f"{rng.randrange(10_000):04d}"
+    pool = [f"{prefix}{i:02d}" for i in range(100)] if shared_prefix else None
+    keys: list[str] = []
+    while len(keys) < count:
+        key = rng.choice(pool) if pool else f"{rng.randrange(1_000_000):06d}"
+        if key not in keys:
+            keys.append(key)
+    return keys
+
+
+def _plan(task: str, rng: random.Random, length: int) -> tuple[list[tuple[str, Optional[tuple[str, int]]]], list[tuple[str, list[int]]]]:
+    """(needle lines, each with (key, value index) or None; queries as (text before values, value indices)).
+
+    Value indices point into the instance's value list, so a query's scored bytes are found after assembly.
+    Below 4K bytes the needle counts shrink with the length (CPU smoke runs)."""
+    def count(n: int) -> int:
+        return max(2, min(n, n * length // 4096))
+
+    if task == "passkey":
+        key = _keys(rng, 1, False)[0]
+        return [(key, 0)], [(key, [0])]
+    if task == "multikey":
+        keys = _keys(rng, count(8), True)
+        target = rng.randrange(len(keys))
+        return [(k, i) for i, k in enumerate(keys)], [(keys[target], [target])]
+    if task == "multivalue":
+        keys = _keys(rng, max(2, count(4)), True)
+        target, others = keys[0], keys[1:]
+        needles = [(target, i) for i in range(3)] + [(k, 3 + j) for j, k in enumerate(others)]
+        order = rng.sample(needles, len(needles))
+        # the target's extensions must stay in their order: re-sort them among their slots
+        slots = [i for i, n in enumerate(order) if n[0] == target]
+        for slot, needle in zip(slots, [n for n in needles if n[0] == target]):
+            order[slot] = needle
+        return order, [(target, [0, 1, 2])]
+    if task == "recall":
+        keys = _keys(rng, count(24), False)
+        queried = rng.sample(range(len(keys)), max(1, count(6)) if len(keys) > 2 else 1)
+        return [(k, i) for i, k in enumerate(keys)], [(keys[i], [i]) for i in queried]
+    raise ValueError(f"unknown task {task!r}; valid: {list(TASKS)}")
+
+
+def make_instance(task: str, filler: bytes, length: int, rng: random.Random) -> Instance:
+    """One instance of ``length`` bytes: needles planted at line starts in ``filler`` (at least ``length`` bytes of
+    code), the queries at the end."""
+    needles, queries = _plan(task, rng, length)
+    values = [_value(rng) for _ in range(max(i for _, i in needles) + 1)]
+    multi = task == "multivalue"
+    target = queries[0][0] if multi else None
+    needle_lines = []
+    for key, index in needles:
+        if multi and key == target:
+            first = index == 0
+            line = f'_vkey_{key} = ["{values[index]}"]\n' if first else f'_vkey_{key} += ["{values[index]}"]\n'
+        else:
+            line = f'_vkey_{key} = "{values[index]}"\n'
+        needle_lines.append(line.encode())
+    query_parts: list[tuple[bytes, list[tuple[int, int]]]] = []  # (bytes, value spans relative to the query)
+    for key, indices in queries:
+        if multi:
+            text = f"assert _vkey_{key} == ["
+            spans = []
+            for j, index in enumerate(indices):
+                text += '"'
+                spans.append((len(text), len(text) + VALUE_CHARS))
+                text += values[index] + '"' + (", " if j + 1 < len(indices) else "")
+            text += "]\n"
+        else:
+            text = f'assert _vkey_{key} == "'
+            spans = [(len(text), len(text) + VALUE_CHARS)]
+            text += values[indices[0]] + '"\n'
+        query_parts.append((("\n" + text).encode(), [(a + 1, b + 1) for a, b in spans]))
+    tail = sum(len(q) for q, _ in query_parts)
+    body_len = length - tail
+    code_len = body_len - sum(len(n) for n in needle_lines)
+    if code_len < 64:
+        raise ValueError(f"make_instance: length {length} is too short for task {task!r}")
+    code = filler[:code_len]
+    # needle depths spread over [0, 1]: sorted uniform positions, moved to the next line start
+    cuts = sorted(rng.random() for _ in needle_lines)
+    positions = []
+    for frac in cuts:
+        pos = int(frac * code_len)
+        newline = code.find(b"\n", pos)
+        positions.append(code_len if newline < 0 else newline + 1)
+    positions.sort()
+    pieces, needle_offsets, cursor, out_len = [], [], 0, 0
+    for pos, line in zip(positions, needle_lines):
+        pieces.append(code[cursor:pos])
+        out_len += pos - cursor
+        needle_offsets.append(out_len)
+        pieces.append(line)
+        out_len += len(line)
+        cursor = pos
+    pieces.append(code[cursor:])
+    body = b"".join(pieces)
+    assert len(body) == body_len
+    data = body + b"".join(q for q, _ in query_parts)
+    # where each value's needle sits (the value's first needle for multivalue lists)
+    value_needle = {}
+    for (key, index), offset in zip(needles, needle_offsets):
+        value_needle.setdefault(index, offset)
+    answers, base = [], body_len
+    for (key, indices), (text, spans) in zip(queries, query_parts):
+        for index, (a, b) in zip(indices, spans):
+            offset = value_needle[index]
+            answers.append(Answer(task, base + a, base + b, offset / max(body_len, 1), offset))
+        base += len(text)
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+    return Instance(tokens, answers, task)
+
+
+def make_batch(tasks: Sequence[str], stream: bytes, length: int, rng: random.Random) -> list[Instance]:
+    """One instance per entry of ``tasks``, each on a random window of ``stream`` (document separators, byte 0,
+    left in place: the code is filler)."""
+    out = []
+    for task in tasks:
+        start = rng.randrange(0, len(stream) - length - 1)
+        out.append(make_instance(task, stream[start:start + length], length, rng))
+    return out
+
+
+@torch.no_grad()
+def score(logits: torch.Tensor, instance: Instance) -> list[dict]:
+    """Per answer: exact (every value byte is the argmax of the logits one position before it) and the share of
+    its bytes predicted. ``logits``: (length, vocab) of the instance's forward pass."""
+    predicted = logits.argmax(-1)
+    out = []
+    for answer in instance.answers:
+        target = instance.tokens[answer.start:answer.end].to(predicted.device).long()
+        guess = predicted[answer.start - 1:answer.end - 1]
+        hits = (guess == target).float()
+        out.append({"task": answer.task, "depth": answer.depth, "exact": bool(hits.all()),
+                    "chars": float(hits.mean()), "needle_start": answer.needle_start})
+    return out

@@ -1,0 +1,92 @@
+"""The retrieval tasks, the retrieval model's training mode and the retrieval benchmark (CPU smoke runs)."""
+
+import importlib
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+rt = importlib.import_module("retrieval_tasks")
+
+
+def _code(n: int) -> bytes:
+    lines = [f"def function_{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(n // 30 + 1)]
+    return "".join(lines).encode()[:n]
+
+
+@pytest.mark.parametrize("task", rt.TASKS)
+@pytest.mark.parametrize("length", [1024, 4096, 9000])
+def test_instances_plant_every_queried_value_and_keep_the_length(task, length):
+    rng = random.Random(length)
+    inst = rt.make_instance(task, _code(length + 100), length, rng)
+    data = bytes(inst.tokens.tolist())
+    assert len(data) == length and inst.answers
+    for answer in inst.answers:
+        value = data[answer.start:answer.end]
+        assert len(value) == rt.VALUE_CHARS and set(value.decode()) <= set(rt.HEX)
+        # the value sits in its needle line (before the queries), and the query reads it later
+        assert data.find(value, answer.needle_start) < answer.start - rt.VALUE_CHARS
+        assert data[answer.needle_start:].startswith(b"_vkey_") and 0 <= answer.depth <= 1
+    assert data.rstrip().endswith(b'"') or data.rstrip().endswith(b"]")
+
+
+def test_multivalue_lists_the_extensions_in_order():
+    inst = rt.make_instance("multivalue", _code(5000), 4096, random.Random(3))
+    data = bytes(inst.tokens.tolist())
+    starts = [a.needle_start for a in inst.answers]
+    values = [data[a.start:a.end] for a in inst.answers]
+    assert len(values) == 3 and starts == sorted(starts)
+    assert [data.find(v) for v in values] == sorted(data.find(v) for v in values)
+
+
+def test_depths_spread_over_the_prompt():
+    rng = random.Random(0)
+    depths = [a.depth for _ in range(40) for a in rt.make_instance("passkey", _code(5000), 4096, rng).answers]
+    assert min(depths) < 0.2 and max(depths) > 0.8
+
+
+def test_score_counts_exact_values_from_logits():
+    inst = rt.make_instance("recall", _code(5000), 4096, random.Random(1))
+    tokens = inst.tokens.long()
+    perfect = torch.full((tokens.numel(), 256), -10.0)
+    perfect[torch.arange(tokens.numel() - 1), tokens[1:]] = 10.0  # predicts every next byte
+    assert all(r["exact"] and r["chars"] == 1.0 for r in rt.score(perfect, inst))
+    wrong = perfect.clone()
+    first = inst.answers[0]
+    wrong[first.start + 3 - 1] = 0.0
+    wrong[first.start + 3 - 1, (int(tokens[first.start + 3]) + 1) % 256] = 10.0
+    results = rt.score(wrong, inst)
+    assert not results[0]["exact"] and results[0]["chars"] == 1 - 1 / rt.VALUE_CHARS
+    assert all(r["exact"] for r in results[1:])
+
+
+def test_retrieval_training_smoke_records_dense_accuracy(tmp_path):
+    tsl = importlib.import_module("train_small_lm")
+    record = tsl.main(["--smoke", "--retrieval", "--steps", "2", "--max-train-bytes", "300000", "--eval-windows",
+                       "1", "--out-dir", str(tmp_path)])
+    assert record["model_args"]["dim"] // record["model_args"]["n_heads"] == 64  # smoke; the GPU model: 128
+    assert set(record["retrieval"]) == {"1024", "2048"}
+    assert set(record["retrieval"]["1024"]) == set(rt.TASKS) | {"mean_exact"}
+    assert (tmp_path / "retrieval_lm.pt").exists()
+    full = tsl.RETRIEVAL_MODEL
+    assert full["dim"] // full["n_heads"] == 128 and full["n_heads"] == 4 * full["n_kv_heads"]
+
+
+def test_retrieval_benchmark_smoke(tmp_path):
+    bench = importlib.import_module("bench_retrieval")
+    bench.main(["--smoke", "--methods", "pbs", "bfla", "--coverage", "1", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "retrieval.json").read_text())["rows"]
+    names = {r["contender"] for r in rows}
+    assert {"dense", "pbs", "bfla", "pbs-noperm", "pbs@0.3", "bfla@0.3", "pbs-noperm@0.3"} <= names
+    for r in rows:
+        assert 0 <= r["exact"] <= 1 and set(rt.TASKS) <= set(r)
+        if r["contender"] != "dense":
+            assert r["density"] is not None and 0 < r["density"] <= 1.5
+    assert abs(next(r for r in rows if r["contender"] == "pbs@0.3")["density"] - 0.3) < 0.15
+    assert (tmp_path / "retrieval.png").exists() or importlib.util.find_spec("matplotlib") is None
