@@ -12,8 +12,9 @@ its bytes. Contenders, all in the one compiled model and switched by ``sparsity(
 * ``dense``: sparsity off (cuDNN / the SDPA the op falls back to);
 * ``<method>``: each method at its defaults, forced to run its plan (``dense_when_faster=False``: the question here
   is what the selector keeps, not whether dispatch would have run dense);
-* ``<method>@ρ``: the method's density knob calibrated so that its plans keep about ρ of the causal tiles (on the
-  first instance's middle layer, as ``bench_e2e.calibrate``);
+* ``<method>@ρ``: the method's density knob calibrated so that its plans keep about ρ of the causal tiles, on
+  average over the layers of the first instance (where the knob can reach it: S2O's intra-segment windows alone
+  are S/N of the tiles);
 * ``pbs-noperm`` (and ``@ρ``): PBS's selector without its permutation.
 
 Per contender and length: accuracy per task and per needle-depth bin, the achieved density, the difference in
@@ -68,41 +69,48 @@ def contender_region(name: str, params: dict) -> dict:
     return {"method": method, **params}
 
 
-def calibrate(method: str, target: float, qk: tuple, base: sparse_compile.SparseConfig, reorder=None, steps=10):
-    """The method's density-knob value whose plan on ``qk`` keeps about ``target`` of the causal tiles (bisection;
-    SpargeAttn's judge and BFLA's alpha held as in ``bench_e2e.budget_fixed``)."""
+def calibrate(method: str, target: float, layers: list, base: sparse_compile.SparseConfig, reorder=None, steps=10):
+    """The method's density-knob value whose plans keep about ``target`` of the causal tiles, averaged over every
+    layer's (q, k) of one instance (bisection; SpargeAttn's judge and BFLA's alpha held as in
+    ``bench_e2e.budget_fixed``). Returns (parameters, achieved mean density)."""
     from sparse_compile.methods import build_plan
     from sparse_compile.plan import execute_plan
     from sparse_compile.report import density_from_visits
 
     spec = sparse_compile.registry.method_spec(method).density
-    q, k = qk
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    fixed = budget_fixed(method, base, q.shape[-1])
+    fixed = budget_fixed(method, base, layers[0][0].shape[-1])
+
+    def density(value) -> float:
+        config = base.with_overrides(method, {**fixed, spec.name: value})
+        if reorder is not None:
+            config = config.replace(reorder=reorder)
+        values = []
+        for q, k in layers:
+            scale = 1.0 / math.sqrt(q.shape[-1])
+            plan = build_plan(q, k, scale, config)
+            if plan.early_stop > 0:  # early stop decides at run time: count the tiles actually visited
+                _, visited = execute_plan(q, k, k, plan, scale, return_visited=True)
+                per_head = density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
+                values.append(sum(per_head) / len(per_head))
+            else:
+                values.append(float(plan.density(q.shape[-2], k.shape[-2]).mean()))
+        return sum(values) / len(values)
+
     low, high, best = spec.low, spec.high, None
     for _ in range(steps):
         mid = (low + high) / 2
-        config = base.with_overrides(method, {**fixed, spec.name: mid})
-        if reorder is not None:
-            config = config.replace(reorder=reorder)
-        plan = build_plan(q, k, scale, config)
-        if plan.early_stop > 0:  # early stop decides at run time: count the tiles actually visited
-            _, visited = execute_plan(q, k, k, plan, scale, return_visited=True)
-            per_head = density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
-            density = sum(per_head) / len(per_head)
-        else:
-            density = float(plan.density(q.shape[-2], k.shape[-2]).mean())
-        if best is None or abs(density - target) < abs(best[1] - target):
-            best = (mid, density)
-        if (density < target) == spec.higher_keeps_more:
+        achieved = density(mid)
+        if best is None or abs(achieved - target) < abs(best[1] - target):
+            best = (mid, achieved)
+        if (achieved < target) == spec.higher_keeps_more:
             low = mid
         else:
             high = mid
     return {**fixed, spec.name: best[0]}, best[1]
 
 
-def capture_qk(compiled, tokens, layer: int):
-    """(q, k) of the ``layer``-th attention call of a dense run (calibration input)."""
+def capture_qk(compiled, tokens) -> list:
+    """(q, k) of every attention call of a dense run (the calibration input)."""
     calls = []
 
     def keep(site, q, k, v, scale, chunked):
@@ -110,7 +118,7 @@ def capture_qk(compiled, tokens, layer: int):
 
     with torch.no_grad(), sparse_compile.sparsity(enabled=False), sparse_compile.ops.capturing(keep):
         compiled(tokens)
-    return calls[min(layer, len(calls) - 1)]
+    return calls
 
 
 def needle_coverage(compiled, base, instance, answer, region: dict) -> float:
@@ -193,14 +201,14 @@ def run(args) -> list[dict]:
             windows.append(torch.frombuffer(bytearray(corpus.heldout[start:start + length + 1]),
                                             dtype=torch.uint8).to(device).long())
         first = instances[0].tokens[None].to(device).long()
-        qk = capture_qk(compiled, first, layer=model.args.n_layers // 2)
+        layers = capture_qk(compiled, first)
         contenders = [("dense", {})] + [(m, {}) for m in args.methods]
         if "pbs" in args.methods:
             contenders.append(("pbs-noperm", {}))
         for rho in args.densities:
             for m in list(args.methods) + (["pbs-noperm"] if "pbs" in args.methods else []):
                 method = "pbs" if m == "pbs-noperm" else m
-                params, _ = calibrate(method, rho, qk, base, reorder="none" if m == "pbs-noperm" else None)
+                params, _ = calibrate(method, rho, layers, base, reorder="none" if m == "pbs-noperm" else None)
                 contenders.append((f"{m}@{rho}", params))
         dense_bpb = None
         for name, params in contenders:
