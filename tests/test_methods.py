@@ -530,6 +530,31 @@ def test_plan_density():
     assert plan_density(per_kv, 64, 64, num_heads=8).shape == (1, 8)
 
 
+def test_s2o_chunks_ignore_what_unlisted_tile_entries_hold(monkeypatch):
+    """Regression (CPU, about one seed in six): entries past a block's tile count hold whatever the planner left
+    there; shifted into a later chunk's slice of the key list they went negative, and the reference executor, which
+    reads entries up to the widest count, gathered them."""
+    from sparse_compile.methods import s2o
+    from sparse_compile.plan import execute_plan
+
+    config = SparseConfig(method="s2o", s2o=S2OParams(segment_size=64, block_size_q=16, block_size_kv=16,
+                                                      early_stop=0.02))
+    torch.manual_seed(5)  # inputs whose plans (batch 2) once reached the bug; the fillers below force it too
+    q, k, v = random_qkv(2, 2, 1, 200, 200, 16)
+    plan = build_plan(q, k, None, config)
+    listed = torch.arange(plan.tile_offsets.shape[-1]) < plan.tile_counts[..., None]
+    for filler in (None, 0, 2**30):
+        padded = plan if filler is None else plan.with_options(tile_offsets=torch.where(listed, plan.tile_offsets,
+                                                            torch.full_like(plan.tile_offsets, filler)))
+        whole, visits = execute_plan(q, k, v, padded, None, kernel="reference", return_visited=True)
+        monkeypatch.setattr(s2o, "LIST_BUDGET", 0.5)
+        chunked, chunked_visits = s2o.execute_s2o(q, k, v, padded, None, config, kernel="reference",
+                                                  return_visited=True)
+        monkeypatch.setattr(s2o, "LIST_BUDGET", 2)
+        torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
+        assert torch.equal(chunked_visits, visits)
+
+
 @pytest.mark.parametrize("kernel", ["reference", "triton"])
 def test_s2o_runs_in_segment_chunks_with_the_same_result(kernel, monkeypatch):
     """S2O's executor runs its plan chunk of segments by chunk (O(N) extra memory): the same output and visits."""

@@ -328,10 +328,14 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
         row0, row1 = first * segment, min(stop * segment, n)
         block0, block1 = row0 // plan.block_m, cdiv(row1, plan.block_m)
         list0, list1 = layout.base[first], ends[stop - 1]
+        offsets = plan.tile_offsets[:, :, block0:block1]
+        counts = plan.tile_counts[:, :, block0:block1]
+        # listed tiles move to the chunk's slice of the list; unlisted entries (padding, any value) stay in range
+        listed = torch.arange(offsets.shape[-1], device=offsets.device) < counts[..., None]
         chunk_plan = BlockPlan(
             block_m=plan.block_m, block_n=plan.block_n,
-            tile_offsets=plan.tile_offsets[:, :, block0:block1] - list0,
-            tile_counts=plan.tile_counts[:, :, block0:block1], masked_counts=plan.masked_counts[:, :, block0:block1],
+            tile_offsets=torch.where(listed, offsets - list0, torch.zeros_like(offsets)),
+            tile_counts=counts, masked_counts=plan.masked_counts[:, :, block0:block1],
             key_index=plan.key_index[..., list0:list1],
             query_index=None if plan.query_index is None else plan.query_index[..., row0:row1] - row0,
             early_stop=plan.early_stop, pv_skip=plan.pv_skip,
