@@ -193,8 +193,8 @@ def run(args) -> list[dict]:
     rows = []
     for length in args.lengths:
         rng = random.Random(7_777_777 + length)
-        instances = [inst for task in rt.TASKS for inst in rt.make_batch([task] * args.per_task, corpus.heldout,
-                                                                          length, rng)]
+        instances = [inst for style in args.styles for task in rt.TASKS
+                     for inst in rt.make_batch([task] * args.per_task, corpus.heldout, length, rng, style)]
         windows = []
         for _ in range(args.bpb_windows):
             start = rng.randrange(0, len(corpus.heldout) - length - 2)
@@ -219,7 +219,7 @@ def run(args) -> list[dict]:
                 with torch.no_grad(), sparse_compile.sparsity(**region):
                     logits = compiled(inst.tokens[None].to(device).long())[0]
                 for result, answer in zip(rt.score(logits.float(), inst), inst.answers):
-                    result["answer"], result["instance"] = answer, inst
+                    result["answer"], result["instance"], result["style"] = answer, inst, inst.style
                     results.append(result)
             # achieved density: one recorded run (recording costs syncs: not part of the timing above)
             sparse_compile.reset_runtime_stats()
@@ -242,6 +242,10 @@ def run(args) -> list[dict]:
             for task in rt.TASKS:
                 mine = [r for r in results if r["task"] == task]
                 row[task] = sum(r["exact"] for r in mine) / len(mine)
+            if len(args.styles) > 1:
+                for style in args.styles:
+                    mine = [r for r in results if r["style"] == style]
+                    row[f"style_{style}"] = sum(r["exact"] for r in mine) / len(mine)
             row["by_depth"] = {}
             for lo, hi in zip(rt.DEPTH_BINS, rt.DEPTH_BINS[1:]):
                 mine = [r for r in results if lo <= r["depth"] < hi]
@@ -295,7 +299,9 @@ def main(argv=None) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--densities", type=float, nargs="*", default=[0.05, 0.1, 0.2, 0.3])
-    parser.add_argument("--per-task", type=int, default=8, help="instances per task and length")
+    parser.add_argument("--per-task", type=int, default=8, help="instances per task, style and length")
+    parser.add_argument("--styles", nargs="+", default=["vkey"], choices=list(rt.STYLES),
+                        help="prompt styles (retrieval_tasks.STYLES); the first results used vkey")
     parser.add_argument("--bpb-windows", type=int, default=2, help="held-out code windows per length for bits/byte")
     parser.add_argument("--coverage", type=int, default=4, help="missed values examined per contender (0: none)")
     parser.add_argument("--smoke", action="store_true")

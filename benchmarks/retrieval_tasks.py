@@ -7,7 +7,9 @@ whose right-hand side the model must copy from far back. Byte level, all ASCII, 
     ...
     assert _vkey_402913 == "9f1c0a6e5b2d47c8a1e03f5d6b7c8a90"   (a query; the value bytes are scored)
 
-Tasks (``TASKS``), each at needle depths spread over 0-100% of the prompt:
+Three prompt styles (``STYLES``): ``vkey`` (above, 32 hex characters), ``dict`` (``registry['key-N'] = '...'``, 24
+upper-case characters) and ``comment`` (``# The pass code of user N is ...``, 16 digits). Tasks (``TASKS``), each at
+needle depths spread over 0-100% of the prompt:
 
 * ``passkey``: one needle, one query.
 * ``multikey``: eight needles whose keys share their first four digits (distractors), one of them queried.
@@ -29,12 +31,55 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["TASKS", "Answer", "Instance", "make_instance", "make_batch", "score", "DEPTH_BINS"]
+__all__ = ["TASKS", "STYLES", "Style", "Answer", "Instance", "make_instance", "make_batch", "score", "DEPTH_BINS"]
 
 TASKS = ("passkey", "multikey", "multivalue", "recall")
 HEX = "0123456789abcdef"
 VALUE_CHARS = 32
 DEPTH_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0001)
+
+
+@dataclasses.dataclass(frozen=True)
+class Style:
+    """How needles and queries are written. ``{key}`` is the six-digit key, ``{value}`` a value.
+
+    needle / first / extend   a needle line; the first and later entries of a multi-value key
+    ask, close                 a query: ``ask`` + value + ``close``
+    list_ask, list_open, list_sep, list_close   a multi-value query: list_ask, then each value between
+                               list_open and list_close, separated by list_sep, then a newline
+    """
+
+    name: str
+    needle: str
+    first: str
+    extend: str
+    ask: str
+    close: str
+    list_ask: str
+    list_open: str
+    list_sep: str
+    list_close: str
+    alphabet: str = HEX
+    value_chars: int = VALUE_CHARS
+
+
+#: the prompt styles: ``vkey`` (the default, what the first results used) plus two others, so that a model trained
+#: on all of them does not learn one assignment syntax only
+STYLES = {style.name: style for style in (
+    Style("vkey", needle='_vkey_{key} = "{value}"\n', first='_vkey_{key} = ["{value}"]\n',
+          extend='_vkey_{key} += ["{value}"]\n', ask='assert _vkey_{key} == "', close='"\n',
+          list_ask="assert _vkey_{key} == [", list_open='"', list_sep=", ", list_close='"'),
+    Style("dict", needle="registry['key-{key}'] = '{value}'\n",
+          first="registry.setdefault('key-{key}', []).append('{value}')\n",
+          extend="registry['key-{key}'].append('{value}')\n", ask="assert registry['key-{key}'] == '",
+          close="'\n", list_ask="assert registry['key-{key}'] == [", list_open="'", list_sep=", ", list_close="'",
+          alphabet="ABCDEFGHJKLMNPQRSTUVWXYZ23456789", value_chars=24),
+    Style("comment", needle="# The pass code of user {key} is {value}.\n",
+          first="# User {key} gets pass codes, first {value}.\n", extend="# User {key} also gets {value}.\n",
+          ask="# Q: what is the pass code of user {key}? A: it is ", close=".\n",
+          list_ask="# Q: list the pass codes of user {key} in order. A: ", list_open="", list_sep=", then ",
+          list_close="", alphabet="0123456789", value_chars=16),
+)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +99,11 @@ class Instance:
     tokens: torch.Tensor  # (length,) uint8
     answers: list[Answer]
     task: str
+    style: str = "vkey"
 
 
-def _value(rng: random.Random) -> str:
-    return "".join(rng.choice(HEX) for _ in range(VALUE_CHARS))
+def _value(rng: random.Random, style: Style) -> str:
+    return "".join(rng.choice(style.alphabet) for _ in range(style.value_chars))
 
 
 def _keys(rng: random.Random, count: int, shared_prefix: bool) -> list[str]:
@@ -104,35 +150,37 @@ def _plan(task: str, rng: random.Random, length: int) -> tuple[list[tuple[str, O
     raise ValueError(f"unknown task {task!r}; valid: {list(TASKS)}")
 
 
-def make_instance(task: str, filler: bytes, length: int, rng: random.Random) -> Instance:
+def make_instance(task: str, filler: bytes, length: int, rng: random.Random, style: str = "vkey") -> Instance:
     """One instance of ``length`` bytes: needles planted at line starts in ``filler`` (at least ``length`` bytes of
-    code), the queries at the end."""
+    code), the queries at the end, written in ``style`` (``STYLES``)."""
+    if style not in STYLES:
+        raise ValueError(f"unknown style {style!r}; valid: {list(STYLES)}")
+    fmt = STYLES[style]
     needles, queries = _plan(task, rng, length)
-    values = [_value(rng) for _ in range(max(i for _, i in needles) + 1)]
+    values = [_value(rng, fmt) for _ in range(max(i for _, i in needles) + 1)]
     multi = task == "multivalue"
     target = queries[0][0] if multi else None
     needle_lines = []
     for key, index in needles:
         if multi and key == target:
-            first = index == 0
-            line = f'_vkey_{key} = ["{values[index]}"]\n' if first else f'_vkey_{key} += ["{values[index]}"]\n'
+            template = fmt.first if index == 0 else fmt.extend
         else:
-            line = f'_vkey_{key} = "{values[index]}"\n'
-        needle_lines.append(line.encode())
+            template = fmt.needle
+        needle_lines.append(template.format(key=key, value=values[index]).encode())
     query_parts: list[tuple[bytes, list[tuple[int, int]]]] = []  # (bytes, value spans relative to the query)
     for key, indices in queries:
         if multi:
-            text = f"assert _vkey_{key} == ["
+            text = fmt.list_ask.format(key=key)
             spans = []
             for j, index in enumerate(indices):
-                text += '"'
-                spans.append((len(text), len(text) + VALUE_CHARS))
-                text += values[index] + '"' + (", " if j + 1 < len(indices) else "")
-            text += "]\n"
+                text += fmt.list_open
+                spans.append((len(text), len(text) + fmt.value_chars))
+                text += values[index] + fmt.list_close + (fmt.list_sep if j + 1 < len(indices) else "")
+            text += "]\n" if fmt.list_ask.endswith("[") else ".\n"
         else:
-            text = f'assert _vkey_{key} == "'
-            spans = [(len(text), len(text) + VALUE_CHARS)]
-            text += values[indices[0]] + '"\n'
+            text = fmt.ask.format(key=key)
+            spans = [(len(text), len(text) + fmt.value_chars)]
+            text += values[indices[0]] + fmt.close
         query_parts.append((("\n" + text).encode(), [(a + 1, b + 1) for a, b in spans]))
     tail = sum(len(q) for q, _ in query_parts)
     body_len = length - tail
@@ -171,16 +219,17 @@ def make_instance(task: str, filler: bytes, length: int, rng: random.Random) -> 
             answers.append(Answer(task, base + a, base + b, offset / max(body_len, 1), offset))
         base += len(text)
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
-    return Instance(tokens, answers, task)
+    return Instance(tokens, answers, task, style)
 
 
-def make_batch(tasks: Sequence[str], stream: bytes, length: int, rng: random.Random) -> list[Instance]:
+def make_batch(tasks: Sequence[str], stream: bytes, length: int, rng: random.Random,
+               style: str = "vkey") -> list[Instance]:
     """One instance per entry of ``tasks``, each on a random window of ``stream`` (document separators, byte 0,
     left in place: the code is filler)."""
     out = []
     for task in tasks:
         start = rng.randrange(0, len(stream) - length - 1)
-        out.append(make_instance(task, stream[start:start + length], length, rng))
+        out.append(make_instance(task, stream[start:start + length], length, rng, style))
     return out
 
 

@@ -341,9 +341,11 @@ def fused_attention_for_training(device: torch.device):
         torch.nn.functional.scaled_dot_product_attention = orig
 
 
-def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: float, device):
+def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: float, device,
+                       styles=("vkey",)):
     """Like ``_batches``, but each window is, with probability ``task_share``, a retrieval instance
-    (``retrieval_tasks.py``) built on that window's code; built on the host while the GPU runs the last step."""
+    (``retrieval_tasks.py``, a random task in a random one of ``styles``) built on that window's code; built on the
+    host while the GPU runs the last step."""
     import retrieval_tasks as rt
 
     rows = []
@@ -351,7 +353,9 @@ def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: 
         start = rng.randrange(0, len(train) - seq_len - 2)
         window = train[start:start + seq_len + 1]
         if rng.random() < task_share:
-            rows.append(rt.make_instance(rng.choice(rt.TASKS), window, seq_len + 1, rng).tokens)
+            task = rng.choice(rt.TASKS)
+            style = styles[0] if len(styles) == 1 else rng.choice(styles)
+            rows.append(rt.make_instance(task, window, seq_len + 1, rng, style).tokens)
         else:
             rows.append(torch.frombuffer(bytearray(window), dtype=torch.uint8))
     data = torch.stack(rows)
@@ -362,12 +366,22 @@ def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: 
 
 
 @torch.no_grad()
-def evaluate_retrieval(model, heldout: bytes, lengths, per_task: dict, seed: int, amp: bool, device) -> dict:
+def evaluate_retrieval(model, heldout: bytes, lengths, per_task: dict, seed: int, amp: bool, device,
+                       styles=("vkey",)) -> dict:
     """Dense retrieval accuracy on held-out instances: per length and task, the share of values retrieved exactly
-    (teacher-forced argmax, ``retrieval_tasks.score``) and of value bytes, plus per needle-depth bin."""
+    (teacher-forced argmax, ``retrieval_tasks.score``) and of value bytes, in the ``vkey`` style; with more
+    ``styles``, also each other style's mean over the tasks (half as many instances)."""
     import random
 
     import retrieval_tasks as rt
+
+    def accuracy(task, count, rng, style):
+        results = []
+        for inst in rt.make_batch([task] * count, heldout, length, rng, style):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                logits = model(inst.tokens[None].to(device).long())[0]
+            results += rt.score(logits.float(), inst)
+        return results
 
     model.eval()
     out = {}
@@ -375,16 +389,18 @@ def evaluate_retrieval(model, heldout: bytes, lengths, per_task: dict, seed: int
         rng = random.Random(seed * 1_000_003 + length)
         rows = {}
         for task in rt.TASKS:
-            results = []
-            for inst in rt.make_batch([task] * per_task.get(length, 4), heldout, length, rng):
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-                    logits = model(inst.tokens[None].to(device).long())[0]
-                results += rt.score(logits.float(), inst)
+            results = accuracy(task, per_task.get(length, 4), rng, "vkey")
             rows[task] = {"exact": sum(r["exact"] for r in results) / len(results),
                           "chars": sum(r["chars"] for r in results) / len(results), "values": len(results)}
         rows["mean_exact"] = sum(rows[t]["exact"] for t in rt.TASKS) / len(rt.TASKS)
+        for style in styles:
+            if style != "vkey":
+                results = [r for task in rt.TASKS
+                           for r in accuracy(task, max(1, per_task.get(length, 4) // 2), rng, style)]
+                rows[f"style_{style}"] = sum(r["exact"] for r in results) / len(results)
         out[str(length)] = rows
-        print(f"retrieval at {length}: " + ", ".join(f"{t} {rows[t]['exact']:.2f}" for t in rt.TASKS), flush=True)
+        print(f"retrieval at {length}: " + ", ".join(f"{t} {rows[t]['exact']:.2f}" for t in rt.TASKS) +
+              "".join(f", {k} {v:.2f}" for k, v in rows.items() if k.startswith("style_")), flush=True)
     model.train()
     return out
 
@@ -450,6 +466,8 @@ def main(argv=None) -> dict:
                         help="the retrieval model: production attention geometry, code mixed with retrieval tasks")
     parser.add_argument("--task-share", type=float, default=0.7,
                         help="--retrieval: share of training windows that carry a retrieval instance")
+    parser.add_argument("--styles", nargs="+", default=None,
+                        help="--retrieval: prompt styles trained on (retrieval_tasks.STYLES; default: all)")
     args = parser.parse_args(argv)
     if args.retrieval and args.name == "small_lm":
         args.name = "retrieval_lm"
@@ -493,11 +511,17 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     gen = torch.Generator(device=device).manual_seed(args.seed)
     import random
 
+    import retrieval_tasks as rt
+
     host_rng = random.Random(args.seed)  # --retrieval: windows and instances are drawn on the host
+    styles = tuple(args.styles or rt.STYLES)
+    unknown = sorted(set(styles) - set(rt.STYLES))
+    if unknown:
+        raise SystemExit(f"--styles: unknown {unknown}; valid: {list(rt.STYLES)}")
 
     def next_batch(seq, batch, generator):
         if args.retrieval:
-            return _retrieval_batches(corpus.train, seq, batch, host_rng, args.task_share, device)
+            return _retrieval_batches(corpus.train, seq, batch, host_rng, args.task_share, device, styles)
         return _batches(train_stream, seq, batch, generator)
 
     def sync():
@@ -572,7 +596,8 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     if args.retrieval:
         lengths = [seq for seq, _, _ in phases] if smoke else [16384, 32768, 65536]
         per_task = {n: (2 if smoke else 16 if n <= 16384 else 8) for n in lengths}
-        retrieval = evaluate_retrieval(model, corpus.heldout, lengths, per_task, args.seed + 9, amp, device)
+        retrieval = evaluate_retrieval(model, corpus.heldout, lengths, per_task, args.seed + 9, amp, device,
+                                       styles=("vkey",) + tuple(s for s in styles if s != "vkey"))
 
     out_dir = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -601,6 +626,7 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
         "final": final,
         "retrieval": retrieval,
         "task_share": args.task_share if args.retrieval else None,
+        "styles": list(styles) if args.retrieval else None,
         "eval_windows": eval_windows,
         "manifest": corpus.manifest,
     }

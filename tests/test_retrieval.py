@@ -20,20 +20,34 @@ def _code(n: int) -> bytes:
     return "".join(lines).encode()[:n]
 
 
+@pytest.mark.parametrize("style", list(rt.STYLES))
 @pytest.mark.parametrize("task", rt.TASKS)
 @pytest.mark.parametrize("length", [1024, 4096, 9000])
-def test_instances_plant_every_queried_value_and_keep_the_length(task, length):
+def test_instances_plant_every_queried_value_and_keep_the_length(task, length, style):
     rng = random.Random(length)
-    inst = rt.make_instance(task, _code(length + 100), length, rng)
+    inst = rt.make_instance(task, _code(length + 100), length, rng, style)
+    fmt = rt.STYLES[style]
     data = bytes(inst.tokens.tolist())
-    assert len(data) == length and inst.answers
+    assert len(data) == length and inst.answers and inst.style == style
     for answer in inst.answers:
         value = data[answer.start:answer.end]
-        assert len(value) == rt.VALUE_CHARS and set(value.decode()) <= set(rt.HEX)
+        assert len(value) == fmt.value_chars and set(value.decode()) <= set(fmt.alphabet)
         # the value sits in its needle line (before the queries), and the query reads it later
-        assert data.find(value, answer.needle_start) < answer.start - rt.VALUE_CHARS
-        assert data[answer.needle_start:].startswith(b"_vkey_") and 0 <= answer.depth <= 1
-    assert data.rstrip().endswith(b'"') or data.rstrip().endswith(b"]")
+        assert data.find(value, answer.needle_start) < answer.start - fmt.value_chars
+        needle = data[answer.needle_start:answer.needle_start + 80].split(b"\n")[0]
+        assert value in needle or task == "multivalue"
+        assert 0 <= answer.depth <= 1
+    assert data.endswith(b"\n")
+
+
+def test_the_default_style_is_the_first_results_format():
+    inst = rt.make_instance("passkey", _code(5000), 4096, random.Random(2))
+    data = bytes(inst.tokens.tolist())
+    answer = inst.answers[0]
+    assert data[answer.needle_start:].startswith(b"_vkey_")
+    assert data[:answer.start].rsplit(b"\n", 1)[1].startswith(b"assert _vkey_")
+    with pytest.raises(ValueError, match="unknown style"):
+        rt.make_instance("passkey", _code(5000), 4096, random.Random(2), "yaml")
 
 
 def test_multivalue_lists_the_extensions_in_order():
@@ -62,7 +76,7 @@ def test_score_counts_exact_values_from_logits():
     wrong[first.start + 3 - 1] = 0.0
     wrong[first.start + 3 - 1, (int(tokens[first.start + 3]) + 1) % 256] = 10.0
     results = rt.score(wrong, inst)
-    assert not results[0]["exact"] and results[0]["chars"] == 1 - 1 / rt.VALUE_CHARS
+    assert not results[0]["exact"] and results[0]["chars"] == 1 - 1 / rt.VALUE_CHARS  # vkey values: 32 bytes
     assert all(r["exact"] for r in results[1:])
 
 
@@ -72,7 +86,9 @@ def test_retrieval_training_smoke_records_dense_accuracy(tmp_path):
                        "1", "--out-dir", str(tmp_path)])
     assert record["model_args"]["dim"] // record["model_args"]["n_heads"] == 64  # smoke; the GPU model: 128
     assert set(record["retrieval"]) == {"1024", "2048"}
-    assert set(record["retrieval"]["1024"]) == set(rt.TASKS) | {"mean_exact"}
+    assert set(record["retrieval"]["1024"]) == set(rt.TASKS) | {"mean_exact"} | {
+        f"style_{s}" for s in rt.STYLES if s != "vkey"}
+    assert record["styles"] == list(rt.STYLES)
     assert (tmp_path / "retrieval_lm.pt").exists()
     full = tsl.RETRIEVAL_MODEL
     assert full["dim"] // full["n_heads"] == 128 and full["n_heads"] == 4 * full["n_kv_heads"]
@@ -80,12 +96,13 @@ def test_retrieval_training_smoke_records_dense_accuracy(tmp_path):
 
 def test_retrieval_benchmark_smoke(tmp_path):
     bench = importlib.import_module("bench_retrieval")
-    bench.main(["--smoke", "--methods", "pbs", "bfla", "--coverage", "1", "--out", str(tmp_path)])
+    bench.main(["--smoke", "--methods", "pbs", "bfla", "--coverage", "1", "--styles", "vkey", "comment", "--out",
+                str(tmp_path)])
     rows = json.loads((tmp_path / "retrieval.json").read_text())["rows"]
     names = {r["contender"] for r in rows}
     assert {"dense", "pbs", "bfla", "pbs-noperm", "pbs@0.3", "bfla@0.3", "pbs-noperm@0.3"} <= names
     for r in rows:
-        assert 0 <= r["exact"] <= 1 and set(rt.TASKS) <= set(r)
+        assert 0 <= r["exact"] <= 1 and set(rt.TASKS) <= set(r) and {"style_vkey", "style_comment"} <= set(r)
         if r["contender"] != "dense":
             assert r["density"] is not None and 0 < r["density"] <= 1.5
     assert abs(next(r for r in rows if r["contender"] == "pbs@0.3")["density"] - 0.3) < 0.15
