@@ -144,33 +144,42 @@ def dispatch_summary(stats: dict) -> str:
         for (path, reason), n in site.calls.items():
             counts[path] = counts.get(path, 0) + n
             if path == "dense":
-                reasons[reason.split(" (")[0]] = reasons.get(reason.split(" (")[0], 0) + n
+                short = reason.split(" (")[0]
+                reasons[short] = reasons.get(short, 0) + n
     text = ", ".join(f"{counts[p]} {p}" for p in ("sparse", "dense") if counts.get(p))
     if reasons:
         text += f" ({max(reasons, key=reasons.get)})"
     return text
 
 
-def calibrate(method: str, target: float, qk: tuple, base: sparse_compile.SparseConfig, steps: int = 10):
-    """The method's density parameter that keeps about ``target`` of the causal tiles on captured Q/K."""
+def calibrate(method: str, target: float, layers: list, base: sparse_compile.SparseConfig, steps: int = 10,
+              reorder: str | None = None):
+    """The method's density parameter that keeps about ``target`` of the causal tiles, on average over the captured
+    ``(q, k)`` pairs of ``layers`` (bisection). ``reorder`` replaces the method's reorder stage (``"none"``: its
+    selector without its permutation). Returns (parameters, achieved density)."""
     from sparse_compile.methods import build_plan
     from sparse_compile.plan import execute_plan
     from sparse_compile.report import density_from_visits
 
     spec = sparse_compile.registry.method_spec(method).density  # the knob that sets the method's density
     knob, increasing, low, high = spec.name, spec.higher_keeps_more, spec.low, spec.high
-    q, k = qk
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    fixed = budget_fixed(method, base, q.shape[-1])
+    fixed = budget_fixed(method, base, layers[0][0].shape[-1])
 
     def density(value):
         config = base.with_overrides(method, {**fixed, knob: value})
-        plan = build_plan(q, k, scale, config)
-        if method == "s2o":  # early stop decides at run time: count the tiles actually visited
-            _, visited = execute_plan(q, k, k, plan, scale, return_visited=True)
-            d = density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
-            return sum(d) / len(d)
-        return float(plan.density(q.shape[-2], k.shape[-2]).mean())
+        if reorder is not None:
+            config = config.replace(reorder=reorder)
+        values = []
+        for q, k in layers:
+            scale = 1.0 / math.sqrt(q.shape[-1])
+            plan = build_plan(q, k, scale, config)
+            if plan.early_stop > 0:  # early stop decides at run time: count the tiles actually visited
+                _, visited = execute_plan(q, k, k, plan, scale, return_visited=True)
+                d = density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
+                values.append(sum(d) / len(d))
+            else:
+                values.append(float(plan.density(q.shape[-2], k.shape[-2]).mean()))
+        return sum(values) / len(values)
 
     best = None
     for _ in range(steps):
@@ -423,7 +432,7 @@ def main() -> None:
                 try:
                     if budget is not None:
                         qk = qk or capture_qkv(model, ids)[:2]
-                        params, _ = calibrate(method, budget, qk, base)
+                        params, _ = calibrate(method, budget, [qk], base)
                         row["params"] = ", ".join(f"{k}={v:.4g}" for k, v in params.items())
                     first("sparse_prefill", run(compiled), ids)
                     row["density"], row["sparse_calls"] = recorded_density(run(compiled), ids, method, params)

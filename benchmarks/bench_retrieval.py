@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparse_compile  # noqa: E402
 import retrieval_tasks as rt  # noqa: E402
 import train_small_lm as tsl  # noqa: E402
-from bench_e2e import budget_fixed  # noqa: E402
+from bench_e2e import calibrate  # noqa: E402
 from harness import write_results  # noqa: E402
 
 METHODS = ("pbs", "sparge", "bfla", "s2o")
@@ -67,46 +67,6 @@ def contender_region(name: str, params: dict) -> dict:
     if method == "pbs-noperm":
         return {"method": "pbs", "reorder": "none", **params}
     return {"method": method, **params}
-
-
-def calibrate(method: str, target: float, layers: list, base: sparse_compile.SparseConfig, reorder=None, steps=10):
-    """The method's density-knob value whose plans keep about ``target`` of the causal tiles, averaged over every
-    layer's (q, k) of one instance (bisection; SpargeAttn's judge and BFLA's alpha held as in
-    ``bench_e2e.budget_fixed``). Returns (parameters, achieved mean density)."""
-    from sparse_compile.methods import build_plan
-    from sparse_compile.plan import execute_plan
-    from sparse_compile.report import density_from_visits
-
-    spec = sparse_compile.registry.method_spec(method).density
-    fixed = budget_fixed(method, base, layers[0][0].shape[-1])
-
-    def density(value) -> float:
-        config = base.with_overrides(method, {**fixed, spec.name: value})
-        if reorder is not None:
-            config = config.replace(reorder=reorder)
-        values = []
-        for q, k in layers:
-            scale = 1.0 / math.sqrt(q.shape[-1])
-            plan = build_plan(q, k, scale, config)
-            if plan.early_stop > 0:  # early stop decides at run time: count the tiles actually visited
-                _, visited = execute_plan(q, k, k, plan, scale, return_visited=True)
-                per_head = density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
-                values.append(sum(per_head) / len(per_head))
-            else:
-                values.append(float(plan.density(q.shape[-2], k.shape[-2]).mean()))
-        return sum(values) / len(values)
-
-    low, high, best = spec.low, spec.high, None
-    for _ in range(steps):
-        mid = (low + high) / 2
-        achieved = density(mid)
-        if best is None or abs(achieved - target) < abs(best[1] - target):
-            best = (mid, achieved)
-        if (achieved < target) == spec.higher_keeps_more:
-            low = mid
-        else:
-            high = mid
-    return {**fixed, spec.name: best[0]}, best[1]
 
 
 def capture_qk(compiled, tokens) -> list:

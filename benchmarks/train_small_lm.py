@@ -354,6 +354,7 @@ def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: 
         window = train[start:start + seq_len + 1]
         if rng.random() < task_share:
             task = rng.choice(rt.TASKS)
+            # one style draws nothing: the stream then matches runs from before styles existed
             style = styles[0] if len(styles) == 1 else rng.choice(styles)
             rows.append(rt.make_instance(task, window, seq_len + 1, rng, style).tokens)
         else:

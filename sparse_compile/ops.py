@@ -34,6 +34,7 @@ __all__ = ["causal_attention", "sparse_attention", "config_to_json", "config_fro
 log = logging.getLogger("sparse_compile")
 
 DENSE, SPARSE = "dense", "sparse"
+REPLANNED = "re-planned"  # run_sparse's reason when it only built a plan for the density history
 
 
 # -- configuration travels inside the graph as a JSON string: the graph describes itself ---------------------
@@ -116,7 +117,7 @@ def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
     num_queries, num_keys = q.shape[-2], k.shape[-2]
     if plan_only and plan.early_stop == 0:
         HISTORY.record(history_key, plan.density(num_queries, num_keys).mean(), plan_shape(plan), config)
-        return None, "re-planned", None
+        return None, REPLANNED, None
     # early stop decides at run time how many tiles a plan costs: count the visits when the count is wanted
     want_visits = config.record_density or (history_key is not None and plan.early_stop > 0)
     executor = method_spec(config.select_stage).execute
@@ -179,7 +180,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseC
             out, reason, density = run_sparse(q, k, v, scale, config, history_key, plan_only=replan)
             if out is None:
                 path = DENSE
-                if replan and reason == "re-planned":
+                if reason == REPLANNED:
                     reason = f"{slower}; planned again, for the next call"
     if out is None:
         out = dense()
