@@ -15,7 +15,10 @@ its bytes. Contenders, all in the one compiled model and switched by ``sparsity(
 * ``<method>@ρ``: the method's density knob calibrated so that its plans keep about ρ of the causal tiles, on
   average over the layers of the first instance (where the knob can reach it: S2O's intra-segment windows alone
   are S/N of the tiles);
-* ``pbs-noperm`` (and ``@ρ``): PBS's selector without its permutation.
+* ``pbs-noperm`` (and ``@ρ``): PBS's selector without its permutation;
+* ``<method>-calibrated@e`` (``--calibrate-errors``): ``sparse_compile.calibrate`` on the first instance, one knob
+  per layer keeping that layer's relative L1 error under ``e``; next to it ``<method>-global@e``, one knob for
+  every layer set to the same mean density (the question: does per-layer calibration buy accuracy?).
 
 Per contender and length: accuracy per task and per needle-depth bin, the achieved density, the difference in
 bits per byte on held-out code windows against dense, and for every missed value whether the needle's key tile
@@ -60,10 +63,12 @@ def base_config(smoke: bool) -> sparse_compile.SparseConfig:
 
 
 def contender_region(name: str, params: dict) -> dict:
-    """``sparsity(...)`` keywords of a contender."""
+    """``sparsity(...)`` keywords of a contender (a calibrated one carries its whole region in ``params``)."""
     if name == "dense":
         return {"enabled": False}
-    method = name.split("@")[0]
+    if "-calibrated@" in name:
+        return dict(params)
+    method = name.split("@")[0].removesuffix("-global")
     if method == "pbs-noperm":
         return {"method": "pbs", "reorder": "none", **params}
     return {"method": method, **params}
@@ -170,6 +175,15 @@ def run(args) -> list[dict]:
                 method = "pbs" if m == "pbs-noperm" else m
                 params, _ = calibrate(method, rho, layers, base, reorder="none" if m == "pbs-noperm" else None)
                 contenders.append((f"{m}@{rho}", params))
+        for error in args.calibrate_errors:
+            method = args.calibrate_method
+            calibration = sparse_compile.calibrate(compiled, first, method=method, target_error=error,
+                                                   config=base.with_overrides(method))
+            contenders.append((f"{method}-calibrated@{error}", calibration.sparsity_options()))
+            params, _ = calibrate(method, calibration.density, layers, base)
+            contenders.append((f"{method}-global@{error}", params))
+            print(f"calibrated {method} at error {error}: mean density {calibration.density:.3f}; per layer "
+                  + ", ".join(f"{site.density:.2f}" for site in calibration.sites), flush=True)
         dense_bpb = None
         for name, params in contenders:
             region = contender_region(name, params)
@@ -193,8 +207,11 @@ def run(args) -> list[dict]:
             bpb = bits_per_byte(compiled, windows, region) if windows else None
             if name == "dense":
                 dense_bpb = bpb
+            shown = {k: v for k, v in params.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if "site_params" in params:
+                shown = {f"{site}.{k}": v for site, values in params["site_params"].items() for k, v in values.items()}
             row = {"N": length, "contender": name, "density": density,
-                   "params": ", ".join(f"{k}={v:.4g}" for k, v in params.items()),
+                   "params": ", ".join(f"{k}={v:.4g}" for k, v in shown.items()),
                    "exact": sum(r["exact"] for r in results) / len(results),
                    "chars": sum(r["chars"] for r in results) / len(results), "values": len(results),
                    "delta_bpb": None if bpb is None or dense_bpb is None else bpb - dense_bpb,
@@ -264,12 +281,16 @@ def main(argv=None) -> None:
                         help="prompt styles (retrieval_tasks.STYLES); the first results used vkey")
     parser.add_argument("--bpb-windows", type=int, default=2, help="held-out code windows per length for bits/byte")
     parser.add_argument("--coverage", type=int, default=4, help="missed values examined per contender (0: none)")
+    parser.add_argument("--calibrate-errors", type=float, nargs="*", default=[0.05, 0.1],
+                        help="per-layer calibration targets (relative L1), each beside a global knob at its density")
+    parser.add_argument("--calibrate-method", default="pbs", choices=METHODS)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default="retrieval")
     args = parser.parse_args(argv)
     if args.smoke:
         args.lengths, args.per_task, args.densities, args.bpb_windows = [1024], 1, [0.3], 1
+        args.calibrate_errors = args.calibrate_errors[:1]
     rows = run(args)
     columns = ["N", "contender", "density", "exact", "chars", *rt.TASKS, "delta_bpb", "missed_needle_listed",
                "params"]

@@ -4,9 +4,10 @@
 #   bash benchmarks/run_h100_session.sh "$OUT" e2e       # whole-model TTFT at defaults, 8K-64K (~8 min)
 #   bash benchmarks/run_h100_session.sh "$OUT" e2e-long  # the same at 128K, plus the density-0.1 rows (~8 min)
 #   bash benchmarks/run_h100_session.sh "$OUT" table     # re-measure the break-even table, peak memory (~7 min)
+#   bash benchmarks/run_h100_session.sh "$OUT" train     # train the retrieval model (~9 min)
 set -uo pipefail
 out=${1:?results folder}
-part=${2:?part: check, e2e, e2e-long or table}
+part=${2:?part: check, e2e, e2e-long, table or train}
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 clock() { nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader | tee -a "$out/gpu.txt"; }
 clock
@@ -26,5 +27,8 @@ table)
     timeout 560 python benchmarks/bench_breakeven.py --measure --memory --reps 5 --out "$out" 2>&1 \
         | tee "$out/breakeven_log.txt" | grep -v "^{" | tail -40
     cp sparse_compile/breakeven_tables.json "$out/" ;;
+train)
+    timeout 590 python benchmarks/train_small_lm.py --retrieval --out-dir "$out" 2>&1 \
+        | tee "$out/retrieval_lm_train_log.txt" | grep -v "^step" | tail -20 ;;
 esac
 clock

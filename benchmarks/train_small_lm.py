@@ -341,29 +341,45 @@ def fused_attention_for_training(device: torch.device):
         torch.nn.functional.scaled_dot_product_attention = orig
 
 
+def answer_weight_at(seq_len: int, answer_weight: float) -> float:
+    """The loss weight of one retrieved value byte: ``answer_weight`` per 4K of context, so the answers' share of
+    a window's loss does not shrink as windows grow (at 64K, 32 answer bytes are otherwise 0.05% of it)."""
+    return max(1.0, answer_weight * seq_len / 4096)
+
+
 def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: float, device,
-                       styles=("vkey",)):
+                       styles=("vkey",), answer_weight: float = 0.0):
     """Like ``_batches``, but each window is, with probability ``task_share``, a retrieval instance
     (``retrieval_tasks.py``, a random task in a random one of ``styles``) built on that window's code; built on the
-    host while the GPU runs the last step."""
+    host while the GPU runs the last step. Returns (x, y, per-target loss weights or None): with
+    ``answer_weight`` > 0 the bytes of retrieved values weigh ``answer_weight_at(seq_len, answer_weight)``."""
     import retrieval_tasks as rt
 
     rows = []
-    for _ in range(batch):
+    weights = torch.ones(batch, seq_len) if answer_weight > 0 else None
+    heavy = answer_weight_at(seq_len, answer_weight)
+    for row in range(batch):
         start = rng.randrange(0, len(train) - seq_len - 2)
         window = train[start:start + seq_len + 1]
         if rng.random() < task_share:
             task = rng.choice(rt.TASKS)
             # one style draws nothing: the stream then matches runs from before styles existed
             style = styles[0] if len(styles) == 1 else rng.choice(styles)
-            rows.append(rt.make_instance(task, window, seq_len + 1, rng, style).tokens)
+            instance = rt.make_instance(task, window, seq_len + 1, rng, style)
+            rows.append(instance.tokens)
+            if weights is not None:
+                for answer in instance.answers:  # target t predicts token t + 1
+                    weights[row, answer.start - 1:answer.end - 1] = heavy
         else:
             rows.append(torch.frombuffer(bytearray(window), dtype=torch.uint8))
     data = torch.stack(rows)
     if device.type == "cuda":  # a pageable copy would wait for the GPU: pinned, the host builds ahead
         data = data.pin_memory()
+        weights = weights.pin_memory() if weights is not None else None
     data = data.to(device, non_blocking=True).long()
-    return data[:, :-1], data[:, 1:]
+    if weights is not None:
+        weights = weights.to(device, non_blocking=True)
+    return data[:, :-1], data[:, 1:], weights
 
 
 @torch.no_grad()
@@ -406,10 +422,15 @@ def evaluate_retrieval(model, heldout: bytes, lengths, per_task: dict, seed: int
     return out
 
 
-def _loss(model, x, y, amp: bool) -> torch.Tensor:
+def _loss(model, x, y, amp: bool, weight: Optional[torch.Tensor] = None):
+    """Mean next-byte loss; with ``weight`` (per target), (weighted mean to train on, plain mean to report)."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
         logits = model(x)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+    if weight is None:
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+    per_byte = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+    weight = weight.reshape(-1)
+    return (per_byte * weight).sum() / weight.sum(), per_byte.mean()
 
 
 @torch.no_grad()
@@ -469,6 +490,8 @@ def main(argv=None) -> dict:
                         help="--retrieval: share of training windows that carry a retrieval instance")
     parser.add_argument("--styles", nargs="+", default=None,
                         help="--retrieval: prompt styles trained on (retrieval_tasks.STYLES; default: all)")
+    parser.add_argument("--answer-weight", type=float, default=8.0,
+                        help="--retrieval: loss weight of a retrieved value byte per 4K of context (0: plain mean)")
     args = parser.parse_args(argv)
     if args.retrieval and args.name == "small_lm":
         args.name = "retrieval_lm"
@@ -476,12 +499,12 @@ def main(argv=None) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     smoke = args.smoke
     default_phases = (("1024x2:0.5,2048x1:0.5" if args.retrieval else "256x4:0.5,512x2:0.5") if smoke else
-                      "4096x16:0.4,16384x4:0.25,32768x2:0.2,65536x1:0.15" if args.retrieval else
+                      "4096x16:0.35,16384x4:0.25,32768x2:0.2,65536x1:0.2" if args.retrieval else
                       "4096x16:0.6,16384x4:0.25,32768x2:0.15")
     phases = parse_phases(args.phases or default_phases)
     max_train_bytes = args.max_train_bytes or ((2 << 20) if smoke else (256 << 20))
     steps_total = args.steps if args.steps is not None else (6 if smoke and args.time_budget is None else None)
-    time_budget = args.time_budget if args.time_budget is not None else (420.0 if args.retrieval else 330.0)
+    time_budget = args.time_budget if args.time_budget is not None else (480.0 if args.retrieval else 330.0)
     eval_windows = args.eval_windows or (4 if smoke else 64)
     amp = device.type == "cuda"  # bf16 autocast on the GPU; fp32 on CPU (bf16 matmuls are slow there)
     t_start = time.time()
@@ -522,8 +545,14 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
 
     def next_batch(seq, batch, generator):
         if args.retrieval:
-            return _retrieval_batches(corpus.train, seq, batch, host_rng, args.task_share, device, styles)
-        return _batches(train_stream, seq, batch, generator)
+            return _retrieval_batches(corpus.train, seq, batch, host_rng, args.task_share, device, styles,
+                                      args.answer_weight)
+        return (*_batches(train_stream, seq, batch, generator), None)
+
+    def train_loss(x, y, weight):
+        """(loss to differentiate, loss to report: the plain mean next-byte loss)"""
+        loss = _loss(model, x, y, amp, weight)
+        return loss if weight is not None else (loss, loss)
 
     def sync():
         if device.type == "cuda":
@@ -537,10 +566,10 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
         for seq, batch, _ in phases:
             times = []
             for i in range(7):
-                x, y = next_batch(seq, batch, calib_gen)
+                x, y, weight = next_batch(seq, batch, calib_gen)
                 sync()
                 t = time.perf_counter()
-                _loss(model, x, y, amp).backward()
+                train_loss(x, y, weight)[0].backward()
                 sync()
                 times.append(time.perf_counter() - t)
                 opt.zero_grad(set_to_none=True)
@@ -563,9 +592,9 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
             lr = lr_at(step, total_steps, args.lr, min(args.warmup, max(1, total_steps // 10)), 0.1)
             for group in opt.param_groups:
                 group["lr"] = lr
-            x, y = next_batch(seq, batch, gen)
-            loss = _loss(model, x, y, amp)
-            loss.backward()
+            x, y, weight = next_batch(seq, batch, gen)
+            objective, loss = train_loss(x, y, weight)
+            objective.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -627,6 +656,7 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
         "final": final,
         "retrieval": retrieval,
         "task_share": args.task_share if args.retrieval else None,
+        "answer_weight": args.answer_weight if args.retrieval else None,
         "styles": list(styles) if args.retrieval else None,
         "eval_windows": eval_windows,
         "manifest": corpus.manifest,

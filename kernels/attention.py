@@ -9,10 +9,10 @@ their semantics (the ``BlockPlan`` contract) and ``sparse_compile.plan.execute_p
   are excluded); the others are promised fully visible and are not masked;
 * ``key_index`` / ``query_index`` (optional): logical -> physical rows (key entries < 0 are padding);
 * ``early_stop`` tau > 0: after each unmasked tile the block stops once no row gains at least tau of its softmax
-  denominator (the stopping tile counts); ``pv_skip`` lambda < 0: a tile's P.V is skipped when every row's tile
-  maximum is below its running maximum by more than |lambda|;
+  denominator (the stopping tile counts); ``pv_skip`` lambda < 0: a row drops a tile's P.V share when the row's
+  tile maximum is below its running maximum by more than |lambda| (the MMA still runs: per-row, branch-free);
 * rows that see no key write zeros; a row whose scores include a non-finite value writes a non-finite output
-  (as dense attention), and such a row does not decide an early stop or a P.V skip for the others.
+  (as dense attention), and such a row does not decide an early stop for the others.
 
 Shape of the kernel (a FlashAttention-2 style forward): one program per
 (batch, query head, query block); ``q`` stays on chip; ``_fwd_inner`` walks the tile list twice, masked tiles
@@ -29,8 +29,8 @@ Supported configurations
   the output has the input dtype.
 * head dims: any ``D <= 256``; powers of two >= 16 run natively, others are padded on chip (masked loads).
 * ``block_m`` / ``block_n``: powers of two in [16, 256]. The kernel's BLOCK_M is ``block_m`` or (without
-  early stop / P.V skip, whose decisions are per plan block) ``block_m / 2``; its BLOCK_N is ``block_n`` or a
-  divisor of it (sub-tiles of a plan tile, again only without early stop / P.V skip).
+  early stop, whose decision is per plan block) ``block_m / 2``; its BLOCK_N is ``block_n`` or a divisor of it
+  (sub-tiles of a plan tile, only without early stop / P.V skip, which decide per plan tile).
 * GQA: ``Hq`` a multiple of ``Hkv``; K/V are never repeated. Tile tables and indices may have Hq or Hkv heads.
 * ``Nq <= Nk`` (queries are the last ``Nq`` positions), any lengths.
 * Keys through ``key_index``: gathered row by row inside the loop (``key_mode="gather"``) or, when the index
@@ -176,13 +176,12 @@ def _fwd_tile(
         v = _load_rows(v_base, offs_n, stride_vn, stride_vd, offs_d, valid, MASKED, HEAD_DIM, HEAD_DIM_PAD,
                        INT64_ROWS)
     if PV_SKIP:
-        # skip when every real row's tile maximum is far below its running maximum; rows that see nothing here
-        # (-inf) and rows already non-finite (l is NaN: their output is NaN whatever happens) do not count
-        gap = tl.where(row_ok & (l_i == l_i), tile_max - m_new, float("-inf"))
-        if tl.max(gap, 0) >= pv_lambda:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        # per row: a row whose tile maximum is far below its running maximum drops its P.V share (its
+        # denominator keeps the gain). A select, not a branch: a block-wide decision needs a cross-warp reduction
+        # and a branch around the MMA, which together cost a quarter of the loop (NOTES_kernel.md); a NaN
+        # compares false and drops too, but its l is already NaN
+        p = tl.where((tile_max - m_new >= pv_lambda)[:, None], p, 0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
     return acc, l_i, m_new, gain, l_prev
 
 
@@ -268,8 +267,9 @@ def _block_sparse_attn_fwd(
     tl.static_assert(HEAD_DIM <= HEAD_DIM_PAD)
     tl.static_assert(not (KEY_GATHER and USE_TMA), "TMA cannot gather rows")
     tl.static_assert(not (KEY_GATHER and not HAS_KIDX), "gathered keys need a key_index")
-    # early stop and P.V skip decide per plan tile and per plan query block: no sub-tiles then
-    tl.static_assert(not ((EARLY_STOP or PV_SKIP) and (TILE_SPLIT > 1 or Q_SPLIT > 1)))
+    # early stop decides per plan tile and per plan query block, the P.V skip per row and plan tile: no sub-tiles
+    tl.static_assert(not ((EARLY_STOP or PV_SKIP) and TILE_SPLIT > 1))
+    tl.static_assert(not (EARLY_STOP and Q_SPLIT > 1))
 
     # -- which (batch, query head, query block) this program computes: the query heads of one KV head fastest,
     # then its query blocks (last-first), then the next KV head, so the ~132 programs resident at a time all read
@@ -621,8 +621,10 @@ def block_sparse_attention(
         _fail(f"config.block_m={cfg.block_m} must be block_m ({block_m}) or half of it")
     if block_n % cfg.block_n or cfg.block_n < 16:
         _fail(f"config.block_n={cfg.block_n} must divide block_n ({block_n}) and be >= 16")
-    if exact and (cfg.block_m != block_m or cfg.block_n != block_n):
-        _fail("early stop and P.V skip decide per table tile: config block sizes must equal block_m, block_n")
+    if early_stop > 0 and (cfg.block_m != block_m or cfg.block_n != block_n):
+        _fail("early stop decides per table tile and query block: config block sizes must equal block_m, block_n")
+    if pv_skip is not None and cfg.block_n != block_n:
+        _fail("the P.V skip decides per table tile: config.block_n must equal block_n")
 
     kk, vv, gather = _key_layout(k, v, key_index, key_mode, head_dim_pad)
     out = torch.empty_like(q)

@@ -165,13 +165,17 @@ class Calibration:
         """A ``sparsity`` region that applies this calibration to a model compiled with any configuration, at
         run time and without recompiling: its method and that method's parameters, ``site_params`` and
         ``skip_layers``. Other fields (``min_seq_len``, ``kernel``, ...) stay as compiled."""
+        return sparsity(**self.sparsity_options())
+
+    def sparsity_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``sparsity()``'s region (to combine with other region options)."""
         config = self.config
         params: dict[str, Any] = dataclasses.asdict(config.params_of(config.method))
         for name in ("reorder", "select"):
             if getattr(config, name) is not None:
                 params[name] = getattr(config, name)
-        return sparsity(method=config.method, skip_layers=config.skip_layers,
-                        site_params={site: dict(overrides) for site, overrides in config.site_params}, **params)
+        return dict(method=config.method, skip_layers=config.skip_layers,
+                    site_params={site: dict(overrides) for site, overrides in config.site_params}, **params)
 
     # -- JSON ---------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 import json
 import logging
 import math
@@ -118,6 +119,11 @@ def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
     if plan_only and plan.early_stop == 0:
         HISTORY.record(history_key, plan.density(num_queries, num_keys).mean(), plan_shape(plan), config)
         return None, REPLANNED, None
+    if plan_only:
+        # early stop: only running the plan tells its cost. One KV head's group runs it (1/Hkv of the kernel's
+        # time, a different group at each re-plan); the whole call runs dense
+        _probe_heads(q, k, v, plan, scale, config, kernel, history_key)
+        return None, REPLANNED, None
     # early stop decides at run time how many tiles a plan costs: count the visits when the count is wanted
     want_visits = config.record_density or (history_key is not None and plan.early_stop > 0)
     executor = method_spec(config.select_stage).execute
@@ -137,6 +143,26 @@ def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
     if config.record_density:
         density = report.density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
     return out, f"method {config.method} ({kernel})", density
+
+
+_PROBES = itertools.count()
+
+
+def _probe_heads(q: Tensor, k: Tensor, v: Tensor, plan, scale: float, config: SparseConfig, kernel: str,
+                 history_key: tuple) -> None:
+    """Run ``plan`` on one KV head's group and remember the tiles it visited (the density under early stop)."""
+    heads_kv, group = k.shape[1], q.shape[1] // k.shape[1]
+    kv_head = next(_PROBES) % heads_kv
+    heads = slice(kv_head * group, (kv_head + 1) * group)
+    part = plan.kv_head_slice(kv_head, heads_kv)
+    qs, ks, vs = q[:, heads], k[:, kv_head:kv_head + 1], v[:, kv_head:kv_head + 1]
+    executor = method_spec(config.select_stage).execute
+    if executor is not None:
+        _, visited = executor(qs, ks, vs, part, scale, config, kernel=kernel, return_visited=True)
+    else:
+        _, visited = execute_plan(qs, ks, vs, part, scale, kernel=kernel, return_visited=True)
+    total = causal_tile_count(q.shape[-2], k.shape[-2], plan.block_m, plan.block_n) * visited[:, :, 0].numel()
+    HISTORY.record(history_key, visited.sum(dtype=torch.float32) / max(total, 1), plan_shape(plan), config)
 
 
 def _break_even(q: Tensor, k: Tensor, config: SparseConfig, site: str) -> tuple[Optional[str], Optional[tuple], bool]:

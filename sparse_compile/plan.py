@@ -18,12 +18,13 @@ Every method ends in a ``BlockPlan``; the Triton kernel (``sparse_compile.kernel
   ``r``'s softmax denominator and ``l_r`` the denominator before it (both at the new running maximum), the
   block stops when ``g_r < τ · l_r`` for every query row of the block. The tile that triggers the stop is kept
   (its cost is already paid). Masked tiles are never subject to the stop.
-* P·V skip (``pv_skip = λ < 0``). For any tile, when ``rowmax(S_tile) - m_new < λ`` for every query row of the
-  block, the P·V product is skipped (the denominator is still updated).
+* P·V skip (``pv_skip = λ < 0``). For any tile, a query row with ``rowmax(S_tile) - m_new < λ`` drops its share
+  of the tile's P·V (its P row counts as zero there; the denominator is still updated). Per row, so a decision
+  never depends on the other rows of the block; V is still read (0 · NaN is NaN, as for masked keys).
 * Rows that see no key produce zeros.
 * Non-finite values behave as in dense attention: a row whose visited scores include a NaN or an infinity
-  outputs non-finite values, and such a row neither keeps an early-stop walk going nor prevents a P·V skip (it
-  is non-finite whatever the others do), so rows that see only finite scores are unaffected. A NaN in V reaches
+  outputs non-finite values, and such a row does not keep an early-stop walk going (it is non-finite whatever
+  the others do), so rows that see only finite scores are unaffected. A NaN in V reaches
   every row that multiplies it, including rows of its tile that mask it (P = 0, and 0 · NaN is NaN, as in the
   dense kernels); a tile the plan does not list is never read, so non-finite V there goes unseen (no selector
   reads V; the selectors keep every tile whose pooled keys are not finite).
@@ -82,6 +83,19 @@ class BlockPlan:
 
     def with_options(self, **kwargs) -> "BlockPlan":
         return replace(self, **kwargs)
+
+    def kv_head_slice(self, kv_head: int, num_kv_heads: int) -> "BlockPlan":
+        """The plan of one KV head's GQA group: every per-head table cut to that group's heads (a table has
+        Hq or Hkv heads, so the group is its ``heads / num_kv_heads`` consecutive heads)."""
+        def cut(table: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            if table is None:
+                return None
+            per = table.shape[1] // num_kv_heads
+            return table[:, kv_head * per:(kv_head + 1) * per]
+
+        return replace(self, tile_offsets=cut(self.tile_offsets), tile_counts=cut(self.tile_counts),
+                       masked_counts=cut(self.masked_counts), key_index=cut(self.key_index),
+                       query_index=cut(self.query_index))
 
     def density(self, num_queries: int, num_keys: int, num_heads: Optional[int] = None) -> torch.Tensor:
         """Fraction of the causal tiles the plan lists, per (batch, head): float32 (B, H). See ``plan_density``."""
@@ -457,11 +471,11 @@ def _sequential_tiles(s, vb, live, is_masked, early_stop, pv_skip):
         gain = p.sum(-1)
         l_prev = lrow * alpha
         l_new = l_prev + gain
-        pv = torch.matmul(p, vb[:, :, t])
         if pv_skip is not None:
-            gap = torch.where(torch.isfinite(l_new), tile_max - m_safe, torch.full_like(tile_max, neg_inf))
-            skip = (gap < pv_skip).all(-1)  # (B, H): every row far below its running max
-            pv = torch.where(skip[..., None, None], torch.zeros_like(pv), pv)
+            # per row: far below its running max drops the row's P.V share (a NaN gap drops too: l is NaN)
+            keep = tile_max - m_safe >= pv_skip  # (B, H, m)
+            p = torch.where(keep[..., None], p, torch.zeros_like(p))
+        pv = torch.matmul(p, vb[:, :, t])
         acc_new = acc * alpha[..., None] + pv
         upd = run[..., None]
         mrow = torch.where(upd, m_new, mrow)

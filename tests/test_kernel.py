@@ -322,6 +322,25 @@ def test_pv_skip_matches_reference():
     assert rel_error(ref, no_skip) > 20 * rel_error(out, ref)
 
 
+def test_pv_skip_decides_per_row():
+    """A row's P.V skip never depends on the other rows of its block: 16-row kernel blocks over a 32-row plan give
+    the same output as 32-row ones, and rows whose tile maxima are far below drop exactly their own share."""
+    from kernels.attention import KernelConfig, block_sparse_attention
+
+    B, Hq, Hkv, N, D, bm, b = 1, 2, 1, 80, 32, 32, 16
+    q, k, v = _sink_qkv(B, Hq, Hkv, N, N, D, torch.float32, strength=1.2)
+    q[:, :, 1::2] = torch.randn_like(q[:, :, 1::2]) * 0.1  # odd rows attend evenly: they never skip
+    plan = causal_plan(B, Hq, N, N, bm, b, device=DEV).with_options(pv_skip=-3.0)
+    args = (q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts)
+    whole = block_sparse_attention(*args, block_m=bm, block_n=b, pv_skip=-3.0, config=KernelConfig(bm, b))
+    halves = block_sparse_attention(*args, block_m=bm, block_n=b, pv_skip=-3.0, config=KernelConfig(bm // 2, b))
+    torch.testing.assert_close(halves, whole, rtol=0, atol=0)
+    _assert_close(whole, _ref(q, k, v, plan)[0], torch.float32)
+    exact = dense_reference(q, k, v)
+    odd_error = rel_error(whole[:, :, 1::2], exact[:, :, 1::2])
+    assert odd_error < 1e-5 < rel_error(whole[:, :, 0::2], exact[:, :, 0::2])
+
+
 def test_early_stop_and_pv_skip_together_fp16():
     B, Hq, Hkv, N, D, b = 1, 4, 1, 96, 64, 16
     q, k, v = _sink_qkv(B, Hq, Hkv, N, N, D, torch.float16)
@@ -632,7 +651,7 @@ def test_nonfinite_key_or_value_reaches_exactly_the_rows_that_attend_it(executor
             if where == "key":
                 assert bool(block[sees].isnan().all()), (h, i)
                 assert bool(torch.isfinite(block[~sees]).all()), (h, i)  # masked scores never touch the NaN
-            elif "pv_skip" not in options:  # a skipped P.V never reads V (documented in plan.py)
+            else:  # a P.V share dropped by the skip still multiplies V (0 * NaN, documented in plan.py)
                 assert bool(block[sees].isnan().all()), (h, i)
     # query blocks before the key's block never read it: unchanged
     before = slice(0, j // b * b)

@@ -80,6 +80,31 @@ def test_score_counts_exact_values_from_logits():
     assert all(r["exact"] for r in results[1:])
 
 
+def test_training_batches_weigh_exactly_the_answer_bytes():
+    tsl = importlib.import_module("train_small_lm")
+    rng = random.Random(5)
+    filler = bytes(random.Random(1).choice(b"abc =\n") for _ in range(60_000))
+    seq = 4096
+    x, y, weight = tsl._retrieval_batches(filler, seq, 6, rng, 1.0, torch.device("cpu"), tuple(rt.STYLES), 8.0)
+    heavy = tsl.answer_weight_at(seq, 8.0)
+    assert heavy == 8.0 and tsl.answer_weight_at(65536, 8.0) == 128.0 and tsl.answer_weight_at(256, 0.0) == 1.0
+    # replay the same draws: the weighted targets are the value bytes of each instance's answers
+    replay = random.Random(5)
+    for row in range(6):
+        start = replay.randrange(0, len(filler) - seq - 2)
+        replay.random()
+        task = replay.choice(rt.TASKS)
+        style = replay.choice(tuple(rt.STYLES))
+        inst = rt.make_instance(task, filler[start:start + seq + 1], seq + 1, replay, style)
+        assert torch.equal(torch.cat([x[row], y[row, -1:]]), inst.tokens.long())
+        expected = torch.ones(seq)
+        for answer in inst.answers:
+            expected[answer.start - 1:answer.end - 1] = heavy
+        assert torch.equal(weight[row], expected)
+        assert all(y[row, a.start - 1:a.end - 1].tolist() == list(inst.tokens[a.start:a.end]) for a in inst.answers)
+    assert tsl._retrieval_batches(filler, seq, 2, rng, 1.0, torch.device("cpu"))[2] is None  # no weight asked
+
+
 def test_retrieval_training_smoke_records_dense_accuracy(tmp_path):
     tsl = importlib.import_module("train_small_lm")
     record = tsl.main(["--smoke", "--retrieval", "--steps", "2", "--max-train-bytes", "300000", "--eval-windows",

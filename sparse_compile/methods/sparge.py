@@ -13,9 +13,10 @@ Query blocks of ``block_size_q`` rows, key tiles of ``block_size_kv`` logical ke
 5. Added for causal prefill (the paper targets mostly non-causal models and is silent): the diagonal tiles (the
    partially visible ones, or the on-diagonal segment under a PBS permutation) are always kept, so no query row
    can end up seeing no key at all.
-6. The P.V skip lambda (``pv_threshold``) goes to the plan as ``pv_skip``: the kernel skips a tile's P.V when
-   every row's tile maximum is below its running maximum by more than |lambda| (plan.py's rule; the paper
-   applies it per warp's slice of rows, the plan per query block).
+6. The P.V skip lambda (``pv_threshold``) goes to the plan as ``pv_skip``: a row drops a tile's P.V share when
+   its tile maximum is below its running maximum by more than |lambda| (plan.py's rule; the paper decides per
+   warp's slice of rows and skips that warp's MMA, the plan per row, and our kernel keeps the MMA: a branch
+   around it cost a quarter of the kernel's speed).
 
 GQA: per query head, as the paper selects per head (the pooled
 keys are shared through ``group_scores``).
@@ -24,9 +25,7 @@ Non-finite inputs (not in the paper; kept confined as in dense attention): a que
 mean is not finite gives non-finite scores, and such a tile is kept and leaves the softmax (``mass_keep``): a
 NaN query row makes its block keep every visible tile, a NaN key is computed by every block that sees it, and
 the kernel's online softmax carries the NaN into those rows' outputs (a non-finite row never decides a P.V
-skip). What stays inexact: the other rows of a block holding a NaN query row or key may see a different P.V
-skip decision than without it (the decision is per block), and a NaN in V is read only where its tile is
-selected and its P.V is not skipped (no selector reads V).
+skip). What stays inexact: a NaN in V is read only where its tile is selected (no selector reads V).
 """
 
 from __future__ import annotations
@@ -52,8 +51,8 @@ class SpargeParams(MethodParams):
 
     The paper tunes (τ, θ, λ) per layer; these defaults are a fixed, conservative point.
     ``cdf_threshold=1.0, pv_threshold=None`` keeps every causal block and never skips P·V.
-    ``pv_threshold`` is λ < 0 in natural-log units: the P·V product of a tile is skipped when every row's
-    tile maximum is below its running maximum by more than |λ|.
+    ``pv_threshold`` is λ < 0 in natural-log units: a row drops a tile's P·V share when its tile maximum is
+    below its running maximum by more than |λ|.
     """
 
     block_size_q: int = 128

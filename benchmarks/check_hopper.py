@@ -1,0 +1,422 @@
+"""Check and time the Gluon Hopper block-sparse attention kernel (kernels/hopper.py) on an H100 (issue 13).
+
+    python benchmarks/check_hopper.py --out $OUT/hopper.json          # from the repo root, ~2-4 minutes
+
+(a) correctness of every variant against ``sparse_compile.plan.reference_attention`` (and against cuDNN/flash
+SDPA for full causal plans), B=2, Hq/Hkv=32/8, D 128 and 64, N 1000 and 4096, full causal and random block-sparse
+plans (diagonal tile masked, first tile, random earlier tiles), model layout (B, N, H, D) viewed as (B, H, N, D);
+plus tables with Hkv heads, block_n=64, fp16, 3 stages. One failure does not stop the others.
+(b) timing, B=1, Hq/Hkv=32/8, D=128, bf16, N 16K/32K/64K, plans at rho 1 / ~0.3 / ~0.1: cuDNN SDPA (causal,
+dense), the Triton kernel (``execute_plan``) and each Hopper variant, run alternately (A, B, C, A, B, C, ...),
+medians of ``--reps`` CUDA-event timings. Reports ms, ratio to cuDNN, efficiency rho * t_cudnn / t and TFLOP/s over
+the plan's visible (query, key) pairs. Writes JSON to ``--out`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from sparse_compile.plan import (  # noqa: E402
+    VISIBLE_NONE,
+    VISIBLE_PARTIAL,
+    block_visibility,
+    causal_plan,
+    execute_plan,
+    plan_from_block_mask,
+    reference_attention,
+)
+
+HQ, HKV = 32, 8
+BLOCK = 128
+T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def short_error(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) < 1500 else text[:700] + " ... " + text[-700:]
+
+
+try:
+    from sparse_compile.kernels import hopper as H
+
+    HOPPER_IMPORT = None
+except Exception as exc:  # noqa: BLE001 - reported, the rest still runs
+    H = None
+    HOPPER_IMPORT = short_error(exc) + "\n" + traceback.format_exc()[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inputs and plans
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def model_layout(B, H, N, D, dtype, gen):
+    """(B, N, H, D) memory viewed as (B, H, N, D), as the model passes it."""
+    return torch.randn(B, N, H, D, device="cuda", dtype=dtype, generator=gen).transpose(1, 2)
+
+
+def random_keep(vis: torch.Tensor, rho: float, gen: torch.Generator) -> torch.Tensor:
+    """Per (head, query block) keep ceil(rho * causal tiles), at least 2: diagonal, first tile, random others."""
+    causal = vis != VISIBLE_NONE
+    count = causal.sum(-1)
+    want = torch.clamp(torch.ceil(rho * count.double()).long(), min=torch.clamp(count, max=2))
+    n = vis.shape[-1]
+    tile = torch.arange(n, device=vis.device)
+    noise = torch.rand(vis.shape, generator=gen, device=vis.device)
+    last = (count - 1).clamp(min=0)[..., None]
+    priority = torch.where(tile == last, 3.0, torch.where(tile == 0, 2.0, noise))
+    priority = torch.where(causal, priority, -1.0)
+    order = torch.argsort(priority, dim=-1, descending=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, tile.expand_as(order).contiguous())
+    return causal & (rank < want[..., None])
+
+
+def make_plan(kind: str, B: int, heads: int, N: int, block_n: int, rho: float, gen):
+    if kind == "causal":
+        return causal_plan(B, heads, N, N, BLOCK, block_n, device="cuda")
+    vis = block_visibility(N, N, BLOCK, block_n, batch=B, heads=heads, device="cuda")
+    return plan_from_block_mask(random_keep(vis, rho, gen), vis, BLOCK, block_n)
+
+
+def plan_pairs(plan, N: int) -> tuple[int, float]:
+    """(visible (query, key) pairs over all heads, density of listed tiles among causal tiles)."""
+    vis = block_visibility(N, N, plan.block_m, plan.block_n, batch=plan.tile_counts.shape[0],
+                           heads=plan.tile_counts.shape[1], device=plan.tile_counts.device)
+    listed = int(plan.tile_counts.sum())
+    causal = int((vis != VISIBLE_NONE).sum())
+    n_masked = int(plan.masked_counts.sum())
+    bm, bn = plan.block_m, plan.block_n
+    pairs = (listed - n_masked) * bm * bn + n_masked * bm * (bn + 1) // 2  # diagonal tiles ~ half visible
+    return pairs, listed / max(causal, 1)
+
+
+def poison_allocator(q) -> None:
+    """Leave a NaN-filled block of the output's size on top of the caching allocator's free list, so that an output
+    the kernel fails to write reads NaN instead of whatever the previous kernel left there."""
+    junk = torch.full((q.shape[0], q.shape[2], q.shape[1], q.shape[3]), float("nan"), dtype=q.dtype, device=q.device)
+    del junk
+
+
+def run_hopper(q, k, v, plan, variant, stages=2):
+    return H.hopper_block_sparse_attention(q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts,
+                                           block_n=plan.block_n, num_stages=stages, variant=variant)
+
+
+def run_triton(q, k, v, plan):
+    return execute_plan(q, k, v, plan, kernel="triton")
+
+
+def sdpa_causal(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (a) correctness
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check(args, results) -> None:
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(1234)
+    variants = args.variants
+    cases = []
+    for N in (1000, 4096):
+        for D in (128, 64):
+            for kind in ("causal", "sparse"):
+                cases.append(dict(N=N, D=D, kind=kind, rho=0.3, plan_heads="hq", block_n=128, stages=2,
+                                  dtype="bfloat16"))
+    cases += [
+        dict(N=1000, D=128, kind="sparse", rho=0.5, plan_heads="hkv", block_n=128, stages=2, dtype="bfloat16"),
+        dict(N=1000, D=128, kind="sparse", rho=0.5, plan_heads="hq", block_n=64, stages=2, dtype="bfloat16"),
+        dict(N=4096, D=128, kind="causal", rho=1.0, plan_heads="hq", block_n=128, stages=3, dtype="bfloat16"),
+        dict(N=1000, D=128, kind="causal", rho=1.0, plan_heads="hq", block_n=128, stages=2, dtype="float16"),
+        dict(N=77, D=64, kind="causal", rho=1.0, plan_heads="hkv", block_n=128, stages=2, dtype="bfloat16"),
+    ]
+    B = 2
+    for case in cases:
+        N, D = case["N"], case["D"]
+        dtype = getattr(torch, case["dtype"])
+        tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+        try:
+            q = model_layout(B, HQ, N, D, dtype, gen)
+            k = model_layout(B, HKV, N, D, dtype, gen)
+            v = model_layout(B, HKV, N, D, dtype, gen)
+            heads = HQ if case["plan_heads"] == "hq" else HKV
+            plan = make_plan(case["kind"], B, heads, N, case["block_n"], case["rho"], gen)
+            ref = reference_attention(q, k, v, plan).float()
+            base = dict(case)
+            try:
+                base["triton_err"] = (run_triton(q, k, v, plan).float() - ref).abs().max().item()
+            except Exception as exc:  # noqa: BLE001
+                base["triton_err"] = short_error(exc)
+            if case["kind"] == "causal":
+                base["ref_vs_sdpa"] = (sdpa_causal(q, k, v).float() - ref).abs().max().item()
+        except Exception as exc:  # noqa: BLE001
+            log(f"case {case}: setup failed: {short_error(exc)}")
+            results.append(dict(case, status="SETUP-FAIL", error=short_error(exc)))
+            continue
+        for variant in variants:
+            row = dict(base, variant=variant)
+            try:
+                poison_allocator(q)
+                out = run_hopper(q, k, v, plan, variant, case["stages"])
+                torch.cuda.synchronize()
+                err = (out.float() - ref).abs().max().item()
+                row["err"] = err
+                row["layout_ok"] = tuple(out.shape) == (B, HQ, N, D) and out.transpose(1, 2).is_contiguous()
+                if case["kind"] == "causal":
+                    row["err_vs_sdpa"] = (out.float() - sdpa_causal(q, k, v).float()).abs().max().item()
+                row["status"] = "PASS" if (err <= tol and math.isfinite(err) and row["layout_ok"]) else "FAIL"
+            except Exception as exc:  # noqa: BLE001
+                row["status"] = "ERROR"
+                row["error"] = short_error(exc)
+                if not args.quiet_errors:
+                    traceback.print_exc()
+            results.append(row)
+            desc = (f"N={N:5d} D={D:3d} {case['kind']:6s} plan={case['plan_heads']:3s} bn={case['block_n']:3d} "
+                    f"st={case['stages']} {case['dtype']:8s} {variant:7s}")
+            if "err" in row:
+                tri = row["triton_err"]
+                tri = f"{tri:.2e}" if isinstance(tri, float) else "error"
+                log(f"{row['status']:5s} {desc} max|err|={row['err']:.2e} (triton {tri})")
+            else:
+                log(f"{row['status']:5s} {desc} {row.get('error', '')[:300]}")
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (b) timing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def time_alternating(contenders: dict, reps: int) -> dict:
+    """Median ms of each contender, timed in turn (A, B, C, A, B, C, ...) with CUDA events."""
+    events = {name: [] for name in contenders}
+    for _ in range(reps):
+        for name, fn in contenders.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    return {name: statistics.median(s.elapsed_time(e) for s, e in evs) for name, evs in events.items()}
+
+
+def bench(args, results) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(99)
+    D, B, dtype = 128, 1, torch.bfloat16
+    for N in args.lengths:
+        try:
+            q = model_layout(B, HQ, N, D, dtype, gen)
+            k = model_layout(B, HKV, N, D, dtype, gen)
+            v = model_layout(B, HKV, N, D, dtype, gen)
+        except Exception as exc:  # noqa: BLE001
+            results.append(dict(N=N, error=short_error(exc)))
+            continue
+
+        def cudnn(q=q, k=k, v=v):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return sdpa_causal(q, k, v)
+
+        dense_pairs = HQ * B * N * (N + 1) // 2
+        for rho in args.rhos:
+            row = dict(N=N, rho_target=rho, B=B, Hq=HQ, Hkv=HKV, D=D)
+            try:
+                plan = make_plan("causal" if rho >= 1 else "sparse", B, HQ, N, BLOCK, rho, gen)
+                pairs, density = plan_pairs(plan, N)
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = short_error(exc)
+                results.append(row)
+                continue
+            row["rho"] = round(density, 4)
+            contenders = {"cudnn": cudnn, "triton": lambda plan=plan: run_triton(q, k, v, plan)}
+            for variant in args.variants:
+                for st in args.stages:
+                    contenders[f"{variant}/s{st}"] = (lambda plan=plan, variant=variant, st=st:
+                                                      run_hopper(q, k, v, plan, variant, st))
+            ok = {}
+            for name, fn in contenders.items():  # warm-up (compiles) and one correctness check vs the Triton kernel
+                try:
+                    poison_allocator(q)
+                    out = fn()
+                    torch.cuda.synchronize()
+                    ok[name] = fn
+                    if name not in ("cudnn", "triton"):
+                        ref = run_triton(q, k, v, plan)
+                        row[f"{name}_diff_vs_triton"] = (out.float() - ref.float()).abs().max().item()
+                        del ref
+                    del out
+                except Exception as exc:  # noqa: BLE001
+                    row[f"{name}_error"] = short_error(exc)
+                    log(f"N={N} rho={rho}: {name} failed: {short_error(exc)[:300]}")
+            try:
+                times = time_alternating(ok, args.reps)
+            except Exception as exc:  # noqa: BLE001
+                row["timing_error"] = short_error(exc)
+                results.append(row)
+                continue
+            t_cudnn = times.get("cudnn")
+            for name, t in times.items():
+                row[f"{name}_ms"] = t
+                flops = 4 * D * (dense_pairs if name == "cudnn" else pairs)
+                row[f"{name}_tflops"] = flops / (t * 1e-3) / 1e12
+                if t_cudnn is not None and name != "cudnn":
+                    row[f"{name}_ratio"] = t / t_cudnn
+                    row[f"{name}_eff"] = density * t_cudnn / t
+            results.append(row)
+            log(f"N={N} rho={density:.3f}: " + ", ".join(f"{n}={t:.3f}ms" for n, t in times.items()))
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+def print_table(rows) -> None:
+    names = []
+    for r in rows:
+        for key in r:
+            if key.endswith("_ms") and key[:-3] not in names:
+                names.append(key[:-3])
+    print("\nN       rho    " + "".join(f"{n:>26s}" for n in names))
+    print(" " * 15 + "".join(f"{'ms  ratio  eff  TF/s':>26s}" for _ in names))
+    for r in rows:
+        if "rho" not in r:
+            continue
+        cells = []
+        for n in names:
+            t = r.get(f"{n}_ms")
+            if t is None:
+                cells.append(f"{'error' if f'{n}_error' in r else '-':>26s}")
+                continue
+            ratio = r.get(f"{n}_ratio", 1.0)
+            eff = r.get(f"{n}_eff", r["rho"] if n == "cudnn" else float("nan"))
+            cells.append(f"{t:9.3f} {ratio:5.2f} {eff:5.2f} {r[f'{n}_tflops']:5.0f}")
+        print(f"{r['N']:<7d} {r['rho']:.3f} " + "".join(f"{c:>26s}" for c in cells))
+
+
+def smoke(variant: str) -> None:
+    """One small call of ``variant`` (run in a child process: a hang or a crash there cannot stop the script)."""
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(0)
+    q = model_layout(1, 4, 300, 128, torch.bfloat16, gen)
+    k = model_layout(1, 2, 300, 128, torch.bfloat16, gen)
+    v = model_layout(1, 2, 300, 128, torch.bfloat16, gen)
+    plan = make_plan("causal", 1, 4, 300, BLOCK, 1.0, gen)
+    poison_allocator(q)
+    out = run_hopper(q, k, v, plan, variant)
+    torch.cuda.synchronize()
+    err = (out.float() - reference_attention(q, k, v, plan).float()).abs().max().item()
+    print(f"SMOKE {variant} err={err:.3e}")
+
+
+def screen_variants(variants, timeout: float) -> tuple[list, dict]:
+    """Variants whose smoke test finishes in a child process within ``timeout`` s (a deadlocked kernel would
+    otherwise hang the whole script); the others with the reason."""
+    good, bad = [], {}
+    for variant in variants:
+        try:
+            res = subprocess.run([sys.executable, __file__, "--smoke", variant], capture_output=True, text=True,
+                                 timeout=timeout, cwd=str(ROOT))
+            if res.returncode == 0 and f"SMOKE {variant}" in res.stdout:
+                good.append(variant)
+                log(f"smoke {variant}: ok ({res.stdout.strip().splitlines()[-1]})")
+            else:
+                bad[variant] = f"rc={res.returncode}: {(res.stdout + res.stderr)[-1500:]}"
+                log(f"smoke {variant}: FAILED rc={res.returncode} {(res.stdout + res.stderr)[-400:]}")
+        except subprocess.TimeoutExpired:
+            bad[variant] = f"smoke test did not finish in {timeout:.0f} s (hang?)"
+            log(f"smoke {variant}: TIMEOUT after {timeout:.0f} s (hang?) - dropped")
+    return good, bad
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="hopper.json")
+    ap.add_argument("--variants", nargs="+", default=None)
+    ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
+    ap.add_argument("--lengths", nargs="+", type=int, default=[16384, 32768, 65536])
+    ap.add_argument("--rhos", nargs="+", type=float, default=[1.0, 0.3, 0.1])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--quiet-errors", action="store_true", default=True)
+    ap.add_argument("--smoke", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--smoke-timeout", type=float, default=90.0)
+    ap.add_argument("--no-screen", action="store_true", help="skip the per-variant smoke test in a child process")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        smoke(args.smoke)
+        return
+
+    import triton
+
+    env = dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+               gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+               hopper_import_error=HOPPER_IMPORT,
+               gluon_error=getattr(H, "GLUON_IMPORT_ERROR", None) if H is not None else None)
+    log(f"env: {env}")
+    report = dict(env=env, check=[], bench=[])
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        out_path.write_text(json.dumps(report, indent=1, default=str))
+
+    if H is None:
+        log("kernels.hopper failed to import; timing only the baselines")
+        args.variants = []
+    elif args.variants is None:
+        args.variants = list(H.HOPPER_VARIANTS)
+    if args.variants and not args.no_screen:
+        args.variants, report["dropped_variants"] = screen_variants(args.variants, args.smoke_timeout)
+        save()
+    if not args.skip_check and H is not None:
+        try:
+            check(args, report["check"])
+        except Exception as exc:  # noqa: BLE001
+            report["check_error"] = short_error(exc) + traceback.format_exc()[-2000:]
+            log(f"check aborted: {report['check_error']}")
+        save()
+        rows = report["check"]
+        n_pass = sum(r.get("status") == "PASS" for r in rows)
+        log(f"check: {n_pass}/{len(rows)} PASS")
+        for v in args.variants:
+            vr = [r for r in rows if r.get("variant") == v]
+            log(f"  {v:7s}: {sum(r.get('status') == 'PASS' for r in vr)}/{len(vr)} PASS, max err "
+                f"{max((r['err'] for r in vr if 'err' in r), default=float('nan')):.2e}")
+    if not args.skip_bench:
+        try:
+            bench(args, report["bench"])
+        except Exception as exc:  # noqa: BLE001
+            report["bench_error"] = short_error(exc) + traceback.format_exc()[-2000:]
+            log(f"bench aborted: {report['bench_error']}")
+        save()
+        print_table(report["bench"])
+    save()
+    log(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()
