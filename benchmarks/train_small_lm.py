@@ -486,11 +486,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--eval-windows", type=int, default=None)
     parser.add_argument("--retrieval", action="store_true",
                         help="the retrieval model: production attention geometry, code mixed with retrieval tasks")
-    parser.add_argument("--task-share", type=float, default=0.7,
+    parser.add_argument("--task-share", type=float, default=0.8,
                         help="--retrieval: share of training windows that carry a retrieval instance")
     parser.add_argument("--styles", nargs="+", default=None,
                         help="--retrieval: prompt styles trained on (retrieval_tasks.STYLES; default: all)")
-    parser.add_argument("--answer-weight", type=float, default=8.0,
+    parser.add_argument("--answer-weight", type=float, default=16.0,
                         help="--retrieval: loss weight of a retrieved value byte per 4K of context (0: plain mean)")
     args = parser.parse_args(argv)
     if args.retrieval and args.name == "small_lm":
@@ -504,7 +504,7 @@ def main(argv=None) -> dict:
     phases = parse_phases(args.phases or default_phases)
     max_train_bytes = args.max_train_bytes or ((2 << 20) if smoke else (256 << 20))
     steps_total = args.steps if args.steps is not None else (6 if smoke and args.time_budget is None else None)
-    time_budget = args.time_budget if args.time_budget is not None else (480.0 if args.retrieval else 330.0)
+    time_budget = args.time_budget if args.time_budget is not None else (515.0 if args.retrieval else 330.0)
     eval_windows = args.eval_windows or (4 if smoke else 64)
     amp = device.type == "cuda"  # bf16 autocast on the GPU; fp32 on CPU (bf16 matmuls are slow there)
     t_start = time.time()
