@@ -1,15 +1,22 @@
 """Check and time the Gluon Hopper block-sparse attention kernel (kernels/hopper.py) on an H100 (issue 13).
 
-    python benchmarks/check_hopper.py --out $OUT/hopper.json          # from the repo root, ~2-4 minutes
+    python benchmarks/check_hopper.py --out $OUT/hopper.json          # from the repo root, ~2-3 minutes warm
+    python benchmarks/check_hopper.py --all-variants --out ...        # every variant at 2 and 3 stages (longer)
 
-(a) correctness of every variant against ``sparse_compile.plan.reference_attention`` (and against cuDNN/flash
-SDPA for full causal plans), B=2, Hq/Hkv=32/8, D 128 and 64, N 1000 and 4096, full causal and random block-sparse
-plans (diagonal tile masked, first tile, random earlier tiles), model layout (B, N, H, D) viewed as (B, H, N, D);
-plus tables with Hkv heads, block_n=64, fp16, 3 stages. One failure does not stop the others.
-(b) timing, B=1, Hq/Hkv=32/8, D=128, bf16, N 16K/32K/64K, plans at rho 1 / ~0.3 / ~0.1: cuDNN SDPA (causal,
-dense), the Triton kernel (``execute_plan``) and each Hopper variant, run alternately (A, B, C, A, B, C, ...),
-medians of ``--reps`` CUDA-event timings. Reports ms, ratio to cuDNN, efficiency rho * t_cudnn / t and TFLOP/s over
-the plan's visible (query, key) pairs. Writes JSON to ``--out`` and prints a table.
+(a) correctness of the Hopper kernel (default: the default variant ``ws2_ov``, 3 stages) against
+``sparse_compile.plan.reference_attention`` (and against cuDNN/flash SDPA for full causal plans), B=2, Hq/Hkv=32/8,
+D 128 and 64, N 1000 and 4096, full causal and random block-sparse plans (diagonal tile masked, first tile, random
+earlier tiles), model layout (B, N, H, D) viewed as (B, H, N, D); plus tables with Hkv heads, block_n=64, fp16,
+2 stages, the P.V skip, permuted keys (``key_index``, 256-key segments as PBS), and the auto-dispatched
+``execute_plan``. One failure does not stop the others.
+(b) timing, B=1, Hq/Hkv=32/8, D=128, bf16, N 16K/32K/64K: contiguous keys at rho 1 / ~0.3 / ~0.1, and keys
+permuted inside 256-key segments (plans over logical keys) at rho 1 / ~0.3. Contenders, run alternately (A, B, C,
+A, B, C, ...), medians of ``--reps`` CUDA-event timings: cuDNN SDPA (causal, dense), the Triton kernel
+(``backend="triton"``), each Hopper variant, and ``execute_plan`` as users call it (``auto``: the automatic
+dispatch, including the permuted K/V copy for permuted keys). Reports ms, ratio to cuDNN, efficiency
+rho * t_cudnn / t (rho: listed tiles over the identity causal tile count) and TFLOP/s over the plan's visible
+(query, key) pairs, and the SM clock / temperature / power (nvidia-smi) right after each row's timing loop.
+Writes JSON to ``--out`` and prints a table.
 """
 
 from __future__ import annotations
@@ -30,11 +37,14 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from sparse_compile.kernels import block_sparse_attention  # noqa: E402
+from sparse_compile.kernels.validate import expand_heads  # noqa: E402
 from sparse_compile.plan import (  # noqa: E402
     VISIBLE_NONE,
     VISIBLE_PARTIAL,
     block_visibility,
     causal_plan,
+    causal_tile_count,
     execute_plan,
     plan_from_block_mask,
     reference_attention,
@@ -90,23 +100,51 @@ def random_keep(vis: torch.Tensor, rho: float, gen: torch.Generator) -> torch.Te
     return causal & (rank < want[..., None])
 
 
-def make_plan(kind: str, B: int, heads: int, N: int, block_n: int, rho: float, gen):
-    if kind == "causal":
-        return causal_plan(B, heads, N, N, BLOCK, block_n, device="cuda")
-    vis = block_visibility(N, N, BLOCK, block_n, batch=B, heads=heads, device="cuda")
-    return plan_from_block_mask(random_keep(vis, rho, gen), vis, BLOCK, block_n)
+def segment_permutation(B: int, heads: int, n: int, gen, seg: int = 256) -> torch.Tensor:
+    """Random order inside consecutive ``seg``-key segments (as PBS-Attn permutes keys), int32 (B, heads, n)."""
+    nseg = -(-n // seg)
+    r = torch.rand(B, heads, nseg, seg, device="cuda", generator=gen)
+    r[..., -1, n - (nseg - 1) * seg:] = 2.0  # positions past n sort last in the last segment, then are cut
+    idx = torch.argsort(r, -1) + torch.arange(nseg, device="cuda")[:, None] * seg
+    return idx.flatten(2)[..., :n].to(torch.int32).contiguous()
+
+
+def make_plan(kind: str, B: int, heads: int, N: int, block_n: int, rho: float, gen, key_index=None,
+              pv_skip=None):
+    """Full causal ("causal") or random block-sparse ("sparse") plan of ``heads`` heads; with ``key_index`` the
+    plan is over logical (permuted) keys (tiles with any visible key, rho of them kept)."""
+    if kind == "causal" and key_index is None:
+        plan = causal_plan(B, heads, N, N, BLOCK, block_n, device="cuda")
+    else:
+        vis = block_visibility(N, N, BLOCK, block_n, batch=B, heads=heads, device="cuda", key_index=key_index)
+        vis = expand_heads(vis, heads)
+        keep = (vis != VISIBLE_NONE) if kind == "causal" else random_keep(vis, rho, gen)
+        plan = plan_from_block_mask(keep, vis, BLOCK, block_n, key_index=key_index)
+    return plan.with_options(pv_skip=pv_skip) if pv_skip is not None else plan
 
 
 def plan_pairs(plan, N: int) -> tuple[int, float]:
-    """(visible (query, key) pairs over all heads, density of listed tiles among causal tiles)."""
-    vis = block_visibility(N, N, plan.block_m, plan.block_n, batch=plan.tile_counts.shape[0],
-                           heads=plan.tile_counts.shape[1], device=plan.tile_counts.device)
+    """(approximate visible (query, key) pairs over all heads, listed tiles over the identity causal tile count
+    (``plan_density``: a permuted plan's diagonal segments are full squares, so its rho=1 exceeds 1))."""
     listed = int(plan.tile_counts.sum())
-    causal = int((vis != VISIBLE_NONE).sum())
+    causal = causal_tile_count(N, N, plan.block_m, plan.block_n) * plan.tile_counts.shape[0] * \
+        plan.tile_counts.shape[1]
     n_masked = int(plan.masked_counts.sum())
     bm, bn = plan.block_m, plan.block_n
-    pairs = (listed - n_masked) * bm * bn + n_masked * bm * (bn + 1) // 2  # diagonal tiles ~ half visible
+    pairs = (listed - n_masked) * bm * bn + n_masked * bm * (bn + 1) // 2  # masked tiles ~ half visible
     return pairs, listed / max(causal, 1)
+
+
+def sm_clocks() -> dict:
+    """SM clock (MHz, current and max), temperature (C) and power (W) of the GPU now, from nvidia-smi."""
+    fields = "clocks.sm,clocks.max.sm,temperature.gpu,power.draw"
+    try:
+        res = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits",
+                              "-i", str(torch.cuda.current_device())], capture_output=True, text=True, timeout=10)
+        vals = [v.strip() for v in res.stdout.strip().splitlines()[0].split(",")]
+        return dict(zip(("sm_mhz", "sm_max_mhz", "temp_c", "power_w"), vals))
+    except Exception as exc:  # noqa: BLE001
+        return dict(clock_error=short_error(exc))
 
 
 def poison_allocator(q) -> None:
@@ -116,13 +154,29 @@ def poison_allocator(q) -> None:
     del junk
 
 
-def run_hopper(q, k, v, plan, variant, stages=2):
+def run_hopper(q, k, v, plan, variant, stages=3):
     return H.hopper_block_sparse_attention(q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts,
-                                           block_n=plan.block_n, num_stages=stages, variant=variant)
+                                           block_n=plan.block_n, num_stages=stages, variant=variant,
+                                           key_index=plan.key_index, pv_skip=plan.pv_skip)
 
 
 def run_triton(q, k, v, plan):
-    return execute_plan(q, k, v, plan, kernel="triton")
+    """The Triton kernel, whatever the automatic dispatch would pick."""
+    return block_sparse_attention(q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts,
+                                  block_m=plan.block_m, block_n=plan.block_n, key_index=plan.key_index,
+                                  query_index=plan.query_index, early_stop=plan.early_stop, pv_skip=plan.pv_skip,
+                                  backend="triton")
+
+
+def run_auto(q, k, v, plan):
+    """``execute_plan`` as users call it (the automatic backend choice)."""
+    return execute_plan(q, k, v, plan)
+
+
+def auto_backend() -> str:
+    from sparse_compile.kernels import attention
+
+    return attention.last_backend
 
 
 def sdpa_causal(q, k, v):
@@ -134,22 +188,40 @@ def sdpa_causal(q, k, v):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def case_error(out, ref, pv_skip) -> float:
+    """Max |out - ref|; with the P.V skip, over all rows but the worst 0.01%: a row whose tile maximum sits within
+    float32 rounding of the threshold may decide the skip differently from the reference (a legitimate flip that
+    moves that row by the tile's share), which is expected a few times among millions of decisions."""
+    row_err = (out.float() - ref).abs().amax(-1).flatten()
+    if not bool(torch.isfinite(row_err).all()):  # an unwritten (NaN-poisoned) or non-finite output never passes
+        return float("inf")
+    if pv_skip is None:
+        return row_err.max().item()
+    keep = max(1, math.ceil(row_err.numel() * 0.9999))
+    return row_err.kthvalue(keep).values.item()
+
+
 def check(args, results) -> None:
     gen = torch.Generator(device="cuda")
     gen.manual_seed(1234)
     variants = args.variants
     cases = []
+    base = dict(rho=0.3, plan_heads="hq", block_n=128, stages=3, dtype="bfloat16", keys="contiguous", pv_skip=None)
     for N in (1000, 4096):
         for D in (128, 64):
             for kind in ("causal", "sparse"):
-                cases.append(dict(N=N, D=D, kind=kind, rho=0.3, plan_heads="hq", block_n=128, stages=2,
-                                  dtype="bfloat16"))
+                cases.append(dict(base, N=N, D=D, kind=kind))
     cases += [
-        dict(N=1000, D=128, kind="sparse", rho=0.5, plan_heads="hkv", block_n=128, stages=2, dtype="bfloat16"),
-        dict(N=1000, D=128, kind="sparse", rho=0.5, plan_heads="hq", block_n=64, stages=2, dtype="bfloat16"),
-        dict(N=4096, D=128, kind="causal", rho=1.0, plan_heads="hq", block_n=128, stages=3, dtype="bfloat16"),
-        dict(N=1000, D=128, kind="causal", rho=1.0, plan_heads="hq", block_n=128, stages=2, dtype="float16"),
-        dict(N=77, D=64, kind="causal", rho=1.0, plan_heads="hkv", block_n=128, stages=2, dtype="bfloat16"),
+        dict(base, N=1000, D=128, kind="sparse", rho=0.5, plan_heads="hkv"),
+        dict(base, N=1000, D=128, kind="sparse", rho=0.5, block_n=64),
+        dict(base, N=4096, D=128, kind="causal", rho=1.0, stages=2),
+        dict(base, N=1000, D=128, kind="causal", rho=1.0, dtype="float16"),
+        dict(base, N=77, D=64, kind="causal", rho=1.0, plan_heads="hkv"),
+        # plan features of the methods: P.V skip (Sparge), permuted keys (PBS), both
+        dict(base, N=4096, D=128, kind="sparse", pv_skip=-1.0),
+        dict(base, N=4096, D=128, kind="sparse", keys="segments"),
+        dict(base, N=4096 + 50, D=128, kind="causal", rho=1.0, keys="segments", plan_heads="hkv"),
+        dict(base, N=2000, D=64, kind="sparse", block_n=64, keys="segments", pv_skip=-1.0, plan_heads="hkv"),
     ]
     B = 2
     for case in cases:
@@ -161,14 +233,24 @@ def check(args, results) -> None:
             k = model_layout(B, HKV, N, D, dtype, gen)
             v = model_layout(B, HKV, N, D, dtype, gen)
             heads = HQ if case["plan_heads"] == "hq" else HKV
-            plan = make_plan(case["kind"], B, heads, N, case["block_n"], case["rho"], gen)
+            ki = segment_permutation(B, HKV, N, gen) if case["keys"] == "segments" else None
+            plan = make_plan(case["kind"], B, heads, N, case["block_n"], case["rho"], gen, key_index=ki,
+                             pv_skip=case["pv_skip"])
             ref = reference_attention(q, k, v, plan).float()
             base = dict(case)
+            try:  # the automatic dispatch, as execute_plan's callers get it
+                poison_allocator(q)
+                auto = run_auto(q, k, v, plan)
+                base["auto_backend"] = auto_backend()
+                base["auto_err"] = case_error(auto, ref, case["pv_skip"])
+                del auto
+            except Exception as exc:  # noqa: BLE001
+                base["auto_err"] = short_error(exc)
             try:
-                base["triton_err"] = (run_triton(q, k, v, plan).float() - ref).abs().max().item()
+                base["triton_err"] = case_error(run_triton(q, k, v, plan), ref, case["pv_skip"])
             except Exception as exc:  # noqa: BLE001
                 base["triton_err"] = short_error(exc)
-            if case["kind"] == "causal":
+            if case["kind"] == "causal" and ki is None:
                 base["ref_vs_sdpa"] = (sdpa_causal(q, k, v).float() - ref).abs().max().item()
         except Exception as exc:  # noqa: BLE001
             log(f"case {case}: setup failed: {short_error(exc)}")
@@ -180,12 +262,15 @@ def check(args, results) -> None:
                 poison_allocator(q)
                 out = run_hopper(q, k, v, plan, variant, case["stages"])
                 torch.cuda.synchronize()
-                err = (out.float() - ref).abs().max().item()
+                err = case_error(out, ref, case["pv_skip"])
                 row["err"] = err
+                row["err_all_rows"] = (out.float() - ref).abs().max().item()
                 row["layout_ok"] = tuple(out.shape) == (B, HQ, N, D) and out.transpose(1, 2).is_contiguous()
-                if case["kind"] == "causal":
+                if case["kind"] == "causal" and ki is None:
                     row["err_vs_sdpa"] = (out.float() - sdpa_causal(q, k, v).float()).abs().max().item()
-                row["status"] = "PASS" if (err <= tol and math.isfinite(err) and row["layout_ok"]) else "FAIL"
+                auto_ok = isinstance(row.get("auto_err"), float) and row["auto_err"] <= tol
+                row["status"] = "PASS" if (err <= tol and math.isfinite(err) and row["layout_ok"] and auto_ok) \
+                    else "FAIL"
             except Exception as exc:  # noqa: BLE001
                 row["status"] = "ERROR"
                 row["error"] = short_error(exc)
@@ -193,11 +278,14 @@ def check(args, results) -> None:
                     traceback.print_exc()
             results.append(row)
             desc = (f"N={N:5d} D={D:3d} {case['kind']:6s} plan={case['plan_heads']:3s} bn={case['block_n']:3d} "
-                    f"st={case['stages']} {case['dtype']:8s} {variant:7s}")
+                    f"st={case['stages']} {case['dtype']:8s} keys={case['keys']:10s} pv_skip={case['pv_skip']} "
+                    f"{variant:7s}")
             if "err" in row:
-                tri = row["triton_err"]
+                tri, aut = row["triton_err"], row["auto_err"]
                 tri = f"{tri:.2e}" if isinstance(tri, float) else "error"
-                log(f"{row['status']:5s} {desc} max|err|={row['err']:.2e} (triton {tri})")
+                aut = f"{aut:.2e}" if isinstance(aut, float) else "error"
+                log(f"{row['status']:5s} {desc} max|err|={row['err']:.2e} (triton {tri}, auto {aut} via "
+                    f"{row.get('auto_backend')})")
             else:
                 log(f"{row['status']:5s} {desc} {row.get('error', '')[:300]}")
         del q, k, v
@@ -243,17 +331,20 @@ def bench(args, results) -> None:
                 return sdpa_causal(q, k, v)
 
         dense_pairs = HQ * B * N * (N + 1) // 2
-        for rho in args.rhos:
-            row = dict(N=N, rho_target=rho, B=B, Hq=HQ, Hkv=HKV, D=D)
+        rows = [("contiguous", rho) for rho in args.rhos] + [("segments", rho) for rho in args.perm_rhos]
+        for keys, rho in rows:
+            row = dict(N=N, keys=keys, rho_target=rho, B=B, Hq=HQ, Hkv=HKV, D=D)
             try:
-                plan = make_plan("causal" if rho >= 1 else "sparse", B, HQ, N, BLOCK, rho, gen)
+                ki = segment_permutation(B, HKV, N, gen) if keys == "segments" else None
+                plan = make_plan("causal" if rho >= 1 else "sparse", B, HQ, N, BLOCK, rho, gen, key_index=ki)
                 pairs, density = plan_pairs(plan, N)
             except Exception as exc:  # noqa: BLE001
                 row["error"] = short_error(exc)
                 results.append(row)
                 continue
             row["rho"] = round(density, 4)
-            contenders = {"cudnn": cudnn, "triton": lambda plan=plan: run_triton(q, k, v, plan)}
+            contenders = {"cudnn": cudnn, "triton": lambda plan=plan: run_triton(q, k, v, plan),
+                          "auto": lambda plan=plan: run_auto(q, k, v, plan)}
             for variant in args.variants:
                 for st in args.stages:
                     contenders[f"{variant}/s{st}"] = (lambda plan=plan, variant=variant, st=st:
@@ -265,6 +356,8 @@ def bench(args, results) -> None:
                     out = fn()
                     torch.cuda.synchronize()
                     ok[name] = fn
+                    if name == "auto":
+                        row["auto_backend"] = auto_backend()
                     if name not in ("cudnn", "triton"):
                         ref = run_triton(q, k, v, plan)
                         row[f"{name}_diff_vs_triton"] = (out.float() - ref.float()).abs().max().item()
@@ -272,9 +365,10 @@ def bench(args, results) -> None:
                     del out
                 except Exception as exc:  # noqa: BLE001
                     row[f"{name}_error"] = short_error(exc)
-                    log(f"N={N} rho={rho}: {name} failed: {short_error(exc)[:300]}")
+                    log(f"N={N} {keys} rho={rho}: {name} failed: {short_error(exc)[:300]}")
             try:
                 times = time_alternating(ok, args.reps)
+                row["clocks"] = sm_clocks()  # right after the loop: the clock the timings ran at
             except Exception as exc:  # noqa: BLE001
                 row["timing_error"] = short_error(exc)
                 results.append(row)
@@ -288,7 +382,9 @@ def bench(args, results) -> None:
                     row[f"{name}_ratio"] = t / t_cudnn
                     row[f"{name}_eff"] = density * t_cudnn / t
             results.append(row)
-            log(f"N={N} rho={density:.3f}: " + ", ".join(f"{n}={t:.3f}ms" for n, t in times.items()))
+            log(f"N={N} {keys} rho={density:.3f} (auto: {row.get('auto_backend')}, SM "
+                f"{row['clocks'].get('sm_mhz')} MHz): " + ", ".join(f"{n}={t:.3f}ms" for n, t in times.items()))
+            del plan
         del q, k, v
         torch.cuda.empty_cache()
 
@@ -299,8 +395,8 @@ def print_table(rows) -> None:
         for key in r:
             if key.endswith("_ms") and key[:-3] not in names:
                 names.append(key[:-3])
-    print("\nN       rho    " + "".join(f"{n:>26s}" for n in names))
-    print(" " * 15 + "".join(f"{'ms  ratio  eff  TF/s':>26s}" for _ in names))
+    print("\nN       keys       rho    SM MHz " + "".join(f"{n:>26s}" for n in names))
+    print(" " * 33 + "".join(f"{'ms  ratio  eff  TF/s':>26s}" for _ in names))
     for r in rows:
         if "rho" not in r:
             continue
@@ -313,7 +409,9 @@ def print_table(rows) -> None:
             ratio = r.get(f"{n}_ratio", 1.0)
             eff = r.get(f"{n}_eff", r["rho"] if n == "cudnn" else float("nan"))
             cells.append(f"{t:9.3f} {ratio:5.2f} {eff:5.2f} {r[f'{n}_tflops']:5.0f}")
-        print(f"{r['N']:<7d} {r['rho']:.3f} " + "".join(f"{c:>26s}" for c in cells))
+        clock = r.get("clocks", {}).get("sm_mhz", "?")
+        print(f"{r['N']:<7d} {r.get('keys', 'contiguous'):10s} {r['rho']:.3f} {clock:>6s} "
+              + "".join(f"{c:>26s}" for c in cells))
 
 
 def smoke(variant: str) -> None:
@@ -354,10 +452,13 @@ def screen_variants(variants, timeout: float) -> tuple[list, dict]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="hopper.json")
-    ap.add_argument("--variants", nargs="+", default=None)
-    ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
+    ap.add_argument("--variants", nargs="+", default=["ws2_ov"])
+    ap.add_argument("--stages", nargs="+", type=int, default=[3])
+    ap.add_argument("--all-variants", action="store_true", help="every variant at 2 and 3 stages")
     ap.add_argument("--lengths", nargs="+", type=int, default=[16384, 32768, 65536])
     ap.add_argument("--rhos", nargs="+", type=float, default=[1.0, 0.3, 0.1])
+    ap.add_argument("--perm-rhos", nargs="+", type=float, default=[1.0, 0.3],
+                    help="densities of the permuted-key (256-key segments) timing rows")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
@@ -387,8 +488,8 @@ def main(argv=None) -> None:
     if H is None:
         log("kernels.hopper failed to import; timing only the baselines")
         args.variants = []
-    elif args.variants is None:
-        args.variants = list(H.HOPPER_VARIANTS)
+    elif args.all_variants:
+        args.variants, args.stages = list(H.HOPPER_VARIANTS), [2, 3]
     if args.variants and not args.no_screen:
         args.variants, report["dropped_variants"] = screen_variants(args.variants, args.smoke_timeout)
         save()

@@ -39,6 +39,19 @@ Supported configurations
 * On Hopper and newer GPUs, K/V tiles of the contiguous paths are loaded through tensor descriptors (TMA) when the
   layout allows it (16-byte aligned strides); the portable pointer path is used otherwise and by the interpreter.
 
+Which kernel runs where
+-----------------------
+``block_sparse_attention`` (``backend="auto"``, the default) hands a call to the Gluon FlashAttention-3 style
+kernel of ``kernels/hopper.py`` (TMA, warp specialisation, async wgmma; 1.3-1.7x this kernel's speed on an H100)
+when the inputs are on a GPU of compute capability (9, 0), no ``config=`` is given, the installed Triton has the
+Gluon Hopper API (written against Triton 3.6), and the call is in its subset: bf16/fp16, D 64 or 128,
+``block_m == 128``, ``block_n`` 64 or 128, no early stop, no ``query_index``, a ``key_index`` only with Hkv heads
+(and ``key_mode`` not "gather"), 16-byte aligned strides. Everything else, the CPU interpreter
+(``TRITON_INTERPRET=1``) and other GPUs run this Triton kernel. A failure to import or compile the Hopper path
+logs one warning and sends such calls here from then on. ``backend="triton"`` (or the environment variable
+``SPARSE_COMPILE_ATTENTION_BACKEND=triton``) forces this kernel, ``backend="hopper"`` the other one (ValueError
+naming why when it cannot serve the call). ``last_backend`` / ``BACKEND_CALLS`` record which kernel ran.
+
 The promise that unmasked tiles are fully visible is not checked here (``sparse_compile.plan.check_plan`` does,
 with host syncs); a table that breaks it reads out of range.
 """
@@ -47,6 +60,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -577,6 +591,52 @@ def _key_layout(k, v, key_index, key_mode: str, head_dim_pad: int):
     return kp, vp, False
 
 
+_BACKENDS = ("auto", "triton", "hopper")
+BACKEND_ENV = "SPARSE_COMPILE_ATTENTION_BACKEND"  # "triton": the "auto" backend never picks the Hopper kernel
+# which kernel served the last call ("hopper" / "triton") and how often each did (tests, benchmarks)
+last_backend: Optional[str] = None
+BACKEND_CALLS = {"hopper": 0, "triton": 0}
+# Hopper-kernel failures (compile / launch errors), per specialisation: such calls go to the Triton kernel
+_HOPPER_FAILED: dict = {}
+_HOPPER_IMPORT: list = []  # [None] once kernels.hopper imported, [reason] if it failed
+
+
+def _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, query_index, early_stop, pv_skip,
+                        key_mode, config) -> Optional[str]:
+    """Why the Gluon Hopper kernel does not serve this call (a sentence), or None when it does. No host sync."""
+    if config is not None:
+        return "an explicit config= selects the Triton kernel"
+    if interpreting():
+        return "TRITON_INTERPRET=1 (the Triton interpreter)"
+    if q.device.type != "cuda":
+        return f"inputs on {q.device}"
+    if key_index is not None and key_mode == "gather":
+        return "key_mode='gather' (the Hopper kernel reads a permuted copy)"
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    if _CAPABILITY[index] != (9, 0):
+        return f"a GPU of compute capability {_CAPABILITY[index]}, not (9, 0)"
+    if not _HOPPER_IMPORT:  # first call on an H100-class GPU: import the Gluon module once, warn once if it fails
+        try:
+            from . import hopper
+
+            reason = hopper.GLUON_IMPORT_ERROR
+            if reason is not None:
+                reason = f"Gluon (Triton {triton.__version__}) unavailable: {reason}"
+        except Exception as exc:  # pragma: no cover - depends on the installed Triton
+            reason = f"kernels.hopper failed to import: {type(exc).__name__}: {exc}"
+        _HOPPER_IMPORT.append(reason)
+        if reason is not None:
+            log.warning("block_sparse_attention: %s; the Triton kernel serves every call", reason)
+    if _HOPPER_IMPORT[0] is not None:
+        return _HOPPER_IMPORT[0]
+    from . import hopper
+
+    return hopper.hopper_unsupported(q, k, v, tile_offsets, block_m=block_m, block_n=block_n, key_index=key_index,
+                                     query_index=query_index, early_stop=early_stop, pv_skip=pv_skip)
+
+
 def block_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -595,15 +655,20 @@ def block_sparse_attention(
     return_visited: bool = False,
     key_mode: str = "auto",
     config: Optional[KernelConfig] = None,
+    backend: str = "auto",
 ):
     """Block-sparse causal attention over tile lists (module docstring): q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D)
     -> out (B, Hq, Nq, D), and with ``return_visited`` the int32 (B, Hq, n_query_blocks) tiles each block
     computed.
 
     ``scale`` defaults to 1/sqrt(D). ``key_mode`` (with ``key_index``): "gather", "copy" (needs an index with Hkv
-    heads) or "auto". ``config`` overrides the launch parameters (tuning and tests). Raises ValueError naming the
+    heads) or "auto". ``config`` overrides the launch parameters of the Triton kernel (tuning and tests; it also
+    selects the Triton kernel). ``backend``: "auto" (the Gluon Hopper kernel where it serves the call, module
+    docstring; the environment variable ``SPARSE_COMPILE_ATTENTION_BACKEND=triton`` turns it off), "triton" or
+    "hopper" (ValueError naming why when the Hopper kernel cannot serve the call). Raises ValueError naming the
     first problem with the inputs. ``sparse_compile.plan.execute_plan`` calls this with a plan's fields.
     """
+    global last_backend
     _validate(q, k, v, tile_offsets, tile_counts, masked_counts, block_m, block_n, key_index, query_index,
               early_stop, pv_skip)
     B, Hq, Nq, D = q.shape
@@ -613,6 +678,41 @@ def block_sparse_attention(
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if not (scale > 0 and math.isfinite(scale)):
         _fail(f"scale must be a positive finite number, got {scale!r}")
+
+    if backend not in _BACKENDS:
+        _fail(f"backend must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r}")
+    if key_mode not in ("auto", "gather", "copy"):
+        _fail(f"key_mode must be 'auto', 'gather' or 'copy', got {key_mode!r}")
+    if backend == "auto" and os.environ.get(BACKEND_ENV, "auto").strip().lower() == "triton":
+        backend = "triton"
+    if backend != "triton":
+        why = _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, query_index, early_stop,
+                                  pv_skip, key_mode, config)
+        if backend == "hopper" and why is not None:
+            _fail(f"backend='hopper' cannot serve this call: {why}")
+        if why is None:
+            spec = (q.dtype, D, block_n, key_index is not None, pv_skip is not None)
+            failed = _HOPPER_FAILED.get(spec) if backend == "auto" else None
+            if failed is None:
+                from . import hopper
+
+                try:
+                    result = hopper.hopper_block_sparse_attention(
+                        q, k, v, tile_offsets, tile_counts, masked_counts, block_n=block_n, scale=scale,
+                        block_m=block_m, key_index=key_index, pv_skip=pv_skip, return_visited=return_visited)
+                except Exception as exc:  # a compile or launch problem of the Gluon path: the Triton kernel
+                    if backend == "hopper":
+                        raise
+                    _HOPPER_FAILED[spec] = f"{type(exc).__name__}: {exc}"
+                    log.warning("block_sparse_attention: the Hopper kernel failed for %s (%s: %s); using the "
+                                "Triton kernel for such calls from now on", spec, type(exc).__name__,
+                                str(exc)[:500])
+                else:
+                    last_backend = "hopper"
+                    BACKEND_CALLS["hopper"] += 1
+                    return result
+    last_backend = "triton"
+    BACKEND_CALLS["triton"] += 1
 
     exact = early_stop > 0 or pv_skip is not None
     cfg = config or default_config(block_m, block_n, head_dim_pad=head_dim_pad, dtype=q.dtype, device=q.device,

@@ -7,10 +7,16 @@ excluded), the others are promised fully visible and are not masked; the online 
 scale folded into the exponent; rows that see no key write zeros. The output is (B, Hq, Nq, D) in the input
 dtype, stored as (B, Nq, Hq, D) memory (the model's layout) viewed as (B, Hq, Nq, D).
 
-Subset served (anything else raises ``NotImplementedError`` naming it, so that a caller can fall back):
-bf16 / fp16; head dim 64 or 128; ``block_m == 128``; ``block_n`` 64 or 128; contiguous keys (no ``key_index`` /
-``query_index``), no early stop, no P.V skip; any strides whose last dim is contiguous and whose other strides are
-16-byte aligned (TMA); GQA (Hq a multiple of Hkv), tables with Hq or Hkv heads; ``Nq <= Nk``.
+Subset served (anything else raises ``NotImplementedError`` naming it, so that a caller can fall back;
+``kernels.attention.block_sparse_attention`` dispatches here automatically on sm_90 GPUs):
+bf16 / fp16; head dim 64 or 128; ``block_m == 128``; ``block_n`` 64 or 128; no early stop, no ``query_index``;
+the P.V skip (per row, branch-free, as the Triton kernel: after a tile's denominator update, a row whose tile
+maximum is below its running maximum by more than |lambda| zeroes its P for the P.V MMA); ``key_index`` with Hkv
+heads (PBS-style permuted keys: the Triton kernel's "copy" key mode, a permuted contiguous K/V copy that TMA reads
+like ordinary keys, its logical length may exceed Nk; masked tiles load the tile's key positions from the index
+with ordinary loads for the causal / padding mask); any strides whose last dim is contiguous and whose other
+strides are 16-byte aligned (TMA); GQA (Hq a multiple of Hkv), tables with Hq or Hkv heads; ``Nq <= Nk``.
+``return_visited`` gives the tile counts (no early stop: every block computes its whole list).
 
 Shape of the kernel (FlashAttention-3 style): one CTA per (batch, query head, 128-row query block), ordered as the
 Triton kernel orders its programs (the query heads of one KV head fastest, query blocks last-first). Q, K, V and O
@@ -104,29 +110,43 @@ if GLUON_IMPORT_ERROR is None:
                       hkv, STAGES)
 
     @gluon.jit
-    def _scores_to_p(s_acc, m_i, l_i, qk_scale, q_pos, start, N_K,
-                     MASKED: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    def _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, start, N_K, KEY_LEN, kidx_base, stride_kip,
+                     MASKED: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, BLOCK_N: gl.constexpr,
+                     s_layout: gl.constexpr):
         """Online-softmax step on raw scores ``s_acc``: returns (p, alpha, m_new, l_new), p in float32."""
         if MASKED:
             k_pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < N_K)
+            if HAS_KIDX:
+                # keys read from the permuted copy: logical key p sits at position key_index[p] (< 0: padding)
+                phys = gl.load(kidx_base + k_pos * stride_kip, mask=k_pos < KEY_LEN, other=-1)
+                valid = (phys >= 0) & (phys < N_K)
+                visible = valid[None, :] & (phys[None, :] <= q_pos[:, None])
+            else:
+                visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < N_K)
             s = gl.where(visible, s_acc * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            tile_max = gl.max(s, axis=1)
+            m_new = gl.maximum(m_i, tile_max)
             p = gl.exp2(s - m_new[:, None])
         else:
             # scale > 0: max(s) * scale == max(s * scale); one FMA per score
-            m_new = gl.maximum(m_i, gl.max(s_acc, axis=1) * qk_scale)
+            tile_max = gl.max(s_acc, axis=1) * qk_scale
+            m_new = gl.maximum(m_i, tile_max)
             p = gl.exp2(s_acc * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
         l_new = l_i * alpha + gl.sum(p, axis=1)
+        if PV_SKIP:
+            # per row, branch-free (as the Triton kernel): a row whose tile maximum is far below its running
+            # maximum drops its P.V share; its denominator keeps the gain
+            p = gl.where((tile_max - m_new >= pv_lambda)[:, None], p, 0.0)
         return p, alpha, m_new, l_new
 
     @gluon.jit
     def _consumer(desc_k, desc_v, desc_o, q_all, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                   tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale, N_Q, N_K,
+                  pv_lambda, KEY_LEN, kidx_base, stride_kip,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr,
-                  ROWS: gl.constexpr, ROW0: gl.constexpr):
+                  ROWS: gl.constexpr, ROW0: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr):
         """Compute partition: query rows [ROW0, ROW0 + ROWS) of the block (all 128, or one warpgroup's 64)."""
         gl.static_assert(ROWS == 16 * NUM_WARPS, "one m16 wgmma atom row per warp: rows = 16 * warps")
         dtype: gl.constexpr = q_all.dtype
@@ -161,7 +181,8 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.wait(k_ready.index(s), ph)
             s_acc = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_buf))
-            p, alpha, m_i, l_i = _scores_to_p(s_acc, m_i, l_i, qk_scale, q_pos, start, N_K, True, BLOCK_N, s_layout)
+            p, alpha, m_i, l_i = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, start, N_K, KEY_LEN,
+                                               kidx_base, stride_kip, True, HAS_KIDX, PV_SKIP, BLOCK_N, s_layout)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             p16 = gl.convert_layout(p.to(dtype), p_layout)
             mbarrier.wait(v_ready.index(s), ph)
@@ -179,7 +200,8 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.wait(k_ready.index(s0), (t0 // STAGES) & 1)
                 s_acc = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_buf))
-                p, alpha, m_i, l_i = _scores_to_p(s_acc, m_i, l_i, qk_scale, q_pos, 0, N_K, False, BLOCK_N,
+                p, alpha, m_i, l_i = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0, N_K, KEY_LEN,
+                                                  kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N,
                                                   s_layout)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
@@ -194,8 +216,9 @@ if GLUON_IMPORT_ERROR is None:
                     mbarrier.wait(v_ready.index(sp), ((t - 1) // STAGES) & 1)
                     acc = warpgroup_mma(p16, v_prev, acc, is_async=True)
                     s_acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_acc, q_smem, k_buf))
-                    p, alpha, m_i, l_i = _scores_to_p(s_acc, m_i, l_i, qk_scale, q_pos, 0, N_K, False, BLOCK_N,
-                                                      s_layout)
+                    p, alpha, m_i, l_i = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0, N_K, KEY_LEN,
+                                                  kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N,
+                                                  s_layout)
                     acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_prev))
                     _release(t - 1, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
                              n_tiles, b, hkv, STAGES, WARP_SPEC)
@@ -218,7 +241,8 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.wait(k_ready.index(s), ph)
                 s_acc = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_buf))
-                p, alpha, m_i, l_i = _scores_to_p(s_acc, m_i, l_i, qk_scale, q_pos, 0, N_K, False, BLOCK_N,
+                p, alpha, m_i, l_i = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0, N_K, KEY_LEN,
+                                                  kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N,
                                                   s_layout)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
@@ -258,15 +282,16 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _hopper_fwd_kernel(
         desc_q, desc_k, desc_v, desc_o,
-        TileOffsets, TileCounts, MaskedCounts,
-        qk_scale,
+        TileOffsets, TileCounts, MaskedCounts, KeyIndex,
+        qk_scale, pv_lambda,
         stride_tb, stride_th, stride_tq, stride_tt,
         stride_cb, stride_ch, stride_cq,
         stride_mb, stride_mh, stride_mq,
-        H_Q, N_Q, N_K, N_QBLK, GQA, PLAN_DIV,
+        stride_kib, stride_kih, stride_kip,
+        H_Q, N_Q, N_K, KEY_LEN, N_QBLK, GQA, PLAN_DIV,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr,
     ):
         gl.static_assert(not SPLIT or WARP_SPEC, "two compute partitions need the producer partition")
         # -- (batch, query head, query block): the query heads of one KV head fastest, query blocks last-first
@@ -284,6 +309,8 @@ if GLUON_IMPORT_ERROR is None:
         tile_ptr = TileOffsets + b64 * stride_tb + hp * stride_th + qblk.to(gl.int64) * stride_tq
         n_tiles = gl.load(TileCounts + b64 * stride_cb + hp * stride_ch + qblk * stride_cq)
         n_masked = gl.minimum(gl.load(MaskedCounts + b64 * stride_mb + hp * stride_mh + qblk * stride_mq), n_tiles)
+        # key positions of the permuted copy (an index with Hkv heads: one per KV head); read in masked tiles only
+        kidx_base = KeyIndex + b64 * stride_kib + hkv.to(gl.int64) * stride_kih
 
         # -- shared memory: Q (reused for O), the K/V ring, barriers
         dtype: gl.constexpr = desc_q.dtype
@@ -310,10 +337,14 @@ if GLUON_IMPORT_ERROR is None:
             gl.warp_specialize([
                 (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale, N_Q, N_K,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, 0)),
+                             pv_lambda, KEY_LEN, kidx_base, stride_kip,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, 0,
+                             HAS_KIDX, PV_SKIP)),
                 (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale, N_Q, N_K,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, HALF)),
+                             pv_lambda, KEY_LEN, kidx_base, stride_kip,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, HALF,
+                             HAS_KIDX, PV_SKIP)),
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              tile_ptr, stride_tt, n_tiles, b, h, hkv, qblk, BLOCK_M, STAGES)),
             ], [NUM_WARPS, 1], [CONSUMER_REGS, 24])
@@ -321,7 +352,9 @@ if GLUON_IMPORT_ERROR is None:
             gl.warp_specialize([
                 (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale, N_Q, N_K,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0)),
+                             pv_lambda, KEY_LEN, kidx_base, stride_kip,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
+                             HAS_KIDX, PV_SKIP)),
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              tile_ptr, stride_tt, n_tiles, b, h, hkv, qblk, BLOCK_M, STAGES)),
             ], [1], [24])
@@ -333,7 +366,9 @@ if GLUON_IMPORT_ERROR is None:
                           STAGES)
             _consumer(desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                       tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale, N_Q, N_K,
-                      HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0)
+                      pv_lambda, KEY_LEN, kidx_base, stride_kip,
+                      HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
+                      HAS_KIDX, PV_SKIP)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(STAGES):
@@ -369,13 +404,17 @@ def hopper_unsupported(q, k, v, tile_offsets=None, *, block_m: int = 128, block_
     if variant not in _VARIANT_FLAGS:
         return f"variant {variant!r} unknown (one of {', '.join(HOPPER_VARIANTS)})"
     if key_index is not None:
-        return "key_index (permuted keys) is not supported"
+        if key_index.dim() != 3 or key_index.shape[1] != k.shape[1]:
+            return (f"key_index with {key_index.shape[1] if key_index.dim() == 3 else '?'} heads: the permuted copy "
+                    f"needs one per KV head ({k.shape[1]})")
+        if key_index.shape[-1] == 0:
+            return "an empty key_index"
     if query_index is not None:
         return "query_index (permuted queries) is not supported"
     if early_stop and early_stop > 0:
         return "early stop is not supported"
-    if pv_skip is not None:
-        return "P.V skip is not supported"
+    if pv_skip is not None and not (pv_skip < 0 and math.isfinite(pv_skip)):
+        return f"pv_skip={pv_skip!r} is not supported (a finite negative number)"
     if not q.is_cuda:
         return f"inputs on {q.device}: needs a CUDA device"
     if torch.cuda.get_device_capability(q.device) != (9, 0):
@@ -415,11 +454,15 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
                                   scale: Optional[float] = None, num_stages: Optional[int] = None,
                                   variant: str = "ws2_ov",
                                   block_m: int = 128, key_index=None, query_index=None, early_stop: float = 0.0,
-                                  pv_skip=None):
+                                  pv_skip=None, return_visited: bool = False):
     """Block-sparse causal attention over tile lists (the plan contract, module docstring) on an H100.
 
     q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D) -> out (B, Hq, Nq, D) in q's dtype, stored as (B, Nq, Hq, D) memory.
     ``num_stages``: K/V ring depth, 2 or 3 (None: 3, i.e. 224 KiB of shared memory at D=128, block_n=128).
+    ``pv_skip`` lambda < 0 (natural-log units) drops a row's P.V share of a tile as the Triton kernel does;
+    ``key_index`` (Hkv heads) is served by a permuted contiguous K/V copy read by TMA, the index itself read in
+    masked tiles for positions. ``return_visited``: also the int32 (B, Hq, n_query_blocks) tiles each block
+    computed (without early stop, its tile count).
     Raises NotImplementedError naming the first unsupported feature (the caller falls back to the Triton kernel)
     and ValueError for malformed inputs. ``variant``: one of HOPPER_VARIANTS (module docstring).
     """
@@ -447,14 +490,36 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     if not (scale > 0 and math.isfinite(scale)):
         raise ValueError(f"hopper_block_sparse_attention: scale must be positive and finite, got {scale!r}")
 
+    if key_index is not None:
+        if not isinstance(key_index, torch.Tensor) or key_index.dtype != torch.int32 or key_index.device != q.device \
+                or key_index.shape[0] != B:
+            raise ValueError(f"hopper_block_sparse_attention: key_index must be an int32 (B={B}, Hkv={Hkv}, L) "
+                             f"tensor on {q.device}")
+
     out = torch.empty(B, Nq, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)
+    visited = None
+    if return_visited:
+        # no early stop: every block computes its whole list (a copy, one column per query head)
+        g = Hq // tile_counts.shape[1]
+        visited = tile_counts[:, :, None, :].expand(B, tile_counts.shape[1], g, nqb).reshape(B, Hq, nqb).clone()
     if out.numel() == 0:
-        return out
+        return (out, visited) if return_visited else out
     warp_spec, overlap, split = _VARIANT_FLAGS[variant]
+    if key_index is not None:
+        # the Triton kernel's "copy" key mode: K/V rows in key_index order, contiguous; TMA reads the copy like
+        # ordinary keys (boxes past its end read zeros: those logical keys are padding, masked by position)
+        from .attention import _permute_keys
+
+        kk, vv = _permute_keys(k, v, key_index, D)
+        key_len = key_index.shape[-1]
+        kidx, ki_strides = key_index, tuple(key_index.stride())
+    else:
+        kk, vv, key_len = k, v, Nk
+        kidx, ki_strides = tile_counts, (0, 0, 0)  # any int32 tensor: never read without HAS_KIDX
     desc_q = _desc(q, BLOCK_M, _LAYOUTS)
     desc_o = _desc(out, BLOCK_M // 2 if split else BLOCK_M, _LAYOUTS)  # each compute partition stores its rows
-    desc_k = _desc(k, block_n, _LAYOUTS)
-    desc_v = _desc(v, block_n, _LAYOUTS)
+    desc_k = _desc(kk, block_n, _LAYOUTS)
+    desc_v = _desc(vv, block_n, _LAYOUTS)
     grid = (B * Hq * nqb,)
     kwargs = dict(num_warps=4 if split else NUM_WARPS)
     if warp_spec:
@@ -463,13 +528,13 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         kwargs["maxnreg"] = 168
     _hopper_fwd_kernel[grid](
         desc_q, desc_k, desc_v, desc_o,
-        tile_offsets, tile_counts, masked_counts,
-        scale * _LOG2E,
-        *tile_offsets.stride(), *tile_counts.stride(), *masked_counts.stride(),
-        Hq, Nq, Nk, nqb, Hq // Hkv, Hq // tile_offsets.shape[1],
+        tile_offsets, tile_counts, masked_counts, kidx,
+        scale * _LOG2E, float(pv_skip if pv_skip is not None else 0.0) * _LOG2E,
+        *tile_offsets.stride(), *tile_counts.stride(), *masked_counts.stride(), *ki_strides,
+        Hq, Nq, Nk, key_len, nqb, Hq // Hkv, Hq // tile_offsets.shape[1],
         HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=num_stages,
         WARP_SPEC=warp_spec, OVERLAP=overlap, NUM_WARPS=4 if split else NUM_WARPS, SPLIT=split,
-        CONSUMER_REGS=CONSUMER_REGS,
+        CONSUMER_REGS=CONSUMER_REGS, HAS_KIDX=key_index is not None, PV_SKIP=pv_skip is not None,
         **kwargs,
     )
-    return out
+    return (out, visited) if return_visited else out

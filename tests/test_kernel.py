@@ -656,3 +656,135 @@ def test_nonfinite_key_or_value_reaches_exactly_the_rows_that_attend_it(executor
     # query blocks before the key's block never read it: unchanged
     before = slice(0, j // b * b)
     torch.testing.assert_close(out[:, :, before], clean[:, :, before], rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------ backend dispatch (Hopper kernel)
+
+
+def _attention_module():
+    return importlib.import_module("sparse_compile.kernels.attention")
+
+
+def test_backend_argument_on_the_interpreter_path():
+    """Off an H100 (the CPU interpreter here) "auto" runs the Triton kernel, "hopper" refuses clearly."""
+    A = _attention_module()
+    B, H, N, D = 1, 2, 40, 16
+    q, k, v = random_qkv(B, H, H, N, N, D, device=DEV)
+    plan = causal_plan(B, H, N, N, 16, 16, device=DEV)
+    args = (q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts)
+    out = block_sparse_attention(*args, block_m=16, block_n=16, backend="triton")
+    if DEV == "cpu":
+        assert torch.equal(block_sparse_attention(*args, block_m=16, block_n=16), out)
+        assert A.last_backend == "triton"
+        with pytest.raises(ValueError, match="backend='hopper'"):
+            block_sparse_attention(*args, block_m=16, block_n=16, backend="hopper")
+    with pytest.raises(ValueError, match="backend"):
+        block_sparse_attention(*args, block_m=16, block_n=16, backend="cuda")
+
+
+def _has_h100():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+hopper_gpu = pytest.mark.skipif(not _has_h100(), reason="needs an sm_90 GPU (H100/H200)")
+
+
+def _model_layout_qkv(B, Hq, Hkv, Nq, Nk, D, dtype=torch.bfloat16):
+    """(B, N, H, D) storage viewed as (B, H, N, D), as the model passes it."""
+    q = torch.randn(B, Nq, Hq, D, device="cuda", dtype=dtype).transpose(1, 2)
+    k = torch.randn(B, Nk, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2)
+    v = torch.randn(B, Nk, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2)
+    return q, k, v
+
+
+def _padded_key_index(B, Hkv, N, front=100, back=250):
+    """A PBS-like key list longer than the keys: -1 padding before and after a segment-permuted middle."""
+    ki = torch.full((B, Hkv, front + N + back), -1, dtype=torch.int32, device="cuda")
+    ki[..., front:front + N] = _segment_permutation(B, Hkv, N)
+    return ki
+
+
+# name: (B, Hq, Hkv, Nq, Nk, D, block_n, plan kind, plan heads, options)
+_HOPPER_CASES = {
+    "causal-odd-b2-gqa4-d128": (2, 8, 2, 3000 + 77, 3000 + 77, 128, 128, "causal", "q", {}),
+    "sparse-d64-bn64-kvtable-chunked": (1, 8, 2, 1500, 2500, 64, 64, "sparse", "kv", {}),
+    "sparse-d128-bn64": (1, 4, 4, 2048, 2048, 128, 64, "sparse", "q", {}),
+    "sparse-d64-bn128-kvtable": (1, 8, 1, 2048 + 5, 2048 + 5, 64, 128, "sparse", "kv", {}),
+    "pv-skip-d128": (1, 8, 2, 4096, 4096, 128, 128, "sparse", "q", {"pv_skip": -1.0}),
+    "key-index-d128": (1, 8, 2, 4096 + 50, 4096 + 50, 128, 128, "sparse", "q", {"key_index": "segments"}),
+    "key-index-padded-pv-skip-kvtable": (1, 8, 2, 2000, 2000, 128, 128, "all", "kv",
+                                         {"key_index": "padded", "pv_skip": -1.0}),
+}
+
+
+@gpu
+@hopper_gpu
+@pytest.mark.parametrize("case", list(_HOPPER_CASES))
+def test_gpu_hopper_auto_dispatch_matches_reference_and_triton(case):
+    """execute_plan as users call it picks the Gluon Hopper kernel on an H100 and agrees with the float32
+    reference and with the Triton kernel (bf16 tolerance); visited counts are the tile counts."""
+    A = _attention_module()
+    B, Hq, Hkv, Nq, Nk, D, bn, kind, plan_heads, options = _HOPPER_CASES[case]
+    options = dict(options)
+    q, k, v = _model_layout_qkv(B, Hq, Hkv, Nq, Nk, D)
+    ki = None
+    if options.get("key_index") == "segments":
+        ki = _segment_permutation(B, Hkv, Nk)
+    elif options.get("key_index") == "padded":
+        ki = _padded_key_index(B, Hkv, Nk)
+    options.pop("key_index", None)
+    heads = Hq if plan_heads == "q" else Hkv
+    if kind == "causal":
+        plan = causal_plan(B, heads, Nq, Nk, 128, bn, device="cuda")
+    elif kind == "all":
+        vis = block_visibility(Nq, Nk, 128, bn, key_index=ki, batch=B, heads=heads, device="cuda")
+        plan = plan_from_block_mask(torch.ones_like(vis, dtype=torch.bool), vis, 128, bn, key_index=ki)
+    else:
+        plan = _gpu_sparse_plan(B, heads, Nq, Nk, 128, bn, 0.3, key_index=ki)
+    plan = plan.with_options(**options)
+    check_plan(plan, q, k)
+
+    before = A.BACKEND_CALLS["hopper"]
+    out, visited = execute_plan(q, k, v, plan, return_visited=True)
+    assert A.last_backend == "hopper" and A.BACKEND_CALLS["hopper"] == before + 1, A._HOPPER_FAILED
+    ref, ref_visited = reference_attention(q.float(), k.float(), v.float(), plan, return_visited=True)
+    _assert_close(out, ref, torch.bfloat16, "hopper vs reference")
+    assert torch.equal(visited, ref_visited)
+    tri, tri_visited = block_sparse_attention(
+        q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts, block_m=plan.block_m,
+        block_n=plan.block_n, key_index=plan.key_index, pv_skip=plan.pv_skip, return_visited=True,
+        backend="triton")
+    assert A.last_backend == "triton"
+    _assert_close(out, tri, torch.bfloat16, "hopper vs triton")
+    assert torch.equal(visited, tri_visited)
+    if "pv_skip" in options:  # the skip triggered (lambda = -1 on random inputs drops many row shares)
+        plain = reference_attention(q.float(), k.float(), v.float(), plan.with_options(pv_skip=None))
+        assert rel_error(plain, ref) > 1e-2
+
+
+@gpu
+@hopper_gpu
+def test_gpu_hopper_backend_choices_and_fallbacks(monkeypatch):
+    """Early stop, query_index, block_m 64 and config= run the Triton kernel under "auto"; backend="hopper"
+    names why it cannot serve them; the environment variable turns the Hopper kernel off."""
+    A = _attention_module()
+    B, Hq, Hkv, N, D = 1, 4, 2, 1024, 128
+    q, k, v = random_qkv(B, Hq, Hkv, N, N, D, dtype=torch.bfloat16, device="cuda")
+    plan = causal_plan(B, Hq, N, N, 128, 128, device="cuda")
+    ref = reference_attention(q.float(), k.float(), v.float(), plan)
+    args = (q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts)
+    out = block_sparse_attention(*args, block_m=128, block_n=128, backend="hopper")
+    assert A.last_backend == "hopper"
+    _assert_close(out, ref, torch.bfloat16)
+    for kw, why in (({"early_stop": 0.01}, "early stop"),
+                    ({"query_index": _segment_permutation(B, Hq, N)}, "query_index")):
+        with pytest.raises(ValueError, match=why):
+            block_sparse_attention(*args, block_m=128, block_n=128, backend="hopper", **kw)
+    execute_plan(q, k, v, plan.with_options(early_stop=0.01))
+    assert A.last_backend == "triton"
+    execute_plan(q, k, v, plan, config=KernelConfig(128, 128, num_warps=8, num_stages=2))
+    assert A.last_backend == "triton"
+    monkeypatch.setenv(A.BACKEND_ENV, "triton")
+    out = execute_plan(q, k, v, plan)
+    assert A.last_backend == "triton"
+    _assert_close(out, ref, torch.bfloat16)
