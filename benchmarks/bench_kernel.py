@@ -8,13 +8,15 @@ random others; the SAME lists for every sparse contender. Contenders:
   H100 with torch 2.11); dense, so the same time for every rho;
 * ``flex``: FlexAttention (compiled) with a ``BlockMask.from_kv_blocks`` of the same blocks, diagonal blocks
   partial (causal ``mask_mod``), the rest full;
-* ``bsa``: this project's kernel (``sparse_compile.plan.execute_plan(kernel="triton")``) on contiguous keys;
+* ``bsa``: this project's kernel as ``sparse_compile.plan.execute_plan(kernel="triton")`` dispatches it (the Gluon
+  Hopper kernel on an H100, the Triton kernel elsewhere) on contiguous keys; ``bsa_triton``: the Triton kernel;
 * ``bsa_kidx_gather`` / ``bsa_kidx_copy``: the kernel reading keys through ``key_index`` (a random permutation
   inside segments of 256 keys), gathering rows in the loop / permuting K/V once per call into a contiguous copy.
   The permutation makes both tiles of a query block's own segment partial; the list gets the one extra partial
   tile it needs to stay exact (one tile per odd query block: negligible work).
 
-Reported per cell: ms (median, ``benchmarks.harness.time_ms``), TFLOP/s on the computed blocks (visible pairs of
+Reported per cell: ms (median of alternating rounds: cuDNN and every contender timed in turn in one loop,
+``benchmarks.harness.alternating_ms``, with the SM clock read before each cell), TFLOP/s on the computed blocks (visible pairs of
 the kept tiles), and efficiency = rho * t_sdpa / t (1.0 = perfectly proportional to the dense time).
 
     python benchmarks/bench_kernel.py                     # the sweep; JSON + table in benchmarks/results/
@@ -44,10 +46,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
     OOM,
     Rotating,
+    alternating_ms,
     attention_flops,
     causal_pairs,
     guarded,
     rotation_count,
+    sm_clock_mhz,
     tflops,
     time_ms,
     write_results,
@@ -95,8 +99,21 @@ def config_name(cfg: KernelConfig) -> str:
 
 
 def run_kernel(q, k, v, plan, cfg=None, key_mode="auto"):
-    """The Triton kernel on ``plan`` through the package's adapter."""
+    """The kernel on ``plan`` through the package's adapter: on an H100 the Hopper kernel where it serves the plan
+    (as users get it), the Triton kernel when ``cfg`` is given."""
     return execute_plan(q, k, v, plan, kernel="triton", config=cfg, key_mode=key_mode)
+
+
+def triton_config(device) -> KernelConfig:
+    """The Triton kernel's own default launch config (passing it selects the Triton kernel on any GPU)."""
+    from sparse_compile.kernels.attention import default_config
+
+    return default_config(BLOCK, BLOCK, head_dim_pad=D, dtype=DTYPE, device=torch.device(device), exact=False)
+
+
+def timing_reps(n: int, scale: float) -> int:
+    """Alternating rounds per cell: ~30 at 8K down to 5 at 128K (one 128K call is ~0.25 s)."""
+    return max(3, round({8192: 30, 16384: 20, 32768: 12, 65536: 7}.get(n, 5) * scale))
 
 
 def log(msg: str) -> None:
@@ -193,7 +210,6 @@ def sweep(args) -> None:
     flex = flex_attention if args.flex_eager else torch.compile(flex_attention, dynamic=False)
     rows = []
     for n in args.n:
-        warmup, rep = bench_params(n, args.time_scale)
         set_bytes = (HQ + 2 * HKV) * n * D * 2
         nrot = rotation_count(set_bytes, cap=2)
         sets = [tuple(torch.randn(B, h, n, D, device=dev, dtype=DTYPE, generator=gen) for h in (HQ, HKV, HKV))
@@ -204,8 +220,6 @@ def sweep(args) -> None:
         def sdpa(q, k, v):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-        log(f"N={n}: sdpa")
-        t_sdpa = guarded(lambda: time_ms(Rotating(sdpa, sets), warmup=warmup, rep=rep), catch_all=True)
         ref_out = sdpa(*sets[0])
         vis = block_visibility(n, n, BLOCK, BLOCK, batch=B, heads=HQ, device=dev)
         kidx = segment_permutation(n, gen, dev)
@@ -221,10 +235,12 @@ def sweep(args) -> None:
             plan = plan_from_block_mask(keep, vis, BLOCK, BLOCK)
             keep_p = keep | ((vis_p == VISIBLE_PARTIAL) & (vis == VISIBLE_NONE))
             plan_p = plan_from_block_mask(keep_p, vis_p, BLOCK, BLOCK, key_index=kidx)
-            row = {"N": n, "rho": round(rho_real, 4), "sdpa_ms": t_sdpa}
+            row = {"N": n, "rho": round(rho_real, 4)}
             cfg = parse_config(args.config) if args.config else None
+            tcfg = cfg or triton_config(args.device)
             contenders = {
                 "bsa": lambda q, k, v: run_kernel(q, k, v, plan, cfg),
+                "bsa_triton": lambda q, k, v: run_kernel(q, k, v, plan, tcfg),
                 "bsa_kidx_gather": lambda q, k, v: run_kernel(q, k, v, plan_p, cfg, key_mode="gather"),
                 "bsa_kidx_copy": lambda q, k, v: run_kernel(q, k, v, plan_p, cfg, key_mode="copy"),
             }
@@ -243,6 +259,7 @@ def sweep(args) -> None:
                     row["flex_ms"] = ok if ok == OOM else "error"
                     log(f"  flex mask: {ok}")
             flex_out = None
+            timed = {"sdpa": Rotating(sdpa, sets)}
             for name, fn in contenders.items():
                 if name.startswith("bsa_kidx") and args.no_kidx:
                     continue
@@ -257,24 +274,34 @@ def sweep(args) -> None:
                     elif name == "bsa" and flex_out is not None:
                         row["bsa_err_vs_flex"] = rel(out, flex_out)
                     del out
-                    t = guarded(lambda: time_ms(Rotating(fn, sets), warmup=warmup, rep=rep), catch_all=True)
+                    timed[name] = Rotating(fn, sets)
                 else:
-                    t = out
-                row[f"{name}_ms"] = t
-                if isinstance(t, float):
-                    row[f"{name}_tflops"] = tflops(flops, t)
-                    if isinstance(t_sdpa, float):
-                        row[f"{name}_eff"] = rho_real * t_sdpa / t
+                    row[f"{name}_ms"] = out
             flex_out = None
-            if isinstance(t_sdpa, float):
-                row["sdpa_tflops"] = tflops(flops_dense, t_sdpa)
+            # every contender and cuDNN timed in turn in one loop (the clock drifts under sustained load)
+            row["sm_clock_mhz"] = sm_clock_mhz()
+            reps, warm = (1, 0) if args.dry_run else (timing_reps(n, args.time_scale), 2)
+            times = guarded(lambda: alternating_ms(timed, reps, warmup=warm), catch_all=True)
+            if isinstance(times, str):
+                row["sdpa_ms"] = times
+                times = {}
+            t_sdpa = times.get("sdpa")
+            for name, t in times.items():
+                row[f"{name}_ms"] = t
+                if name == "sdpa":
+                    row["sdpa_tflops"] = tflops(flops_dense, t)
+                    continue
+                row[f"{name}_tflops"] = tflops(flops, t)
+                if t_sdpa:
+                    row[f"{name}_eff"] = rho_real * t_sdpa / t
             rows.append(row)
             log("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
         del sets, ref_out
         torch.cuda.empty_cache()
     cols = ["N", "rho", "sdpa_ms", "sdpa_tflops"]
-    for name in ("flex", "bsa", "bsa_kidx_gather", "bsa_kidx_copy"):
+    for name in ("flex", "bsa", "bsa_triton", "bsa_kidx_gather", "bsa_kidx_copy"):
         cols += [f"{name}_ms", f"{name}_tflops", f"{name}_eff"]
+    cols.append("sm_clock_mhz")
     meta = dict(B=B, Hq=HQ, Hkv=HKV, D=D, dtype=str(DTYPE), block=BLOCK, segment=SEGMENT, seed=args.seed,
                 config=args.config or "default_config", time_scale=args.time_scale,
                 note="efficiency = rho * t_sdpa / t; TFLOP/s over visible pairs of computed tiles")

@@ -41,6 +41,7 @@ __all__ = [
     "format_table",
     "write_results",
     "rotation_count",
+    "alternating_ms",
 ]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -59,6 +60,37 @@ class Rotating:
         args = self.inputs[self.i % len(self.inputs)]
         self.i += 1
         return self.fn(*args)
+
+
+def alternating_ms(contenders: dict, reps: int, *, warmup: int = 2) -> dict:
+    """Median milliseconds of each callable, timed in turn (A, B, C, A, B, C, ...) with CUDA events: clock drift
+    under sustained load then moves every contender alike. Off the GPU (smoke runs): wall time of each call."""
+    import statistics
+    import time
+
+    times = {name: [] for name in contenders}
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        for fn in contenders.values():
+            fn()
+    if cuda:
+        torch.cuda.synchronize()
+    for _ in range(reps):
+        for name, fn in contenders.items():
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                times[name].append((start, end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        torch.cuda.synchronize()
+        return {name: statistics.median(s.elapsed_time(e) for s, e in ev) for name, ev in times.items()}
+    return {name: statistics.median(ev) for name, ev in times.items()}
 
 
 def rotation_count(bytes_per_set: int, *, cache_bytes: Optional[int] = None, cap: int = 4) -> int:
