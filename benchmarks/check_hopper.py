@@ -316,7 +316,7 @@ def bench(args, results) -> None:
 
     gen = torch.Generator(device="cuda")
     gen.manual_seed(99)
-    D, B, dtype = 128, 1, torch.bfloat16
+    D, B, dtype = args.head_dim, 1, torch.bfloat16
     for N in args.lengths:
         try:
             q = model_layout(B, HQ, N, D, dtype, gen)
@@ -461,6 +461,7 @@ def main(argv=None) -> None:
                     help="densities of the permuted-key (256-key segments) timing rows")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--head-dim", type=int, default=128, help="timing: head dim (64 or 128)")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--quiet-errors", action="store_true", default=True)
     ap.add_argument("--smoke", default=None, help=argparse.SUPPRESS)
