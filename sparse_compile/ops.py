@@ -126,16 +126,11 @@ def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
         return None, REPLANNED, None
     # early stop decides at run time how many tiles a plan costs: count the visits when the count is wanted
     want_visits = config.record_density or (history_key is not None and plan.early_stop > 0)
-    executor = method_spec(config.select_stage).execute
-    if executor is not None:
-        result = executor(q, k, v, plan, scale, config, kernel=kernel, return_visited=want_visits)
-    else:
-        result = execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=want_visits)
+    result = _execute(q, k, v, plan, scale, config, kernel, want_visits)
     out, visited = result if want_visits else (result, None)
     if history_key is not None:
         if visited is not None:
-            total = causal_tile_count(num_queries, num_keys, plan.block_m, plan.block_n) * visited[:, :, 0].numel()
-            listed = visited.sum(dtype=torch.float32) / max(total, 1)
+            listed = _visited_density(visited, plan, num_queries, num_keys)
         else:
             listed = plan.density(num_queries, num_keys).mean()
         HISTORY.record(history_key, listed, plan_shape(plan), config)
@@ -143,6 +138,21 @@ def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
     if config.record_density:
         density = report.density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
     return out, f"method {config.method} ({kernel})", density
+
+
+def _execute(q: Tensor, k: Tensor, v: Tensor, plan, scale: float, config: SparseConfig, kernel: str,
+             return_visited: bool):
+    """``plan`` through its method's own executor (S2O: segment chunks), else ``execute_plan``."""
+    executor = method_spec(config.select_stage).execute
+    if executor is not None:
+        return executor(q, k, v, plan, scale, config, kernel=kernel, return_visited=return_visited)
+    return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited)
+
+
+def _visited_density(visited: Tensor, plan, num_queries: int, num_keys: int) -> Tensor:
+    """The share of the causal tiles that were computed (0-d, on visited's device: no sync)."""
+    total = causal_tile_count(num_queries, num_keys, plan.block_m, plan.block_n) * visited[:, :, 0].numel()
+    return visited.sum(dtype=torch.float32) / max(total, 1)
 
 
 _PROBES = itertools.count()
@@ -156,13 +166,8 @@ def _probe_heads(q: Tensor, k: Tensor, v: Tensor, plan, scale: float, config: Sp
     heads = slice(kv_head * group, (kv_head + 1) * group)
     part = plan.kv_head_slice(kv_head, heads_kv)
     qs, ks, vs = q[:, heads], k[:, kv_head:kv_head + 1], v[:, kv_head:kv_head + 1]
-    executor = method_spec(config.select_stage).execute
-    if executor is not None:
-        _, visited = executor(qs, ks, vs, part, scale, config, kernel=kernel, return_visited=True)
-    else:
-        _, visited = execute_plan(qs, ks, vs, part, scale, kernel=kernel, return_visited=True)
-    total = causal_tile_count(q.shape[-2], k.shape[-2], plan.block_m, plan.block_n) * visited[:, :, 0].numel()
-    HISTORY.record(history_key, visited.sum(dtype=torch.float32) / max(total, 1), plan_shape(plan), config)
+    _, visited = _execute(qs, ks, vs, part, scale, config, kernel, True)
+    HISTORY.record(history_key, _visited_density(visited, plan, q.shape[-2], k.shape[-2]), plan_shape(plan), config)
 
 
 def _break_even(q: Tensor, k: Tensor, config: SparseConfig, site: str) -> tuple[Optional[str], Optional[tuple], bool]:
