@@ -40,34 +40,15 @@ from sparse_compile.ops import config_to_json  # noqa: E402
 from sparse_compile.plan import execute_plan  # noqa: E402
 from sparse_compile.registry import registered_methods  # noqa: E402
 
-from harness import sm_clock_mhz, write_results  # noqa: E402
+from harness import alternating_samples, sm_clock_mhz, write_results  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
 
 def alternate(contenders: dict, reps: int, calls: int = 1, queue_ahead: bool = False) -> dict:
-    """Median milliseconds of each callable, timed A, B, C, A, B, C, ... with CUDA events (and the means).
-
-    ``calls`` back-to-back calls per sample (divided out). ``queue_ahead``: each sample starts behind a short GPU
-    sleep, so the host is ahead of the GPU as inside a model's forward pass (a call's host time then shows only
-    where it exceeds its GPU time); otherwise the GPU idles while the first call of a sample is prepared.
-    """
-    times = {name: [] for name in contenders}
-    for _ in range(2):  # warm-up: JIT, and a density history that has landed
-        for fn in contenders.values():
-            fn()
-        torch.cuda.synchronize()
-    for _ in range(reps):
-        for name, fn in contenders.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if queue_ahead:
-                torch.cuda._sleep(2_000_000)  # about 1 ms at the H100's clock
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / calls)
+    """Median milliseconds of each callable and, as ``<name>_mean``, the means (``harness.alternating_samples``:
+    A, B, C, A, B, C, ... after two warm-up rounds, which also let a density history land)."""
+    times = alternating_samples(contenders, reps, calls=calls, queue_ahead=queue_ahead)
     return {name: statistics.median(t) for name, t in times.items()} | {
         f"{name}_mean": statistics.fmean(t) for name, t in times.items()}
 

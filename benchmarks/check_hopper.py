@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import subprocess
 import sys
 import time
@@ -33,10 +32,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from harness import alternating_ms  # noqa: E402
 from sparse_compile.kernels import block_sparse_attention  # noqa: E402
 from sparse_compile.kernels.validate import expand_heads  # noqa: E402
 from sparse_compile.plan import (  # noqa: E402
@@ -297,20 +298,6 @@ def check(args, results) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def time_alternating(contenders: dict, reps: int) -> dict:
-    """Median ms of each contender, timed in turn (A, B, C, A, B, C, ...) with CUDA events."""
-    events = {name: [] for name in contenders}
-    for _ in range(reps):
-        for name, fn in contenders.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            events[name].append((start, end))
-    torch.cuda.synchronize()
-    return {name: statistics.median(s.elapsed_time(e) for s, e in evs) for name, evs in events.items()}
-
-
 def bench(args, results) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -367,7 +354,8 @@ def bench(args, results) -> None:
                     row[f"{name}_error"] = short_error(exc)
                     log(f"N={N} {keys} rho={rho}: {name} failed: {short_error(exc)[:300]}")
             try:
-                times = time_alternating(ok, args.reps)
+                # contenders already ran once above (correctness): no warm-up rounds
+                times = alternating_ms(ok, args.reps, warmup=0)
                 row["clocks"] = sm_clocks()  # right after the loop: the clock the timings ran at
             except Exception as exc:  # noqa: BLE001
                 row["timing_error"] = short_error(exc)
@@ -486,6 +474,15 @@ def main(argv=None) -> None:
     def save():
         out_path.write_text(json.dumps(report, indent=1, default=str))
 
+    def stage(name, fn):
+        """Run check or bench into report[name]; an abort is recorded and the script goes on."""
+        try:
+            fn(args, report[name])
+        except Exception as exc:  # noqa: BLE001
+            report[f"{name}_error"] = short_error(exc) + traceback.format_exc()[-2000:]
+            log(f"{name} aborted: {report[f'{name}_error']}")
+        save()
+
     if H is None:
         log("kernels.hopper failed to import; timing only the baselines")
         args.variants = []
@@ -495,12 +492,7 @@ def main(argv=None) -> None:
         args.variants, report["dropped_variants"] = screen_variants(args.variants, args.smoke_timeout)
         save()
     if not args.skip_check and H is not None:
-        try:
-            check(args, report["check"])
-        except Exception as exc:  # noqa: BLE001
-            report["check_error"] = short_error(exc) + traceback.format_exc()[-2000:]
-            log(f"check aborted: {report['check_error']}")
-        save()
+        stage("check", check)
         rows = report["check"]
         n_pass = sum(r.get("status") == "PASS" for r in rows)
         log(f"check: {n_pass}/{len(rows)} PASS")
@@ -509,12 +501,7 @@ def main(argv=None) -> None:
             log(f"  {v:7s}: {sum(r.get('status') == 'PASS' for r in vr)}/{len(vr)} PASS, max err "
                 f"{max((r['err'] for r in vr if 'err' in r), default=float('nan')):.2e}")
     if not args.skip_bench:
-        try:
-            bench(args, report["bench"])
-        except Exception as exc:  # noqa: BLE001
-            report["bench_error"] = short_error(exc) + traceback.format_exc()[-2000:]
-            log(f"bench aborted: {report['bench_error']}")
-        save()
+        stage("bench", bench)
         print_table(report["bench"])
     save()
     log(f"wrote {out_path}")

@@ -42,6 +42,7 @@ __all__ = [
     "write_results",
     "rotation_count",
     "alternating_ms",
+    "alternating_samples",
 ]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -62,35 +63,51 @@ class Rotating:
         return self.fn(*args)
 
 
-def alternating_ms(contenders: dict, reps: int, *, warmup: int = 2) -> dict:
-    """Median milliseconds of each callable, timed in turn (A, B, C, A, B, C, ...) with CUDA events: clock drift
-    under sustained load then moves every contender alike. Off the GPU (smoke runs): wall time of each call."""
-    import statistics
+def alternating_samples(contenders: dict, reps: int, *, warmup: int = 2, calls: int = 1,
+                        queue_ahead: bool = False) -> dict:
+    """Milliseconds per call of each callable, timed in turn (A, B, C, A, B, C, ...): clock drift under sustained
+    load then moves every contender alike. Returns {name: [one value per round]}.
+
+    ``warmup`` untimed rounds first (JIT, histories that must land). ``calls`` back-to-back calls per sample
+    (divided out). ``queue_ahead``: each sample starts behind a short GPU sleep, so the host is ahead of the GPU as
+    inside a model's forward pass (a call's host time then shows only where it exceeds its GPU time); otherwise the
+    GPU idles while the first call of a sample is prepared. On the GPU CUDA events time each sample; off it (smoke
+    runs) wall time does.
+    """
     import time
 
-    times = {name: [] for name in contenders}
     cuda = torch.cuda.is_available()
     for _ in range(warmup):
         for fn in contenders.values():
             fn()
-    if cuda:
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
+    times = {name: [] for name in contenders}
     for _ in range(reps):
         for name, fn in contenders.items():
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                times[name].append((start, end))
-            else:
+            if not cuda:
                 t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                times[name].append((time.perf_counter() - t0) * 1e3 / calls)
+                continue
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if queue_ahead:
+                torch.cuda._sleep(2_000_000)  # about 1 ms at the H100's clock
+            start.record()
+            for _ in range(calls):
                 fn()
-                times[name].append((time.perf_counter() - t0) * 1e3)
-    if cuda:
-        torch.cuda.synchronize()
-        return {name: statistics.median(s.elapsed_time(e) for s, e in ev) for name, ev in times.items()}
-    return {name: statistics.median(ev) for name, ev in times.items()}
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / calls)
+    return times
+
+
+def alternating_ms(contenders: dict, reps: int, **options) -> dict:
+    """Median milliseconds of each callable under ``alternating_samples`` (same options)."""
+    import statistics
+
+    return {name: statistics.median(t) for name, t in alternating_samples(contenders, reps, **options).items()}
 
 
 def rotation_count(bytes_per_set: int, *, cache_bytes: Optional[int] = None, cap: int = 4) -> int:
