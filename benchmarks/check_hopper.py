@@ -216,6 +216,9 @@ def check(args, results) -> None:
         dict(base, N=1000, D=128, kind="sparse", rho=0.5, plan_heads="hkv"),
         dict(base, N=1000, D=128, kind="sparse", rho=0.5, block_n=64),
         dict(base, N=4096, D=128, kind="causal", rho=1.0, stages=2),
+        dict(base, N=4096, D=64, kind="causal", rho=1.0, stages=4),  # 4 stages where shared memory allows
+        dict(base, N=2000, D=64, kind="sparse", stages=4, keys="segments", pv_skip=-1.0),
+        dict(base, N=2000, D=128, kind="sparse", block_n=64, stages=4),
         dict(base, N=1000, D=128, kind="causal", rho=1.0, dtype="float16"),
         dict(base, N=77, D=64, kind="causal", rho=1.0, plan_heads="hkv"),
         # plan features of the methods: P.V skip (Sparge), permuted keys (PBS), both
@@ -355,7 +358,7 @@ def bench(args, results) -> None:
                     log(f"N={N} {keys} rho={rho}: {name} failed: {short_error(exc)[:300]}")
             try:
                 # contenders already ran once above (correctness): no warm-up rounds
-                times = alternating_ms(ok, args.reps, warmup=0)
+                times = alternating_ms(ok, args.reps, warmup=0, calls=args.calls, queue_ahead=args.queue_ahead)
                 row["clocks"] = sm_clocks()  # right after the loop: the clock the timings ran at
             except Exception as exc:  # noqa: BLE001
                 row["timing_error"] = short_error(exc)
@@ -448,6 +451,10 @@ def main(argv=None) -> None:
     ap.add_argument("--perm-rhos", nargs="+", type=float, default=[1.0, 0.3],
                     help="densities of the permuted-key (256-key segments) timing rows")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--calls", type=int, default=1, help="timing: back-to-back calls per sample")
+    ap.add_argument("--queue-ahead", action="store_true",
+                    help="timing: each sample starts behind a GPU sleep, so host time (validation, descriptors, "
+                         "the permuted copy's launches) hides as inside a model's forward; GPU time only")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--head-dim", type=int, default=128, help="timing: head dim (64 or 128)")
     ap.add_argument("--skip-bench", action="store_true")

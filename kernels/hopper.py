@@ -395,6 +395,15 @@ def _is_16b_aligned(x: torch.Tensor) -> bool:
     return x.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s in x.stride()[:-1])
 
 
+#: an H100's shared memory per block (227 KiB)
+SHARED_MEMORY_LIMIT = 227 * 1024
+
+
+def shared_memory_bytes(head_dim: int, block_n: int, num_stages: int, element_size: int = 2) -> int:
+    """Q (and the output staging in its buffer) plus ``num_stages`` K and V tiles, plus the ring's barriers."""
+    return element_size * head_dim * (BLOCK_M + 2 * num_stages * block_n) + 8 * (3 * num_stages + 1)
+
+
 def hopper_unsupported(q, k, v, tile_offsets=None, *, block_m: int = 128, block_n: int = 128,
                        key_index=None, query_index=None, early_stop: float = 0.0, pv_skip=None,
                        num_stages: int = 3, variant: str = "ws2_ov") -> Optional[str]:
@@ -428,8 +437,12 @@ def hopper_unsupported(q, k, v, tile_offsets=None, *, block_m: int = 128, block_
         return f"block_m={block_m} is not supported (128)"
     if block_n not in (64, 128):
         return f"block_n={block_n} is not supported (64 or 128)"
-    if num_stages not in (2, 3):
-        return f"num_stages={num_stages} is not supported (2 or 3)"
+    if num_stages not in (2, 3, 4):
+        return f"num_stages={num_stages} is not supported (2, 3 or 4)"
+    smem = shared_memory_bytes(D, block_n, num_stages, q.element_size())
+    if smem > SHARED_MEMORY_LIMIT:
+        return (f"num_stages={num_stages} needs {smem // 1024} KiB of shared memory at D={D}, block_n={block_n} "
+                f"(limit {SHARED_MEMORY_LIMIT // 1024} KiB)")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.stride(-1) != 1:
             return f"{name} has a non-contiguous last dim (stride {x.stride(-1)})"
@@ -458,7 +471,8 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     """Block-sparse causal attention over tile lists (the plan contract, module docstring) on an H100.
 
     q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D) -> out (B, Hq, Nq, D) in q's dtype, stored as (B, Nq, Hq, D) memory.
-    ``num_stages``: K/V ring depth, 2 or 3 (None: 3, i.e. 224 KiB of shared memory at D=128, block_n=128).
+    ``num_stages``: K/V ring depth, 2 to 4 where shared memory allows (None: 3; at D=128, block_n=128 that is
+    224 KiB, the most that fits).
     ``pv_skip`` lambda < 0 (natural-log units) drops a row's P.V share of a tile as the Triton kernel does;
     ``key_index`` (Hkv heads) is served by a permuted contiguous K/V copy read by TMA, the index itself read in
     masked tiles for positions. ``return_visited``: also the int32 (B, Hq, n_query_blocks) tiles each block

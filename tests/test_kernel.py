@@ -682,6 +682,15 @@ def test_backend_argument_on_the_interpreter_path():
         block_sparse_attention(*args, block_m=16, block_n=16, backend="cuda")
 
 
+def test_hopper_ring_depth_is_bounded_by_shared_memory():
+    """The K/V ring may go 4 deep only where Q plus the ring fits an H100's 227 KiB (D=64, or block_n=64)."""
+    H = importlib.import_module("sparse_compile.kernels.hopper")
+    fits = {(d, bn, st): H.shared_memory_bytes(d, bn, st) <= H.SHARED_MEMORY_LIMIT
+            for d in (64, 128) for bn in (64, 128) for st in (2, 3, 4)}
+    assert fits[(128, 128, 3)] and not fits[(128, 128, 4)]
+    assert fits[(64, 128, 4)] and fits[(128, 64, 4)]
+
+
 def _has_h100():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 

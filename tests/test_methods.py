@@ -464,6 +464,55 @@ def test_bfla_chunked_prefill_band_uses_absolute_positions():
     assert got == [[3, 4], [4, 5], [5, 6]]
 
 
+def test_bfla_default_alpha_lets_gamma_act_and_keeps_a_dominant_block():
+    # Why score_scale=None means alpha = scale / g (1/(g sqrt(C))), not the paper's 1/sqrt(C). Blocks of 32, g = 8,
+    # one tile per block; band, sink and rescue off, so the plan is the mass selection (plus the own tile).
+    # Every query block's own keys score 1 per token above the rest (locality, as RoPE gives real models);
+    # query block 6 reads key block 2 strongly (a needle: 6.25 per token); query block 7 reads blocks 1, 3 and 4
+    # about as much as its own block (1, 0.9, 0.8 per token).
+    N, D = 256, 16
+    gen = torch.Generator().manual_seed(0)
+    q = 0.1 * torch.randn(1, 2, N, D, generator=gen, dtype=torch.float64)
+    k = 0.1 * torch.randn(1, 1, N, D, generator=gen, dtype=torch.float64)
+    e = torch.eye(D, dtype=torch.float64)
+    for b in range(8):
+        q[0, :, 32 * b: 32 * (b + 1)] += 2 * e[2 + b]
+        k[0, 0, 32 * b: 32 * (b + 1)] += 2 * e[2 + b]
+    q[0, :, 192:224] += 5 * e[0]
+    k[0, 0, 64:96] += 5 * e[0]
+    q[0, :, 224:256] += 2 * e[1]
+    for b, amp in ((1, 2.0), (3, 1.9), (4, 1.8)):
+        k[0, 0, 32 * b: 32 * (b + 1)] += amp * e[1]
+
+    def kept(gamma, **kw):
+        params = BFLAParams(coarse_block_size=32, group_size=8, tile_size_q=32, tile_size_kv=32, local_tiles=0,
+                            sink_tiles=0, stride=0, mass_threshold=gamma, **kw)
+        plan = build_plan(q, k, None, _config("none", "bfla", bfla=params), implementation="reference")
+        check_plan(plan, q, k)
+        blocks = [sorted((plan.tile_offsets[0, 0, i, : plan.tile_counts[0, 0, i]] // 32).tolist()) for i in range(8)]
+        return blocks, float(plan.density(N, N).mean())
+
+    default = {gamma: kept(gamma) for gamma in (0.5, 0.9, 0.99)}
+    explicit = {gamma: kept(gamma, score_scale=1 / (8 * math.sqrt(D))) for gamma in (0.5, 0.99)}
+    assert all(explicit[gamma] == default[gamma] for gamma in explicit)  # None = scale / g
+    # gamma moves the density at the default alpha
+    assert default[0.5][1] < default[0.9][1] <= default[0.99][1]
+    assert default[0.99][1] - default[0.5][1] > 0.3
+    # the dominant block is kept at every gamma, and alone (besides the own block) while its mass reaches gamma
+    for gamma, (blocks, _) in default.items():
+        assert 2 in blocks[6]
+    assert default[0.5][0][6] == default[0.9][0][6] == [2, 6]
+    # blocks that share the mass are kept together
+    assert {1, 3, 4, 7} <= set(default[0.9][0][7])
+    # the paper's alpha (1/sqrt(C)): a flatten-g score sums g token products, so the block softmax is one-hot on
+    # the own block: gamma has no effect on query blocks 0-5 and blocks 3 and 4 are dropped for query block 7 at
+    # gamma 0.5 (on the retrieval model the plan was then band + sink + stride rescue, whatever gamma)
+    paper = {gamma: kept(gamma, score_scale=1 / math.sqrt(D)) for gamma in (0.5, 0.99)}
+    assert paper[0.5][0][:6] == paper[0.99][0][:6] == [[i] for i in range(6)]
+    assert paper[0.5][0][7] == [1, 7] and paper[0.5][0][6] == [2, 6]
+    assert paper[0.99][1] < default[0.99][1]
+
+
 def test_s2o_reorder_matches_algorithm_1():
     B, Hq, Hkv, N, D, S = 1, 4, 2, 150, 8, 64
     q, k, _ = random_qkv(B, Hq, Hkv, N, N, D, dtype=torch.float64)

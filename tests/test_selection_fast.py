@@ -44,7 +44,7 @@ from sparse_compile.methods._common import (
     masked_softmax,
     top_mass,
 )
-from sparse_compile.methods.bfla import bfla_block_scores
+from sparse_compile.methods.bfla import bfla_block_scores, block_softmax_scale
 from sparse_compile.methods.pbs import pbs_key_importance
 from sparse_compile.plan import VISIBLE_NONE, block_visibility, check_plan, execute_plan, reference_attention
 
@@ -306,7 +306,7 @@ def test_sparge_select_agrees(reorder, shape):
         assert_keep_agrees(keep_table(p_fast, sure.shape[-1]), sure, maybe, what="sparge")
 
 
-@pytest.mark.parametrize("score_scale", [None, 1 / (8 * 4)], ids=["paper-alpha", "per-token-alpha"])
+@pytest.mark.parametrize("score_scale", [None, 1 / 4], ids=["default-alpha", "paper-alpha"])
 @pytest.mark.parametrize("reorder", ["none", "pbs"])
 def test_bfla_select_agrees(reorder, score_scale):
     B, Hq, Hkv, Nq, Nk, D = 2, 4, 2, 150, 230, 16
@@ -315,7 +315,8 @@ def test_bfla_select_agrees(reorder, score_scale):
     cfg = _config(reorder, "bfla", params)
     q, k = structured_qk(B, Hq, Hkv, Nq, Nk, D, 16, seed=3)
     scale = 1 / math.sqrt(D)
-    alpha = score_scale if score_scale is not None else scale  # the block softmax's scale (Eq. 9)
+    alpha = block_softmax_scale(cfg.bfla, scale)  # the block softmax's scale (Eq. 9): None = scale / g
+    assert alpha == (score_scale if score_scale is not None else scale / 8)
     r = stage_functions(reorder, "pbs", False)[0](q, k, scale, cfg)
     # coarse mass per query head: agreement up to ambiguous blocks
     coarse_fast = fast_bfla_coarse(q, k, alpha, r, cfg)
@@ -654,12 +655,13 @@ def test_gpu_bf16_agreement(method, shape):
         sure, maybe = reference_bounds(select, q, k, scale, r_ref, cfg)
         assert_keep_agrees(keep_table(p_fast, sure.shape[-1]), sure, maybe, what=method, max_ambiguous_rows=0.25)
     if method == "bfla":
-        coarse_fast = fast_bfla_coarse(q, k, scale, r_ref, cfg)
-        coarse_ref = reference_bfla_coarse(q, k, scale, r_ref, cfg)
+        alpha = block_softmax_scale(cfg.bfla, scale)  # the block softmax's scale (Eq. 9)
+        coarse_fast = fast_bfla_coarse(q, k, alpha, r_ref, cfg)
+        coarse_ref = reference_bfla_coarse(q, k, alpha, r_ref, cfg)
         if torch.equal(coarse_fast, coarse_ref):
             assert plans_identical(p_fast, p_ref)
         else:
-            sure, maybe = reference_bounds("bfla_coarse", q, k, scale, r_ref, cfg)
+            sure, maybe = reference_bounds("bfla_coarse", q, k, alpha, r_ref, cfg)
             assert_keep_agrees(coarse_fast, sure, maybe, what="bfla coarse", max_ambiguous_rows=0.25)
     if method == "s2o":
         assert plans_identical(p_fast, p_ref)
@@ -671,13 +673,14 @@ def test_gpu_bf16_agreement(method, shape):
 
 
 def test_bfla_score_scale_softens_the_block_softmax():
-    # alpha = 1/(g*sqrt(C)) puts block logits on the token scale: the mass spreads, gamma keeps more blocks
+    # the default alpha = 1/(g*sqrt(C)) puts block logits on the token scale: the mass spreads and gamma keeps
+    # more blocks than with the paper's alpha = 1/sqrt(C)
     B, Hq, Hkv, N, D = 1, 4, 2, 256, 16
     q, k = structured_qk(B, Hq, Hkv, N, N, D, 16, seed=5)
     bfla = dict(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16, local_tiles=0, stride=0,
                 mass_threshold=0.9)
     densities = []
-    for score_scale in (None, 1 / (8 * 4)):
+    for score_scale in (1 / math.sqrt(D), None):
         cfg = _config("none", "bfla", dict(SMALL, bfla=BFLAParams(score_scale=score_scale, **bfla)))
         plan = build_plan(q, k, 1 / math.sqrt(D), cfg, implementation="reference")
         densities.append(float(plan_density(plan, N, N).mean()))

@@ -7,8 +7,13 @@ Stage 1, coarse blocks of b tokens (logical order), groups of g tokens, G = b/g 
 2. S[p, i, j] = max over group pairs (u, v) of <Phi(Q)_{p,i,u}, Phi(K)_{h,j,v}> (Eq. 4), query head p of KV head h.
 3. Block-causal mask from original positions (Eq. 5-8: key block j visible iff its first key <= the block's last
    query position; chunked prefill supported through the absolute offset Nk - Nq).
-4. A = softmax(alpha * S) over visible blocks (Eq. 9; alpha = ``score_scale``, by default the attention's scale
-   1/sqrt(C) as the paper writes).
+4. A = softmax(alpha * S) over visible blocks (Eq. 9; alpha = ``score_scale``). Default (not the paper's):
+   alpha = scale / g, i.e. 1/(g*sqrt(C)) at the usual scale, so that a block logit is the mean aligned token
+   logit of its best group pair (``block_softmax_scale``). The paper writes alpha = 1/sqrt(C); with it a flatten-g
+   score (a sum of g token products) gives a nearly one-hot block softmax, whose top block on real models is the
+   query block's own diagonal block (already in the local band), so gamma does nothing and the selection is just
+   band + sink + stride rescue (``benchmarks/results/bfla_defaults_cpu.md``). ``score_scale=1/math.sqrt(C)``
+   (the attention's scale) restores the paper's alpha.
 5. Keep the fewest top-A blocks with cumulative mass >= gamma (Eq. 10-12; ``top_mass``); gamma >= 1 keeps all.
 6. GQA: the mass mask is computed per query head and OR-ed over the group: the paper's final tile mask (Eq. 14,
    20, 21) is indexed by KV head, so a group's heads share one tile list (and their K/V tile loads).
@@ -52,18 +57,29 @@ from ._blocks import finish_plan, visibility
 from ._common import Reordering, chunk_count, compute_dtype, group_scores, logical_keys, mass_keep
 from ._fast import check_selectable, plan_from_tables, segment_bound, tile_grid
 
-__all__ = ["BFLAParams", "select_bfla", "select_bfla_fast", "bfla_block_scores", "RANDOM_SALT"]
+__all__ = ["BFLAParams", "select_bfla", "select_bfla_fast", "bfla_block_scores", "block_softmax_scale",
+           "RANDOM_SALT"]
 
 
 @dataclass(frozen=True)
 class BFLAParams(MethodParams):
     """BFLA (Wu et al. 2026): flatten-g pooled block mass selection, then tile-level rescue.
 
-    Defaults are the paper's highlighted operating point (Table 5): b=256, g=64, γ=0.99, n_local=8, ρ=0, η=16.
-    ``mass_threshold=1.0`` keeps every causal block.
-    ``score_scale`` is α of Eq. 9; ``None`` uses the attention's scale (1/√C), as the paper writes. A flatten-g
-    score sums g token products, so with α = 1/√C the block softmax is nearly one-hot on real models and γ has
-    little effect; α = 1/(g·√C) puts block logits on the scale of token logits.
+    Defaults are the paper's highlighted operating point (Table 5): b=256, g=64, γ=0.99, n_local=8, ρ=0, η=16,
+    except the block-softmax scale α. ``mass_threshold=1.0`` keeps every causal block.
+
+    ``score_scale`` is α of Eq. 9. ``None`` (the default) means α = scale / g: 1/(g·√C) at the attention's usual
+    scale 1/√C, which puts a block logit (the best group pair's flatten-g product, a sum of g aligned token
+    products) on the scale of one token logit. The paper writes α = 1/√C; pass it explicitly to get it back
+    (``score_scale=1 / math.sqrt(C)``, e.g. 0.0884 at head dim 128). With the paper's α the block softmax is
+    nearly one-hot on real models (logit spread of several hundred), its top block is the query block's own
+    diagonal block, and γ has no effect: on the retrieval model the plan is then only the local band, sink and
+    stride rescue (density 0.22 at 8K, 0.14 at 16K, whatever γ, relative L1 error 0.05), and random inputs keep
+    0.71 of the tiles at 8K with relative L1 error 0.33. With α = 1/(g·√C) γ moves the density; at γ = 0.99
+    the retrieval model's plans keep 0.49 / 0.43 of the tiles at 8K / 16K with relative L1 error 0.018 / 0.017,
+    PBS's error at its own defaults (0.019 / 0.016 at density 0.40 / 0.31), and random inputs (no structure to
+    exploit) keep every tile
+    (``benchmarks/results/bfla_defaults_cpu.md``, ``benchmarks/bfla_defaults_study.py``).
     """
 
     coarse_block_size: int = 256
@@ -100,6 +116,13 @@ class BFLAParams(MethodParams):
             or not self.score_scale > 0
         ):
             fail("BFLAParams", "score_scale", f"must be a positive number or None, got {self.score_scale!r}")
+
+
+def block_softmax_scale(params: BFLAParams, scale: float) -> float:
+    """α of Eq. 9 for attention scale ``scale``: ``params.score_scale``, or scale / group_size when it is None
+    (1/(g·√C) at the usual scale; the paper's 1/√C must be given explicitly). The reference and fast selectors
+    both resolve it here."""
+    return float(params.score_scale) if params.score_scale is not None else float(scale) / params.group_size
 
 
 #: XOR-ed into the seed of the random-rescue hash so that it is independent of the stride-rescue hash.
@@ -153,7 +176,7 @@ def select_bfla(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reor
 
     # stage 1: coarse mass selection per query head, OR-ed over the GQA group
     coarse_visible = visibility(num_queries, num_keys, coarse, coarse, reordering, batch, heads_q, dev) != VISIBLE_NONE
-    alpha = params.score_scale if params.score_scale is not None else scale
+    alpha = block_softmax_scale(params, scale)
     score = bfla_block_scores(q, k, coarse, params.group_size, reordering.key_index) * alpha
     mass = mass_keep(score, coarse_visible, params.mass_threshold)
     mass = mass.view(batch, heads_kv, heads_q // heads_kv, *mass.shape[2:]).any(2)  # (B, Hkv, Lq, Lk)
@@ -194,7 +217,7 @@ def select_bfla_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering:
     segment = reordering.segment_size or 0
     permuted = reordering.key_index is not None
     rule = MassRule(threshold=params.mass_threshold, segment=segment,
-                    scale=params.score_scale if params.score_scale is not None else scale)
+                    scale=block_softmax_scale(params, scale))
     coarse_keep = None
     if not rule.keeps_all:
         coarse_positions = (block_pool(k, coarse, key_index=reordering.key_index, want_mean=False,
