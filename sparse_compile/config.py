@@ -2,7 +2,8 @@
 
 ``SparseConfig`` holds the backend's own fields and the parameters of every registered method (``registry.py``),
 each under the method's name: ``SparseConfig(method="bfla", bfla={"mass_threshold": 0.95}).bfla.mass_threshold``.
-Every method's defaults are its paper's defaults; each documents the setting that keeps every causal block
+Every method's defaults are its paper's defaults, except BFLA's block-softmax scale (``BFLAParams`` says why); each
+documents the setting that keeps every causal block
 (``Method.keep_all``), with which the method computes exact dense attention.
 """
 
