@@ -141,6 +141,29 @@ if GLUON_IMPORT_ERROR is None:
         return p, alpha, m_new, l_new
 
     @gluon.jit
+    def _attend_tile(t, start, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, m_i, l_i, qk_scale, pv_lambda,
+                     q_pos, N_K, KEY_LEN, kidx_base, stride_kip, MASKED: gl.constexpr, HAS_KIDX: gl.constexpr,
+                     PV_SKIP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
+                     row_o: gl.constexpr, p_layout: gl.constexpr):
+        """Plan tile ``t`` (ring slot ``t % STAGES``) without overlap: S = Q K^T, softmax, O += P V.
+        Returns (acc, m_i, l_i); the caller releases the slot."""
+        s = t % STAGES
+        ph = (t // STAGES) & 1
+        k_buf = k_bufs.index(s)
+        v_buf = v_bufs.index(s)
+        mbarrier.wait(k_ready.index(s), ph)
+        s_acc = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_buf))
+        p, alpha, m_i, l_i = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, start, N_K, KEY_LEN,
+                                           kidx_base, stride_kip, MASKED, HAS_KIDX, PV_SKIP, BLOCK_N, s_layout)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        mbarrier.wait(v_ready.index(s), ph)
+        acc = warpgroup_mma(p16, v_buf, acc, is_async=True)
+        acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_buf))
+        return acc, m_i, l_i
+
+    @gluon.jit
     def _consumer(desc_k, desc_v, desc_o, q_all, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                   tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale, N_Q, N_K,
                   pv_lambda, KEY_LEN, kidx_base, stride_kip,
@@ -173,21 +196,10 @@ if GLUON_IMPORT_ERROR is None:
 
         # -- masked tiles (first in the list): one at a time
         for t in range(0, n_masked):
-            s = t % STAGES
-            ph = (t // STAGES) & 1
             start = gl.load(tile_ptr + t * stride_tt)
-            k_buf = k_bufs.index(s)
-            v_buf = v_bufs.index(s)
-            mbarrier.wait(k_ready.index(s), ph)
-            s_acc = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_buf))
-            p, alpha, m_i, l_i = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, start, N_K, KEY_LEN,
-                                               kidx_base, stride_kip, True, HAS_KIDX, PV_SKIP, BLOCK_N, s_layout)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p16 = gl.convert_layout(p.to(dtype), p_layout)
-            mbarrier.wait(v_ready.index(s), ph)
-            acc = warpgroup_mma(p16, v_buf, acc, is_async=True)
-            acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_buf))
+            acc, m_i, l_i = _attend_tile(t, start, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, m_i, l_i,
+                                         qk_scale, pv_lambda, q_pos, N_K, KEY_LEN, kidx_base, stride_kip, True,
+                                         HAS_KIDX, PV_SKIP, BLOCK_N, STAGES, s_layout, row_o, p_layout)
             _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt, n_tiles, b,
                      hkv, STAGES, WARP_SPEC)
 
@@ -234,21 +246,9 @@ if GLUON_IMPORT_ERROR is None:
                          n_tiles, b, hkv, STAGES, WARP_SPEC)
         else:
             for t in range(n_masked, n_tiles):
-                s = t % STAGES
-                ph = (t // STAGES) & 1
-                k_buf = k_bufs.index(s)
-                v_buf = v_bufs.index(s)
-                mbarrier.wait(k_ready.index(s), ph)
-                s_acc = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_buf))
-                p, alpha, m_i, l_i = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0, N_K, KEY_LEN,
-                                                  kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N,
-                                                  s_layout)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                p16 = gl.convert_layout(p.to(dtype), p_layout)
-                mbarrier.wait(v_ready.index(s), ph)
-                acc = warpgroup_mma(p16, v_buf, acc, is_async=True)
-                acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_buf))
+                acc, m_i, l_i = _attend_tile(t, 0, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, m_i, l_i,
+                                             qk_scale, pv_lambda, q_pos, N_K, KEY_LEN, kidx_base, stride_kip, False,
+                                             HAS_KIDX, PV_SKIP, BLOCK_N, STAGES, s_layout, row_o, p_layout)
                 _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
                          n_tiles, b, hkv, STAGES, WARP_SPEC)
 
