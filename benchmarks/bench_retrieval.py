@@ -86,6 +86,24 @@ def capture_qk(compiled, tokens) -> list:
     return calls
 
 
+def listed_keys(plan, head: int, row: int) -> torch.Tensor:
+    """The physical keys that ``plan`` (batch 0, its head ``head``) lists for the query block holding query ``row``;
+    padding entries of a permuted key list (past its end or negative) are left out."""
+    heads = plan.tile_offsets.shape[1]
+    logical = row
+    if plan.query_index is not None:
+        order = plan.query_index[0, head * plan.query_index.shape[1] // heads].long()
+        logical = int((order == row).nonzero()[0, 0])
+    block = logical // plan.block_m
+    count = int(plan.tile_counts[0, head, block])
+    offsets = plan.tile_offsets[0, head, block, :count].long()
+    keys = (offsets[:, None] + torch.arange(plan.block_n, device=offsets.device)).flatten()
+    if plan.key_index is not None:
+        index = plan.key_index[0, head * plan.key_index.shape[1] // heads].long()
+        keys = index[keys[keys < index.numel()]]
+    return keys[keys >= 0]
+
+
 def needle_coverage(compiled, base, instance, answer, region: dict) -> float:
     """Share of (layer, head) plans that list a tile holding a byte of ``answer``'s needle for the query block that
     predicts the value's first byte. Plans are rebuilt from the attention inputs of this run."""
@@ -106,20 +124,8 @@ def needle_coverage(compiled, base, instance, answer, region: dict) -> float:
     hits, total = 0, 0
     for q, k, scale in inputs:
         plan = build_plan(q, k, scale, config)
-        heads = plan.tile_offsets.shape[1]
-        for h in range(heads):
-            if plan.query_index is not None:
-                qi = plan.query_index[0, h * plan.query_index.shape[1] // heads].long()
-                logical = int((qi == row).nonzero()[0, 0])
-            else:
-                logical = row
-            block = logical // plan.block_m
-            count = int(plan.tile_counts[0, h, block])
-            offsets = plan.tile_offsets[0, h, block, :count].long()
-            keys = (offsets[:, None] + torch.arange(plan.block_n, device=offsets.device)).flatten()
-            if plan.key_index is not None:
-                index = plan.key_index[0, h * plan.key_index.shape[1] // heads]
-                keys = index.long()[keys.clamp(max=index.numel() - 1)]
+        for h in range(plan.tile_offsets.shape[1]):
+            keys = listed_keys(plan, h, row)
             hits += bool(torch.isin(needle.to(keys.device), keys).any())
             total += 1
     return hits / max(total, 1)

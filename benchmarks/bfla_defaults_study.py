@@ -48,8 +48,7 @@ import retrieval_tasks as rt  # noqa: E402
 import train_small_lm as tsl  # noqa: E402
 from sparse_compile.methods import build_plan  # noqa: E402
 from sparse_compile.plan import execute_plan  # noqa: E402
-
-NEEDLE_BYTES = 50  # as bench_retrieval: the needle line's key and value
+from bench_retrieval import NEEDLE_BYTES, listed_keys  # noqa: E402
 ALPHAS = {"paper": lambda g, c: 1 / math.sqrt(c), "sqrt-g": lambda g, c: 1 / math.sqrt(g * c),
           "1/g": lambda g, c: 1 / (g * math.sqrt(c))}
 GAMMAS = (0.5, 0.8, 0.9, 0.95, 0.99)
@@ -103,22 +102,9 @@ def block_softmax_table(calls: list, base: sparse_compile.SparseConfig, head_dim
 
 def kept_keys(plan, row: int, head: int, num_heads: int, num_keys: int) -> torch.Tensor:
     """Bool (num_keys,): the physical keys the plan lists for query ``row`` of query head ``head``."""
-    heads = plan.tile_offsets.shape[1]
-    ph = head * heads // num_heads
-    logical = row
-    if plan.query_index is not None:
-        qi = plan.query_index[0, head * plan.query_index.shape[1] // num_heads].long()
-        logical = int((qi == row).nonzero()[0, 0])
-    block = logical // plan.block_m
-    count = int(plan.tile_counts[0, ph, block])
-    keys = (plan.tile_offsets[0, ph, block, :count].long()[:, None] + torch.arange(plan.block_n)).flatten()
-    if plan.key_index is not None:
-        index = plan.key_index[0, head * plan.key_index.shape[1] // num_heads].long()
-        keys = keys[keys < index.numel()]
-        keys = index[keys]
-    keys = keys[(keys >= 0) & (keys < num_keys)]
+    keys = listed_keys(plan, head * plan.tile_offsets.shape[1] // num_heads, row)
     out = torch.zeros(num_keys, dtype=torch.bool)
-    out[keys] = True
+    out[keys[keys < num_keys]] = True
     return out
 
 

@@ -132,3 +132,17 @@ def test_retrieval_benchmark_smoke(tmp_path):
             assert r["density"] is not None and 0 < r["density"] <= 1.5
     assert abs(next(r for r in rows if r["contender"] == "pbs@0.3")["density"] - 0.3) < 0.15
     assert (tmp_path / "retrieval.png").exists() or importlib.util.find_spec("matplotlib") is None
+
+
+def test_listed_keys_maps_permuted_tiles_to_physical_keys_and_drops_padding():
+    from sparse_compile.plan import BlockPlan
+
+    bench = importlib.import_module("bench_retrieval")
+    # 4 keys listed in reverse, padded with -1 to 6; query block 1 (rows 2-3) lists logical tiles [0, 2) and [4, 6)
+    plan = BlockPlan(block_m=2, block_n=2,
+                     tile_offsets=torch.tensor([[[[0, 0], [0, 4]]]], dtype=torch.int32),
+                     tile_counts=torch.tensor([[[1, 2]]], dtype=torch.int32),
+                     masked_counts=torch.tensor([[[1, 1]]], dtype=torch.int32),
+                     key_index=torch.tensor([[[3, 2, 1, 0, -1, -1]]], dtype=torch.int32))
+    assert bench.listed_keys(plan, 0, 3).tolist() == [3, 2]
+    assert bench.listed_keys(plan, 0, 0).tolist() == [3, 2]
