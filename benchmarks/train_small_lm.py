@@ -492,6 +492,8 @@ def main(argv=None) -> dict:
                         help="--retrieval: prompt styles trained on (retrieval_tasks.STYLES; default: all)")
     parser.add_argument("--answer-weight", type=float, default=16.0,
                         help="--retrieval: loss weight of a retrieved value byte per 4K of context (0: plain mean)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="number of transformer layers (default: the chosen model's n_layers)")
     args = parser.parse_args(argv)
     if args.retrieval and args.name == "small_lm":
         args.name = "retrieval_lm"
@@ -522,6 +524,8 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     mod = load_model_module()
     sizes = ((RETRIEVAL_SMOKE_MODEL if smoke else RETRIEVAL_MODEL) if args.retrieval else
              (SMOKE_MODEL if smoke else GPU_MODEL))
+    if args.layers is not None:
+        sizes = dict(sizes, n_layers=args.layers)
     model_args = mod.ModelArgs(**sizes, max_seq_len=max(p[0] for p in phases))
     model = mod.Transformer(model_args).to(device)
     n_params = param_count(model)
