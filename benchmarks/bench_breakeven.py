@@ -3,6 +3,7 @@
     python benchmarks/bench_breakeven.py --measure            # GPU: the table for this GPU's architecture
     python benchmarks/bench_breakeven.py --verify             # GPU: each method at its defaults vs cuDNN
     python benchmarks/bench_breakeven.py --memory             # GPU: peak extra memory per method, 64K-256K
+    python benchmarks/bench_breakeven.py --tiles              # GPU: each method's plans per tile vs our dense kernel
 
 ``--measure``: per length and per default plan shape of every registered method, the sparse kernel's time with
 every causal tile kept (early stop and P.V skip present but inert, so their branches cost what they cost) and the
@@ -103,7 +104,7 @@ def measure(args) -> None:
                 "cudnn": lambda: cudnn(q, k, v),
                 "kernel": run_full,
                 "select": lambda: build_plan(q, k, scale, defaults),
-            }, args.reps)
+            }, args.reps, queue_ahead=args.queue_ahead)
             row = {"N": n, "method": method, "shape": shape, "cudnn_ms": ms["cudnn"], "kernel_ms": ms["kernel"],
                    "select_ms": ms["select"], "kernel": ms["kernel"] / ms["cudnn"],
                    "select": ms["select"] / ms["cudnn"], "sm_clock_mhz": sm_clock_mhz()}
@@ -169,6 +170,72 @@ def verify(args) -> None:
                                  "listed_density", "rel_l1_sparse", "last_reason"]))
 
 
+def tiles(args) -> None:
+    """Each method's own plans at its defaults against our dense kernel, per computed tile (issue 11, item 2).
+
+    Structured inputs, contenders timed alternately: cuDNN, our dense kernel (``causal_plan`` through
+    ``execute_plan``: the Hopper kernel on an H100) and the method's executor on its defaults' plan (S2O: segment
+    chunks, permuted K/V copies, early stop); with early stop or permuted queries also the Triton kernel on the same
+    plan. Efficiency against
+    our dense kernel = visited density x t_dense / t_method (1: a computed tile costs what a dense one does).
+    """
+    import os
+
+    from bench_methods import structured_inputs
+    from sparse_compile.kernels import attention as kernel_module
+    from sparse_compile.plan import causal_plan, causal_tile_count
+
+    rows = []
+    scale = 1.0 / math.sqrt(D)
+    for n in args.lengths:
+        q, k, v = in_model_layout(*structured_inputs(n, device="cuda"))
+        dense_plan = causal_plan(1, HQ, n, n, 128, 128, device="cuda")
+        for method in args.methods:
+            config = SparseConfig(method=method)
+            plan = build_plan(q, k, scale, config)
+            execute = registered_methods()[method].execute
+            run_method = ((lambda: execute(q, k, v, plan, scale, config, kernel="triton")) if execute else
+                          (lambda: execute_plan(q, k, v, plan, scale, kernel="triton")))
+            contenders = {"cudnn": lambda: cudnn(q, k, v),
+                          "dense": lambda: execute_plan(q, k, v, dense_plan, scale, kernel="triton"),
+                          "method": run_method}
+            if plan.early_stop > 0 or plan.query_index is not None:
+                def run_triton(run=run_method):
+                    os.environ[kernel_module.BACKEND_ENV] = "triton"
+                    try:
+                        return run()
+                    finally:
+                        del os.environ[kernel_module.BACKEND_ENV]
+                contenders["method_triton"] = run_triton
+            with torch.no_grad():
+                if execute:
+                    _, visited = execute(q, k, v, plan, scale, config, kernel="triton", return_visited=True)
+                else:
+                    _, visited = execute_plan(q, k, v, plan, scale, kernel="triton", return_visited=True)
+                backend = kernel_module.last_backend
+            causal = causal_tile_count(n, n, plan.block_m, plan.block_n) * HQ
+            density = float(visited.sum()) / causal
+            ms = alternate(contenders, args.reps)
+            row = {"N": n, "method": method, "shape": plan_shape(plan), "backend": backend,
+                   "listed_density": float(plan.density(n, n, HQ).mean()), "visited_density": density,
+                   "cudnn_ms": ms["cudnn"], "dense_ms": ms["dense"], "method_ms": ms["method"],
+                   "dense_over_cudnn": ms["cudnn"] / ms["dense"],
+                   "efficiency_vs_dense": density * ms["dense"] / ms["method"],
+                   "sm_clock_mhz": sm_clock_mhz()}
+            if "method_triton" in ms:
+                row["method_triton_ms"] = ms["method_triton"]
+                row["triton_efficiency_vs_dense"] = density * ms["dense"] / ms["method_triton"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del plan, visited
+        del q, k, v
+        torch.cuda.empty_cache()
+    print(write_results(f"{args.name}_tiles", rows, out_dir=args.out,
+                        columns=["N", "method", "shape", "backend", "listed_density", "visited_density", "dense_ms",
+                                 "method_ms", "efficiency_vs_dense", "triton_efficiency_vs_dense",
+                                 "dense_over_cudnn", "sm_clock_mhz"]))
+
+
 def memory(args) -> None:
     rows = []
     for n in args.memory_lengths:
@@ -203,6 +270,7 @@ def main(argv=None) -> None:
     parser.add_argument("--measure", action="store_true")
     parser.add_argument("--verify", action="store_true")
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--tiles", action="store_true")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
     parser.add_argument("--memory-lengths", type=int, nargs="+", default=[65536, 131072, 262144])
     parser.add_argument("--methods", nargs="+", default=None)
@@ -210,7 +278,7 @@ def main(argv=None) -> None:
     parser.add_argument("--calls", type=int, default=1,
                         help="--verify: back-to-back calls per timed sample (1: each call's host time shows)")
     parser.add_argument("--queue-ahead", action="store_true",
-                        help="--verify: start each sample behind a GPU sleep (host ahead, as in a forward pass)")
+                        help="--verify / --measure: start each sample behind a GPU sleep (host ahead, as in a forward pass)")
     parser.add_argument("--layout", choices=("model", "contiguous"), default="model",
                         help="--verify: q/k/v as a model passes them (B, N, H, D memory) or contiguous (B, H, N, D)")
     parser.add_argument("--table", default=str(TABLE_FILE))
@@ -225,6 +293,8 @@ def main(argv=None) -> None:
         measure(args)
     if args.verify:
         verify(args)
+    if args.tiles:
+        tiles(args)
     if args.memory:
         memory(args)
     print(f"done in {time.perf_counter() - started:.0f} s")

@@ -5,9 +5,10 @@
 #   bash benchmarks/run_h100_session.sh "$OUT" e2e-long  # the same at 128K, plus the density-0.1 rows (~8 min)
 #   bash benchmarks/run_h100_session.sh "$OUT" table     # re-measure the break-even table, peak memory (~7 min)
 #   bash benchmarks/run_h100_session.sh "$OUT" train     # train the retrieval model (~9 min)
+#   bash benchmarks/run_h100_session.sh "$OUT" s2o       # Hopper kernel tests, per-tile costs, S2O's table (~8 min)
 set -uo pipefail
 out=${1:?results folder}
-part=${2:?part: check, e2e, e2e-long, table or train}
+part=${2:?part: check, e2e, e2e-long, table, train or s2o}
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 clock() { nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader | tee -a "$out/gpu.txt"; }
 clock
@@ -30,5 +31,18 @@ table)
 train)
     timeout 590 python benchmarks/train_small_lm.py --retrieval --out-dir "$out" 2>&1 \
         | tee "$out/retrieval_lm_train_log.txt" | grep -v "^step" | tail -20 ;;
+s2o)
+    timeout 240 python -m pytest -q -m gpu tests/test_kernel.py -k "hopper or early_stop" -p no:cacheprovider 2>&1 \
+        | tail -30 > "$out/gpu_tests_hopper.txt"
+    tail -5 "$out/gpu_tests_hopper.txt"
+    timeout 240 python benchmarks/bench_breakeven.py --tiles --lengths 32768 65536 131072 --reps 5 --out "$out" \
+        ${TILE_METHODS:+--methods $TILE_METHODS} 2>&1 | tee "$out/tiles_log.txt" | grep -v "^{" | tail -20
+    timeout 100 python benchmarks/bench_breakeven.py --measure --methods s2o --reps 5 --out "$out" 2>&1 \
+        | tee "$out/breakeven_log.txt" | grep -v "^{" | tail -12
+    cp sparse_compile/breakeven_tables.json "$out/"
+    timeout 60 python benchmarks/bench_breakeven.py --measure --methods s2o --lengths 32768 --reps 7 --queue-ahead \
+        --table "$out/queued_table.json" --name s2o_queued --out "$out" 2>&1 | grep -v "^{" | tail -5
+    timeout 200 python benchmarks/bench_breakeven.py --verify --methods s2o --calls 4 --reps 7 --queue-ahead \
+        --name breakeven_s2o --out "$out" 2>&1 | grep -v "^{" | tail -16 ;;
 esac
 clock

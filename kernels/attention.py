@@ -45,7 +45,7 @@ Which kernel runs where
 kernel of ``kernels/hopper.py`` (TMA, warp specialisation, async wgmma; 1.3-1.7x this kernel's speed on an H100)
 when the inputs are on a GPU of compute capability (9, 0), no ``config=`` is given, the installed Triton has the
 Gluon Hopper API (written against Triton 3.6), and the call is in its subset: bf16/fp16, D 64 or 128,
-``block_m == 128``, ``block_n`` 64 or 128, no early stop, no ``query_index``, a ``key_index`` only with Hkv heads
+``block_m == 128``, ``block_n`` 64 or 128, a ``key_index`` only with Hkv heads
 (and ``key_mode`` not "gather"), 16-byte aligned strides. Everything else, the CPU interpreter
 (``TRITON_INTERPRET=1``) and other GPUs run this Triton kernel. A failure to import or compile the Hopper path
 logs one warning and sends such calls here from then on. ``backend="triton"`` (or the environment variable
@@ -691,7 +691,8 @@ def block_sparse_attention(
         if backend == "hopper" and why is not None:
             _fail(f"backend='hopper' cannot serve this call: {why}")
         if why is None:
-            spec = (q.dtype, D, block_n, key_index is not None, pv_skip is not None)
+            spec = (q.dtype, D, block_n, key_index is not None, pv_skip is not None, query_index is not None,
+                    early_stop > 0)
             failed = _HOPPER_FAILED.get(spec) if backend == "auto" else None
             if failed is None:
                 from . import hopper
@@ -699,7 +700,8 @@ def block_sparse_attention(
                 try:
                     result = hopper.hopper_block_sparse_attention(
                         q, k, v, tile_offsets, tile_counts, masked_counts, block_n=block_n, scale=scale,
-                        block_m=block_m, key_index=key_index, pv_skip=pv_skip, return_visited=return_visited)
+                        block_m=block_m, key_index=key_index, query_index=query_index, early_stop=early_stop,
+                        pv_skip=pv_skip, return_visited=return_visited)
                 except Exception as exc:  # a compile or launch problem of the Gluon path: the Triton kernel
                     if backend == "hopper":
                         raise

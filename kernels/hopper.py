@@ -9,14 +9,25 @@ dtype, stored as (B, Nq, Hq, D) memory (the model's layout) viewed as (B, Hq, Nq
 
 Subset served (anything else raises ``NotImplementedError`` naming it, so that a caller can fall back;
 ``kernels.attention.block_sparse_attention`` dispatches here automatically on sm_90 GPUs):
-bf16 / fp16; head dim 64 or 128; ``block_m == 128``; ``block_n`` 64 or 128; no early stop, no ``query_index``;
-the P.V skip (per row, branch-free, as the Triton kernel: after a tile's denominator update, a row whose tile
+bf16 / fp16; head dim 64 or 128; ``block_m == 128``; ``block_n`` 64 or 128; ``query_index`` (the compute
+warpgroups gather their Q rows with ordinary loads and scatter O from registers: TMA cannot gather rows on Hopper);
+early stop with the two-warpgroup variants (below); the P.V skip (per row, branch-free, as the Triton kernel: after a tile's denominator update, a row whose tile
 maximum is below its running maximum by more than |lambda| zeroes its P for the P.V MMA); ``key_index`` with Hkv
 heads (PBS-style permuted keys: the Triton kernel's "copy" key mode, a permuted contiguous K/V copy that TMA reads
 like ordinary keys, its logical length may exceed Nk; masked tiles load the tile's key positions from the index
 with ordinary loads for the causal / padding mask); any strides whose last dim is contiguous and whose other
 strides are 16-byte aligned (TMA); GQA (Hq a multiple of Hkv), tables with Hq or Hkv heads; ``Nq <= Nk``.
-``return_visited`` gives the tile counts (no early stop: every block computes its whole list).
+``return_visited`` gives the tiles each block computed.
+
+Early stop (the plan's rule: after each unmasked tile, the block stops when no real row of its 128 gained at least
+tau of its denominator; the stopping tile counts). Each compute warpgroup holds 64 of the rows, so the decision is
+a vote: after tile j's softmax a warpgroup writes whether one of its rows gained into a shared-memory slot and
+arrives on that slot's barrier. A warpgroup with a gaining row goes on without waiting (the block goes on whatever
+the other saw); one without waits for the other's vote, so both leave after the same tile and a warpgroup that is
+still gaining never stalls. The producer reads both votes of the tile whose ring slot it is about to refill (both
+warpgroups vote before they release a slot), stops loading when both said stop, and the consumers wait for the
+tiles already in flight before the CTA exits. Votes live in 2 x STAGES slots: a warpgroup runs at most STAGES
+tiles ahead of the other, so a slot is never rewritten before both have read it.
 
 Shape of the kernel (FlashAttention-3 style): one CTA per (batch, query head, 128-row query block), ordered as the
 Triton kernel orders its programs (the query heads of one KV head fastest, query blocks last-first). Q, K, V and O
@@ -113,7 +124,9 @@ if GLUON_IMPORT_ERROR is None:
     def _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, start, N_K, KEY_LEN, kidx_base, stride_kip,
                      MASKED: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, BLOCK_N: gl.constexpr,
                      s_layout: gl.constexpr):
-        """Online-softmax step on raw scores ``s_acc``: returns (p, alpha, m_new, l_new), p in float32."""
+        """Online-softmax step on raw scores ``s_acc``: returns (p, alpha, m_new, l_new, gain, l_prev), p in float32;
+        ``gain`` (the tile's share of the denominator) and ``l_prev`` (the denominator before it, at the new maximum)
+        are early stop's inputs."""
         if MASKED:
             k_pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             if HAS_KIDX:
@@ -133,12 +146,14 @@ if GLUON_IMPORT_ERROR is None:
             m_new = gl.maximum(m_i, tile_max)
             p = gl.exp2(s_acc * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
-        l_new = l_i * alpha + gl.sum(p, axis=1)
+        gain = gl.sum(p, axis=1)
+        l_prev = l_i * alpha
+        l_new = l_prev + gain
         if PV_SKIP:
             # per row, branch-free (as the Triton kernel): a row whose tile maximum is far below its running
             # maximum drops its P.V share; its denominator keeps the gain
             p = gl.where((tile_max - m_new >= pv_lambda)[:, None], p, 0.0)
-        return p, alpha, m_new, l_new
+        return p, alpha, m_new, l_new, gain, l_prev
 
     @gluon.jit
     def _attend_tile(t, start, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, m_i, l_i, qk_scale, pv_lambda,
@@ -146,7 +161,7 @@ if GLUON_IMPORT_ERROR is None:
                      PV_SKIP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
                      row_o: gl.constexpr, p_layout: gl.constexpr):
         """Plan tile ``t`` (ring slot ``t % STAGES``) without overlap: S = Q K^T, softmax, O += P V.
-        Returns (acc, m_i, l_i); the caller releases the slot."""
+        Returns (acc, m_i, l_i, gain, l_prev); the caller releases the slot."""
         s = t % STAGES
         ph = (t // STAGES) & 1
         k_buf = k_bufs.index(s)
@@ -154,24 +169,77 @@ if GLUON_IMPORT_ERROR is None:
         mbarrier.wait(k_ready.index(s), ph)
         s_acc = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_buf))
-        p, alpha, m_i, l_i = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, start, N_K, KEY_LEN,
-                                           kidx_base, stride_kip, MASKED, HAS_KIDX, PV_SKIP, BLOCK_N, s_layout)
+        p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, start, N_K,
+                                                         KEY_LEN, kidx_base, stride_kip, MASKED, HAS_KIDX, PV_SKIP,
+                                                         BLOCK_N, s_layout)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
         mbarrier.wait(v_ready.index(s), ph)
         acc = warpgroup_mma(p16, v_buf, acc, is_async=True)
         acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_buf))
-        return acc, m_i, l_i
+        return acc, m_i, l_i, gain, l_prev
 
     @gluon.jit
-    def _consumer(desc_k, desc_v, desc_o, q_all, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
+    def _publish_vote(gain, l_prev, row_ok, es_tau, j, votes, vote_bar, WG: gl.constexpr,
+                      VOTE_SLOTS: gl.constexpr, vote_layout: gl.constexpr):
+        """Early stop: this warpgroup's vote on the ``j``-th unmasked tile (1: one of its real rows gained at least
+        tau of what it had; NaN compares false) into ``votes``, announced on ``vote_bar``. Returns the vote."""
+        mine = gl.max(gl.where(row_ok & (gain >= es_tau * l_prev), 1, 0), axis=0)
+        slot = j % VOTE_SLOTS
+        votes.index(2 * slot + WG).store(gl.full([1], 0, gl.int32, layout=vote_layout) + mine)
+        gl.thread_barrier()  # every thread's store before the (one-thread) arrival
+        mbarrier.arrive(vote_bar.index(slot), count=1)
+        return mine
+
+    @gluon.jit
+    def _goes_on(mine, j, votes, vote_bar, WG: gl.constexpr, VOTE_SLOTS: gl.constexpr,
+                 vote_layout: gl.constexpr):
+        """Whether the block goes on after its ``j``-th unmasked tile: some row of either warpgroup gained. A
+        warpgroup with a gaining row decides alone; one without waits for the other's vote (both always vote,
+        so both reach the same decision)."""
+        slot = j % VOTE_SLOTS
+        mbarrier.wait(vote_bar.index(slot), (j // VOTE_SLOTS) & 1, pred=mine == 0)
+        other = gl.max(votes.index(2 * slot + 1 - WG).load(vote_layout), axis=0)
+        return (mine > 0) | (other > 0)
+
+    @gluon.jit
+    def _drain(last, n_tiles, k_ready, v_ready, STAGES: gl.constexpr):
+        """After an early stop at plan tile ``last``: the producer issued tiles up to ``last + STAGES - 1`` (it
+        sees the stop when it would refill ``last``'s slot); wait for them to land so no TMA outlives the CTA."""
+        for x in range(last + 1, gl.minimum(last + STAGES, n_tiles)):
+            mbarrier.wait(k_ready.index(x % STAGES), (x // STAGES) & 1)
+            mbarrier.wait(v_ready.index(x % STAGES), (x // STAGES) & 1)
+
+    @gluon.jit
+    def _load_query_rows(q_smem, q_base, stride_qn, qidx_base, stride_qip, row0, N_Q, ROWS: gl.constexpr,
+                         HEAD_DIM: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """Permuted queries: logical rows ``row0 ..`` read physical rows ``query_index[row]`` (rows past N_Q read
+        zeros) into this partition's Q buffer. TMA cannot gather rows on Hopper, so ordinary loads."""
+        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[256 // HEAD_DIM, HEAD_DIM // 8],
+                                            warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
+        ok = rows < N_Q
+        phys = gl.load(qidx_base + rows * stride_qip, mask=ok, other=0)
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+        mask = ok[:, None] & (d[None, :] < HEAD_DIM)
+        x = gl.load(q_base + phys.to(gl.int64)[:, None] * stride_qn + d[None, :], mask=mask, other=0.0)
+        q_smem.store(x)
+        fence_async_shared()  # generic-proxy writes before the wgmma (async proxy) reads them
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _consumer(desc_k, desc_v, desc_o, q_all, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, votes, vote_bar,
                   tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale, N_Q, N_K,
-                  pv_lambda, KEY_LEN, kidx_base, stride_kip,
+                  pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
+                  q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr,
-                  ROWS: gl.constexpr, ROW0: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr):
+                  ROWS: gl.constexpr, ROW0: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr,
+                  HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr, VOTE_SLOTS: gl.constexpr):
         """Compute partition: query rows [ROW0, ROW0 + ROWS) of the block (all 128, or one warpgroup's 64)."""
         gl.static_assert(ROWS == 16 * NUM_WARPS, "one m16 wgmma atom row per warp: rows = 16 * warps")
+        gl.static_assert(not EARLY_STOP or ROWS * 2 == BLOCK_M, "early stop votes between two compute warpgroups")
+        WG: gl.constexpr = ROW0 // ROWS
         dtype: gl.constexpr = q_all.dtype
         if ROWS == BLOCK_M:
             q_smem = q_all
@@ -185,25 +253,40 @@ if GLUON_IMPORT_ERROR is None:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        vote_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
+                                                     warps_per_cta=[NUM_WARPS], order=[0])
 
-        q_pos = qblk * BLOCK_M + ROW0 + gl.arange(0, ROWS, layout=row_s) + (N_K - N_Q)
+        rows = qblk * BLOCK_M + ROW0 + gl.arange(0, ROWS, layout=row_s)  # logical rows
+        row_ok = rows < N_Q
+        if HAS_QIDX:
+            phys = gl.load(qidx_base + rows * stride_qip, mask=row_ok, other=0)
+            q_pos = gl.where(row_ok, phys + (N_K - N_Q), -1)
+        else:
+            q_pos = rows + (N_K - N_Q)
         m_i = gl.full([ROWS], -1.0e30, gl.float32, layout=row_s)  # finite start: no (-inf) - (-inf)
         l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
 
-        mbarrier.wait(q_bar, 0)
+        if HAS_QIDX:
+            _load_query_rows(q_smem, q_base, stride_qn, qidx_base, stride_qip, qblk * BLOCK_M + ROW0, N_Q, ROWS,
+                             HEAD_DIM, NUM_WARPS)
+        else:
+            mbarrier.wait(q_bar, 0)
 
-        # -- masked tiles (first in the list): one at a time
+        # -- masked tiles (first in the list): one at a time, never subject to early stop
         for t in range(0, n_masked):
             start = gl.load(tile_ptr + t * stride_tt)
-            acc, m_i, l_i = _attend_tile(t, start, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, m_i, l_i,
-                                         qk_scale, pv_lambda, q_pos, N_K, KEY_LEN, kidx_base, stride_kip, True,
-                                         HAS_KIDX, PV_SKIP, BLOCK_N, STAGES, s_layout, row_o, p_layout)
+            acc, m_i, l_i, gain, l_prev = _attend_tile(t, start, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero,
+                                                       acc, m_i, l_i, qk_scale, pv_lambda, q_pos, N_K, KEY_LEN,
+                                                       kidx_base, stride_kip, True, HAS_KIDX, PV_SKIP, BLOCK_N,
+                                                       STAGES, s_layout, row_o, p_layout)
             _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt, n_tiles, b,
                      hkv, STAGES, WARP_SPEC)
 
-        # -- unmasked tiles: no mask arithmetic
+        # -- unmasked tiles: no mask arithmetic. With early stop the walk is a while loop that both warpgroups
+        # leave after the same tile (``_goes_on``); ``last`` is the last tile computed
+        last = n_tiles - 1
         if OVERLAP:
             if n_masked < n_tiles:
                 t0 = n_masked
@@ -212,88 +295,181 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.wait(k_ready.index(s0), (t0 // STAGES) & 1)
                 s_acc = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_buf))
-                p, alpha, m_i, l_i = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0, N_K, KEY_LEN,
-                                                  kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N,
-                                                  s_layout)
+                p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0, N_K,
+                                                                 KEY_LEN, kidx_base, stride_kip, False, HAS_KIDX,
+                                                                 PV_SKIP, BLOCK_N, s_layout)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
-                for t in range(t0 + 1, n_tiles):
-                    # issue S(t) = Q K(t)^T, then O += P(t-1) V(t-1); softmax(t) overlaps the second
-                    s = t % STAGES
-                    sp = (t - 1) % STAGES
-                    k_buf = k_bufs.index(s)
-                    v_prev = v_bufs.index(sp)
-                    mbarrier.wait(k_ready.index(s), (t // STAGES) & 1)
-                    s_acc = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                    mbarrier.wait(v_ready.index(sp), ((t - 1) // STAGES) & 1)
-                    acc = warpgroup_mma(p16, v_prev, acc, is_async=True)
-                    s_acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_acc, q_smem, k_buf))
-                    p, alpha, m_i, l_i = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0, N_K, KEY_LEN,
-                                                  kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N,
-                                                  s_layout)
-                    acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_prev))
-                    _release(t - 1, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
-                             n_tiles, b, hkv, STAGES, WARP_SPEC)
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                    p16 = gl.convert_layout(p.to(dtype), p_layout)
-                tl_ = n_tiles - 1
-                sl = tl_ % STAGES
+                if EARLY_STOP:
+                    mine = _publish_vote(gain, l_prev, row_ok, es_tau, 0, votes, vote_bar, WG, VOTE_SLOTS,
+                                         vote_layout)
+                    t = t0 + 1
+                    go = (t < n_tiles) & _goes_on(mine, 0, votes, vote_bar, WG, VOTE_SLOTS, vote_layout)
+                    while go:
+                        acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
+                            t, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
+                            stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, N_K,
+                            KEY_LEN, kidx_base, stride_kip, HAS_KIDX, PV_SKIP, BLOCK_N, STAGES, WARP_SPEC, s_layout,
+                            row_o, p_layout)
+                        mine = _publish_vote(gain, l_prev, row_ok, es_tau, t - t0, votes, vote_bar, WG, VOTE_SLOTS,
+                                             vote_layout)
+                        t += 1
+                        go = (t < n_tiles) & _goes_on(mine, t - 1 - t0, votes, vote_bar, WG, VOTE_SLOTS,
+                                                      vote_layout)
+                    last = t - 1
+                else:
+                    for t in range(t0 + 1, n_tiles):
+                        acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
+                            t, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
+                            stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, N_K,
+                            KEY_LEN, kidx_base, stride_kip, HAS_KIDX, PV_SKIP, BLOCK_N, STAGES, WARP_SPEC, s_layout,
+                            row_o, p_layout)
+                sl = last % STAGES
                 v_last = v_bufs.index(sl)
-                mbarrier.wait(v_ready.index(sl), (tl_ // STAGES) & 1)
+                mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
                 acc = warpgroup_mma(p16, v_last, acc, is_async=True)
                 acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_last))
-                _release(tl_, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
+                _release(last, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
                          n_tiles, b, hkv, STAGES, WARP_SPEC)
-        else:
-            for t in range(n_masked, n_tiles):
-                acc, m_i, l_i = _attend_tile(t, 0, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, m_i, l_i,
-                                             qk_scale, pv_lambda, q_pos, N_K, KEY_LEN, kidx_base, stride_kip, False,
-                                             HAS_KIDX, PV_SKIP, BLOCK_N, STAGES, s_layout, row_o, p_layout)
+        elif EARLY_STOP:
+            t = n_masked
+            go = t < n_tiles
+            while go:
+                acc, m_i, l_i, gain, l_prev = _attend_tile(t, 0, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero,
+                                                           acc, m_i, l_i, qk_scale, pv_lambda, q_pos, N_K, KEY_LEN,
+                                                           kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N,
+                                                           STAGES, s_layout, row_o, p_layout)
+                mine = _publish_vote(gain, l_prev, row_ok, es_tau, t - n_masked, votes, vote_bar, WG, VOTE_SLOTS,
+                                     vote_layout)
                 _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
                          n_tiles, b, hkv, STAGES, WARP_SPEC)
+                t += 1
+                go = (t < n_tiles) & _goes_on(mine, t - 1 - n_masked, votes, vote_bar, WG, VOTE_SLOTS, vote_layout)
+            last = t - 1
+        else:
+            for t in range(n_masked, n_tiles):
+                acc, m_i, l_i, gain, l_prev = _attend_tile(t, 0, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero,
+                                                           acc, m_i, l_i, qk_scale, pv_lambda, q_pos, N_K, KEY_LEN,
+                                                           kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N,
+                                                           STAGES, s_layout, row_o, p_layout)
+                _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
+                         n_tiles, b, hkv, STAGES, WARP_SPEC)
+        if EARLY_STOP:
+            _drain(last, n_tiles, k_ready, v_ready, STAGES)
+            if ROW0 == 0:
+                gl.store(visited_ptr, last + 1)
 
-        # -- epilogue: rows that saw nothing have l == 0 and acc == 0 and write zeros; Q's buffer holds O for the
-        # TMA store (rows past Nq are clipped by the descriptor)
+        # -- epilogue: rows that saw nothing have l == 0 and acc == 0 and write zeros
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         out = acc / gl.convert_layout(l_safe, row_o)[:, None]
-        gl.thread_barrier()  # every warpgroup is done reading Q before it is overwritten
-        q_smem.store(out.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(desc_o, [b, h, qblk * BLOCK_M + ROW0, 0], q_smem)
-        tma.store_wait(pendings=0)
+        if HAS_QIDX:
+            # back to the physical rows, straight from registers (no TMA scatter on Hopper)
+            rows_o = qblk * BLOCK_M + ROW0 + gl.arange(0, ROWS, layout=row_o)
+            ok_o = rows_o < N_Q
+            phys_o = gl.load(qidx_base + rows_o * stride_qip, mask=ok_o, other=0)
+            d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            gl.store(o_base + phys_o.to(gl.int64)[:, None] * stride_on + d_o[None, :], out.to(dtype),
+                     mask=ok_o[:, None] & (d_o[None, :] < HEAD_DIM))
+        else:
+            # Q's buffer holds O for the TMA store (rows past Nq are clipped by the descriptor)
+            gl.thread_barrier()  # every warpgroup is done reading Q before it is overwritten
+            q_smem.store(out.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(desc_o, [b, h, qblk * BLOCK_M + ROW0, 0], q_smem)
+            tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _producer(desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                  tile_ptr, stride_tt, n_tiles, b, h, hkv, qblk, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """The 1-warp load partition: Q once, then every K/V tile of the list through the ring."""
-        mbarrier.expect(q_bar, desc_q.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_q, [b, h, qblk * BLOCK_M, 0], q_bar, q_smem)
-        for t in range(0, n_tiles):
-            s = t % STAGES
-            ph = (t // STAGES) & 1
-            mbarrier.wait(kv_empty.index(s), ph ^ 1)  # a fresh barrier counts as phase 1 completed
-            start = gl.load(tile_ptr + t * stride_tt)
-            mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_k, [b, hkv, start, 0], k_ready.index(s), k_bufs.index(s))
-            mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_v, [b, hkv, start, 0], v_ready.index(s), v_bufs.index(s))
+    def _overlapped_step(t, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
+                         n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, N_K, KEY_LEN,
+                         kidx_base, stride_kip, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARP_SPEC: gl.constexpr,
+                         s_layout: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr):
+        """FA3's intra-warpgroup overlap, unmasked tile ``t``: issue S(t) = Q K(t)^T, then O += P(t-1) V(t-1);
+        softmax(t) runs while the second is in flight. Returns (acc, m_i, l_i, p16 of tile t, gain, l_prev)."""
+        s = t % STAGES
+        sp = (t - 1) % STAGES
+        k_buf = k_bufs.index(s)
+        v_prev = v_bufs.index(sp)
+        mbarrier.wait(k_ready.index(s), (t // STAGES) & 1)
+        s_acc = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(sp), ((t - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p16, v_prev, acc, is_async=True)
+        s_acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_acc, q_smem, k_buf))
+        p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0, N_K, KEY_LEN,
+                                                         kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N,
+                                                         s_layout)
+        acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_prev))
+        _release(t - 1, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
+                 n_tiles, b, hkv, STAGES, WARP_SPEC)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        return acc, m_i, l_i, p16, gain, l_prev
+
+    @gluon.jit
+    def _producer(desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, votes,
+                  tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                  HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr, VOTE_SLOTS: gl.constexpr):
+        """The 1-warp load partition: Q once (unless the consumers gather permuted rows), then every K/V tile of
+        the list through the ring; with early stop, until the tile whose slot it would refill ended the walk."""
+        if not HAS_QIDX:
+            mbarrier.expect(q_bar, desc_q.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_q, [b, h, qblk * BLOCK_M, 0], q_bar, q_smem)
+        if EARLY_STOP:
+            vote_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
+                                                         warps_per_cta=[1], order=[0])
+            t = 0
+            go = t < n_tiles
+            while go:
+                s = t % STAGES
+                mbarrier.wait(kv_empty.index(s), ((t // STAGES) & 1) ^ 1)
+                # the slot's previous tile (t - STAGES) was released by both warpgroups after they voted on it:
+                # both voted stop -> the walk ended there, and nothing more is loaded
+                j = gl.maximum(t - STAGES - n_masked, 0)
+                slot = j % VOTE_SLOTS
+                v0 = gl.max(votes.index(2 * slot).load(vote_layout), axis=0)
+                v1 = gl.max(votes.index(2 * slot + 1).load(vote_layout), axis=0)
+                load = (t - STAGES < n_masked) | (v0 != 0) | (v1 != 0)
+                start = gl.load(tile_ptr + t * stride_tt, mask=load, other=0)
+                mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes, pred=load)
+                tma.async_copy_global_to_shared(desc_k, [b, hkv, start, 0], k_ready.index(s), k_bufs.index(s),
+                                                pred=load)
+                mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes, pred=load)
+                tma.async_copy_global_to_shared(desc_v, [b, hkv, start, 0], v_ready.index(s), v_bufs.index(s),
+                                                pred=load)
+                t += 1
+                go = (t < n_tiles) & load
+        else:
+            for t in range(0, n_tiles):
+                s = t % STAGES
+                ph = (t // STAGES) & 1
+                mbarrier.wait(kv_empty.index(s), ph ^ 1)  # a fresh barrier counts as phase 1 completed
+                start = gl.load(tile_ptr + t * stride_tt)
+                mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_k, [b, hkv, start, 0], k_ready.index(s), k_bufs.index(s))
+                mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_v, [b, hkv, start, 0], v_ready.index(s), v_bufs.index(s))
 
     @gluon.jit
     def _hopper_fwd_kernel(
-        desc_q, desc_k, desc_v, desc_o,
-        TileOffsets, TileCounts, MaskedCounts, KeyIndex,
-        qk_scale, pv_lambda,
+        desc_q, desc_k, desc_v, desc_o, Q, Out,
+        TileOffsets, TileCounts, MaskedCounts, KeyIndex, QueryIndex, Visited,
+        qk_scale, pv_lambda, es_tau,
+        stride_qb, stride_qh, stride_qn,
+        stride_ob, stride_oh, stride_on,
         stride_tb, stride_th, stride_tq, stride_tt,
         stride_cb, stride_ch, stride_cq,
         stride_mb, stride_mh, stride_mq,
         stride_kib, stride_kih, stride_kip,
-        H_Q, N_Q, N_K, KEY_LEN, N_QBLK, GQA, PLAN_DIV,
+        stride_qib, stride_qih, stride_qip,
+        H_Q, N_Q, N_K, KEY_LEN, N_QBLK, GQA, PLAN_DIV, QIDX_DIV,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, HAS_QIDX: gl.constexpr,
+        EARLY_STOP: gl.constexpr,
     ):
         gl.static_assert(not SPLIT or WARP_SPEC, "two compute partitions need the producer partition")
+        gl.static_assert(not EARLY_STOP or SPLIT, "early stop: the two-warpgroup variants (ws2, ws2_ov)")
         # -- (batch, query head, query block): the query heads of one KV head fastest, query blocks last-first
         pid = gl.program_id(0)
         n_kv = H_Q // GQA
@@ -311,8 +487,13 @@ if GLUON_IMPORT_ERROR is None:
         n_masked = gl.minimum(gl.load(MaskedCounts + b64 * stride_mb + hp * stride_mh + qblk * stride_mq), n_tiles)
         # key positions of the permuted copy (an index with Hkv heads: one per KV head); read in masked tiles only
         kidx_base = KeyIndex + b64 * stride_kib + hkv.to(gl.int64) * stride_kih
+        # permuted queries: rows gathered and scattered by pointer (read only with HAS_QIDX)
+        qidx_base = QueryIndex + b64 * stride_qib + (h // QIDX_DIV).to(gl.int64) * stride_qih
+        q_base = Q + b64 * stride_qb + h.to(gl.int64) * stride_qh
+        o_base = Out + b64 * stride_ob + h.to(gl.int64) * stride_oh
+        visited_ptr = Visited + (b64 * H_Q + h) * N_QBLK + qblk  # written only with EARLY_STOP
 
-        # -- shared memory: Q (reused for O), the K/V ring, barriers
+        # -- shared memory: Q (reused for O), the K/V ring, barriers; early stop's votes (module docstring)
         dtype: gl.constexpr = desc_q.dtype
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -323,11 +504,19 @@ if GLUON_IMPORT_ERROR is None:
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # a warpgroup runs at most STAGES tiles ahead of the other, so 2 * STAGES vote slots are never overwritten
+        # before both have read them
+        VOTE_SLOTS: gl.constexpr = 2 * STAGES if EARLY_STOP else 1
+        votes = gl.allocate_shared_memory(gl.int32, [2 * VOTE_SLOTS, 1],
+                                          gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+        vote_bar = gl.allocate_shared_memory(gl.int64, [VOTE_SLOTS, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2 if SPLIT else 1)  # one arrival per compute partition
+        for i in gl.static_range(VOTE_SLOTS):
+            mbarrier.init(vote_bar.index(i), count=2)  # one vote per compute warpgroup
         fence_async_shared()
 
         if SPLIT:
@@ -336,45 +525,54 @@ if GLUON_IMPORT_ERROR is None:
             HALF: gl.constexpr = BLOCK_M // 2
             gl.warp_specialize([
                 (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale, N_Q, N_K,
-                             pv_lambda, KEY_LEN, kidx_base, stride_kip,
+                             votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
+                             N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
+                             q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, 0,
-                             HAS_KIDX, PV_SKIP)),
+                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS)),
                 (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale, N_Q, N_K,
-                             pv_lambda, KEY_LEN, kidx_base, stride_kip,
+                             votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
+                             N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
+                             q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, HALF,
-                             HAS_KIDX, PV_SKIP)),
+                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS)),
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             tile_ptr, stride_tt, n_tiles, b, h, hkv, qblk, BLOCK_M, STAGES)),
+                             votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, BLOCK_M, STAGES,
+                             HAS_QIDX, EARLY_STOP, VOTE_SLOTS)),
             ], [NUM_WARPS, 1], [CONSUMER_REGS, 24])
         elif WARP_SPEC:
             gl.warp_specialize([
                 (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale, N_Q, N_K,
-                             pv_lambda, KEY_LEN, kidx_base, stride_kip,
+                             votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
+                             N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
+                             q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
-                             HAS_KIDX, PV_SKIP)),
+                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS)),
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             tile_ptr, stride_tt, n_tiles, b, h, hkv, qblk, BLOCK_M, STAGES)),
+                             votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, BLOCK_M, STAGES,
+                             HAS_QIDX, EARLY_STOP, VOTE_SLOTS)),
             ], [1], [24])
         else:
-            mbarrier.expect(q_bar, desc_q.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_q, [b, h, qblk * BLOCK_M, 0], q_bar, q_smem)
+            if not HAS_QIDX:
+                mbarrier.expect(q_bar, desc_q.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_q, [b, h, qblk * BLOCK_M, 0], q_bar, q_smem)
             for i in gl.static_range(STAGES):
                 _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, i, n_tiles, b, hkv,
                           STAGES)
             _consumer(desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                      tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale, N_Q, N_K,
-                      pv_lambda, KEY_LEN, kidx_base, stride_kip,
+                      votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
+                      N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
+                      q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                       HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
-                      HAS_KIDX, PV_SKIP)
+                      HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_ready.index(i))
             mbarrier.invalidate(v_ready.index(i))
             mbarrier.invalidate(kv_empty.index(i))
+        for i in gl.static_range(VOTE_SLOTS):
+            mbarrier.invalidate(vote_bar.index(i))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -418,10 +616,10 @@ def hopper_unsupported(q, k, v, tile_offsets=None, *, block_m: int = 128, block_
                     f"needs one per KV head ({k.shape[1]})")
         if key_index.shape[-1] == 0:
             return "an empty key_index"
-    if query_index is not None:
-        return "query_index (permuted queries) is not supported"
-    if early_stop and early_stop > 0:
-        return "early stop is not supported"
+    if query_index is not None and (query_index.dim() != 3 or q.shape[1] % max(query_index.shape[1], 1)):
+        return f"query_index of shape {tuple(query_index.shape)}: needs (B, H, Nq) with H dividing Hq={q.shape[1]}"
+    if early_stop and early_stop > 0 and not _VARIANT_FLAGS[variant][2]:
+        return f"early stop needs a two-warpgroup variant (ws2, ws2_ov), not {variant!r}"
     if pv_skip is not None and not (pv_skip < 0 and math.isfinite(pv_skip)):
         return f"pv_skip={pv_skip!r} is not supported (a finite negative number)"
     if not q.is_cuda:
@@ -509,10 +707,21 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
                 or key_index.shape[0] != B:
             raise ValueError(f"hopper_block_sparse_attention: key_index must be an int32 (B={B}, Hkv={Hkv}, L) "
                              f"tensor on {q.device}")
+    if query_index is not None:
+        if not isinstance(query_index, torch.Tensor) or query_index.dtype != torch.int32 \
+                or query_index.device != q.device or query_index.shape[0] != B or query_index.shape[2] != Nq:
+            raise ValueError(f"hopper_block_sparse_attention: query_index must be an int32 (B={B}, H, Nq={Nq}) "
+                             f"tensor on {q.device}")
+    early_stop = float(early_stop or 0.0)
+    if not (early_stop >= 0 and math.isfinite(early_stop)):
+        raise ValueError(f"hopper_block_sparse_attention: early_stop must be a finite number >= 0, got {early_stop!r}")
 
     out = torch.empty(B, Nq, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)
     visited = None
-    if return_visited:
+    if early_stop > 0:
+        # the kernel writes how far each block walked (both when asked and as its scratch otherwise)
+        visited = torch.empty(B, Hq, nqb, dtype=torch.int32, device=q.device)
+    elif return_visited:
         # no early stop: every block computes its whole list (a copy, one column per query head)
         g = Hq // tile_counts.shape[1]
         visited = tile_counts[:, :, None, :].expand(B, tile_counts.shape[1], g, nqb).reshape(B, Hq, nqb).clone()
@@ -540,15 +749,20 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         # 8 compute warps + 1 load warp, allocated by warpgroup: 12 warps x 168 registers fit the 64K register
         # file; the load warp's group gives up all but 24 and the compute warps take the rest
         kwargs["maxnreg"] = 168
+    qidx = query_index if query_index is not None else tile_counts  # any int32 tensor: never read without it
+    qi_strides = tuple(query_index.stride()) if query_index is not None else (0, 0, 0)
     _hopper_fwd_kernel[grid](
-        desc_q, desc_k, desc_v, desc_o,
-        tile_offsets, tile_counts, masked_counts, kidx,
-        scale * _LOG2E, float(pv_skip if pv_skip is not None else 0.0) * _LOG2E,
-        *tile_offsets.stride(), *tile_counts.stride(), *masked_counts.stride(), *ki_strides,
+        desc_q, desc_k, desc_v, desc_o, q, out,
+        tile_offsets, tile_counts, masked_counts, kidx, qidx, visited if visited is not None else tile_counts,
+        scale * _LOG2E, float(pv_skip if pv_skip is not None else 0.0) * _LOG2E, early_stop,
+        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        *tile_offsets.stride(), *tile_counts.stride(), *masked_counts.stride(), *ki_strides, *qi_strides,
         Hq, Nq, Nk, key_len, nqb, Hq // Hkv, Hq // tile_offsets.shape[1],
+        Hq // query_index.shape[1] if query_index is not None else 1,
         HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=num_stages,
         WARP_SPEC=warp_spec, OVERLAP=overlap, NUM_WARPS=4 if split else NUM_WARPS, SPLIT=split,
         CONSUMER_REGS=CONSUMER_REGS, HAS_KIDX=key_index is not None, PV_SKIP=pv_skip is not None,
+        HAS_QIDX=query_index is not None, EARLY_STOP=early_stop > 0,
         **kwargs,
     )
     return (out, visited) if return_visited else out

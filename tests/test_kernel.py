@@ -723,6 +723,8 @@ _HOPPER_CASES = {
     "key-index-d128": (1, 8, 2, 4096 + 50, 4096 + 50, 128, 128, "sparse", "q", {"key_index": "segments"}),
     "key-index-padded-pv-skip-kvtable": (1, 8, 2, 2000, 2000, 128, 128, "all", "kv",
                                          {"key_index": "padded", "pv_skip": -1.0}),
+    # a key list twice the keys, as S2O's ranked prefixes
+    "key-index-long-list": (2, 8, 2, 3000 + 3, 3000 + 3, 128, 128, "sparse", "q", {"key_index": "twice"}),
 }
 
 
@@ -741,6 +743,8 @@ def test_gpu_hopper_auto_dispatch_matches_reference_and_triton(case):
         ki = _segment_permutation(B, Hkv, Nk)
     elif options.get("key_index") == "padded":
         ki = _padded_key_index(B, Hkv, Nk)
+    elif options.get("key_index") == "twice":
+        ki = torch.cat([_segment_permutation(B, Hkv, Nk), _segment_permutation(B, Hkv, Nk)], -1).contiguous()
     options.pop("key_index", None)
     heads = Hq if plan_heads == "q" else Hkv
     if kind == "causal":
@@ -771,12 +775,61 @@ def test_gpu_hopper_auto_dispatch_matches_reference_and_triton(case):
         assert rel_error(plain, ref) > 1e-2
 
 
+# name: (variant, B, Hq, Hkv, N, D, block_n, keys through a permuted list, pv_skip)
+_HOPPER_EARLY_STOP_CASES = {
+    "ws2_ov-d128-b2-odd-queries-and-keys": ("ws2_ov", 2, 8, 2, 4096 + 77, 128, 128, True, None),
+    "ws2_ov-d64-bn64-pv-skip": ("ws2_ov", 1, 8, 2, 3000, 64, 64, False, -6.0),
+    "ws2_ov-d64-4-stages-queries-and-keys": ("ws2_ov", 1, 8, 2, 3000, 64, 128, True, None),
+    "ws2-d128-queries-and-keys": ("ws2", 1, 8, 2, 4096, 128, 128, True, None),
+}
+
+
+@gpu
+@hopper_gpu
+@pytest.mark.parametrize("case", list(_HOPPER_EARLY_STOP_CASES))
+def test_gpu_hopper_early_stop_and_permuted_queries(case):
+    """S2O's plan features on the Hopper kernel: queries permuted inside segments, keys through a permuted list,
+    early stop voted between the two compute warpgroups. Agrees with the float64 reference (stop decisions up to
+    bf16 flips at tau) and with the Triton kernel; the walks do stop early; auto dispatch picks it."""
+    A = _attention_module()
+    H = importlib.import_module("sparse_compile.kernels.hopper")
+    variant, B, Hq, Hkv, N, D, bn, with_keys, pv_skip = _HOPPER_EARLY_STOP_CASES[case]
+    stages = 4 if "4-stages" in case else None
+    q, k, v = _sink_qkv(B, Hq, Hkv, N, N, D, torch.bfloat16, strength=1.0, device="cuda")
+    qi = _segment_permutation(B, Hq, N)
+    ki = _segment_permutation(B, Hkv, N) if with_keys else None
+    plan = _gpu_sparse_plan(B, Hq, N, N, 128, bn, 0.5, query_index=qi, key_index=ki, early_stop=0.02,
+                            pv_skip=pv_skip)
+    check_plan(plan, q, k)
+    out, visited = H.hopper_block_sparse_attention(
+        q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts, block_n=bn, key_index=ki,
+        query_index=qi, early_stop=plan.early_stop, pv_skip=pv_skip, return_visited=True, variant=variant,
+        num_stages=stages)
+    ref, ref_visited = _ref(q, k, v, plan)
+    _assert_close(out, ref, torch.bfloat16, "hopper vs reference")
+    bad = _non_boundary_mismatches(q, k, plan, visited, ref_visited)
+    assert not bad, f"visited differ beyond rounding at tau ((b, h, block), kernel, ref, ratio): {bad[:5]}"
+    assert (visited == ref_visited).float().mean().item() > 0.99
+    assert int(visited.sum()) < int(plan.tile_counts.sum())  # the walks stopped early
+    tri, tri_visited = block_sparse_attention(
+        q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts, block_m=128, block_n=bn, key_index=ki,
+        query_index=qi, early_stop=plan.early_stop, pv_skip=pv_skip, return_visited=True, backend="triton")
+    _assert_close(out, tri, torch.bfloat16, "hopper vs triton")
+    assert (visited == tri_visited).float().mean().item() > 0.99
+    if variant == "ws2_ov":  # the default variant: what execute_plan runs
+        before = A.BACKEND_CALLS["hopper"]
+        auto, auto_visited = execute_plan(q, k, v, plan, return_visited=True)
+        assert A.last_backend == "hopper" and A.BACKEND_CALLS["hopper"] == before + 1, A._HOPPER_FAILED
+        assert torch.equal(auto, out) and torch.equal(auto_visited, visited)
+
+
 @gpu
 @hopper_gpu
 def test_gpu_hopper_backend_choices_and_fallbacks(monkeypatch):
-    """Early stop, query_index, block_m 64 and config= run the Triton kernel under "auto"; backend="hopper"
-    names why it cannot serve them; the environment variable turns the Hopper kernel off."""
+    """Gathered keys, an early stop on a one-partition variant and config= are not the Hopper kernel's:
+    backend="hopper" names why, "auto" runs the Triton kernel; the environment variable turns it off."""
     A = _attention_module()
+    H = importlib.import_module("sparse_compile.kernels.hopper")
     B, Hq, Hkv, N, D = 1, 4, 2, 1024, 128
     q, k, v = random_qkv(B, Hq, Hkv, N, N, D, dtype=torch.bfloat16, device="cuda")
     plan = causal_plan(B, Hq, N, N, 128, 128, device="cuda")
@@ -785,12 +838,13 @@ def test_gpu_hopper_backend_choices_and_fallbacks(monkeypatch):
     out = block_sparse_attention(*args, block_m=128, block_n=128, backend="hopper")
     assert A.last_backend == "hopper"
     _assert_close(out, ref, torch.bfloat16)
-    for kw, why in (({"early_stop": 0.01}, "early stop"),
-                    ({"query_index": _segment_permutation(B, Hq, N)}, "query_index")):
-        with pytest.raises(ValueError, match=why):
-            block_sparse_attention(*args, block_m=128, block_n=128, backend="hopper", **kw)
-    execute_plan(q, k, v, plan.with_options(early_stop=0.01))
+    ki = torch.arange(N, dtype=torch.int32, device="cuda").expand(B, Hkv, N).contiguous()
+    with pytest.raises(ValueError, match="gather"):
+        block_sparse_attention(*args, block_m=128, block_n=128, backend="hopper", key_index=ki, key_mode="gather")
+    execute_plan(q, k, v, plan.with_options(key_index=ki), key_mode="gather")
     assert A.last_backend == "triton"
+    with pytest.raises(NotImplementedError, match="two-warpgroup"):
+        H.hopper_block_sparse_attention(*args, block_n=128, early_stop=0.01, variant="ws_ov")
     execute_plan(q, k, v, plan, config=KernelConfig(128, 128, num_warps=8, num_stages=2))
     assert A.last_backend == "triton"
     monkeypatch.setenv(A.BACKEND_ENV, "triton")
