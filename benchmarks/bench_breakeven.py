@@ -37,7 +37,7 @@ import sparse_compile  # noqa: E402
 from sparse_compile import SparseConfig  # noqa: E402
 from sparse_compile.breakeven import HISTORY, TABLE_FILE, architecture, plan_shape  # noqa: E402
 from sparse_compile.methods import build_plan  # noqa: E402
-from sparse_compile.ops import config_to_json  # noqa: E402
+from sparse_compile.ops import _execute, config_to_json  # noqa: E402
 from sparse_compile.plan import execute_plan  # noqa: E402
 from sparse_compile.registry import registered_methods  # noqa: E402
 
@@ -97,9 +97,8 @@ def measure(args) -> None:
             full = inert_full_plan_config(method)
             full_plan = build_plan(q, k, scale, full)
             shape = plan_shape(build_plan(q, k, scale, defaults))
-            execute = registered_methods()[method].execute  # the method's own executor (S2O: segment chunks)
-            run_full = ((lambda: execute(q, k, v, full_plan, scale, full, kernel="triton")) if execute else
-                        (lambda: execute_plan(q, k, v, full_plan, scale, kernel="triton")))
+            # the method's own executor (S2O: segment chunks), as the op runs it
+            run_full = lambda: _execute(q, k, v, full_plan, scale, full, "triton", False)  # noqa: E731
             ms = alternate({
                 "cudnn": lambda: cudnn(q, k, v),
                 "kernel": run_full,
@@ -176,8 +175,8 @@ def tiles(args) -> None:
     Structured inputs, contenders timed alternately: cuDNN, our dense kernel (``causal_plan`` through
     ``execute_plan``: the Hopper kernel on an H100) and the method's executor on its defaults' plan (S2O: segment
     chunks, permuted K/V copies, early stop); with early stop or permuted queries also the Triton kernel on the same
-    plan. Efficiency against
-    our dense kernel = visited density x t_dense / t_method (1: a computed tile costs what a dense one does).
+    plan. Efficiency against our dense kernel = visited density x t_dense / t_method (1: a computed tile costs what
+    a dense one does).
     """
     import os
 
@@ -193,9 +192,7 @@ def tiles(args) -> None:
         for method in args.methods:
             config = SparseConfig(method=method)
             plan = build_plan(q, k, scale, config)
-            execute = registered_methods()[method].execute
-            run_method = ((lambda: execute(q, k, v, plan, scale, config, kernel="triton")) if execute else
-                          (lambda: execute_plan(q, k, v, plan, scale, kernel="triton")))
+            run_method = lambda: _execute(q, k, v, plan, scale, config, "triton", False)  # noqa: E731
             contenders = {"cudnn": lambda: cudnn(q, k, v),
                           "dense": lambda: execute_plan(q, k, v, dense_plan, scale, kernel="triton"),
                           "method": run_method}
@@ -208,10 +205,7 @@ def tiles(args) -> None:
                         del os.environ[kernel_module.BACKEND_ENV]
                 contenders["method_triton"] = run_triton
             with torch.no_grad():
-                if execute:
-                    _, visited = execute(q, k, v, plan, scale, config, kernel="triton", return_visited=True)
-                else:
-                    _, visited = execute_plan(q, k, v, plan, scale, kernel="triton", return_visited=True)
+                _, visited = _execute(q, k, v, plan, scale, config, "triton", True)
                 backend = kernel_module.last_backend
             causal = causal_tile_count(n, n, plan.block_m, plan.block_n) * HQ
             density = float(visited.sum()) / causal

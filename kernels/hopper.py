@@ -96,11 +96,11 @@ if GLUON_IMPORT_ERROR is None:
     # -----------------------------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t, n_tiles, b, hkv,
+    def _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t, pred, b, hkv,
                   STAGES: gl.constexpr):
-        """TMA loads of plan tile ``t`` (if it exists) into ring slot ``t % STAGES``, signalling its ready bars."""
+        """TMA loads of plan tile ``t`` into ring slot ``t % STAGES`` (only if ``pred``: the tile exists and the walk
+        goes on), signalling its ready bars."""
         s = t % STAGES
-        pred = t < n_tiles
         start = gl.load(tile_ptr + t * stride_tt, mask=pred, other=0)
         mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(desc_k, [b, hkv, start, 0], k_ready.index(s), k_bufs.index(s), pred=pred)
@@ -117,7 +117,8 @@ if GLUON_IMPORT_ERROR is None:
         if WARP_SPEC:
             mbarrier.arrive(kv_empty.index(t % STAGES), count=1)
         else:
-            _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t + STAGES, n_tiles, b,
+            _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t + STAGES,
+                      t + STAGES < n_tiles, b,
                       hkv, STAGES)
 
     @gluon.jit
@@ -430,25 +431,16 @@ if GLUON_IMPORT_ERROR is None:
                 v0 = gl.max(votes.index(2 * slot).load(vote_layout), axis=0)
                 v1 = gl.max(votes.index(2 * slot + 1).load(vote_layout), axis=0)
                 load = (t - STAGES < n_masked) | (v0 != 0) | (v1 != 0)
-                start = gl.load(tile_ptr + t * stride_tt, mask=load, other=0)
-                mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes, pred=load)
-                tma.async_copy_global_to_shared(desc_k, [b, hkv, start, 0], k_ready.index(s), k_bufs.index(s),
-                                                pred=load)
-                mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes, pred=load)
-                tma.async_copy_global_to_shared(desc_v, [b, hkv, start, 0], v_ready.index(s), v_bufs.index(s),
-                                                pred=load)
+                _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t, load, b, hkv,
+                          STAGES)
                 t += 1
                 go = (t < n_tiles) & load
         else:
             for t in range(0, n_tiles):
-                s = t % STAGES
-                ph = (t // STAGES) & 1
-                mbarrier.wait(kv_empty.index(s), ph ^ 1)  # a fresh barrier counts as phase 1 completed
-                start = gl.load(tile_ptr + t * stride_tt)
-                mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
-                tma.async_copy_global_to_shared(desc_k, [b, hkv, start, 0], k_ready.index(s), k_bufs.index(s))
-                mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
-                tma.async_copy_global_to_shared(desc_v, [b, hkv, start, 0], v_ready.index(s), v_bufs.index(s))
+                # a fresh barrier counts as phase 1 completed
+                mbarrier.wait(kv_empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
+                _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t, True, b, hkv,
+                          STAGES)
 
     @gluon.jit
     def _hopper_fwd_kernel(
@@ -557,8 +549,8 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.expect(q_bar, desc_q.block_type.nbytes)
                 tma.async_copy_global_to_shared(desc_q, [b, h, qblk * BLOCK_M, 0], q_bar, q_smem)
             for i in gl.static_range(STAGES):
-                _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, i, n_tiles, b, hkv,
-                          STAGES)
+                _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, i, i < n_tiles, b,
+                          hkv, STAGES)
             _consumer(desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                       votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
                       N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
