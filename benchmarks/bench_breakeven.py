@@ -196,6 +196,20 @@ def tiles(args) -> None:
             contenders = {"cudnn": lambda: cudnn(q, k, v),
                           "dense": lambda: execute_plan(q, k, v, dense_plan, scale, kernel="triton"),
                           "method": run_method}
+            for stages in args.hopper_stages:  # the Hopper kernel's ring depth for this plan shape, as a contender
+                def run_stages(run=run_method, depth=stages, shape=(D, plan.block_n)):
+                    from sparse_compile.kernels import hopper
+
+                    saved = hopper.DEFAULT_STAGES.get(shape)
+                    hopper.DEFAULT_STAGES[shape] = depth
+                    try:
+                        return run()
+                    finally:
+                        if saved is None:
+                            del hopper.DEFAULT_STAGES[shape]
+                        else:
+                            hopper.DEFAULT_STAGES[shape] = saved
+                contenders[f"method_stages{stages}"] = run_stages
             if plan.early_stop > 0 or plan.query_index is not None:
                 def run_triton(run=run_method):
                     os.environ[kernel_module.BACKEND_ENV] = "triton"
@@ -216,6 +230,8 @@ def tiles(args) -> None:
                    "dense_over_cudnn": ms["cudnn"] / ms["dense"],
                    "efficiency_vs_dense": density * ms["dense"] / ms["method"],
                    "sm_clock_mhz": sm_clock_mhz()}
+            for stages in args.hopper_stages:
+                row[f"efficiency_stages{stages}"] = density * ms["dense"] / ms[f"method_stages{stages}"]
             if "method_triton" in ms:
                 row["method_triton_ms"] = ms["method_triton"]
                 row["triton_efficiency_vs_dense"] = density * ms["dense"] / ms["method_triton"]
@@ -227,6 +243,7 @@ def tiles(args) -> None:
     print(write_results(f"{args.name}_tiles", rows, out_dir=args.out,
                         columns=["N", "method", "shape", "backend", "listed_density", "visited_density", "dense_ms",
                                  "method_ms", "efficiency_vs_dense", "triton_efficiency_vs_dense",
+                                 *[f"efficiency_stages{x}" for x in args.hopper_stages],
                                  "dense_over_cudnn", "sm_clock_mhz"]))
 
 
@@ -265,6 +282,8 @@ def main(argv=None) -> None:
     parser.add_argument("--verify", action="store_true")
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--tiles", action="store_true")
+    parser.add_argument("--hopper-stages", type=int, nargs="*", default=[],
+                        help="--tiles: also time each plan with the Hopper kernel's K/V ring this deep")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
     parser.add_argument("--memory-lengths", type=int, nargs="+", default=[65536, 131072, 262144])
     parser.add_argument("--methods", nargs="+", default=None)

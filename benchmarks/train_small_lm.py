@@ -273,11 +273,12 @@ GPU_MODEL = dict(vocab_size=256, dim=256, n_layers=6, n_heads=4, n_kv_heads=2, i
 SMOKE_MODEL = dict(vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=256,
                    rope_base=100000.0)
 # --retrieval: the attention geometry of production models (head dim 128, GQA 4:1, RoPE) in a model whose bf16
-# checkpoint stays under 16 MB; RoPE's base is raised for 64K contexts
+# checkpoint stays under 16 MB; RoPE's base is raised for 64K contexts; a width-4 causal convolution before each
+# attention lets the byte-level keys be looked up whole (results/retrieval_lm_experiments.md, run 4)
 RETRIEVAL_MODEL = dict(vocab_size=256, dim=512, n_layers=4, n_heads=4, n_kv_heads=1, intermediate_size=768,
-                       rope_base=500000.0)
+                       rope_base=500000.0, conv_width=4)
 RETRIEVAL_SMOKE_MODEL = dict(vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=256,
-                             rope_base=500000.0)
+                             rope_base=500000.0, conv_width=4)
 
 
 def save_checkpoint(model, path: Path, meta: dict) -> int:
@@ -348,11 +349,12 @@ def answer_weight_at(seq_len: int, answer_weight: float) -> float:
 
 
 def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: float, device,
-                       styles=("vkey",), answer_weight: float = 0.0):
+                       styles=("vkey",), answer_weight: float = 0.0, task_weights=None):
     """Like ``_batches``, but each window is, with probability ``task_share``, a retrieval instance
     (``retrieval_tasks.py``, a random task in a random one of ``styles``) built on that window's code; built on the
     host while the GPU runs the last step. Returns (x, y, per-target loss weights or None): with
-    ``answer_weight`` > 0 the bytes of retrieved values weigh ``answer_weight_at(seq_len, answer_weight)``."""
+    ``answer_weight`` > 0 the bytes of retrieved values weigh ``answer_weight_at(seq_len, answer_weight)``.
+    ``task_weights`` (one per ``retrieval_tasks.TASKS``): how often each task is drawn (None: uniformly)."""
     import retrieval_tasks as rt
 
     rows = []
@@ -362,7 +364,8 @@ def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: 
         start = rng.randrange(0, len(train) - seq_len - 2)
         window = train[start:start + seq_len + 1]
         if rng.random() < task_share:
-            task = rng.choice(rt.TASKS)
+            # uniform draws keep rng.choice: the stream then matches runs from before task weights existed
+            task = rng.choice(rt.TASKS) if task_weights is None else rng.choices(rt.TASKS, weights=task_weights)[0]
             # one style draws nothing: the stream then matches runs from before styles existed
             style = styles[0] if len(styles) == 1 else rng.choice(styles)
             instance = rt.make_instance(task, window, seq_len + 1, rng, style)
@@ -494,6 +497,12 @@ def main(argv=None) -> dict:
                         help="--retrieval: loss weight of a retrieved value byte per 4K of context (0: plain mean)")
     parser.add_argument("--layers", type=int, default=None,
                         help="number of transformer layers (default: the chosen model's n_layers)")
+    parser.add_argument("--task-weights", type=float, nargs=4, default=None,
+                        metavar=("PASSKEY", "MULTIKEY", "MULTIVALUE", "RECALL"),
+                        help="--retrieval: relative draw frequency of each task (default: uniform)")
+    parser.add_argument("--conv-width", type=int, default=None,
+                        help="short causal convolution before each attention (ModelArgs.conv_width; 0: none; "
+                             "default: the chosen model's)")
     args = parser.parse_args(argv)
     if args.retrieval and args.name == "small_lm":
         args.name = "retrieval_lm"
@@ -526,6 +535,8 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
              (SMOKE_MODEL if smoke else GPU_MODEL))
     if args.layers is not None:
         sizes = dict(sizes, n_layers=args.layers)
+    if args.conv_width is not None:
+        sizes = dict(sizes, conv_width=args.conv_width)
     model_args = mod.ModelArgs(**sizes, max_seq_len=max(p[0] for p in phases))
     model = mod.Transformer(model_args).to(device)
     n_params = param_count(model)
@@ -550,7 +561,7 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     def next_batch(seq, batch, generator):
         if args.retrieval:
             return _retrieval_batches(corpus.train, seq, batch, host_rng, args.task_share, device, styles,
-                                      args.answer_weight)
+                                      args.answer_weight, args.task_weights)
         return (*_batches(train_stream, seq, batch, generator), None)
 
     def train_loss(x, y, weight):
@@ -660,6 +671,7 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
         "final": final,
         "retrieval": retrieval,
         "task_share": args.task_share if args.retrieval else None,
+        "task_weights": args.task_weights if args.retrieval else None,
         "answer_weight": args.answer_weight if args.retrieval else None,
         "styles": list(styles) if args.retrieval else None,
         "eval_windows": eval_windows,

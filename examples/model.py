@@ -23,6 +23,10 @@ class ModelArgs:
     intermediate_size: int = 512
     rope_base: float = 10000.0
     max_seq_len: int = 1 << 17
+    # > 0: a depthwise causal convolution over the last ``conv_width`` positions mixes each attention input with
+    # its predecessors (0: none). A byte-level key such as ``_vkey_402913 = "`` then reaches attention as one
+    # vector, so a small model can look it up in one step; attention's shapes are unchanged.
+    conv_width: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -71,16 +75,31 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class CausalConv(nn.Module):
+    """Depthwise causal convolution, added to its input: y[t] = x[t] + sum_j w[j] * x[t - j]."""
+
+    def __init__(self, dim: int, width: int):
+        super().__init__()
+        self.width = width
+        self.conv = nn.Conv1d(dim, dim, width, groups=dim, bias=False)
+        nn.init.zeros_(self.conv.weight)  # starts as the identity: training decides how much to mix
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.pad(x.transpose(1, 2), (self.width - 1, 0))
+        return x + self.conv(h).transpose(1, 2)
+
+
 class Block(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim)
+        self.mix = CausalConv(args.dim, args.conv_width) if args.conv_width > 0 else nn.Identity()
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim)
         self.feed_forward = FeedForward(args)
 
     def forward(self, x, cos, sin):
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+        x = x + self.attention(self.mix(self.attention_norm(x)), cos, sin)
         return x + self.feed_forward(self.ffn_norm(x))
 
 

@@ -52,7 +52,8 @@ Variants (``variant=``), one kernel specialised by two constexprs:
 Default: ``"ws2_ov"`` with 3 stages, the fastest on the H100 (benchmarks/NOTES_hopper.md: 1.08-1.18x cuDNN's
 speed at rho=1, 16K-64K, D=128); with 2 stages the overlap variants wait on the slot they have not yet released.
 
-Masked tiles (listed first; usually only the diagonal) run one at a time, without the overlap.
+Masked tiles (listed first; usually only the diagonal) go through the same overlapped step as the others in the
+overlap variants (they were one at a time before: S2O's intra-segment squares are a fifth of its tiles).
 
 Written against the Gluon API of Triton 3.6 (``triton.experimental.gluon``); other versions may differ in it (the
 module imports without Gluon and the wrapper then raises NotImplementedError).
@@ -275,56 +276,70 @@ if GLUON_IMPORT_ERROR is None:
         else:
             mbarrier.wait(q_bar, 0)
 
-        # -- masked tiles (first in the list): one at a time, never subject to early stop
-        for t in range(0, n_masked):
-            start = gl.load(tile_ptr + t * stride_tt)
-            acc, m_i, l_i, gain, l_prev = _attend_tile(t, start, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero,
-                                                       acc, m_i, l_i, qk_scale, pv_lambda, q_pos, N_K, KEY_LEN,
-                                                       kidx_base, stride_kip, True, HAS_KIDX, PV_SKIP, BLOCK_N,
-                                                       STAGES, s_layout, row_o, p_layout)
-            _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt, n_tiles, b,
-                     hkv, STAGES, WARP_SPEC)
-
-        # -- unmasked tiles: no mask arithmetic. With early stop the walk is a while loop that both warpgroups
-        # leave after the same tile (``_goes_on``); ``last`` is the last tile computed
+        # -- unmasked tiles need no mask arithmetic; masked ones (first in the list) are never subject to early
+        # stop. With early stop the walk is a while loop that both warpgroups leave after the same tile
+        # (``_goes_on``); ``last`` is the last tile computed
         last = n_tiles - 1
+        if not OVERLAP:
+            for t in range(0, n_masked):
+                start = gl.load(tile_ptr + t * stride_tt)
+                acc, m_i, l_i, gain, l_prev = _attend_tile(t, start, q_smem, k_bufs, v_bufs, k_ready, v_ready,
+                                                           s_zero, acc, m_i, l_i, qk_scale, pv_lambda, q_pos, N_K,
+                                                           KEY_LEN, kidx_base, stride_kip, True, HAS_KIDX, PV_SKIP,
+                                                           BLOCK_N, STAGES, s_layout, row_o, p_layout)
+                _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
+                         n_tiles, b, hkv, STAGES, WARP_SPEC)
         if OVERLAP:
-            if n_masked < n_tiles:
-                t0 = n_masked
-                s0 = t0 % STAGES
-                k_buf = k_bufs.index(s0)
-                mbarrier.wait(k_ready.index(s0), (t0 // STAGES) & 1)
-                s_acc = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_buf))
-                p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0, N_K,
-                                                                 KEY_LEN, kidx_base, stride_kip, False, HAS_KIDX,
-                                                                 PV_SKIP, BLOCK_N, s_layout)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                p16 = gl.convert_layout(p.to(dtype), p_layout)
+            # every tile, masked ones included, through the overlapped step: S(t) is issued before O += P(t-1) V(t-1)
+            if n_tiles > 0:
+                k_first = k_bufs.index(0)
+                mbarrier.wait(k_ready.index(0), 0)
+                s_acc = warpgroup_mma(q_smem, k_first.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_first))
+                if n_masked > 0:
+                    p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos,
+                                                                     gl.load(tile_ptr), N_K, KEY_LEN, kidx_base,
+                                                                     stride_kip, True, HAS_KIDX, PV_SKIP, BLOCK_N,
+                                                                     s_layout)
+                else:
+                    p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0,
+                                                                     N_K, KEY_LEN, kidx_base, stride_kip, False,
+                                                                     HAS_KIDX, PV_SKIP, BLOCK_N, s_layout)
+                p16 = gl.convert_layout(p.to(dtype), p_layout)  # acc is still zero: no rescale
+                for t in range(1, n_masked):
+                    acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
+                        t, gl.load(tile_ptr + t * stride_tt), desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready,
+                        v_ready, kv_empty, tile_ptr, stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16,
+                        qk_scale, pv_lambda, q_pos, N_K, KEY_LEN, kidx_base, stride_kip, True, HAS_KIDX, PV_SKIP,
+                        BLOCK_N, STAGES, WARP_SPEC, s_layout, row_o, p_layout)
+                t1 = gl.maximum(n_masked, 1)  # the first unmasked tile not yet computed
                 if EARLY_STOP:
-                    mine = _publish_vote(gain, l_prev, row_ok, es_tau, 0, votes, vote_bar, WG, VOTE_SLOTS,
-                                         vote_layout)
-                    t = t0 + 1
-                    go = (t < n_tiles) & _goes_on(mine, 0, votes, vote_bar, WG, VOTE_SLOTS, vote_layout)
+                    if n_masked == 0:  # tile 0 was unmasked: its vote decides whether the walk goes on
+                        first_vote = _publish_vote(gain, l_prev, row_ok, es_tau, 0, votes, vote_bar, WG, VOTE_SLOTS,
+                                                   vote_layout)
+                        go = (t1 < n_tiles) & _goes_on(first_vote, 0, votes, vote_bar, WG, VOTE_SLOTS, vote_layout)
+                    else:
+                        go = t1 < n_tiles
+                    t = t1
                     while go:
                         acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
-                            t, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
+                            t, 0, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
                             stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, N_K,
-                            KEY_LEN, kidx_base, stride_kip, HAS_KIDX, PV_SKIP, BLOCK_N, STAGES, WARP_SPEC, s_layout,
-                            row_o, p_layout)
-                        mine = _publish_vote(gain, l_prev, row_ok, es_tau, t - t0, votes, vote_bar, WG, VOTE_SLOTS,
-                                             vote_layout)
+                            KEY_LEN, kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N, STAGES, WARP_SPEC,
+                            s_layout, row_o, p_layout)
+                        mine = _publish_vote(gain, l_prev, row_ok, es_tau, t - n_masked, votes, vote_bar, WG,
+                                             VOTE_SLOTS, vote_layout)
                         t += 1
-                        go = (t < n_tiles) & _goes_on(mine, t - 1 - t0, votes, vote_bar, WG, VOTE_SLOTS,
+                        go = (t < n_tiles) & _goes_on(mine, t - 1 - n_masked, votes, vote_bar, WG, VOTE_SLOTS,
                                                       vote_layout)
                     last = t - 1
                 else:
-                    for t in range(t0 + 1, n_tiles):
+                    for t in range(t1, n_tiles):
                         acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
-                            t, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
+                            t, 0, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
                             stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, N_K,
-                            KEY_LEN, kidx_base, stride_kip, HAS_KIDX, PV_SKIP, BLOCK_N, STAGES, WARP_SPEC, s_layout,
-                            row_o, p_layout)
+                            KEY_LEN, kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N, STAGES, WARP_SPEC,
+                            s_layout, row_o, p_layout)
                 sl = last % STAGES
                 v_last = v_bufs.index(sl)
                 mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
@@ -381,13 +396,15 @@ if GLUON_IMPORT_ERROR is None:
             tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _overlapped_step(t, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
-                         n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, N_K, KEY_LEN,
-                         kidx_base, stride_kip, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr,
+    def _overlapped_step(t, start, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
+                         stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, N_K,
+                         KEY_LEN, kidx_base, stride_kip, MASKED: gl.constexpr, HAS_KIDX: gl.constexpr,
+                         PV_SKIP: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARP_SPEC: gl.constexpr,
                          s_layout: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr):
-        """FA3's intra-warpgroup overlap, unmasked tile ``t``: issue S(t) = Q K(t)^T, then O += P(t-1) V(t-1);
-        softmax(t) runs while the second is in flight. Returns (acc, m_i, l_i, p16 of tile t, gain, l_prev)."""
+        """FA3's intra-warpgroup overlap, tile ``t`` (masked: its keys start at logical position ``start``): issue
+        S(t) = Q K(t)^T, then O += P(t-1) V(t-1); softmax(t) runs while the second is in flight.
+        Returns (acc, m_i, l_i, p16 of tile t, gain, l_prev)."""
         s = t % STAGES
         sp = (t - 1) % STAGES
         k_buf = k_bufs.index(s)
@@ -397,9 +414,9 @@ if GLUON_IMPORT_ERROR is None:
         mbarrier.wait(v_ready.index(sp), ((t - 1) // STAGES) & 1)
         acc = warpgroup_mma(p16, v_prev, acc, is_async=True)
         s_acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_acc, q_smem, k_buf))
-        p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0, N_K, KEY_LEN,
-                                                         kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N,
-                                                         s_layout)
+        p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, start, N_K,
+                                                         KEY_LEN, kidx_base, stride_kip, MASKED, HAS_KIDX, PV_SKIP,
+                                                         BLOCK_N, s_layout)
         acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_prev))
         _release(t - 1, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
                  n_tiles, b, hkv, STAGES, WARP_SPEC)
@@ -590,13 +607,24 @@ SHARED_MEMORY_LIMIT = 227 * 1024
 
 
 def shared_memory_bytes(head_dim: int, block_n: int, num_stages: int, element_size: int = 2) -> int:
-    """Q (and the output staging in its buffer) plus ``num_stages`` K and V tiles, plus the ring's barriers."""
-    return element_size * head_dim * (BLOCK_M + 2 * num_stages * block_n) + 8 * (3 * num_stages + 1)
+    """Q (and the output staging in its buffer) plus ``num_stages`` K and V tiles, plus the ring's barriers and
+    1 KiB for the compiler's scratch (votes, layout conversions: 16-300 B in every compiled variant)."""
+    return element_size * head_dim * (BLOCK_M + 2 * num_stages * block_n) + 8 * (3 * num_stages + 1) + 1024
+
+
+#: the K/V ring depth per (head dim, block_n) when the caller names none: the deepest ring that helps.
+#: D=128 / block_n=128: 3 (the most that fits). Other shapes: 3 until measured otherwise.
+DEFAULT_STAGES: dict = {}
+MAX_STAGES = 6
+
+
+def default_stages(head_dim: int, block_n: int) -> int:
+    return DEFAULT_STAGES.get((head_dim, block_n), 3)
 
 
 def hopper_unsupported(q, k, v, tile_offsets=None, *, block_m: int = 128, block_n: int = 128,
                        key_index=None, query_index=None, early_stop: float = 0.0, pv_skip=None,
-                       num_stages: int = 3, variant: str = "ws2_ov") -> Optional[str]:
+                       num_stages: Optional[int] = None, variant: str = "ws2_ov") -> Optional[str]:
     """Why the Hopper kernel cannot run this call (a sentence), or None when it can. Checks no plan values."""
     if GLUON_IMPORT_ERROR is not None:
         return f"Gluon (triton.experimental.gluon, Triton 3.6 API) unavailable: {GLUON_IMPORT_ERROR}"
@@ -627,8 +655,10 @@ def hopper_unsupported(q, k, v, tile_offsets=None, *, block_m: int = 128, block_
         return f"block_m={block_m} is not supported (128)"
     if block_n not in (64, 128):
         return f"block_n={block_n} is not supported (64 or 128)"
-    if num_stages not in (2, 3, 4):
-        return f"num_stages={num_stages} is not supported (2, 3 or 4)"
+    if num_stages is None:
+        num_stages = default_stages(D, block_n)
+    if not 2 <= num_stages <= MAX_STAGES:
+        return f"num_stages={num_stages} is not supported (2 to {MAX_STAGES})"
     smem = shared_memory_bytes(D, block_n, num_stages, q.element_size())
     if smem > SHARED_MEMORY_LIMIT:
         return (f"num_stages={num_stages} needs {smem // 1024} KiB of shared memory at D={D}, block_n={block_n} "
@@ -661,8 +691,8 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     """Block-sparse causal attention over tile lists (the plan contract, module docstring) on an H100.
 
     q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D) -> out (B, Hq, Nq, D) in q's dtype, stored as (B, Nq, Hq, D) memory.
-    ``num_stages``: K/V ring depth, 2 to 4 where shared memory allows (None: 3; at D=128, block_n=128 that is
-    224 KiB, the most that fits).
+    ``num_stages``: K/V ring depth, 2 to ``MAX_STAGES`` where shared memory allows (None: ``default_stages``; at
+    D=128, block_n=128 that is 3, 224 KiB, the most that fits).
     ``pv_skip`` lambda < 0 (natural-log units) drops a row's P.V share of a tile as the Triton kernel does;
     ``key_index`` (Hkv heads) is served by a permuted contiguous K/V copy read by TMA, the index itself read in
     masked tiles for positions. ``return_visited``: also the int32 (B, Hq, n_query_blocks) tiles each block
@@ -671,7 +701,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     and ValueError for malformed inputs. ``variant``: one of HOPPER_VARIANTS (module docstring).
     """
     if num_stages is None:
-        num_stages = 3
+        num_stages = default_stages(q.shape[-1], block_n)
     why = hopper_unsupported(q, k, v, tile_offsets, block_m=block_m, block_n=block_n, key_index=key_index,
                              query_index=query_index, early_stop=early_stop, pv_skip=pv_skip, num_stages=num_stages,
                              variant=variant)

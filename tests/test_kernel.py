@@ -683,12 +683,16 @@ def test_backend_argument_on_the_interpreter_path():
 
 
 def test_hopper_ring_depth_is_bounded_by_shared_memory():
-    """The K/V ring may go 4 deep only where Q plus the ring fits an H100's 227 KiB (D=64, or block_n=64)."""
+    """The K/V ring may go deeper than 3 only where Q plus the ring fits an H100's 227 KiB (D=64, or block_n=64;
+    6 deep at D=128 / block_n=64, SpargeAttn's tiles), and every default depth fits."""
     H = importlib.import_module("sparse_compile.kernels.hopper")
     fits = {(d, bn, st): H.shared_memory_bytes(d, bn, st) <= H.SHARED_MEMORY_LIMIT
-            for d in (64, 128) for bn in (64, 128) for st in (2, 3, 4)}
+            for d in (64, 128) for bn in (64, 128) for st in range(2, H.MAX_STAGES + 1)}
     assert fits[(128, 128, 3)] and not fits[(128, 128, 4)]
-    assert fits[(64, 128, 4)] and fits[(128, 64, 4)]
+    assert fits[(64, 128, 4)] and fits[(128, 64, 6)] and fits[(64, 64, 6)]
+    for d in (64, 128):
+        for bn in (64, 128):
+            assert fits[(d, bn, H.default_stages(d, bn))], (d, bn)
 
 
 def _has_h100():
