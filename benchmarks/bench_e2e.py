@@ -313,6 +313,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--budget-reps", type=int, default=1, help="timed runs of each fixed-density setting")
     parser.add_argument("--inductor", action="store_true", help="also compile with backend='inductor'")
+    parser.add_argument("--skip-defaults", action="store_true",
+                        help="time the dense baselines and the fixed densities, not the methods at their defaults")
     parser.add_argument("--budgets-only", action="store_true",
                         help="only the fixed-density runs (merge with a run that has the dense rows, --from-jsonl)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's 32)")
@@ -404,7 +406,8 @@ def main() -> None:
             sync()
             first_call[key] = round(time.perf_counter() - started, 1)
 
-    total = sum((0 if args.budgets_only else 4 - args.skip_eager + args.eager_floor + bool(inductor) + len(args.methods))
+    total = sum((0 if args.budgets_only else 4 - args.skip_eager + args.eager_floor + bool(inductor)
+                 + len(args.methods) * (not args.skip_defaults))
                 + (len(args.methods) * len(args.budgets) if n in args.budget_lengths else 0) for n in args.lengths)
     bar = tqdm(total=total, desc="prefill", unit="contender") if tqdm else None
     for n in args.lengths:
@@ -423,7 +426,8 @@ def main() -> None:
             if inductor is not None:
                 first("inductor", run(inductor), ids)
                 entries.append(({"contender": "inductor (backend=inductor)"}, run(inductor), args.reps))
-        budgets = [None] * (not args.budgets_only) + (list(args.budgets) if n in args.budget_lengths else [])
+        budgets = ([None] * (not (args.budgets_only or args.skip_defaults))
+                   + (list(args.budgets) if n in args.budget_lengths else []))
         qk = None  # this length's captured query/key, for calibration
         for budget in budgets:
             for method in args.methods:
