@@ -69,6 +69,23 @@ def test_pbs_permutation_with_sparge_selection_keep_all_equals_eager():
     assert sparse_compile.runtime_stats()["layers.0.attention"].last_path == "sparse"
 
 
+def test_model_with_a_convolution_before_attention_still_rewrites():
+    """``ModelArgs.conv_width`` (the retrieval model's option): the attention call is unchanged, so every layer runs
+    sparse, and with every tile kept the output equals eager."""
+    model = Transformer(ModelArgs(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=1, intermediate_size=128,
+                                  conv_width=4)).eval()
+    with torch.no_grad():
+        for block in model.layers:
+            block.mix.conv.weight.normal_(0, 0.3)  # zero at init: make the convolution act
+    x = torch.randint(0, 64, (2, 83))
+    compiled = torch.compile(model, backend="sparse_prefill", options=SMALL_BLOCKS)
+    with torch.no_grad(), sparsity(method="pbs", **KEEP_ALL["pbs"]):
+        out = compiled(x)
+        torch.testing.assert_close(out, model(x), rtol=2e-4, atol=2e-5)
+    stats = sparse_compile.runtime_stats()
+    assert all(stats[f"layers.{i}.attention"].last_path == "sparse" for i in range(2)), stats
+
+
 transformers = pytest.importorskip("transformers")
 
 
