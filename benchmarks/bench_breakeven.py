@@ -21,6 +21,7 @@ Shape: bf16, B=1, 32 query / 8 KV heads, head dim 128 (Llama-3.1-8B attention). 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -210,6 +211,9 @@ def tiles(args) -> None:
                         else:
                             hopper.DEFAULT_STAGES[shape] = saved
                 contenders[f"method_stages{stages}"] = run_stages
+            if plan.pv_skip is not None:  # what the P.V skip's per-element select costs: the same plan without it
+                plain = dataclasses.replace(plan, pv_skip=None)
+                contenders["method_no_pv_skip"] = lambda: _execute(q, k, v, plain, scale, config, "triton", False)
             if plan.early_stop > 0 or plan.query_index is not None:
                 def run_triton(run=run_method):
                     os.environ[kernel_module.BACKEND_ENV] = "triton"
@@ -232,6 +236,8 @@ def tiles(args) -> None:
                    "sm_clock_mhz": sm_clock_mhz()}
             for stages in args.hopper_stages:
                 row[f"efficiency_stages{stages}"] = density * ms["dense"] / ms[f"method_stages{stages}"]
+            if "method_no_pv_skip" in ms:
+                row["efficiency_without_pv_skip"] = density * ms["dense"] / ms["method_no_pv_skip"]
             if "method_triton" in ms:
                 row["method_triton_ms"] = ms["method_triton"]
                 row["triton_efficiency_vs_dense"] = density * ms["dense"] / ms["method_triton"]
@@ -243,7 +249,7 @@ def tiles(args) -> None:
     print(write_results(f"{args.name}_tiles", rows, out_dir=args.out,
                         columns=["N", "method", "shape", "backend", "listed_density", "visited_density", "dense_ms",
                                  "method_ms", "efficiency_vs_dense", "triton_efficiency_vs_dense",
-                                 *[f"efficiency_stages{x}" for x in args.hopper_stages],
+                                 *[f"efficiency_stages{x}" for x in args.hopper_stages], "efficiency_without_pv_skip",
                                  "dense_over_cudnn", "sm_clock_mhz"]))
 
 

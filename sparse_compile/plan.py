@@ -20,7 +20,9 @@ Every method ends in a ``BlockPlan``; the Triton kernel (``sparse_compile.kernel
   (its cost is already paid). Masked tiles are never subject to the stop.
 * P·V skip (``pv_skip = λ < 0``). For any tile, a query row with ``rowmax(S_tile) - m_new < λ`` drops its share
   of the tile's P·V (its P row counts as zero there; the denominator is still updated). Per row, so a decision
-  never depends on the other rows of the block; V is still read (0 · NaN is NaN, as for masked keys).
+  never depends on the other rows of the block; V is still read (0 · NaN is NaN, as for masked keys). The
+  kernels do not run a skip that cannot show in the output (Nk · e^λ · max|v| under 1/16 of the output dtype's
+  epsilon: ``kernels.attention.pv_skip_is_negligible``; bf16 at λ = −20 up to 236K keys); the reference runs it.
 * Rows that see no key produce zeros.
 * Non-finite values behave as in dense attention: a row whose visited scores include a NaN or an infinity
   outputs non-finite values, and such a row does not keep an early-stop walk going (it is non-finite whatever

@@ -322,6 +322,26 @@ def test_pv_skip_matches_reference():
     assert rel_error(ref, no_skip) > 20 * rel_error(out, ref)
 
 
+def test_negligible_pv_skip_is_not_run():
+    """A skip that drops less than 1/16 of the output dtype's epsilon (relative to max|v|) runs as no skip: same
+    output as without it, within that bound of the skipping reference; a visible skip still runs."""
+    from sparse_compile.kernels.attention import pv_skip_is_negligible
+
+    assert pv_skip_is_negligible(-20.0, 131072, torch.bfloat16) and not pv_skip_is_negligible(-20.0, 262144,
+                                                                                              torch.bfloat16)
+    assert not pv_skip_is_negligible(-20.0, 64, torch.float32) and not pv_skip_is_negligible(-3.0, 64, torch.float16)
+    B, Hq, Hkv, N, D, b = 1, 4, 2, 96, 32, 16
+    q, k, v = _sink_qkv(B, Hq, Hkv, N, N, D, torch.float16, strength=1.2)
+    plan = causal_plan(B, Hq, N, N, b, b, device=DEV)
+    plain = _kernel(q, k, v, plan)
+    assert torch.equal(_kernel(q, k, v, plan.with_options(pv_skip=-20.0)), plain)
+    skipping = _ref(q, k, v, plan.with_options(pv_skip=-20.0))[0]
+    bound = N * math.exp(-20.0) * float(v.abs().max())
+    assert float((plain.float() - dense_reference(q, k, v).float()).abs().max()) < 2e-3  # fp16 rounding
+    assert float((skipping.float() - dense_reference(q, k, v).float()).abs().max()) < 2e-3 + bound
+    assert not torch.equal(_kernel(q, k, v, plan.with_options(pv_skip=-1.0)), plain)  # a visible skip runs
+
+
 def test_pv_skip_decides_per_row():
     """A row's P.V skip never depends on the other rows of its block: 16-row kernel blocks over a 32-row plan give
     the same output as 32-row ones, and rows whose tile maxima are far below drop exactly their own share."""
