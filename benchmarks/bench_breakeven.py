@@ -297,7 +297,8 @@ def main(argv=None) -> None:
     parser.add_argument("--calls", type=int, default=1,
                         help="--verify: back-to-back calls per timed sample (1: each call's host time shows)")
     parser.add_argument("--queue-ahead", action="store_true",
-                        help="--verify / --measure: start each sample behind a GPU sleep (host ahead, as in a forward pass)")
+                        help="--verify / --measure: start each sample behind a GPU sleep (host ahead, as in a "
+                             "forward pass)")
     parser.add_argument("--layout", choices=("model", "contiguous"), default="model",
                         help="--verify: q/k/v as a model passes them (B, N, H, D memory) or contiguous (B, H, N, D)")
     parser.add_argument("--table", default=str(TABLE_FILE))

@@ -11,8 +11,9 @@ Subset served (anything else raises ``NotImplementedError`` naming it, so that a
 ``kernels.attention.block_sparse_attention`` dispatches here automatically on sm_90 GPUs):
 bf16 / fp16; head dim 64 or 128; ``block_m == 128``; ``block_n`` 64 or 128; ``query_index`` (the compute
 warpgroups gather their Q rows with ordinary loads and scatter O from registers: TMA cannot gather rows on Hopper);
-early stop with the two-warpgroup variants (below); the P.V skip (per row, branch-free, as the Triton kernel: after a tile's denominator update, a row whose tile
-maximum is below its running maximum by more than |lambda| zeroes its P for the P.V MMA); ``key_index`` with Hkv
+early stop with the two-warpgroup variants (below); the P.V skip (per row, branch-free, as the Triton kernel:
+after a tile's denominator update, a row whose tile maximum is below its running maximum by more than |lambda|
+zeroes its P for the P.V MMA); ``key_index`` with Hkv
 heads (PBS-style permuted keys: the Triton kernel's "copy" key mode, a permuted contiguous K/V copy that TMA reads
 like ordinary keys, its logical length may exceed Nk; masked tiles load the tile's key positions from the index
 with ordinary loads for the causal / padding mask); any strides whose last dim is contiguous and whose other
@@ -280,15 +281,6 @@ if GLUON_IMPORT_ERROR is None:
         # stop. With early stop the walk is a while loop that both warpgroups leave after the same tile
         # (``_goes_on``); ``last`` is the last tile computed
         last = n_tiles - 1
-        if not OVERLAP:
-            for t in range(0, n_masked):
-                start = gl.load(tile_ptr + t * stride_tt)
-                acc, m_i, l_i, gain, l_prev = _attend_tile(t, start, q_smem, k_bufs, v_bufs, k_ready, v_ready,
-                                                           s_zero, acc, m_i, l_i, qk_scale, pv_lambda, q_pos, N_K,
-                                                           KEY_LEN, kidx_base, stride_kip, True, HAS_KIDX, PV_SKIP,
-                                                           BLOCK_N, STAGES, s_layout, row_o, p_layout)
-                _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
-                         n_tiles, b, hkv, STAGES, WARP_SPEC)
         if OVERLAP:
             # every tile, masked ones included, through the overlapped step: S(t) is issued before O += P(t-1) V(t-1)
             if n_tiles > 0:
@@ -347,29 +339,40 @@ if GLUON_IMPORT_ERROR is None:
                 acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_last))
                 _release(last, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
                          n_tiles, b, hkv, STAGES, WARP_SPEC)
-        elif EARLY_STOP:
-            t = n_masked
-            go = t < n_tiles
-            while go:
-                acc, m_i, l_i, gain, l_prev = _attend_tile(t, 0, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero,
-                                                           acc, m_i, l_i, qk_scale, pv_lambda, q_pos, N_K, KEY_LEN,
-                                                           kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N,
-                                                           STAGES, s_layout, row_o, p_layout)
-                mine = _publish_vote(gain, l_prev, row_ok, es_tau, t - n_masked, votes, vote_bar, WG, VOTE_SLOTS,
-                                     vote_layout)
-                _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
-                         n_tiles, b, hkv, STAGES, WARP_SPEC)
-                t += 1
-                go = (t < n_tiles) & _goes_on(mine, t - 1 - n_masked, votes, vote_bar, WG, VOTE_SLOTS, vote_layout)
-            last = t - 1
         else:
-            for t in range(n_masked, n_tiles):
-                acc, m_i, l_i, gain, l_prev = _attend_tile(t, 0, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero,
-                                                           acc, m_i, l_i, qk_scale, pv_lambda, q_pos, N_K, KEY_LEN,
-                                                           kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N,
-                                                           STAGES, s_layout, row_o, p_layout)
+            # one tile at a time: the masked tiles, then the unmasked walk
+            for t in range(0, n_masked):
+                start = gl.load(tile_ptr + t * stride_tt)
+                acc, m_i, l_i, gain, l_prev = _attend_tile(t, start, q_smem, k_bufs, v_bufs, k_ready, v_ready,
+                                                           s_zero, acc, m_i, l_i, qk_scale, pv_lambda, q_pos, N_K,
+                                                           KEY_LEN, kidx_base, stride_kip, True, HAS_KIDX, PV_SKIP,
+                                                           BLOCK_N, STAGES, s_layout, row_o, p_layout)
                 _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
                          n_tiles, b, hkv, STAGES, WARP_SPEC)
+            if EARLY_STOP:
+                t = n_masked
+                go = t < n_tiles
+                while go:
+                    acc, m_i, l_i, gain, l_prev = _attend_tile(t, 0, q_smem, k_bufs, v_bufs, k_ready, v_ready,
+                                                               s_zero, acc, m_i, l_i, qk_scale, pv_lambda, q_pos,
+                                                               N_K, KEY_LEN, kidx_base, stride_kip, False, HAS_KIDX,
+                                                               PV_SKIP, BLOCK_N, STAGES, s_layout, row_o, p_layout)
+                    mine = _publish_vote(gain, l_prev, row_ok, es_tau, t - n_masked, votes, vote_bar, WG,
+                                         VOTE_SLOTS, vote_layout)
+                    _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
+                             n_tiles, b, hkv, STAGES, WARP_SPEC)
+                    t += 1
+                    go = (t < n_tiles) & _goes_on(mine, t - 1 - n_masked, votes, vote_bar, WG, VOTE_SLOTS,
+                                                  vote_layout)
+                last = t - 1
+            else:
+                for t in range(n_masked, n_tiles):
+                    acc, m_i, l_i, gain, l_prev = _attend_tile(t, 0, q_smem, k_bufs, v_bufs, k_ready, v_ready,
+                                                               s_zero, acc, m_i, l_i, qk_scale, pv_lambda, q_pos,
+                                                               N_K, KEY_LEN, kidx_base, stride_kip, False, HAS_KIDX,
+                                                               PV_SKIP, BLOCK_N, STAGES, s_layout, row_o, p_layout)
+                    _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
+                             n_tiles, b, hkv, STAGES, WARP_SPEC)
         if EARLY_STOP:
             _drain(last, n_tiles, k_ready, v_ready, STAGES)
             if ROW0 == 0:
@@ -612,8 +615,9 @@ def shared_memory_bytes(head_dim: int, block_n: int, num_stages: int, element_si
     return element_size * head_dim * (BLOCK_M + 2 * num_stages * block_n) + 8 * (3 * num_stages + 1) + 1024
 
 
-#: the K/V ring depth per (head dim, block_n) when the caller names none: the deepest ring that helps.
-#: D=128 / block_n=128: 3 (the most that fits). Other shapes: 3 until measured otherwise.
+#: K/V ring depths per (head dim, block_n) that differ from 3 when the caller names none. Empty: 3 is the most that
+#: fits at D=128 / block_n=128, and 4-6 stages did not help elsewhere (benchmarks/NOTES_hopper.md, part 5);
+#: ``bench_breakeven.py --tiles --hopper-stages`` sets entries to time other depths.
 DEFAULT_STAGES: dict = {}
 MAX_STAGES = 6
 
