@@ -24,8 +24,9 @@ class ModelArgs:
     rope_base: float = 10000.0
     max_seq_len: int = 1 << 17
     # > 0: a depthwise causal convolution over the last ``conv_width`` positions mixes each attention input with
-    # its predecessors (0: none). A byte-level key such as ``_vkey_402913 = "`` then reaches attention as one
-    # vector, so a small model can look it up in one step; attention's shapes are unchanged.
+    # its predecessors (0: none), so a byte-level key such as ``_vkey_402913 = "`` can reach attention as one
+    # vector; attention's shapes are unchanged. Tried for the retrieval model: not better at its training budget
+    # (benchmarks/results/retrieval_lm_experiments.md, runs 4-5).
     conv_width: int = 0
 
     @property
