@@ -4,6 +4,7 @@
     python benchmarks/bench_breakeven.py --verify             # GPU: each method at its defaults vs cuDNN
     python benchmarks/bench_breakeven.py --memory             # GPU: peak extra memory per method, 64K-256K
     python benchmarks/bench_breakeven.py --tiles              # GPU: each method's plans per tile vs our dense kernel
+    python benchmarks/bench_breakeven.py --s2o-parts          # GPU: where S2O's time per visited tile goes
 
 ``--measure``: per length and per default plan shape of every registered method, the sparse kernel's time with
 every causal tile kept (early stop and P.V skip present but inert, so their branches cost what they cost) and the
@@ -253,6 +254,107 @@ def tiles(args) -> None:
                                  "dense_over_cudnn", "sm_clock_mhz"]))
 
 
+def _static_plan(plan, visited, *, drop_masked: bool = False, query_index: bool = True):
+    """``plan`` cut to the tiles an early-stopping run visited, with early stop off (the same work without the
+    vote); ``drop_masked`` also leaves out the masked (intra-segment) tiles; ``query_index=False`` drops the
+    query permutation (same work, queries read in place: timing only)."""
+    counts, offsets, masked = visited.to(torch.int32), plan.tile_offsets, plan.masked_counts
+    if drop_masked:
+        t = torch.arange(offsets.shape[-1], device=offsets.device)
+        shifted = (t + masked[..., None].long()).clamp(max=offsets.shape[-1] - 1)
+        offsets = torch.gather(offsets, -1, shifted.expand_as(offsets)).contiguous()
+        counts = (counts - masked).clamp(min=0)
+        masked = torch.zeros_like(masked)
+    return dataclasses.replace(plan, tile_offsets=offsets, tile_counts=counts.contiguous(),
+                               masked_counts=masked.contiguous(), early_stop=0.0,
+                               query_index=plan.query_index if query_index else None)
+
+
+def _kernel_times(fn) -> dict:
+    """CUDA time per kernel name (ms) of one call of ``fn``, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals = {}
+    for event in prof.key_averages():
+        if event.device_type != torch.autograd.DeviceType.CUDA:  # kernels only, not the ops that launch them
+            continue
+        cuda_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if cuda_us and event.key:
+            totals[event.key[:60]] = round(cuda_us / 1e3, 3)
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:8])
+
+
+def s2o_parts(args) -> None:
+    """Where S2O's time per visited tile goes (issue 11, item 2): structured inputs, S2O's defaults, contenders
+    timed alternately: our dense kernel; the method; the visited tiles as a static plan (no early-stop vote); the
+    same without the query permutation; the static plan's unmasked (ranked-prefix) tiles only; a plan with no tiles
+    (the fixed costs); the plan without the query sort (``sort_queries=False``, its own visited tiles); and the
+    method with its keys through permuted K/V copies in segment chunks instead of gathered in place. Efficiency =
+    tiles x t_dense / (causal tiles x t)."""
+    from bench_methods import structured_inputs
+    from sparse_compile.methods.s2o import execute_s2o
+    from sparse_compile.plan import causal_plan, causal_tile_count
+
+    rows = []
+    scale = 1.0 / math.sqrt(D)
+    for n in args.lengths:
+        q, k, v = in_model_layout(*structured_inputs(n, device="cuda"))
+        dense_plan = causal_plan(1, HQ, n, n, 128, 128, device="cuda")
+        causal = causal_tile_count(n, n, 128, 128) * HQ
+        config = SparseConfig(method="s2o")
+        unsorted = config.replace(s2o=config.params_of("s2o").updated({"sort_queries": False}))
+        plans, tiles = {}, {}
+        with torch.no_grad():
+            for name, cfg in (("s2o", config), ("s2o_unsorted", unsorted)):
+                plan = build_plan(q, k, scale, cfg)
+                _, visited = _execute(q, k, v, plan, scale, cfg, "triton", True)
+                plans[name], tiles[name] = (plan, cfg), visited
+            plan, visited = plans["s2o"][0], tiles["s2o"]
+            masked_tiles = float(plan.masked_counts.sum()) * (HQ // plan.masked_counts.shape[1])
+            plans["static"] = (_static_plan(plan, visited), config)
+            plans["static_no_query_index"] = (_static_plan(plan, visited, query_index=False), config)
+            plans["static_prefix_only"] = (_static_plan(plan, visited, drop_masked=True), config)
+            plans["no_tiles"] = (dataclasses.replace(plan, tile_counts=torch.zeros_like(plan.tile_counts),
+                                                       masked_counts=torch.zeros_like(plan.masked_counts)), config)
+            work = {"s2o": float(visited.sum()), "static": float(visited.sum()),
+                    "static_no_query_index": float(visited.sum()),
+                    "static_prefix_only": float(visited.sum()) - masked_tiles, "no_tiles": 0.0,
+                    "s2o_unsorted": float(tiles["s2o_unsorted"].sum())}
+            errors = {}
+            ref = cudnn(q, k, v).float()
+            for name in ("s2o", "s2o_unsorted"):
+                out = _execute(q, k, v, plans[name][0], scale, plans[name][1], "triton", False)
+                errors[name] = float((out.float() - ref).abs().sum() / ref.abs().sum())
+            del ref
+        contenders = {"dense": lambda: execute_plan(q, k, v, dense_plan, scale, kernel="triton")}
+        for name, (p, cfg) in plans.items():
+            contenders[name] = lambda p=p, cfg=cfg: _execute(q, k, v, p, scale, cfg, "triton", False)
+        # the keys through permuted K/V copies in segment chunks (what ran before the kernel gathered them)
+        contenders["s2o_copied_keys"] = lambda: execute_s2o(q, k, v, plan, scale, config, kernel="triton",
+                                                            key_mode="copy")
+        work["s2o_copied_keys"] = work["s2o"]
+        plans["s2o_copied_keys"] = None
+        ms = alternate(contenders, args.reps)
+        row = {"N": n, "kernels_ms": _kernel_times(contenders["s2o"]),
+               "kernels_copied_keys_ms": _kernel_times(contenders["s2o_copied_keys"]), "dense_ms": ms["dense"], "masked_tile_share": masked_tiles / max(work["s2o"], 1),
+               "rel_l1": errors["s2o"], "rel_l1_unsorted": errors["s2o_unsorted"], "sm_clock_mhz": sm_clock_mhz()}
+        for name in plans:
+            row[f"{name}_ms"] = ms[name]
+            row[f"{name}_density"] = work[name] / causal
+            if work[name]:
+                row[f"{name}_efficiency"] = work[name] / causal * ms["dense"] / ms[name]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del q, k, v, plans, tiles
+        torch.cuda.empty_cache()
+    print(write_results(f"{args.name}_s2o_parts", rows, out_dir=args.out))
+
+
 def memory(args) -> None:
     rows = []
     for n in args.memory_lengths:
@@ -288,6 +390,9 @@ def main(argv=None) -> None:
     parser.add_argument("--verify", action="store_true")
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--tiles", action="store_true")
+    parser.add_argument("--s2o-parts", action="store_true",
+                        help="GPU: where S2O's time per visited tile goes (early-stop vote, query permutation, "
+                             "masked intra-segment tiles, K/V copies, the plan without the query sort)")
     parser.add_argument("--hopper-stages", type=int, nargs="*", default=[],
                         help="--tiles: also time each plan with the Hopper kernel's K/V ring this deep")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
@@ -315,6 +420,8 @@ def main(argv=None) -> None:
         verify(args)
     if args.tiles:
         tiles(args)
+    if args.s2o_parts:
+        s2o_parts(args)
     if args.memory:
         memory(args)
     print(f"done in {time.perf_counter() - started:.0f} s")

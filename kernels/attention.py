@@ -50,7 +50,7 @@ kernel of ``kernels/hopper.py`` (TMA, warp specialisation, async wgmma; 1.3-1.7x
 when the inputs are on a GPU of compute capability (9, 0), no ``config=`` is given, the installed Triton has the
 Gluon Hopper API (written against Triton 3.6), and the call is in its subset: bf16/fp16, D 64 or 128,
 ``block_m == 128``, ``block_n`` 64 or 128, a ``key_index`` only with Hkv heads
-(and ``key_mode`` not "gather"), 16-byte aligned strides. Everything else, the CPU interpreter
+(read through a permuted copy, or in place with ``key_mode="gather"``), 16-byte aligned strides. Everything else, the CPU interpreter
 (``TRITON_INTERPRET=1``) and other GPUs run this Triton kernel. A failure to import or compile the Hopper path
 logs one warning and sends such calls here from then on. ``backend="triton"`` (or the environment variable
 ``SPARSE_COMPILE_ATTENTION_BACKEND=triton``) forces this kernel, ``backend="hopper"`` the other one (ValueError
@@ -80,7 +80,7 @@ try:  # host-side tensor descriptors (TMA) exist from Triton 3.4
 except ImportError:  # pragma: no cover - older Triton: pointer path only
     TensorDescriptor = None
 
-__all__ = ["block_sparse_attention", "KernelConfig", "default_config"]
+__all__ = ["block_sparse_attention", "KernelConfig", "default_config", "reads_keys_in_place"]
 
 log = logging.getLogger(__name__)
 
@@ -620,8 +620,6 @@ def _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, quer
         return "TRITON_INTERPRET=1 (the Triton interpreter)"
     if q.device.type != "cuda":
         return f"inputs on {q.device}"
-    if key_index is not None and key_mode == "gather":
-        return "key_mode='gather' (the Hopper kernel reads a permuted copy)"
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     if index not in _CAPABILITY:
         _CAPABILITY[index] = torch.cuda.get_device_capability(index)
@@ -645,6 +643,28 @@ def _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, quer
 
     return hopper.hopper_unsupported(q, k, v, tile_offsets, block_m=block_m, block_n=block_n, key_index=key_index,
                                      query_index=query_index, early_stop=early_stop, pv_skip=pv_skip)
+
+
+def reads_keys_in_place(q, k, v, tile_offsets, *, block_m: int, block_n: int, key_index, query_index=None,
+                        early_stop: float = 0.0, pv_skip=None) -> bool:
+    """Whether ``block_sparse_attention`` (key_mode and backend "auto") runs the Hopper kernel with the keys read
+    through ``key_index`` in place (lists much longer than Nk: ``hopper.gathers_by_default``). No permuted K/V
+    copy is then made, so a caller with such a list (S2O) need not cut it into chunks to bound the copy's memory.
+    No host sync."""
+    if key_index is None or os.environ.get(BACKEND_ENV, "auto").strip().lower() == "triton":
+        return False
+    from . import hopper
+
+    if not hopper.gathers_by_default(key_index, k.shape[2]):
+        return False
+    if pv_skip is not None and pv_skip_is_negligible(pv_skip, k.shape[2], q.dtype):
+        pv_skip = None
+    if _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, query_index, early_stop, pv_skip,
+                           "gather", None) is not None:
+        return False
+    spec = (q.dtype, q.shape[-1], block_n, True, pv_skip is not None, query_index is not None, early_stop > 0,
+            "auto")
+    return spec not in _HOPPER_FAILED
 
 
 def block_sparse_attention(
@@ -704,7 +724,7 @@ def block_sparse_attention(
             _fail(f"backend='hopper' cannot serve this call: {why}")
         if why is None:
             spec = (q.dtype, D, block_n, key_index is not None, pv_skip is not None, query_index is not None,
-                    early_stop > 0)
+                    early_stop > 0, key_mode)
             failed = _HOPPER_FAILED.get(spec) if backend == "auto" else None
             if failed is None:
                 from . import hopper
@@ -713,7 +733,8 @@ def block_sparse_attention(
                     result = hopper.hopper_block_sparse_attention(
                         q, k, v, tile_offsets, tile_counts, masked_counts, block_n=block_n, scale=scale,
                         block_m=block_m, key_index=key_index, query_index=query_index, early_stop=early_stop,
-                        pv_skip=pv_skip, return_visited=return_visited)
+                        pv_skip=pv_skip, return_visited=return_visited,
+                        key_gather={"gather": True, "copy": False}.get(key_mode))
                 except Exception as exc:  # a compile or launch problem of the Gluon path: the Triton kernel
                     if backend == "hopper":
                         raise

@@ -17,7 +17,9 @@ zeroes its P for the P.V MMA); ``key_index`` with Hkv
 heads (PBS-style permuted keys: the Triton kernel's "copy" key mode, a permuted contiguous K/V copy that TMA reads
 like ordinary keys, its logical length may exceed Nk; masked tiles load the tile's key positions from the index
 with ordinary loads for the causal / padding mask); any strides whose last dim is contiguous and whose other
-strides are 16-byte aligned (TMA); GQA (Hq a multiple of Hkv), tables with Hq or Hkv heads; ``Nq <= Nk``.
+strides are 16-byte aligned (TMA); or, with ``key_gather`` (the default for lists over ``GATHER_LIST_RATIO`` x Nk:
+S2O's ranked prefixes), keys read in place through the index by a 4-warp load partition with cp.async (no copy of
+a list ~N^2/2S rows long; a gathered tile costs 10-16% more than a TMA one); GQA (Hq a multiple of Hkv), tables with Hq or Hkv heads; ``Nq <= Nk``.
 ``return_visited`` gives the tiles each block computed.
 
 Early stop (the plan's rule: after each unmasked tile, the block stops when no real row of its 128 gained at least
@@ -25,7 +27,8 @@ tau of its denominator; the stopping tile counts). Each compute warpgroup holds 
 a vote: after tile j's softmax a warpgroup writes whether one of its rows gained into a shared-memory slot and
 arrives on that slot's barrier. A warpgroup with a gaining row goes on without waiting (the block goes on whatever
 the other saw); one without waits for the other's vote, so both leave after the same tile and a warpgroup that is
-still gaining never stalls. The producer reads both votes of the tile whose ring slot it is about to refill (both
+still gaining never stalls. In the overlapped walk a tile's vote is cast while the next tile's S = Q K^T and
+its own P V run on the tensor cores (a stop drops that S). The producer reads both votes of the tile whose ring slot it is about to refill (both
 warpgroups vote before they release a slot), stops loading when both said stop, and the consumers wait for the
 tiles already in flight before the CTA exits. Votes live in 2 x STAGES slots: a warpgroup runs at most STAGES
 tiles ahead of the other, so a slot is never rewritten before both have read it.
@@ -69,7 +72,8 @@ import torch
 
 from .validate import cdiv, validate_qkv
 
-__all__ = ["hopper_block_sparse_attention", "HOPPER_VARIANTS", "hopper_unsupported", "GLUON_IMPORT_ERROR"]
+__all__ = ["hopper_block_sparse_attention", "HOPPER_VARIANTS", "hopper_unsupported", "gathers_by_default",
+           "GLUON_IMPORT_ERROR"]
 
 HOPPER_VARIANTS = ("tma", "tma_ov", "ws", "ws_ov", "ws2", "ws2_ov")
 _LOG2E = 1.4426950408889634
@@ -79,6 +83,7 @@ try:
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -306,24 +311,21 @@ if GLUON_IMPORT_ERROR is None:
                         BLOCK_N, STAGES, WARP_SPEC, s_layout, row_o, p_layout)
                 t1 = gl.maximum(n_masked, 1)  # the first unmasked tile not yet computed
                 if EARLY_STOP:
-                    if n_masked == 0:  # tile 0 was unmasked: its vote decides whether the walk goes on
-                        first_vote = _publish_vote(gain, l_prev, row_ok, es_tau, 0, votes, vote_bar, WG, VOTE_SLOTS,
-                                                   vote_layout)
-                        go = (t1 < n_tiles) & _goes_on(first_vote, 0, votes, vote_bar, WG, VOTE_SLOTS, vote_layout)
-                    else:
-                        go = t1 < n_tiles
+                    # the vote on tile t-1 runs while S(t) and P(t-1) V(t-1) are on the tensor cores (S(t) is
+                    # computed before the walk knows it goes on; a stop discards it). Only unmasked tiles vote
                     t = t1
+                    go = t1 < n_tiles
+                    pv_pending = True  # P(last) V(last) not yet issued
                     while go:
-                        acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
-                            t, 0, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
-                            stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, N_K,
-                            KEY_LEN, kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N, STAGES, WARP_SPEC,
-                            s_layout, row_o, p_layout)
-                        mine = _publish_vote(gain, l_prev, row_ok, es_tau, t - n_masked, votes, vote_bar, WG,
-                                             VOTE_SLOTS, vote_layout)
-                        t += 1
-                        go = (t < n_tiles) & _goes_on(mine, t - 1 - n_masked, votes, vote_bar, WG, VOTE_SLOTS,
-                                                      vote_layout)
+                        acc, m_i, l_i, p16, gain, l_prev, goes_on = _voting_step(
+                            t, n_masked, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                            tile_ptr, stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, gain, l_prev, row_ok,
+                            es_tau, votes, vote_bar, qk_scale, pv_lambda, q_pos, N_K, KEY_LEN, kidx_base, stride_kip,
+                            HAS_KIDX, PV_SKIP, BLOCK_N, STAGES, WARP_SPEC, WG, VOTE_SLOTS, s_layout, row_o,
+                            p_layout, vote_layout)
+                        t = gl.where(goes_on, t + 1, t)
+                        pv_pending = goes_on
+                        go = goes_on & (t < n_tiles)
                     last = t - 1
                 else:
                     for t in range(t1, n_tiles):
@@ -332,13 +334,14 @@ if GLUON_IMPORT_ERROR is None:
                             stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, N_K,
                             KEY_LEN, kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N, STAGES, WARP_SPEC,
                             s_layout, row_o, p_layout)
-                sl = last % STAGES
-                v_last = v_bufs.index(sl)
-                mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
-                acc = warpgroup_mma(p16, v_last, acc, is_async=True)
-                acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_last))
-                _release(last, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
-                         n_tiles, b, hkv, STAGES, WARP_SPEC)
+                if not EARLY_STOP or pv_pending:
+                    sl = last % STAGES
+                    v_last = v_bufs.index(sl)
+                    mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
+                    acc = warpgroup_mma(p16, v_last, acc, is_async=True)
+                    acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_last))
+                    _release(last, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
+                             n_tiles, b, hkv, STAGES, WARP_SPEC)
         else:
             # one tile at a time: the masked tiles, then the unmasked walk
             for t in range(0, n_masked):
@@ -428,21 +431,68 @@ if GLUON_IMPORT_ERROR is None:
         return acc, m_i, l_i, p16, gain, l_prev
 
     @gluon.jit
+    def _voting_step(t, n_masked, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
+                     stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, gain, l_prev, row_ok, es_tau, votes,
+                     vote_bar, qk_scale, pv_lambda, q_pos, N_K, KEY_LEN, kidx_base, stride_kip,
+                     HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     WARP_SPEC: gl.constexpr, WG: gl.constexpr, VOTE_SLOTS: gl.constexpr, s_layout: gl.constexpr,
+                     row_o: gl.constexpr, p_layout: gl.constexpr, vote_layout: gl.constexpr):
+        """``_overlapped_step`` for the early-stop walk over unmasked tile ``t``: issue S(t) and O += P(t-1) V(t-1),
+        then vote on tile t-1 (if unmasked; ``gain`` / ``l_prev`` are its) while both run. The walk goes on: the
+        softmax of t as in ``_overlapped_step``. It stops (tile t-1 was the last): O is complete once P(t-1) V(t-1)
+        lands, and S(t) is dropped. Returns (acc, m_i, l_i, p16, gain, l_prev, goes_on)."""
+        s = t % STAGES
+        sp = (t - 1) % STAGES
+        k_buf = k_bufs.index(s)
+        v_prev = v_bufs.index(sp)
+        mbarrier.wait(k_ready.index(s), (t // STAGES) & 1)
+        s_next = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(sp), ((t - 1) // STAGES) & 1)
+        pv = warpgroup_mma(p16, v_prev, acc, is_async=True)
+        j = t - 1 - n_masked  # tile t-1's rank among the unmasked tiles (< 0: it was masked and does not vote)
+        goes_on = True
+        if j >= 0:
+            mine = _publish_vote(gain, l_prev, row_ok, es_tau, j, votes, vote_bar, WG, VOTE_SLOTS, vote_layout)
+            goes_on = _goes_on(mine, j, votes, vote_bar, WG, VOTE_SLOTS, vote_layout)
+        if goes_on:
+            s_acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_next, q_smem, k_buf))
+            p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0, N_K,
+                                                             KEY_LEN, kidx_base, stride_kip, False, HAS_KIDX,
+                                                             PV_SKIP, BLOCK_N, s_layout)
+            acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(pv, p16, v_prev))
+            _release(t - 1, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
+                     n_tiles, b, hkv, STAGES, WARP_SPEC)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        else:
+            acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(pv, p16, v_prev))
+            _release(t - 1, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
+                     n_tiles, b, hkv, STAGES, WARP_SPEC)
+        return acc, m_i, l_i, p16, gain, l_prev, goes_on
+
+    @gluon.jit
     def _producer(desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, votes,
-                  tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr, VOTE_SLOTS: gl.constexpr):
-        """The 1-warp load partition: Q once (unless the consumers gather permuted rows), then every K/V tile of
-        the list through the ring; with early stop, until the tile whose slot it would refill ended the walk."""
+                  tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base, stride_kn, stride_vn,
+                  kidx_base, stride_kip, KEY_LEN, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr,
+                  VOTE_SLOTS: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr):
+        """The load partition: Q once (unless the consumers gather permuted rows), then every K/V tile of the list
+        through the ring, by TMA (1 warp) or gathered through the key index (``_gather_kv``, ``LOAD_WARPS``
+        warps: one warp cannot issue a tile's 2 x 128 row copies fast enough); with early stop, until the tile
+        whose slot it would refill ended the walk."""
         if not HAS_QIDX:
             mbarrier.expect(q_bar, desc_q.block_type.nbytes)
             tma.async_copy_global_to_shared(desc_q, [b, h, qblk * BLOCK_M, 0], q_bar, q_smem)
         if EARLY_STOP:
             vote_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
-                                                         warps_per_cta=[1], order=[0])
+                                                         warps_per_cta=[LOAD_WARPS if GATHER else 1], order=[0])
             t = 0
             go = t < n_tiles
             while go:
                 s = t % STAGES
+                if GATHER:
+                    phys = _gather_rows(kidx_base, stride_kip, KEY_LEN, tile_ptr, stride_tt, t, BLOCK_N, HEAD_DIM,
+                                        LOAD_WARPS)
                 mbarrier.wait(kv_empty.index(s), ((t // STAGES) & 1) ^ 1)
                 # the slot's previous tile (t - STAGES) was released by both warpgroups after they voted on it:
                 # both voted stop -> the walk ended there, and nothing more is loaded
@@ -451,16 +501,60 @@ if GLUON_IMPORT_ERROR is None:
                 v0 = gl.max(votes.index(2 * slot).load(vote_layout), axis=0)
                 v1 = gl.max(votes.index(2 * slot + 1).load(vote_layout), axis=0)
                 load = (t - STAGES < n_masked) | (v0 != 0) | (v1 != 0)
-                _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t, load, b, hkv,
-                          STAGES)
+                if GATHER:
+                    if load:
+                        _gather_kv(phys, k_base, v_base, stride_kn, stride_vn, k_bufs, v_bufs, k_ready, v_ready, t,
+                                   HEAD_DIM, STAGES, LOAD_WARPS)
+                else:
+                    _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t, load, b, hkv,
+                              STAGES)
                 t += 1
                 go = (t < n_tiles) & load
         else:
             for t in range(0, n_tiles):
+                if GATHER:
+                    phys = _gather_rows(kidx_base, stride_kip, KEY_LEN, tile_ptr, stride_tt, t, BLOCK_N, HEAD_DIM,
+                                        LOAD_WARPS)
                 # a fresh barrier counts as phase 1 completed
                 mbarrier.wait(kv_empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
-                _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t, True, b, hkv,
-                          STAGES)
+                if GATHER:
+                    _gather_kv(phys, k_base, v_base, stride_kn, stride_vn, k_bufs, v_bufs, k_ready, v_ready, t,
+                               HEAD_DIM, STAGES, LOAD_WARPS)
+                else:
+                    _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t, True, b, hkv,
+                              STAGES)
+        if GATHER:  # no copy outlives the partition (the compute partitions also wait for every tile issued)
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+
+    @gluon.jit
+    def _gather_rows(kidx_base, stride_kip, KEY_LEN, tile_ptr, stride_tt, t, BLOCK_N: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, LOAD_WARPS: gl.constexpr):
+        """The key positions of plan tile ``t`` (padding: -1), in ``_gather_kv``'s row layout. Loaded before the
+        load partition waits for the tile's ring slot, so the index's latency hides behind that wait."""
+        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[256 // HEAD_DIM, HEAD_DIM // 8],
+                                            warps_per_cta=[LOAD_WARPS, 1], order=[1, 0])
+        start = gl.load(tile_ptr + t * stride_tt)
+        pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
+        return gl.load(kidx_base + pos * stride_kip, mask=pos < KEY_LEN, other=-1)
+
+    @gluon.jit
+    def _gather_kv(phys, k_base, v_base, stride_kn, stride_vn, k_bufs, v_bufs, k_ready, v_ready, t,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr):
+        """Plan tile ``t``'s keys read in place (rows ``phys``, from ``_gather_rows``; no permuted copy): cp.async
+        of 16 bytes per thread into ring slot ``t % STAGES``; each load thread's ready arrivals land when its
+        copies have (the barriers count one per load thread). Padding rows read zeros, as TMA past a tensor's
+        end does."""
+        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[256 // HEAD_DIM, HEAD_DIM // 8],
+                                            warps_per_cta=[LOAD_WARPS, 1], order=[1, 0])
+        s = t % STAGES
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
+        ok = (phys >= 0)[:, None] & (d[None, :] < HEAD_DIM)
+        row = gl.maximum(phys, 0).to(gl.int64)[:, None]
+        async_copy.async_copy_global_to_shared(k_bufs.index(s), k_base + row * stride_kn + d[None, :], mask=ok)
+        async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
+        async_copy.async_copy_global_to_shared(v_bufs.index(s), v_base + row * stride_vn + d[None, :], mask=ok)
+        async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
 
     @gluon.jit
     def _hopper_fwd_kernel(
@@ -474,13 +568,16 @@ if GLUON_IMPORT_ERROR is None:
         stride_mb, stride_mh, stride_mq,
         stride_kib, stride_kih, stride_kip,
         stride_qib, stride_qih, stride_qip,
+        K, V, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         H_Q, N_Q, N_K, KEY_LEN, N_QBLK, GQA, PLAN_DIV, QIDX_DIV,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, HAS_QIDX: gl.constexpr,
-        EARLY_STOP: gl.constexpr,
+        EARLY_STOP: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr,
+        LOAD_REGS: gl.constexpr,
     ):
         gl.static_assert(not SPLIT or WARP_SPEC, "two compute partitions need the producer partition")
+        gl.static_assert(not GATHER or (SPLIT and HAS_KIDX), "gathered keys: a two-warpgroup variant and a key index")
         gl.static_assert(not EARLY_STOP or SPLIT, "early stop: the two-warpgroup variants (ws2, ws2_ov)")
         # -- (batch, query head, query block): the query heads of one KV head fastest, query blocks last-first
         pid = gl.program_id(0)
@@ -523,14 +620,18 @@ if GLUON_IMPORT_ERROR is None:
                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
         vote_bar = gl.allocate_shared_memory(gl.int64, [VOTE_SLOTS, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
+        # ready: one TMA arrival with its byte count, or one (copies-landed) arrival per thread that gathers
+        READY_ARRIVALS: gl.constexpr = 32 * LOAD_WARPS if GATHER else 1
         for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_ready.index(i), count=READY_ARRIVALS)
+            mbarrier.init(v_ready.index(i), count=READY_ARRIVALS)
             mbarrier.init(kv_empty.index(i), count=2 if SPLIT else 1)  # one arrival per compute partition
         for i in gl.static_range(VOTE_SLOTS):
             mbarrier.init(vote_bar.index(i), count=2)  # one vote per compute warpgroup
         fence_async_shared()
 
+        k_base = K + b64 * stride_kb + hkv.to(gl.int64) * stride_kh  # K/V read in place: only with GATHER
+        v_base = V + b64 * stride_vb + hkv.to(gl.int64) * stride_vh
         if SPLIT:
             # FA3's layout: two compute warpgroups, each its own partition with 64 query rows, scheduled
             # independently by the hardware (one's softmax overlaps the other's MMAs), plus the load warp
@@ -549,9 +650,10 @@ if GLUON_IMPORT_ERROR is None:
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, HALF,
                              HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS)),
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, BLOCK_M, STAGES,
-                             HAS_QIDX, EARLY_STOP, VOTE_SLOTS)),
-            ], [NUM_WARPS, 1], [CONSUMER_REGS, 24])
+                             votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
+                             stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
+                             STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, GATHER, LOAD_WARPS)),
+            ], [NUM_WARPS, LOAD_WARPS if GATHER else 1], [CONSUMER_REGS, LOAD_REGS if GATHER else 24])
         elif WARP_SPEC:
             gl.warp_specialize([
                 (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
@@ -561,8 +663,9 @@ if GLUON_IMPORT_ERROR is None:
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
                              HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS)),
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, BLOCK_M, STAGES,
-                             HAS_QIDX, EARLY_STOP, VOTE_SLOTS)),
+                             votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
+                             stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
+                             STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, False, 1)),
             ], [1], [24])
         else:
             if not HAS_QIDX:
@@ -598,6 +701,12 @@ _VARIANT_FLAGS = {"tma": (False, False, False), "tma_ov": (False, True, False), 
 BLOCK_M = 128
 NUM_WARPS = 8  # two consumer warpgroups of 64 rows
 CONSUMER_REGS = 240  # registers per thread of the second compute partition (split variants)
+# gathered keys (``key_gather``): the load partition's warps and registers, and the list length (x Nk) above
+# which "auto" gathers rather than copying (a gathered tile costs 10-16% more than one TMA reads from the copy,
+# benchmarks/NOTES_hopper.md part 6; the copy costs a pass over the whole list)
+GATHER_LOAD_WARPS = 4
+GATHER_LOAD_REGS = 56  # the compute partitions keep 208 (default) and 240: 504 of 512 per lane
+GATHER_LIST_RATIO = 12  # H100: gathered S2O beats copy + TMA by 10% at 128K (list 33 x Nk), ties at 32K (9 x Nk)
 
 
 def _is_16b_aligned(x: torch.Tensor) -> bool:
@@ -626,9 +735,16 @@ def default_stages(head_dim: int, block_n: int) -> int:
     return DEFAULT_STAGES.get((head_dim, block_n), 3)
 
 
+def gathers_by_default(key_index, num_keys: int) -> bool:
+    """Whether ``key_gather=None`` reads the keys through ``key_index`` in place: lists longer than
+    ``GATHER_LIST_RATIO`` x Nk, where copying the whole list costs more than gathering the visited tiles."""
+    return key_index is not None and key_index.shape[-1] > GATHER_LIST_RATIO * num_keys
+
+
 def hopper_unsupported(q, k, v, tile_offsets=None, *, block_m: int = 128, block_n: int = 128,
                        key_index=None, query_index=None, early_stop: float = 0.0, pv_skip=None,
-                       num_stages: Optional[int] = None, variant: str = "ws2_ov") -> Optional[str]:
+                       num_stages: Optional[int] = None, variant: str = "ws2_ov",
+                       key_gather: Optional[bool] = None) -> Optional[str]:
     """Why the Hopper kernel cannot run this call (a sentence), or None when it can. Checks no plan values."""
     if GLUON_IMPORT_ERROR is not None:
         return f"Gluon (triton.experimental.gluon, Triton 3.6 API) unavailable: {GLUON_IMPORT_ERROR}"
@@ -642,6 +758,8 @@ def hopper_unsupported(q, k, v, tile_offsets=None, *, block_m: int = 128, block_
             return "an empty key_index"
     if query_index is not None and (query_index.dim() != 3 or q.shape[1] % max(query_index.shape[1], 1)):
         return f"query_index of shape {tuple(query_index.shape)}: needs (B, H, Nq) with H dividing Hq={q.shape[1]}"
+    if key_gather and not (key_index is not None and _VARIANT_FLAGS[variant][2]):
+        return f"gathered keys need a key_index and a two-warpgroup variant (ws2, ws2_ov), not {variant!r}"
     if early_stop and early_stop > 0 and not _VARIANT_FLAGS[variant][2]:
         return f"early stop needs a two-warpgroup variant (ws2, ws2_ov), not {variant!r}"
     if pv_skip is not None and not (pv_skip < 0 and math.isfinite(pv_skip)):
@@ -691,7 +809,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
                                   scale: Optional[float] = None, num_stages: Optional[int] = None,
                                   variant: str = "ws2_ov",
                                   block_m: int = 128, key_index=None, query_index=None, early_stop: float = 0.0,
-                                  pv_skip=None, return_visited: bool = False):
+                                  pv_skip=None, return_visited: bool = False, key_gather: Optional[bool] = None):
     """Block-sparse causal attention over tile lists (the plan contract, module docstring) on an H100.
 
     q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D) -> out (B, Hq, Nq, D) in q's dtype, stored as (B, Nq, Hq, D) memory.
@@ -699,7 +817,9 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     D=128, block_n=128 that is 3, 224 KiB, the most that fits).
     ``pv_skip`` lambda < 0 (natural-log units) drops a row's P.V share of a tile as the Triton kernel does;
     ``key_index`` (Hkv heads) is served by a permuted contiguous K/V copy read by TMA, the index itself read in
-    masked tiles for positions. ``return_visited``: also the int32 (B, Hq, n_query_blocks) tiles each block
+    masked tiles for positions; ``key_gather=True`` reads the keys in place through the index instead (a 4-warp
+    load partition gathers rows with cp.async; two-warpgroup variants), None picks it for lists longer than
+    ``GATHER_LIST_RATIO`` x Nk (S2O's per-segment prefixes, whose copy is ~N^2/2S rows). ``return_visited``: also the int32 (B, Hq, n_query_blocks) tiles each block
     computed (without early stop, its tile count).
     Raises NotImplementedError naming the first unsupported feature (the caller falls back to the Triton kernel)
     and ValueError for malformed inputs. ``variant``: one of HOPPER_VARIANTS (module docstring).
@@ -708,7 +828,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         num_stages = default_stages(q.shape[-1], block_n)
     why = hopper_unsupported(q, k, v, tile_offsets, block_m=block_m, block_n=block_n, key_index=key_index,
                              query_index=query_index, early_stop=early_stop, pv_skip=pv_skip, num_stages=num_stages,
-                             variant=variant)
+                             variant=variant, key_gather=key_gather)
     if why is not None:
         raise NotImplementedError(f"hopper_block_sparse_attention: {why}")
     validate_qkv(q, k, v, who="hopper_block_sparse_attention")
@@ -754,7 +874,12 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     if out.numel() == 0:
         return (out, visited) if return_visited else out
     warp_spec, overlap, split = _VARIANT_FLAGS[variant]
-    if key_index is not None:
+    if key_gather is None:
+        key_gather = gathers_by_default(key_index, Nk) and split
+    if key_gather:
+        kk, vv, key_len = k, v, key_index.shape[-1]  # the descriptors below go unused: keys are gathered
+        kidx, ki_strides = key_index, tuple(key_index.stride())
+    elif key_index is not None:
         # the Triton kernel's "copy" key mode: K/V rows in key_index order, contiguous; TMA reads the copy like
         # ordinary keys (boxes past its end read zeros: those logical keys are padding, masked by position)
         from .attention import _permute_keys
@@ -783,12 +908,14 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         scale * _LOG2E, float(pv_skip if pv_skip is not None else 0.0) * _LOG2E, early_stop,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *tile_offsets.stride(), *tile_counts.stride(), *masked_counts.stride(), *ki_strides, *qi_strides,
+        k, v, *k.stride()[:3], *v.stride()[:3],
         Hq, Nq, Nk, key_len, nqb, Hq // Hkv, Hq // tile_offsets.shape[1],
         Hq // query_index.shape[1] if query_index is not None else 1,
         HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=num_stages,
         WARP_SPEC=warp_spec, OVERLAP=overlap, NUM_WARPS=4 if split else NUM_WARPS, SPLIT=split,
         CONSUMER_REGS=CONSUMER_REGS, HAS_KIDX=key_index is not None, PV_SKIP=pv_skip is not None,
-        HAS_QIDX=query_index is not None, EARLY_STOP=early_stop > 0,
+        HAS_QIDX=query_index is not None, EARLY_STOP=early_stop > 0, GATHER=bool(key_gather),
+        LOAD_WARPS=GATHER_LOAD_WARPS, LOAD_REGS=GATHER_LOAD_REGS,
         **kwargs,
     )
     return (out, visited) if return_visited else out

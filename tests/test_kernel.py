@@ -749,6 +749,11 @@ _HOPPER_CASES = {
                                          {"key_index": "padded", "pv_skip": -1.0}),
     # a key list twice the keys, as S2O's ranked prefixes
     "key-index-long-list": (2, 8, 2, 3000 + 3, 3000 + 3, 128, 128, "sparse", "q", {"key_index": "twice"}),
+    # keys read in place through the index (no permuted copy): S2O's path
+    "key-index-gathered-long-list": (2, 8, 2, 3000 + 3, 3000 + 3, 128, 128, "sparse", "q",
+                                     {"key_index": "twice", "key_mode": "gather"}),
+    "key-index-gathered-padded-d64-bn64-kvtable": (1, 8, 2, 2000, 2000, 64, 64, "all", "kv",
+                                                   {"key_index": "padded", "key_mode": "gather"}),
 }
 
 
@@ -770,6 +775,7 @@ def test_gpu_hopper_auto_dispatch_matches_reference_and_triton(case):
     elif options.get("key_index") == "twice":
         ki = torch.cat([_segment_permutation(B, Hkv, Nk), _segment_permutation(B, Hkv, Nk)], -1).contiguous()
     options.pop("key_index", None)
+    key_mode = options.pop("key_mode", "auto")
     heads = Hq if plan_heads == "q" else Hkv
     if kind == "causal":
         plan = causal_plan(B, heads, Nq, Nk, 128, bn, device="cuda")
@@ -782,7 +788,7 @@ def test_gpu_hopper_auto_dispatch_matches_reference_and_triton(case):
     check_plan(plan, q, k)
 
     before = A.BACKEND_CALLS["hopper"]
-    out, visited = execute_plan(q, k, v, plan, return_visited=True)
+    out, visited = execute_plan(q, k, v, plan, return_visited=True, key_mode=key_mode)
     assert A.last_backend == "hopper" and A.BACKEND_CALLS["hopper"] == before + 1, A._HOPPER_FAILED
     ref, ref_visited = reference_attention(q.float(), k.float(), v.float(), plan, return_visited=True)
     _assert_close(out, ref, torch.bfloat16, "hopper vs reference")
@@ -799,12 +805,14 @@ def test_gpu_hopper_auto_dispatch_matches_reference_and_triton(case):
         assert rel_error(plain, ref) > 1e-2
 
 
-# name: (variant, B, Hq, Hkv, N, D, block_n, keys through a permuted list, pv_skip)
+# name: (variant, B, Hq, Hkv, N, D, block_n, keys through a permuted list ("gather": read in place), pv_skip)
 _HOPPER_EARLY_STOP_CASES = {
     "ws2_ov-d128-b2-odd-queries-and-keys": ("ws2_ov", 2, 8, 2, 4096 + 77, 128, 128, True, None),
     "ws2_ov-d64-bn64-pv-skip": ("ws2_ov", 1, 8, 2, 3000, 64, 64, False, -6.0),
     "ws2_ov-d64-4-stages-queries-and-keys": ("ws2_ov", 1, 8, 2, 3000, 64, 128, True, None),
     "ws2-d128-queries-and-keys": ("ws2", 1, 8, 2, 4096, 128, 128, True, None),
+    "ws2_ov-d128-b2-odd-gathered-keys": ("ws2_ov", 2, 8, 2, 4096 + 77, 128, 128, "gather", None),
+    "ws2-d64-bn64-gathered-keys-pv-skip": ("ws2", 1, 8, 2, 3000, 64, 64, "gather", -6.0),
 }
 
 
@@ -828,7 +836,7 @@ def test_gpu_hopper_early_stop_and_permuted_queries(case):
     out, visited = H.hopper_block_sparse_attention(
         q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts, block_n=bn, key_index=ki,
         query_index=qi, early_stop=plan.early_stop, pv_skip=pv_skip, return_visited=True, variant=variant,
-        num_stages=stages)
+        num_stages=stages, key_gather=with_keys == "gather")
     ref, ref_visited = _ref(q, k, v, plan)
     _assert_close(out, ref, torch.bfloat16, "hopper vs reference")
     bad = _non_boundary_mismatches(q, k, plan, visited, ref_visited)
@@ -842,7 +850,8 @@ def test_gpu_hopper_early_stop_and_permuted_queries(case):
     assert (visited == tri_visited).float().mean().item() > 0.99
     if variant == "ws2_ov":  # the default variant: what execute_plan runs
         before = A.BACKEND_CALLS["hopper"]
-        auto, auto_visited = execute_plan(q, k, v, plan, return_visited=True)
+        auto, auto_visited = execute_plan(q, k, v, plan, return_visited=True,
+                                          key_mode="gather" if with_keys == "gather" else "auto")
         assert A.last_backend == "hopper" and A.BACKEND_CALLS["hopper"] == before + 1, A._HOPPER_FAILED
         assert torch.equal(auto, out) and torch.equal(auto_visited, visited)
 
@@ -850,8 +859,9 @@ def test_gpu_hopper_early_stop_and_permuted_queries(case):
 @gpu
 @hopper_gpu
 def test_gpu_hopper_backend_choices_and_fallbacks(monkeypatch):
-    """Gathered keys, an early stop on a one-partition variant and config= are not the Hopper kernel's:
-    backend="hopper" names why, "auto" runs the Triton kernel; the environment variable turns it off."""
+    """An early stop or gathered keys on a one-partition variant and config= are not the Hopper kernel's:
+    backend="hopper" names why, "auto" runs the Triton kernel; the environment variable turns it off. Gathered
+    keys (key_mode="gather") are served by the default variant."""
     A = _attention_module()
     H = importlib.import_module("sparse_compile.kernels.hopper")
     B, Hq, Hkv, N, D = 1, 4, 2, 1024, 128
@@ -863,15 +873,49 @@ def test_gpu_hopper_backend_choices_and_fallbacks(monkeypatch):
     assert A.last_backend == "hopper"
     _assert_close(out, ref, torch.bfloat16)
     ki = torch.arange(N, dtype=torch.int32, device="cuda").expand(B, Hkv, N).contiguous()
-    with pytest.raises(ValueError, match="gather"):
-        block_sparse_attention(*args, block_m=128, block_n=128, backend="hopper", key_index=ki, key_mode="gather")
-    execute_plan(q, k, v, plan.with_options(key_index=ki), key_mode="gather")
-    assert A.last_backend == "triton"
+    out = block_sparse_attention(*args, block_m=128, block_n=128, backend="hopper", key_index=ki, key_mode="gather")
+    assert A.last_backend == "hopper"
+    _assert_close(out, ref, torch.bfloat16)
+    long_list = ki.repeat(1, 1, 13)  # over 12 x Nk: "auto" gathers in place rather than copying
+    assert A.reads_keys_in_place(q, k, v, plan.tile_offsets, block_m=128, block_n=128, key_index=long_list)
+    assert not A.reads_keys_in_place(q, k, v, plan.tile_offsets, block_m=128, block_n=128, key_index=ki)
     with pytest.raises(NotImplementedError, match="two-warpgroup"):
         H.hopper_block_sparse_attention(*args, block_n=128, early_stop=0.01, variant="ws_ov")
+    with pytest.raises(NotImplementedError, match="gathered keys"):
+        H.hopper_block_sparse_attention(*args, block_n=128, key_index=ki, key_gather=True, variant="ws_ov")
     execute_plan(q, k, v, plan, config=KernelConfig(128, 128, num_warps=8, num_stages=2))
     assert A.last_backend == "triton"
     monkeypatch.setenv(A.BACKEND_ENV, "triton")
     out = execute_plan(q, k, v, plan)
     assert A.last_backend == "triton"
+    assert not A.reads_keys_in_place(q, k, v, plan.tile_offsets, block_m=128, block_n=128, key_index=long_list)
     _assert_close(out, ref, torch.bfloat16)
+
+
+@gpu
+@hopper_gpu
+def test_gpu_s2o_keys_gathered_in_place_agree_with_copies():
+    """An S2O key list over 12 x N: the executor runs one call in which the Hopper kernel gathers the ranked keys
+    in place (no permuted copies) and agrees with the segment chunks over copies (outputs, visited counts)."""
+    from sparse_compile import SparseConfig
+    from sparse_compile.methods import build_plan
+    from sparse_compile.methods.s2o import execute_s2o
+
+    A = _attention_module()
+    B, Hq, Hkv, N, D = 1, 8, 2, 8192 + 64, 128
+    q, k, v = _sink_qkv(B, Hq, Hkv, N, N, D, torch.bfloat16, strength=1.0, device="cuda")
+    config = SparseConfig(method="s2o", s2o={"segment_size": 256})
+    scale = D ** -0.5
+    plan = build_plan(q, k, scale, config)
+    assert plan.key_index.shape[-1] > 12 * N
+    assert A.reads_keys_in_place(q, k, v, plan.tile_offsets, block_m=128, block_n=128, key_index=plan.key_index,
+                                 query_index=plan.query_index, early_stop=plan.early_stop)
+    before = A.BACKEND_CALLS["hopper"]
+    gathered, gathered_visited = execute_s2o(q, k, v, plan, scale, config, return_visited=True)
+    assert A.BACKEND_CALLS["hopper"] == before + 1, A._HOPPER_FAILED  # one call, no chunks
+    copied, copied_visited = execute_s2o(q, k, v, plan, scale, config, return_visited=True, key_mode="copy")
+    assert A.BACKEND_CALLS["hopper"] > before + 2  # the copies run in segment chunks
+    _assert_close(gathered, copied, torch.bfloat16, "gathered vs copied keys")
+    assert (gathered_visited == copied_visited).float().mean().item() > 0.99
+    assert int(gathered_visited.sum()) < int(plan.tile_counts.sum())  # the walks stopped early
+

@@ -299,13 +299,25 @@ LIST_BUDGET = 2
 
 
 def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale, config, *,
-                kernel: str = "auto", return_visited: bool = False):
-    """``execute_plan`` for S2O's plans, segment chunk by segment chunk (same result, O(N) extra memory).
+                kernel: str = "auto", return_visited: bool = False, key_mode: str = "auto"):
+    """``execute_plan`` for S2O's plans in O(N) extra memory: one call when the kernel reads the ranked keys in
+    place (the Hopper kernel gathers them for lists over 12 x N, i.e. from 64K at S=2048:
+    ``kernels.attention.reads_keys_in_place``; ``key_mode="auto"``), else segment chunk by segment chunk over
+    permuted K/V copies (``key_mode="copy"`` forces it; same result).
 
     Segment n's queries are physical rows [nS, (n+1)S) (the query sort stays inside segments) and its keys are
     list entries [base[n], base[n+1]), all physical keys < (n+1)S. So a chunk of segments is a chunked prefill:
     its queries are the last positions of K/V cut at the chunk's end.
     """
+    if key_mode not in ("auto", "copy"):
+        raise ValueError(f"execute_s2o: key_mode must be 'auto' or 'copy', got {key_mode!r}")
+    if key_mode == "auto" and kernel != "reference" and q.is_cuda:
+        from ..kernels.attention import reads_keys_in_place
+
+        if reads_keys_in_place(q, k, v, plan.tile_offsets, block_m=plan.block_m, block_n=plan.block_n,
+                               key_index=plan.key_index, query_index=plan.query_index, early_stop=plan.early_stop,
+                               pv_skip=plan.pv_skip):
+            return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited)
     params = config.params_of("s2o")
     n = q.shape[-2]
     layout = s2o_layout(n, params.segment_size, plan.block_n)
@@ -318,7 +330,8 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
             start = last
     chunks.append((start, segments))
     if len(chunks) == 1:
-        return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited)
+        return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited,
+                            key_mode="copy" if kernel != "reference" else "auto")
     out = torch.empty_like(q) if v.shape[-1] == q.shape[-1] else q.new_empty((*q.shape[:-1], v.shape[-1]))
     visited = None
     if return_visited:
@@ -341,7 +354,7 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
             early_stop=plan.early_stop, pv_skip=plan.pv_skip,
         )
         result = execute_plan(q[:, :, row0:row1], k[:, :, :row1], v[:, :, :row1], chunk_plan, scale, kernel=kernel,
-                              return_visited=return_visited)
+                              return_visited=return_visited, key_mode="copy" if kernel != "reference" else "auto")
         if return_visited:
             out[:, :, row0:row1], visited[:, :, block0:block1] = result
         else:
