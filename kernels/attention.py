@@ -50,10 +50,10 @@ kernel of ``kernels/hopper.py`` (TMA, warp specialisation, async wgmma; 1.3-1.7x
 when the inputs are on a GPU of compute capability (9, 0), no ``config=`` is given, the installed Triton has the
 Gluon Hopper API (written against Triton 3.6), and the call is in its subset: bf16/fp16, D 64 or 128,
 ``block_m == 128``, ``block_n`` 64 or 128, a ``key_index`` only with Hkv heads
-(read through a permuted copy, or in place with ``key_mode="gather"``), 16-byte aligned strides. Everything else, the CPU interpreter
-(``TRITON_INTERPRET=1``) and other GPUs run this Triton kernel. A failure to import or compile the Hopper path
-logs one warning and sends such calls here from then on. ``backend="triton"`` (or the environment variable
-``SPARSE_COMPILE_ATTENTION_BACKEND=triton``) forces this kernel, ``backend="hopper"`` the other one (ValueError
+(read through a permuted copy, or in place with ``key_mode="gather"``), 16-byte aligned strides. Everything else,
+the CPU interpreter (``TRITON_INTERPRET=1``) and other GPUs run this Triton kernel. A failure to import or compile
+the Hopper path logs one warning and sends such calls here from then on. ``backend="triton"`` (or the environment
+variable ``SPARSE_COMPILE_ATTENTION_BACKEND=triton``) forces this kernel, ``backend="hopper"`` the other one (ValueError
 naming why when it cannot serve the call). ``last_backend`` / ``BACKEND_CALLS`` record which kernel ran.
 
 The promise that unmasked tiles are fully visible is not checked here (``sparse_compile.plan.check_plan`` does,
@@ -645,6 +645,12 @@ def _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, quer
                                      query_index=query_index, early_stop=early_stop, pv_skip=pv_skip)
 
 
+def _hopper_spec(q, block_n, key_index, query_index, early_stop, pv_skip, key_mode) -> tuple:
+    """The Hopper kernel's specialisation of a call: the key of ``_HOPPER_FAILED``."""
+    return (q.dtype, q.shape[-1], block_n, key_index is not None, pv_skip is not None, query_index is not None,
+            early_stop > 0, key_mode)
+
+
 def reads_keys_in_place(q, k, v, tile_offsets, *, block_m: int, block_n: int, key_index, query_index=None,
                         early_stop: float = 0.0, pv_skip=None) -> bool:
     """Whether ``block_sparse_attention`` (key_mode and backend "auto") runs the Hopper kernel with the keys read
@@ -662,9 +668,7 @@ def reads_keys_in_place(q, k, v, tile_offsets, *, block_m: int, block_n: int, ke
     if _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, query_index, early_stop, pv_skip,
                            "gather", None) is not None:
         return False
-    spec = (q.dtype, q.shape[-1], block_n, True, pv_skip is not None, query_index is not None, early_stop > 0,
-            "auto")
-    return spec not in _HOPPER_FAILED
+    return _hopper_spec(q, block_n, key_index, query_index, early_stop, pv_skip, "auto") not in _HOPPER_FAILED
 
 
 def block_sparse_attention(
@@ -723,8 +727,7 @@ def block_sparse_attention(
         if backend == "hopper" and why is not None:
             _fail(f"backend='hopper' cannot serve this call: {why}")
         if why is None:
-            spec = (q.dtype, D, block_n, key_index is not None, pv_skip is not None, query_index is not None,
-                    early_stop > 0, key_mode)
+            spec = _hopper_spec(q, block_n, key_index, query_index, early_stop, pv_skip, key_mode)
             failed = _HOPPER_FAILED.get(spec) if backend == "auto" else None
             if failed is None:
                 from . import hopper

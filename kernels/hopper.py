@@ -19,7 +19,8 @@ like ordinary keys, its logical length may exceed Nk; masked tiles load the tile
 with ordinary loads for the causal / padding mask); any strides whose last dim is contiguous and whose other
 strides are 16-byte aligned (TMA); or, with ``key_gather`` (the default for lists over ``GATHER_LIST_RATIO`` x Nk:
 S2O's ranked prefixes), keys read in place through the index by a 4-warp load partition with cp.async (no copy of
-a list ~N^2/2S rows long; a gathered tile costs 10-16% more than a TMA one); GQA (Hq a multiple of Hkv), tables with Hq or Hkv heads; ``Nq <= Nk``.
+a list ~N^2/2S rows long; a gathered tile costs 10-16% more than a TMA one); GQA (Hq a multiple of Hkv), tables
+with Hq or Hkv heads; ``Nq <= Nk``.
 ``return_visited`` gives the tiles each block computed.
 
 Early stop (the plan's rule: after each unmasked tile, the block stops when no real row of its 128 gained at least
@@ -28,10 +29,10 @@ a vote: after tile j's softmax a warpgroup writes whether one of its rows gained
 arrives on that slot's barrier. A warpgroup with a gaining row goes on without waiting (the block goes on whatever
 the other saw); one without waits for the other's vote, so both leave after the same tile and a warpgroup that is
 still gaining never stalls. In the overlapped walk a tile's vote is cast while the next tile's S = Q K^T and
-its own P V run on the tensor cores (a stop drops that S). The producer reads both votes of the tile whose ring slot it is about to refill (both
-warpgroups vote before they release a slot), stops loading when both said stop, and the consumers wait for the
-tiles already in flight before the CTA exits. Votes live in 2 x STAGES slots: a warpgroup runs at most STAGES
-tiles ahead of the other, so a slot is never rewritten before both have read it.
+its own P V run on the tensor cores (a stop drops that S). The producer reads both votes of the tile whose ring
+slot it is about to refill (both warpgroups vote before they release a slot), stops loading when both said stop,
+and the consumers wait for the tiles already in flight before the CTA exits. Votes live in 2 x STAGES slots: a
+warpgroup runs at most STAGES tiles ahead of the other, so a slot is never rewritten before both have read it.
 
 Shape of the kernel (FlashAttention-3 style): one CTA per (batch, query head, 128-row query block), ordered as the
 Triton kernel orders its programs (the query heads of one KV head fastest, query blocks last-first). Q, K, V and O
@@ -402,33 +403,51 @@ if GLUON_IMPORT_ERROR is None:
             tma.store_wait(pendings=0)
 
     @gluon.jit
+    def _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, STAGES: gl.constexpr):
+        """FA3's intra-warpgroup overlap, first half: issue S(t) = Q K(t)^T, then O += P(t-1) V(t-1).
+        Returns (S(t) in flight, O in flight, K(t)'s slot, V(t-1)'s slot)."""
+        k_buf = k_bufs.index(t % STAGES)
+        v_prev = v_bufs.index((t - 1) % STAGES)
+        mbarrier.wait(k_ready.index(t % STAGES), (t // STAGES) & 1)
+        s_next = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index((t - 1) % STAGES), ((t - 1) // STAGES) & 1)
+        pv = warpgroup_mma(p16, v_prev, acc, is_async=True)
+        return s_next, pv, k_buf, v_prev
+
+    @gluon.jit
+    def _finish_step(t, start, s_next, pv, k_buf, v_prev, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready,
+                     kv_empty, tile_ptr, stride_tt, n_tiles, b, hkv, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, N_K,
+                     KEY_LEN, kidx_base, stride_kip, MASKED: gl.constexpr, HAS_KIDX: gl.constexpr,
+                     PV_SKIP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARP_SPEC: gl.constexpr,
+                     s_layout: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr):
+        """Second half (tile ``t``, masked: its keys start at logical position ``start``): softmax(t) while
+        P(t-1) V(t-1) is in flight, then release tile t-1's slot and rescale O.
+        Returns (acc, m_i, l_i, p16 of tile t, gain, l_prev)."""
+        s_acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_next, q_smem, k_buf))
+        p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, start, N_K,
+                                                         KEY_LEN, kidx_base, stride_kip, MASKED, HAS_KIDX, PV_SKIP,
+                                                         BLOCK_N, s_layout)
+        acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(pv, p16, v_prev))
+        _release(t - 1, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
+                 n_tiles, b, hkv, STAGES, WARP_SPEC)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        return acc, m_i, l_i, p16, gain, l_prev
+
+    @gluon.jit
     def _overlapped_step(t, start, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
                          stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, N_K,
                          KEY_LEN, kidx_base, stride_kip, MASKED: gl.constexpr, HAS_KIDX: gl.constexpr,
                          PV_SKIP: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARP_SPEC: gl.constexpr,
                          s_layout: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr):
-        """FA3's intra-warpgroup overlap, tile ``t`` (masked: its keys start at logical position ``start``): issue
-        S(t) = Q K(t)^T, then O += P(t-1) V(t-1); softmax(t) runs while the second is in flight.
+        """FA3's intra-warpgroup overlap, tile ``t``: ``_issue_step`` then ``_finish_step``.
         Returns (acc, m_i, l_i, p16 of tile t, gain, l_prev)."""
-        s = t % STAGES
-        sp = (t - 1) % STAGES
-        k_buf = k_bufs.index(s)
-        v_prev = v_bufs.index(sp)
-        mbarrier.wait(k_ready.index(s), (t // STAGES) & 1)
-        s_acc = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(sp), ((t - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p16, v_prev, acc, is_async=True)
-        s_acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_acc, q_smem, k_buf))
-        p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, start, N_K,
-                                                         KEY_LEN, kidx_base, stride_kip, MASKED, HAS_KIDX, PV_SKIP,
-                                                         BLOCK_N, s_layout)
-        acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_prev))
-        _release(t - 1, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
-                 n_tiles, b, hkv, STAGES, WARP_SPEC)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        return acc, m_i, l_i, p16, gain, l_prev
+        s_next, pv, k_buf, v_prev = _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, STAGES)
+        return _finish_step(t, start, s_next, pv, k_buf, v_prev, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready,
+                            v_ready, kv_empty, tile_ptr, stride_tt, n_tiles, b, hkv, m_i, l_i, p16, qk_scale,
+                            pv_lambda, q_pos, N_K, KEY_LEN, kidx_base, stride_kip, MASKED, HAS_KIDX, PV_SKIP, BLOCK_N,
+                            STAGES, WARP_SPEC, s_layout, row_o, p_layout)
 
     @gluon.jit
     def _voting_step(t, n_masked, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
@@ -441,29 +460,18 @@ if GLUON_IMPORT_ERROR is None:
         then vote on tile t-1 (if unmasked; ``gain`` / ``l_prev`` are its) while both run. The walk goes on: the
         softmax of t as in ``_overlapped_step``. It stops (tile t-1 was the last): O is complete once P(t-1) V(t-1)
         lands, and S(t) is dropped. Returns (acc, m_i, l_i, p16, gain, l_prev, goes_on)."""
-        s = t % STAGES
-        sp = (t - 1) % STAGES
-        k_buf = k_bufs.index(s)
-        v_prev = v_bufs.index(sp)
-        mbarrier.wait(k_ready.index(s), (t // STAGES) & 1)
-        s_next = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(sp), ((t - 1) // STAGES) & 1)
-        pv = warpgroup_mma(p16, v_prev, acc, is_async=True)
+        s_next, pv, k_buf, v_prev = _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, STAGES)
         j = t - 1 - n_masked  # tile t-1's rank among the unmasked tiles (< 0: it was masked and does not vote)
         goes_on = True
         if j >= 0:
             mine = _publish_vote(gain, l_prev, row_ok, es_tau, j, votes, vote_bar, WG, VOTE_SLOTS, vote_layout)
             goes_on = _goes_on(mine, j, votes, vote_bar, WG, VOTE_SLOTS, vote_layout)
         if goes_on:
-            s_acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_next, q_smem, k_buf))
-            p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0, N_K,
-                                                             KEY_LEN, kidx_base, stride_kip, False, HAS_KIDX,
-                                                             PV_SKIP, BLOCK_N, s_layout)
-            acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(pv, p16, v_prev))
-            _release(t - 1, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
-                     n_tiles, b, hkv, STAGES, WARP_SPEC)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+            acc, m_i, l_i, p16, gain, l_prev = _finish_step(
+                t, 0, s_next, pv, k_buf, v_prev, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                tile_ptr, stride_tt, n_tiles, b, hkv, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, N_K, KEY_LEN,
+                kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N, STAGES, WARP_SPEC, s_layout, row_o,
+                p_layout)
         else:
             acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(pv, p16, v_prev))
             _release(t - 1, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
@@ -819,8 +827,8 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     ``key_index`` (Hkv heads) is served by a permuted contiguous K/V copy read by TMA, the index itself read in
     masked tiles for positions; ``key_gather=True`` reads the keys in place through the index instead (a 4-warp
     load partition gathers rows with cp.async; two-warpgroup variants), None picks it for lists longer than
-    ``GATHER_LIST_RATIO`` x Nk (S2O's per-segment prefixes, whose copy is ~N^2/2S rows). ``return_visited``: also the int32 (B, Hq, n_query_blocks) tiles each block
-    computed (without early stop, its tile count).
+    ``GATHER_LIST_RATIO`` x Nk (S2O's per-segment prefixes, whose copy is ~N^2/2S rows). ``return_visited``: also
+    the int32 (B, Hq, n_query_blocks) tiles each block computed (without early stop, its tile count).
     Raises NotImplementedError naming the first unsupported feature (the caller falls back to the Triton kernel)
     and ValueError for malformed inputs. ``variant``: one of HOPPER_VARIANTS (module docstring).
     """

@@ -320,6 +320,7 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
             return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited)
     params = config.params_of("s2o")
     n = q.shape[-2]
+    copied = "copy" if kernel != "reference" else "auto"  # the kernels read each chunk's keys from a copy
     layout = s2o_layout(n, params.segment_size, plan.block_n)
     segments = len(layout.seg_len)
     ends = list(layout.base[1:]) + [layout.length]
@@ -331,7 +332,7 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
     chunks.append((start, segments))
     if len(chunks) == 1:
         return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited,
-                            key_mode="copy" if kernel != "reference" else "auto")
+                            key_mode=copied)
     out = torch.empty_like(q) if v.shape[-1] == q.shape[-1] else q.new_empty((*q.shape[:-1], v.shape[-1]))
     visited = None
     if return_visited:
@@ -354,7 +355,7 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
             early_stop=plan.early_stop, pv_skip=plan.pv_skip,
         )
         result = execute_plan(q[:, :, row0:row1], k[:, :, :row1], v[:, :, :row1], chunk_plan, scale, kernel=kernel,
-                              return_visited=return_visited, key_mode="copy" if kernel != "reference" else "auto")
+                              return_visited=return_visited, key_mode=copied)
         if return_visited:
             out[:, :, row0:row1], visited[:, :, block0:block1] = result
         else:
