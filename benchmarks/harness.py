@@ -23,7 +23,7 @@ import math
 import os
 import platform
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -64,13 +64,14 @@ class Rotating:
 
 
 def alternating_samples(contenders: dict, reps: int, *, warmup: int = 2, calls: int = 1,
-                        queue_ahead: bool = False) -> dict:
+                        queue_ahead: Union[bool, int] = False) -> dict:
     """Milliseconds per call of each callable, timed in turn (A, B, C, A, B, C, ...): clock drift under sustained
     load then moves every contender alike. Returns {name: [one value per round]}.
 
     ``warmup`` untimed rounds first (JIT, histories that must land). ``calls`` back-to-back calls per sample
     (divided out). ``queue_ahead``: each sample starts behind a short GPU sleep, so the host is ahead of the GPU as
-    inside a model's forward pass (a call's host time then shows only where it exceeds its GPU time); otherwise the
+    inside a model's forward pass (a call's host time then shows only where it exceeds its GPU time, or the sleep:
+    an int sets the sleep in GPU cycles, True is 2M, about 1 ms on the H100); otherwise the
     GPU idles while the first call of a sample is prepared. On the GPU CUDA events time each sample; off it (smoke
     runs) wall time does.
     """
@@ -93,7 +94,7 @@ def alternating_samples(contenders: dict, reps: int, *, warmup: int = 2, calls: 
                 continue
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if queue_ahead:
-                torch.cuda._sleep(2_000_000)  # about 1 ms at the H100's clock
+                torch.cuda._sleep(2_000_000 if queue_ahead is True else int(queue_ahead))
             start.record()
             for _ in range(calls):
                 fn()

@@ -108,21 +108,25 @@ def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
     from .methods import Unsupported, build_plan
 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    try:
-        plan = build_plan(q, k, scale, config)
-    except Unsupported as exc:
-        return None, f"method {config.method}: {exc}", None
     kernel = _kernel_for(q, config)
     if kernel == "triton" and q.dtype == torch.float32 and q.is_cuda:
         return None, "float32 on GPU: the Triton kernel runs bfloat16/float16; left dense", None
     num_queries, num_keys = q.shape[-2], k.shape[-2]
-    if plan_only and plan.early_stop == 0:
-        HISTORY.record(history_key, plan.density(num_queries, num_keys).mean(), plan_shape(plan), config)
+    if plan_only and getattr(config.params_of(config.select_stage), "early_stop", 0) > 0:
+        # early stop: only running the plan tells its cost. One KV head's group is planned and run (1/Hkv of the
+        # selection's and the kernel's time, a different group at each re-plan); the whole call runs dense
+        try:
+            _probe_group(q, k, v, scale, config, kernel, history_key)
+        except Unsupported as exc:
+            return None, f"method {config.method}: {exc}", None
         return None, REPLANNED, None
+    try:
+        plan = build_plan(q, k, scale, config)
+    except Unsupported as exc:
+        return None, f"method {config.method}: {exc}", None
     if plan_only:
-        # early stop: only running the plan tells its cost. One KV head's group runs it (1/Hkv of the kernel's
-        # time, a different group at each re-plan); the whole call runs dense
-        _probe_heads(q, k, v, plan, scale, config, kernel, history_key)
+        HISTORY.record(history_key, _listed_or_visited(plan, q, k, v, scale, config, kernel), plan_shape(plan),
+                       config)
         return None, REPLANNED, None
     # early stop decides at run time how many tiles a plan costs: count the visits when the count is wanted
     want_visits = config.record_density or (history_key is not None and plan.early_stop > 0)
@@ -158,16 +162,28 @@ def _visited_density(visited: Tensor, plan, num_queries: int, num_keys: int) -> 
 _PROBES = itertools.count()
 
 
-def _probe_heads(q: Tensor, k: Tensor, v: Tensor, plan, scale: float, config: SparseConfig, kernel: str,
+def _probe_group(q: Tensor, k: Tensor, v: Tensor, scale: float, config: SparseConfig, kernel: str,
                  history_key: tuple) -> None:
-    """Run ``plan`` on one KV head's group and remember the tiles it visited (the density under early stop)."""
+    """Plan and run one KV head's group (every method's plan is per head: the same as the whole plan's slice) and
+    remember the tiles it visited (the density under early stop)."""
+    from .methods import build_plan
+
     heads_kv, group = k.shape[1], q.shape[1] // k.shape[1]
     kv_head = next(_PROBES) % heads_kv
     heads = slice(kv_head * group, (kv_head + 1) * group)
-    part = plan.kv_head_slice(kv_head, heads_kv)
     qs, ks, vs = q[:, heads], k[:, kv_head:kv_head + 1], v[:, kv_head:kv_head + 1]
-    _, visited = _execute(qs, ks, vs, part, scale, config, kernel, True)
-    HISTORY.record(history_key, _visited_density(visited, plan, q.shape[-2], k.shape[-2]), plan_shape(plan), config)
+    plan = build_plan(qs, ks, scale, config)
+    HISTORY.record(history_key, _listed_or_visited(plan, qs, ks, vs, scale, config, kernel), plan_shape(plan),
+                   config)
+
+
+def _listed_or_visited(plan, q: Tensor, k: Tensor, v: Tensor, scale: float, config: SparseConfig,
+                       kernel: str) -> Tensor:
+    """The density a re-plan remembers: the tiles listed, or under early stop the tiles visited (run it)."""
+    if plan.early_stop == 0:
+        return plan.density(q.shape[-2], k.shape[-2]).mean()
+    _, visited = _execute(q, k, v, plan, scale, config, kernel, True)
+    return _visited_density(visited, plan, q.shape[-2], k.shape[-2])
 
 
 def _break_even(q: Tensor, k: Tensor, config: SparseConfig, site: str) -> tuple[Optional[str], Optional[tuple], bool]:

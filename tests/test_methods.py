@@ -127,6 +127,23 @@ def test_deterministic(pair):
     assert (a.early_stop, a.pv_skip) == (b.early_stop, b.pv_skip)
 
 
+@pytest.mark.parametrize("method", sorted(PRESETS))
+def test_one_kv_group_plans_as_its_slice_of_the_whole_plan(method):
+    """Plans are per head: a KV head's group planned alone (the op's early-stop re-plan) gets the whole plan's
+    slice for that group."""
+    q, k, _ = random_qkv(2, 8, 2, 160, 160, 16)
+    config = _config(*PRESETS[method])
+    whole = build_plan(q, k, None, config)
+    for kv_head in range(2):
+        part = build_plan(q[:, 4 * kv_head:4 * kv_head + 4], k[:, kv_head:kv_head + 1], None, config)
+        expected = whole.kv_head_slice(kv_head, 2)
+        for name in ("tile_offsets", "tile_counts", "masked_counts", "key_index", "query_index"):
+            x, y = getattr(part, name), getattr(expected, name)
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert torch.equal(x, y), (method, kv_head, name)
+
+
 @pytest.mark.parametrize("pair", [p for p in PAIRS if p != ("none", "sparge")], ids=_pair_id)
 def test_chunked_intermediates_give_the_same_plan(pair, monkeypatch):
     # the chunk loops (importance, strided scores, group scores, S2O ranking) must not change any result
