@@ -504,6 +504,9 @@ def main(argv=None) -> dict:
                         help="no training: the retrieval evaluation of a saved checkpoint (--eval-instances per task "
                              "and length, 16K / 32K / 64K; --smoke: 1K / 2K), written to <out-dir>/<name>_eval.json")
     parser.add_argument("--eval-instances", type=int, default=32)
+    parser.add_argument("--attn-temperature", type=int, default=None, metavar="FLOOR",
+                        help="long-context attention temperature from this many positions on "
+                             "(ModelArgs.attn_temperature_floor; 0: none; default: the chosen model's)")
     parser.add_argument("--conv-width", type=int, default=None,
                         help="short causal convolution before each attention (ModelArgs.conv_width; 0: none; "
                              "default: the chosen model's)")
@@ -558,6 +561,8 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
         sizes = dict(sizes, n_layers=args.layers)
     if args.conv_width is not None:
         sizes = dict(sizes, conv_width=args.conv_width)
+    if args.attn_temperature is not None:
+        sizes = dict(sizes, attn_temperature_floor=args.attn_temperature)
     model_args = mod.ModelArgs(**sizes, max_seq_len=max(p[0] for p in phases))
     model = mod.Transformer(model_args).to(device)
     n_params = param_count(model)

@@ -7,6 +7,7 @@ pattern ``sparse_prefill`` rewrites. Nothing here knows about sparse_compile.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -28,6 +29,12 @@ class ModelArgs:
     # vector; attention's shapes are unchanged. Tried for the retrieval model: not better at its training budget
     # (benchmarks/results/retrieval_lm_experiments.md, runs 4-5).
     conv_width: int = 0
+    # > 0: long-context attention temperature (Llama 4's): queries at position t are scaled by
+    # 1 + attn_temperature_scale * ln(floor((t + 1) / attn_temperature_floor) + 1), so a lookup's logits grow with the
+    # context it searches; attention's call and shapes are unchanged (0: none). Tried for the retrieval model (run 6):
+    # not better at its training budget.
+    attn_temperature_floor: int = 0
+    attn_temperature_scale: float = 0.1
 
     @property
     def head_dim(self) -> int:
@@ -52,7 +59,8 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                query_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, N, _ = x.shape
         q, k, v = self.wqkv(x).split(
             [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim], dim=-1
@@ -61,6 +69,8 @@ class Attention(nn.Module):
         k = k.view(B, N, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, N, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if query_scale is not None:
+            q = (q * query_scale[:, None]).type_as(k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, N, -1))
 
@@ -99,8 +109,8 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attention(self.mix(self.attention_norm(x)), cos, sin)
+    def forward(self, x, cos, sin, query_scale=None):
+        x = x + self.attention(self.mix(self.attention_norm(x)), cos, sin, query_scale)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -116,8 +126,13 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
         cos, sin = rope_tables(tokens.shape[1], self.args.head_dim, self.args.rope_base, tokens.device)
+        query_scale = None
+        if self.args.attn_temperature_floor > 0:
+            t = torch.arange(tokens.shape[1], device=tokens.device)
+            query_scale = 1 + self.args.attn_temperature_scale * torch.log(
+                torch.floor((t + 1) / self.args.attn_temperature_floor) + 1)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, query_scale)
         x = self.norm(x)
         if last_only:
             x = x[:, -1:]

@@ -69,11 +69,12 @@ def test_pbs_permutation_with_sparge_selection_keep_all_equals_eager():
     assert sparse_compile.runtime_stats()["layers.0.attention"].last_path == "sparse"
 
 
-def test_model_with_a_convolution_before_attention_still_rewrites():
-    """``ModelArgs.conv_width`` (the retrieval model's option): the attention call is unchanged, so every layer runs
-    sparse, and with every tile kept the output equals eager."""
+@pytest.mark.parametrize("temperature", [0, 16])
+def test_model_with_a_convolution_before_attention_still_rewrites(temperature):
+    """``ModelArgs.conv_width`` and ``attn_temperature_floor`` (the retrieval model's options): the attention call is
+    unchanged, so every layer runs sparse, and with every tile kept the output equals eager."""
     model = Transformer(ModelArgs(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=1, intermediate_size=128,
-                                  conv_width=4)).eval()
+                                  conv_width=4, attn_temperature_floor=temperature)).eval()
     with torch.no_grad():
         for block in model.layers:
             block.mix.conv.weight.normal_(0, 0.3)  # zero at init: make the convolution act

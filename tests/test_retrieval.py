@@ -146,3 +146,38 @@ def test_listed_keys_maps_permuted_tiles_to_physical_keys_and_drops_padding():
                      key_index=torch.tensor([[[3, 2, 1, 0, -1, -1]]], dtype=torch.int32))
     assert bench.listed_keys(plan, 0, 3).tolist() == [3, 2]
     assert bench.listed_keys(plan, 0, 0).tolist() == [3, 2]
+
+
+@pytest.mark.parametrize("policy", ["dense", "oracle", "rowmax", "meanpool"])
+def test_oracle_study_attention_is_exact_with_every_tile_kept(policy):
+    oracle = importlib.import_module("retrieval_oracle")
+    q, k, v = torch.randn(2, 4, 301, 16), torch.randn(2, 2, 301, 16), torch.randn(2, 2, 301, 16)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(oracle.masked_attention(q, k, v, policy, 1.0, 32, 64), dense)
+
+
+def test_oracle_study_keeps_the_tile_holding_the_mass():
+    """Query block 7 of 32-row tiles: one tile (keys 64-95) carries keys aligned with its queries; at a budget of 2
+    tiles the oracles keep it and the diagonal, so the output is attention over exactly those keys."""
+    oracle = importlib.import_module("retrieval_oracle")
+    n, d = 256, 16
+    q, k, v = torch.randn(1, 1, n, d) * 0.1, torch.randn(1, 1, n, d) * 0.1, torch.randn(1, 1, n, d)
+    direction = torch.randn(d)
+    q[0, 0, 224:] += 3 * direction
+    k[0, 0, 64:96] += 3 * direction
+    keys = torch.zeros(n, dtype=torch.bool)
+    keys[64:96] = keys[224:] = True
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal & keys[None, :])
+    for policy in ("oracle", "rowmax"):
+        out = oracle.masked_attention(q, k, v, policy, 2 / 8, 32, 64)  # block 7: ceil(0.25 * 8) = 2 tiles
+        torch.testing.assert_close(out[0, 0, 224:], expected[0, 0, 224:])
+
+
+def test_oracle_study_smoke(tmp_path):
+    oracle = importlib.import_module("retrieval_oracle")
+    oracle.main(["--smoke", "--contenders", "dense", "oracle@0.1", "rowmax@0.1", "meanpool@0.1", "--out",
+                 str(tmp_path)])
+    rows = json.loads((tmp_path / "retrieval_oracle_smoke.json").read_text())["rows"]
+    assert {r["policy"] for r in rows} == {"dense", "oracle@0.1", "rowmax@0.1", "meanpool@0.1"}
+    assert all(0 <= r["exact"] <= 1 and set(rt.TASKS) <= set(r) for r in rows)
