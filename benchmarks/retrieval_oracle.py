@@ -1,6 +1,6 @@
 """Can any block selection keep retrieval at density 0.1? Exact block-masked attention on the retrieval model.
 
-    python benchmarks/retrieval_oracle.py                      # GPU: 16K, 32K, 64K; ~4 min
+    python benchmarks/retrieval_oracle.py                      # GPU: 16K, 32K, 64K; ~8 min
     python benchmarks/retrieval_oracle.py --smoke              # CPU: an untrained tiny model, seconds
 
 ``bench_retrieval.py`` shows every method losing most of its retrieval at density 0.1, although the needle's tile is
@@ -13,7 +13,10 @@ query block of ``--block`` rows), to the key tiles a policy picks:
 * ``oracle@ρ``: the tiles holding the most true attention mass summed over the block's rows;
 * ``rowmax@ρ``: the tiles ranked by the most mass any single row of the block puts in them;
 * ``meanpool@ρ``: the tiles ranked by the block's mean query against each tile's mean key (what the methods'
-  selectors pool), so the gap between it and the oracles is the pooling's.
+  selectors pool), so the gap between it and the oracles is the pooling's;
+* estimators a selector could afford (1/128 to 1/16 of QK^T): ``rowmax-meankeys`` (every row against the tile-mean
+  keys, the best row per tile), ``keymax-meanquery`` (the block-mean query against every key, the best key per
+  tile), ``sampled-rows`` (the exact mass of every 16th row of the block).
 
 Query block i keeps max(1, ⌈ρ(i+1)⌉) of its i+1 causal tiles, its diagonal tile always among them; the softmax runs
 over the kept keys only, in float32. Scores are built one chunk of query rows at a time (no N x N matrix).
@@ -38,7 +41,8 @@ import retrieval_tasks as rt  # noqa: E402
 import train_small_lm as tsl  # noqa: E402
 from harness import write_results  # noqa: E402
 
-POLICIES = ("dense", "oracle", "rowmax", "meanpool")
+POLICIES = ("dense", "oracle", "rowmax", "meanpool", "rowmax-meankeys", "keymax-meanquery", "sampled-rows")
+SAMPLE_EVERY = 16  # sampled-rows: every 16th row of a query block (its last row included) is scored exactly
 
 
 def tile_budget(rho: float, blocks: torch.Tensor) -> torch.Tensor:
@@ -46,16 +50,35 @@ def tile_budget(rho: float, blocks: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.ceil(rho * (blocks + 1) - 1e-9), min=1).long()
 
 
-def tile_scores(policy: str, probs: torch.Tensor, q_mean: torch.Tensor, k_mean: torch.Tensor, block: int,
-                rows: int) -> torch.Tensor:
-    """(query blocks of the chunk, key tiles) scores of ``policy`` from the chunk's probabilities (rows, keys)."""
-    tiles = k_mean.shape[0]
-    if policy == "meanpool":
+def tile_scores(policy: str, scores: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, q_mean: torch.Tensor,
+                k_mean: torch.Tensor, block: int, scale: float, row0: int) -> torch.Tensor:
+    """(query blocks of the chunk, key tiles) ranking scores of ``policy``.
+
+    ``scores`` (rows, keys): the chunk's exact causal logits (rows from ``row0``); ``queries`` its rows, ``keys`` the
+    keys it sees;
+    ``q_mean`` / ``k_mean`` the chunk's query-block means and every key tile's mean. The oracles read the exact
+    probabilities; the others estimate from what a selector could afford (at most 1/16 of QK^T).
+    """
+    rows, tiles = scores.shape[0], k_mean.shape[0]
+    row_blocks = lambda x: torch.nn.functional.pad(x, (0, 0, 0, -rows % block)).view(-1, block, x.shape[-1])  # noqa
+    if policy == "meanpool":  # what the methods' selectors pool: block-mean query . tile-mean key
         return q_mean @ k_mean.T
-    padded = torch.nn.functional.pad(probs, (0, tiles * block - probs.shape[1]))
-    per_row = padded.view(rows, tiles, block).sum(-1)  # each row's mass per tile
-    per_row = torch.nn.functional.pad(per_row, (0, 0, 0, -rows % block)).view(-1, block, tiles)
-    return per_row.sum(1) if policy == "oracle" else per_row.amax(1)
+    if policy == "keymax-meanquery":  # the block-mean query against every key, the best key of each tile
+        logits = torch.nn.functional.pad(q_mean @ keys.T, (0, tiles * block - keys.shape[0]), value=float("-inf"))
+        return logits.view(-1, tiles, block).amax(-1)
+    if policy == "rowmax-meankeys":  # every row against the tile-mean keys, softmax per row, the best row per tile
+        logits = (queries @ k_mean.T * scale).masked_fill(  # a row's causal tiles only
+            torch.arange(tiles, device=keys.device)[None, :] > (torch.arange(rows, device=keys.device)[:, None] + row0)
+            // block, float("-inf"))
+        return row_blocks(torch.softmax(logits, dim=-1)).amax(1)
+    probs = torch.softmax(scores, dim=-1)
+    per_row = torch.nn.functional.pad(probs, (0, tiles * block - probs.shape[1])).view(rows, tiles, block).sum(-1)
+    per_row = row_blocks(per_row)  # (query blocks, block rows, tiles): each row's mass per tile
+    if policy == "oracle":
+        return per_row.sum(1)
+    if policy == "rowmax":
+        return per_row.amax(1)
+    return per_row[:, SAMPLE_EVERY - 1::SAMPLE_EVERY].sum(1)  # sampled-rows
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: str, rho: float, block: int,
@@ -67,15 +90,12 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
     scale = 1.0 / math.sqrt(dim)
     out = torch.empty_like(q)
     tiles = -(-n // block)
+    counts = torch.clamp(n - torch.arange(tiles, device=q.device) * block, max=block)[:, None]
     for b in range(batch):
         for h in range(heads_q):
             qh, kh, vh = q[b, h].float(), k[b, h // group].float(), v[b, h // group].float()
-            k_pad = torch.nn.functional.pad(kh, (0, 0, 0, tiles * block - n))
-            q_pad = torch.nn.functional.pad(qh, (0, 0, 0, tiles * block - n))
-            k_mean = k_pad.view(tiles, block, dim).sum(1) / torch.clamp(
-                n - torch.arange(tiles, device=q.device) * block, max=block)[:, None]
-            q_mean = q_pad.view(tiles, block, dim).sum(1) / torch.clamp(
-                n - torch.arange(tiles, device=q.device) * block, max=block)[:, None]
+            k_mean = torch.nn.functional.pad(kh, (0, 0, 0, tiles * block - n)).view(tiles, block, dim).sum(1) / counts
+            q_mean = torch.nn.functional.pad(qh, (0, 0, 0, tiles * block - n)).view(tiles, block, dim).sum(1) / counts
             for r0 in range(0, n, chunk):
                 r1 = min(n, r0 + chunk)
                 rows = torch.arange(r0, r1, device=q.device)
@@ -84,17 +104,16 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
                 if policy != "dense":
                     b0, b1 = r0 // block, -(-r1 // block)
                     blocks = torch.arange(b0, b1, device=q.device)
-                    probs = torch.softmax(scores, dim=-1) if policy != "meanpool" else None
-                    rank = tile_scores(policy, probs, q_mean[b0:b1], k_mean[:b1], block, r1 - r0).float()
+                    rank = tile_scores(policy, scores, qh[r0:r1], kh[:r1], q_mean[b0:b1], k_mean[:b1], block,
+                                       scale, r0).float()
                     cols = torch.arange(b1, device=q.device)
                     rank = rank.masked_fill(cols[None, :] > blocks[:, None], float("-inf"))
                     rank = rank.masked_fill(cols[None, :] == blocks[:, None], float("inf"))  # the diagonal tile
                     order = rank.argsort(dim=-1, descending=True, stable=True)
                     keep = torch.zeros_like(rank, dtype=torch.bool)
                     keep.scatter_(1, order, cols[None, :] < tile_budget(rho, blocks)[:, None])
-                    keys = keep.repeat_interleave(block, dim=1)[:, :r1]
-                    keys = keys[(rows // block) - b0]
-                    scores = scores.masked_fill(~keys, float("-inf"))
+                    kept = keep.repeat_interleave(block, dim=1)[:, :r1][(rows // block) - b0]
+                    scores = scores.masked_fill(~kept, float("-inf"))
                 out[b, h, r0:r1] = (torch.softmax(scores, dim=-1) @ vh[:r1]).to(q.dtype)
     return out
 
@@ -123,7 +142,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536])
     parser.add_argument("--contenders", nargs="+",
-                        default=["dense", "oracle@0.05", "oracle@0.1", "rowmax@0.1", "meanpool@0.1"],
+                        default=["dense", "oracle@0.05", "oracle@0.1", "rowmax@0.1", "meanpool@0.1",
+                                 "rowmax-meankeys@0.1", "keymax-meanquery@0.1", "sampled-rows@0.1"],
                         help="dense, or <policy>@<density> with policy oracle, rowmax or meanpool")
     parser.add_argument("--per-task", type=int, default=8)
     parser.add_argument("--block", type=int, default=128)

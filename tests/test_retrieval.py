@@ -148,7 +148,8 @@ def test_listed_keys_maps_permuted_tiles_to_physical_keys_and_drops_padding():
     assert bench.listed_keys(plan, 0, 0).tolist() == [3, 2]
 
 
-@pytest.mark.parametrize("policy", ["dense", "oracle", "rowmax", "meanpool"])
+@pytest.mark.parametrize("policy", ["dense", "oracle", "rowmax", "meanpool", "rowmax-meankeys", "keymax-meanquery",
+                                    "sampled-rows"])
 def test_oracle_study_attention_is_exact_with_every_tile_kept(policy):
     oracle = importlib.import_module("retrieval_oracle")
     q, k, v = torch.randn(2, 4, 301, 16), torch.randn(2, 2, 301, 16), torch.randn(2, 2, 301, 16)
@@ -169,7 +170,7 @@ def test_oracle_study_keeps_the_tile_holding_the_mass():
     keys[64:96] = keys[224:] = True
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal & keys[None, :])
-    for policy in ("oracle", "rowmax"):
+    for policy in ("oracle", "rowmax", "sampled-rows", "rowmax-meankeys", "keymax-meanquery"):
         out = oracle.masked_attention(q, k, v, policy, 2 / 8, 32, 64)  # block 7: ceil(0.25 * 8) = 2 tiles
         torch.testing.assert_close(out[0, 0, 224:], expected[0, 0, 224:])
 
