@@ -109,7 +109,7 @@ def measure(args) -> None:
             row = {"N": n, "method": method, "shape": shape, "cudnn_ms": ms["cudnn"], "kernel_ms": ms["kernel"],
                    "select_ms": ms["select"], "kernel": ms["kernel"] / ms["cudnn"],
                    "select": ms["select"] / ms["cudnn"], "sm_clock_mhz": sm_clock_mhz()}
-            row["break_even"] = (1 - row["select"]) / row["kernel"]
+            row["break_even"] = (1 - row["select"]) / row["kernel"]  # the tie (the op keeps a MARGIN below it)
             rows.append(row)
             entry.setdefault(shape, {})[str(n)] = {"kernel": round(row["kernel"], 4), "select": round(row["select"], 4)}
             print(json.dumps(row), flush=True)
