@@ -258,8 +258,8 @@ def main() -> None:
         path.write_text(json.dumps(prof, indent=1))
         return
     rows = sweep(args)
-    cols = ["N", "method", "sel_fast_ms", "sel_pct", "sel_queued_ms", "sel_queued_pct", "sel_ref_ms", "attn_ms", "key_mode", "total_ms", "speedup",
-            "density", "listed", "rel_l1", "mse"]
+    cols = ["N", "method", "sel_fast_ms", "sel_pct", "sel_queued_ms", "sel_queued_pct", "sel_ref_ms", "attn_ms",
+            "key_mode", "total_ms", "speedup", "density", "listed", "rel_l1", "mse"]
     meta = dict(batch=B, heads_q=HQ, heads_kv=HKV, head_dim=D, dtype=str(DTYPE), seed=args.seed,
                 inputs="structured: sinks + RoPE-like local windows + vertical lines (bench_methods.py docstring)")
     table = write_results("methods", rows, meta=meta, columns=cols, out_dir=args.out_dir, digits=4)

@@ -23,7 +23,8 @@ its bytes. Contenders, all in the one compiled model and switched by ``sparsity(
 Per contender and length: accuracy per task and per needle-depth bin, the achieved density, the difference in
 bits per byte on held-out code windows against dense, and for every missed value whether the needle's key tile
 was listed for the query block that reads it: as a share of layers x heads, and for the lookup head, the one whose
-attention row puts the most mass on the needle (for S2O a listed tile may still be cut by early stop). Results: ``results/retrieval.{json,md,png}``.
+attention row puts the most mass on the needle, the byte it reads (for S2O a listed tile may still be cut by early
+stop). Results: ``results/retrieval.{json,md,png}``.
 """
 
 from __future__ import annotations
