@@ -118,7 +118,9 @@ def module_path(node: fx.Node) -> str:
         return ""
     raw = list(stack.values())[-1]
     path = raw[0] if isinstance(raw, tuple) else str(raw)
-    path = re.sub(r"^L\[['\"][^'\"]*['\"]\]\.?", "", path)  # the traced root, e.g. L['self']
+    # the traced root: L['self'], or L['args'][0] where the call reached forward through a wrapper taking the module
+    # as its first argument (transformers 5.24)
+    path = re.sub(r"^L\[['\"][^'\"]*['\"]\](\[\d+\])*\.?", "", path)
     path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
     path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)
     return path.strip(".")

@@ -250,3 +250,20 @@ def test_layer_index_parsing():
     assert layer_index("model.layers.12.self_attn") == 12
     assert layer_index("layers.0.attention") == 0
     assert layer_index("encoder.attn") is None
+
+
+@pytest.mark.parametrize("root", ["L['self']", "L['args'][0]", "L['mod']"])
+def test_module_path_strips_the_traced_root_however_it_was_passed(root):
+    """Dynamo names the traced module L['self'], or L['args'][0] when forward was reached through a wrapper taking
+    the module as its first argument (transformers 5.24): either way the site is the ``named_modules()`` path."""
+    from torch import fx
+
+    from sparse_compile.rewrite import module_path
+
+    graph = fx.Graph()
+    node = graph.placeholder("x")
+    node.meta["nn_module_stack"] = {
+        "1": (f"{root}.model", object),
+        "2": (f"{root}.model.layers[3]._modules['self_attn']", object),
+    }
+    assert module_path(node) == "model.layers.3.self_attn"
