@@ -557,7 +557,8 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     mod = load_model_module()
     sizes = ((RETRIEVAL_SMOKE_MODEL if smoke else RETRIEVAL_MODEL) if args.retrieval else
              (SMOKE_MODEL if smoke else GPU_MODEL))
-    overrides = {"n_layers": args.layers, "conv_width": args.conv_width, "attn_temperature_floor": args.attn_temperature}
+    overrides = {"n_layers": args.layers, "conv_width": args.conv_width,
+                 "attn_temperature_floor": args.attn_temperature}
     sizes = dict(sizes, **{field: value for field, value in overrides.items() if value is not None})
     model_args = mod.ModelArgs(**sizes, max_seq_len=max(p[0] for p in phases))
     model = mod.Transformer(model_args).to(device)
