@@ -27,6 +27,9 @@ from .validate import cdiv
 
 __all__ = ["BlockPool", "block_pool", "pooled_logits"]
 
+#: blocks at least this long are read in a loop with row sums kept across chunks (shorter: reduced per chunk)
+LONG_BLOCK = 1024
+
 
 class BlockPool(NamedTuple):
     """What ``block_pool`` computed (None where not asked for), per (batch, head, block) unless noted.
@@ -50,6 +53,15 @@ class BlockPool(NamedTuple):
 
 
 @triton.jit
+def _rows_to_slots(x, ROW_SLOTS: tl.constexpr):
+    """(blocks, CHUNK, D) -> (blocks, ROW_SLOTS, D): as is, or summed over the rows when ROW_SLOTS is 1."""
+    if ROW_SLOTS == 1:
+        return tl.sum(x, 1, keep_dims=True)
+    else:
+        return x
+
+
+@triton.jit
 def _pool_kernel(
     x_ptr, stride_xb, stride_xh, stride_xn, stride_xd,
     idx_ptr, stride_ib, stride_ih, stride_in,
@@ -59,8 +71,10 @@ def _pool_kernel(
     BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
     D_PAD: tl.constexpr, HAS_INDEX: tl.constexpr, WANT_MEAN: tl.constexpr, WANT_SIM: tl.constexpr,
     WANT_POS: tl.constexpr, WANT_GUIDE: tl.constexpr, SORT_GUIDE: tl.constexpr, FINITE_ROWS_MEAN: tl.constexpr,
+    ROW_SLOTS: tl.constexpr,
 ):
     tl.static_assert(not SORT_GUIDE or (BLOCKS_PER_PROGRAM == 1 and WANT_GUIDE))
+    tl.static_assert(ROW_SLOTS == 1 or ROW_SLOTS == CHUNK)
     # BLOCKS_PER_PROGRAM blocks per program, each read CHUNK rows at a time: tiles (blocks, CHUNK, D_PAD)
     blk = tl.program_id(0) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
     bh = tl.program_id(1)
@@ -73,8 +87,11 @@ def _pool_kernel(
     if WANT_GUIDE:
         gvec = tl.load(guide_ptr + b.to(tl.int64) * stride_gb + (h // GUIDE_DIV).to(tl.int64) * stride_gh + offs_d,
                        mask=dmask, other=0.0)
-    acc = tl.zeros([BLOCKS_PER_PROGRAM, D_PAD], tl.float32)
-    acc_unit = tl.zeros([BLOCKS_PER_PROGRAM, D_PAD], tl.float32)
+    # over several chunks, sums are kept per row slot (ROW_SLOTS = CHUNK) and reduced over rows once after the
+    # loop: a reduction over rows crosses warps (shared memory and barriers) and inside the loop it stalled every
+    # chunk's loads; with one chunk (ROW_SLOTS = 1) the rows are reduced at once
+    acc = tl.zeros([BLOCKS_PER_PROGRAM, ROW_SLOTS, D_PAD], tl.float32)
+    acc_unit = tl.zeros([BLOCKS_PER_PROGRAM, ROW_SLOTS, D_PAD], tl.float32)
     cnt = tl.zeros([BLOCKS_PER_PROGRAM, CHUNK], tl.int32)
     mean_cnt = tl.zeros([BLOCKS_PER_PROGRAM, CHUNK], tl.int32)
     kmin = tl.full([BLOCKS_PER_PROGRAM, CHUNK], 2147483647, tl.int32)
@@ -92,15 +109,15 @@ def _pool_kernel(
         if WANT_MEAN:
             if FINITE_ROWS_MEAN:
                 row_finite = tl.sum((is_finite(x) == 0).to(tl.int32), 2) == 0
-                acc += tl.sum(tl.where(row_finite[:, :, None], x, 0.0), 1)
+                acc += _rows_to_slots(tl.where(row_finite[:, :, None], x, 0.0), ROW_SLOTS)
                 mean_cnt += (valid & row_finite).to(tl.int32)
             else:
-                acc += tl.sum(x, 1)
+                acc += _rows_to_slots(x, ROW_SLOTS)
                 mean_cnt += valid.to(tl.int32)
         if WANT_SIM:
             # one reciprocal per row instead of a division per element
             inv = 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, 2)), 1.1754943508222875e-38)
-            acc_unit += tl.sum(x * inv[:, :, None], 1)
+            acc_unit += _rows_to_slots(x * inv[:, :, None], ROW_SLOTS)
         if WANT_POS:
             kmin = tl.minimum(kmin, tl.where(valid, phys, 2147483647))
             kmax = tl.maximum(kmax, tl.where(valid, phys, -1))
@@ -114,11 +131,12 @@ def _pool_kernel(
     out = bh.to(tl.int64) * NUM_BLOCKS + blk
     if WANT_MEAN:
         n_mean = tl.maximum(tl.sum(mean_cnt, 1), 1).to(tl.float32)
-        tl.store(mean_ptr + out[:, None] * D + offs_d[None, :], acc / n_mean[:, None],
+        tl.store(mean_ptr + out[:, None] * D + offs_d[None, :], tl.sum(acc, 1) / n_mean[:, None],
                  mask=live[:, None] & dmask[None, :])
     if WANT_SIM:
         nf = n.to(tl.float32)
-        tl.store(sim_ptr + out, tl.sum(acc_unit * acc_unit, 1) / tl.maximum(nf * nf, 1.0), mask=live)
+        unit = tl.sum(acc_unit, 1)
+        tl.store(sim_ptr + out, tl.sum(unit * unit, 1) / tl.maximum(nf * nf, 1.0), mask=live)
     if WANT_POS:
         tl.store(kmin_ptr + out, tl.min(kmin, 1), mask=live)
         tl.store(kmax_ptr + out, tl.max(kmax, 1), mask=live)
@@ -172,8 +190,20 @@ def block_pool(x: torch.Tensor, block: int, *, key_index: Optional[torch.Tensor]
     budget = (1 << 16) if interpreting() else 8192  # elements per tile; the interpreter pays per program
     chunk = min(pow2(block), max(16, budget // d_pad))
     per_program = 1
+    warps, row_slots = 4, 1
     if chunk >= block and not fuse_sort:  # small blocks: several per program (full, one chunk each)
         per_program = max(1, min(pow2(nb), budget // (chunk * d_pad)))
+    elif block >= LONG_BLOCK:
+        # long blocks (S2O's segments), read in a loop: row sums per row slot across chunks, and the launch shape
+        # measured fastest on the H100 (results/s2o_selection_launch_shapes.md): with few programs (S2O's guide key, one
+        # per KV head) 16 warps reading 64 rows at D = 128, with many (its query pass, one per head and segment)
+        # 4 warps reading 32
+        if not interpreting():
+            if nb * B * H < 64:
+                warps = 16
+            else:
+                chunk = min(chunk, max(16, 4096 // d_pad))
+        row_slots = chunk if chunk < block else 1
 
     def or_dummy(t):
         return t if t is not None else dummy
@@ -185,7 +215,8 @@ def block_pool(x: torch.Tensor, block: int, *, key_index: Optional[torch.Tensor]
         H, L, N, nb, max(1, H // g.shape[1]) if guide is not None else 1,
         BLOCK=block, BLOCKS_PER_PROGRAM=per_program, CHUNK=chunk, D=D, D_PAD=d_pad, HAS_INDEX=key_index is not None,
         WANT_MEAN=want_mean, WANT_SIM=want_similarity, WANT_POS=want_positions, WANT_GUIDE=guide is not None,
-        SORT_GUIDE=fuse_sort, FINITE_ROWS_MEAN=finite_rows_mean, num_warps=4,
+        SORT_GUIDE=fuse_sort, FINITE_ROWS_MEAN=finite_rows_mean, ROW_SLOTS=row_slots,
+        num_warps=warps,
     )
     if sort_guide and guide is not None and order is None:
         order = segmented_argsort_desc(gdot, block, nb).to(torch.int32)

@@ -1,7 +1,7 @@
 """S2O's reorder and select stages on the GPU.
 
-* ``s2o_rank_keys``: every segment's causal prefix ranked by descending <segment query mean, key>, as one sort of
-  packed (segment, score, position) 64-bit keys (a radix sort ranks every segment at once).
+* ``s2o_rank_keys``: every segment's causal prefix ranked by descending <segment query mean, key>: one stable sort
+  of every segment's scores at once, then one of their segment ids.
 * ``s2o_assemble``: the logical key list: per segment its own keys (padded with -1), then its ranking.
 * ``s2o_select``: the plan: intra-segment masked tiles, then the ranked prefix.
 
@@ -11,7 +11,7 @@ are not finite: dense attention would not be finite there either.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -21,18 +21,17 @@ from .common import (PlanTables, dot, dot_precision, empty_plan_tables, interpre
                      orderable, pow2, split_heads)
 from .validate import cdiv
 
-__all__ = ["s2o_rank_keys", "s2o_assemble", "s2o_select"]
+__all__ = ["S2ORanking", "s2o_rank_keys", "s2o_assemble", "s2o_select"]
 
 
 @triton.jit
 def _s2o_rank_keys_kernel(
     k_ptr, stride_kb, stride_kh, stride_kn, stride_kd, qm_ptr, out_ptr,
-    HKV, NUM_SEGMENTS, SEGMENT, TOTAL, POSITION_BITS, SEGMENT_SHIFT, BH0, GROUP,
+    HKV, NUM_SEGMENTS, SEGMENT, TOTAL, GROUP,
     BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PREC: tl.constexpr,
 ):
     c = tl.program_id(0)
-    bh_local = tl.program_id(1)  # (batch, KV head) inside this chunk of them
-    bh = BH0 + bh_local
+    bh = tl.program_id(1)
     b, hk, _ = split_heads(bh, HKV, 1)
     t = c * BLOCK_T + tl.arange(0, BLOCK_T)
     tin = t < (NUM_SEGMENTS - 1) * SEGMENT
@@ -52,58 +51,82 @@ def _s2o_rank_keys_kernel(
     sc = dot(kt, tl.trans(qm), PREC)  # (BLOCK_T, G_PAD): <q_mean[n], K[t]>
     sc = tl.where(is_finite(sc), sc, float("inf"))  # non-finite scores rank first
     use = tin[:, None] & nin[None, :] & (t[:, None] < n[None, :] * SEGMENT)  # segment n ranks its prefix [0, nS)
-    # ascending packed key = (segment, descending score, position): one global sort ranks every segment
-    desc = (2147483647 - orderable(sc).to(tl.int64))
-    seg = (bh_local.to(tl.int64) * NUM_SEGMENTS + n).to(tl.int64)
-    key = (seg[None, :] << SEGMENT_SHIFT) | (desc << POSITION_BITS) | t.to(tl.int64)[:, None]
     start = (n * (n - 1) // 2).to(tl.int64) * SEGMENT  # segment n's part of the (batch, head)'s list
-    tl.store(out_ptr + bh_local.to(tl.int64) * TOTAL + start[None, :] + t[:, None], key, mask=use)
+    # ascending int32 key = descending score (~x reverses the signed order)
+    tl.store(out_ptr + bh.to(tl.int64) * TOTAL + start[None, :] + t[:, None], ~orderable(sc), mask=use)
 
 
-def s2o_rank_keys(k: torch.Tensor, query_mean: torch.Tensor, segment: int) -> tuple[torch.Tensor, int]:
-    """Every segment's causal prefix ranked by descending <query_mean[n], K[t]> (stable): int64 (B, Hkv, TOT) with
-    TOT = S * g * (g - 1) / 2; entry ``S*n*(n-1)/2 + r`` holds (in its low bits) the position of segment n's r-th
-    key.
+@triton.jit
+def _s2o_segment_of_kernel(slot_ptr, out_ptr, COUNT, NUM_SEGMENTS, SEGMENT, TOTAL, BLOCK: tl.constexpr):
+    # the segment (batch * head * g + n) of each slot of the flat list: slot = bh * TOTAL + S * n(n-1)/2 + t
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < COUNT
+    slot = tl.load(slot_ptr + i, mask=live, other=0)
+    bh = slot // TOTAL
+    m = ((slot - bh * TOTAL) // SEGMENT).to(tl.int32)  # n(n-1)/2 <= m < n(n+1)/2
+    n = ((1.0 + tl.sqrt(1.0 + 8.0 * m.to(tl.float32))) * 0.5).to(tl.int32)
+    n = tl.where(n * (n - 1) // 2 > m, n - 1, n)  # the float root may be one off either way
+    n = tl.where((n + 1) * n // 2 <= m, n + 1, n)
+    tl.store(out_ptr + i, (bh * NUM_SEGMENTS + n).to(out_ptr.dtype.element_ty), mask=live)
+
+
+#: the most segments (batch x KV heads x g) whose ids sort as uint8 (1 radix pass) or int16 (2; int32 takes 4)
+UINT8_SEGMENT_IDS = 256
+INT16_SEGMENT_IDS = 32768
+
+
+class S2ORanking(NamedTuple):
+    """Every segment's ranked causal prefix as two stable sorts of the flat (B, Hkv, TOT) list of slots
+    (slot ``S*n*(n-1)/2 + t`` of a (batch, head) = key t of segment n): ``by_score`` (flat slots by ascending key,
+    i.e. descending score) and ``by_segment`` (indices into ``by_score``, regrouped by segment, stable). Segment
+    n's r-th key is ``by_score[by_segment[s]] - (s - r)`` with s = bh * TOT + S*n*(n-1)/2 + r."""
+
+    by_score: torch.Tensor
+    by_segment: torch.Tensor
+
+
+def s2o_rank_keys(k: torch.Tensor, query_mean: torch.Tensor, segment: int) -> S2ORanking:
+    """Every segment's causal prefix ranked by descending <query_mean[n], K[t]>, ties by position (stable).
 
     ``query_mean`` (B, H, g, D) float32 segment means, H = Hkv (one ranking per KV head) or a multiple of it (the
     kernel then averages each GQA group's heads; slower: every program re-reads the group's means).
 
-    Returns (sorted packed keys, number of low bits that hold the position).
+    Two stable radix sorts instead of one of packed (segment, score, position) 64-bit keys: the int32 scores of
+    every segment at once, then the segment ids (8 or 16 bits) of the result. PyTorch's sort moves int64 indices with
+    its keys, so the packed sort paid 8 passes over 16 bytes per entry; these pay 4 over 12 and 1 or 2 over 9 or 10.
     """
     k = launchable(k)
     B, Hkv, N, D = k.shape
     g = query_mean.shape[2]
     group = query_mean.shape[1] // Hkv
     total = segment * g * (g - 1) // 2
-    position_bits = max(1, ((g - 1) * segment - 1).bit_length()) if g > 1 else 1
-    out = torch.empty(B, Hkv, max(total, 1), dtype=torch.int64, device=k.device)
+    dev = k.device
     if total == 0:
-        return out[..., :0], position_bits
+        empty = torch.empty(0, dtype=torch.int64, device=dev)
+        return S2ORanking(empty, empty)
     qm = query_mean.float().contiguous()
-    segment_bits = 63 - 32 - position_bits  # bits left for the segment id: (batch, head) chunks sorted together
-    per_chunk = max(1, (1 << segment_bits) // g) if segment_bits > 0 else 0
-    if per_chunk == 0:
-        raise ValueError(f"s2o_rank_keys: N={N} too long for 64-bit packed keys")
+    keys = torch.empty(B * Hkv * total, dtype=torch.int32, device=dev)
     d_pad = max(16, triton.next_power_of_2(D))
     g_pad = max(16, triton.next_power_of_2(g))
-    block_t = 16 if interpreting() else 64  # 128 x 64 int64 keys per 4 warps spilled (stack frame of 512 bytes)
-    flat = out.view(B * Hkv, total)
-    chunks = []
-    for bh0 in range(0, B * Hkv, per_chunk):  # one chunk unless N is huge (bits run out)
-        bh1 = min(B * Hkv, bh0 + per_chunk)
-        part = flat[bh0:bh1]
-        _s2o_rank_keys_kernel[(triton.cdiv((g - 1) * segment, block_t), bh1 - bh0)](
-            k, *k.stride(), qm, part, Hkv, g, segment, total, position_bits, 32 + position_bits, bh0, group,
-            BLOCK_T=block_t, G_PAD=g_pad, D=D, D_PAD=d_pad, PREC=dot_precision(torch.float32), num_warps=4,
-        )
-        # one radix sort of 64-bit keys ranks every segment of the chunk at once (segment id in the top bits)
-        chunks.append(torch.sort(part.reshape(-1)).values)
-    ranked = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-    return ranked.view(B, Hkv, total), position_bits
+    block_t = 16 if interpreting() else 64  # (64 keys x g_pad segments) per program, spill-free
+    _s2o_rank_keys_kernel[(triton.cdiv((g - 1) * segment, block_t), B * Hkv)](
+        k, *k.stride(), qm, keys, Hkv, g, segment, total, group,
+        BLOCK_T=block_t, G_PAD=g_pad, D=D, D_PAD=d_pad, PREC=dot_precision(torch.float32), num_warps=4,
+    )
+    by_score = torch.sort(keys, stable=True).indices
+    del keys
+    segments = B * Hkv * g
+    seg_dtype = torch.uint8 if segments <= UINT8_SEGMENT_IDS else (
+        torch.int16 if segments <= INT16_SEGMENT_IDS else torch.int32)
+    seg = torch.empty(by_score.shape, dtype=seg_dtype, device=dev)
+    block = 256 if interpreting() else 1024
+    _s2o_segment_of_kernel[(triton.cdiv(seg.numel(), block),)](by_score, seg, seg.numel(), g, segment, total,
+                                                               BLOCK=block, num_warps=4)
+    return S2ORanking(by_score, torch.sort(seg, stable=True).indices)
 
 
 @triton.jit
-def _s2o_assemble_kernel(ranked_ptr, out_ptr, N, SEGMENT, TOTAL, POSITION_MASK, LENGTH, BLOCK_N,
+def _s2o_assemble_kernel(by_score_ptr, by_segment_ptr, out_ptr, N, SEGMENT, TOTAL, LENGTH, BLOCK_N,
                          BLOCK: tl.constexpr):
     c = tl.program_id(0)
     n = tl.program_id(1)
@@ -114,23 +137,26 @@ def _s2o_assemble_kernel(ranked_ptr, out_ptr, N, SEGMENT, TOTAL, POSITION_MASK, 
     s = c * BLOCK + tl.arange(0, BLOCK)
     live = s < intra_pad + n * SEGMENT
     own = tl.where(s < seg_len, n * SEGMENT + s, -1)
-    src = bh.to(tl.int64) * TOTAL + tl.cast(n * (n - 1) // 2, tl.int64) * SEGMENT + (s - intra_pad)
-    ranked = (tl.load(ranked_ptr + src, mask=live & (s >= intra_pad), other=0) & POSITION_MASK).to(tl.int32)
-    tl.store(out_ptr + bh.to(tl.int64) * LENGTH + base + s, tl.where(s < intra_pad, own, ranked), mask=live)
+    first = bh.to(tl.int64) * TOTAL + tl.cast(n * (n - 1) // 2, tl.int64) * SEGMENT  # slot of key 0 of segment n
+    ranked = live & (s >= intra_pad)
+    j = tl.load(by_segment_ptr + first + (s - intra_pad), mask=ranked, other=0)
+    pos = (tl.load(by_score_ptr + j, mask=ranked, other=0) - first).to(tl.int32)
+    tl.store(out_ptr + bh.to(tl.int64) * LENGTH + base + s, tl.where(s < intra_pad, own, pos), mask=live)
 
 
-def s2o_assemble(ranked: torch.Tensor, position_bits: int, n: int, segment: int, block_n: int,
+def s2o_assemble(ranking: S2ORanking, batch: int, heads: int, n: int, segment: int, block_n: int,
                  length: int) -> torch.Tensor:
     """The S2O logical key list (B, Hkv, L) int32: per segment its own keys (padded with -1), then its ranking."""
-    B, Hkv = ranked.shape[:2]
+    dev = ranking.by_score.device
     g = cdiv(n, segment)
-    out = torch.empty(B, Hkv, length, dtype=torch.int32, device=ranked.device)
+    total = segment * g * (g - 1) // 2
+    out = torch.empty(batch, heads, length, dtype=torch.int32, device=dev)
     block = 256 if not interpreting() else 64
     longest = cdiv(segment, block_n) * block_n + (g - 1) * segment
-    src = ranked if ranked.numel() else torch.empty(1, dtype=torch.int64, device=ranked.device)
-    _s2o_assemble_kernel[(triton.cdiv(longest, block), g, B * Hkv)](
-        src, out, n, segment, ranked.shape[-1], (1 << position_bits) - 1, length, block_n, BLOCK=block,
-        num_warps=4,
+    one = torch.zeros(1, dtype=torch.int64, device=dev)
+    by_score, by_segment = (x if x.numel() else one for x in ranking)
+    _s2o_assemble_kernel[(triton.cdiv(longest, block), g, batch * heads)](
+        by_score, by_segment, out, n, segment, total, length, block_n, BLOCK=block, num_warps=4,
     )
     return out
 

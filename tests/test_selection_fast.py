@@ -382,6 +382,35 @@ def test_s2o_reorder_and_select_agree(sort_queries):
     assert plans_identical(p_fast, p_ref)
 
 
+@pytest.mark.parametrize("ids", ["uint8", "int16", "int32"])
+def test_s2o_ranking_is_a_stable_descending_sort_per_segment(monkeypatch, ids):
+    """The two-sort ranking equals a stable descending argsort of each segment's prefix scores, exact ties included
+    (small-integer keys and means: every score exact in float32), with segment ids of every width."""
+    from sparse_compile.kernels import s2o as s2o_kernels
+
+    if ids != "uint8":
+        monkeypatch.setattr(s2o_kernels, "UINT8_SEGMENT_IDS", 0)
+    if ids == "int32":
+        monkeypatch.setattr(s2o_kernels, "INT16_SEGMENT_IDS", 0)
+    gen = torch.Generator().manual_seed(11)
+    B, Hkv, S, bn, D = 2, 3, 32, 16, 16
+    for n in (5 * S, 5 * S - 7):
+        g = -(-n // S)
+        k = torch.randint(-2, 3, (B, Hkv, n, D), generator=gen).float()
+        k[:, :, 40:50] = k[:, :, 10:20]  # repeated keys: equal scores, ranked by position
+        qm = torch.randint(-1, 2, (B, Hkv, g, D), generator=gen).float()
+        ranking = s2o_kernels.s2o_rank_keys(k, qm, S)
+        layout = s2o.s2o_layout(n, S, bn)
+        key_index = s2o_kernels.s2o_assemble(ranking, B, Hkv, n, S, bn, layout.length)
+        for seg in range(1, g):
+            scores = (qm[:, :, seg, None, :] @ k[..., : seg * S, :].transpose(-1, -2))[..., 0, :]
+            want = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+            z = layout.base[seg] + layout.intra_pad[seg]
+            assert torch.equal(key_index[..., z: z + seg * S].long(), want), (n, seg)
+            assert torch.equal(key_index[..., layout.base[seg]: z][..., : layout.seg_len[seg]].long(),
+                               torch.arange(seg * S, seg * S + layout.seg_len[seg]).expand(B, Hkv, -1))
+
+
 @pytest.mark.parametrize("method", list(PRESETS))
 def test_build_plan_end_to_end(method):
     """build_plan(fast) == build_plan(reference) on structured inputs, else explained by the stage tests above."""
@@ -428,7 +457,7 @@ def test_exact_ties_follow_the_stable_order():
             assert torch.equal(p_fast.key_index, p_ref.key_index)
 
 
-def test_pieces_match_reference():
+def test_pieces_match_reference(monkeypatch):
     """Pooling statistics, visibility inputs, segmented argsort and BFLA scores against the reference functions."""
     q, k = structured_qk(2, 4, 2, 150, 150, 24, 16, seed=7)
     pool = pooling.block_pool(q, 16, want_similarity=True)
@@ -449,6 +478,25 @@ def test_pieces_match_reference():
     assert bool(pooling.block_pool(q_nan, 16).mean[0, 1, 1].isnan().all())
     torch.testing.assert_close(pooling.block_pool(q_nan, 16, finite_rows_mean=True).mean,
                                block_mean(q_nan, 16, finite_rows=True), rtol=1e-5, atol=1e-5)
+    # long blocks read in several chunks (sums kept per row slot across chunks), as on the GPU
+    monkeypatch.setattr(pooling, "interpreting", lambda: False)  # the GPU's chunk budget: 8192 / D rows
+    x = torch.randn(1, 2, 2100, 16)
+    x[0, 0, 300] = float("inf")
+    for kw in (dict(want_similarity=True), dict(finite_rows_mean=True)):
+        got = pooling.block_pool(x, 1024, **kw)
+        want = block_mean(x, 1024, finite_rows=kw.get("finite_rows_mean", False))
+        torch.testing.assert_close(got.mean, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+        if "want_similarity" in kw:
+            torch.testing.assert_close(got.similarity, block_self_similarity(x, 1024), rtol=1e-5, atol=1e-5,
+                                       equal_nan=True)
+    guide = torch.randn(1, 1, 16)
+    got = pooling.block_pool(x, 1024, guide=guide, sort_guide=True, finite_rows_mean=True)
+    torch.testing.assert_close(got.mean, block_mean(x, 1024, finite_rows=True), rtol=1e-5, atol=1e-5)
+    scores = (x * guide[:, :, None]).sum(-1)
+    scores = torch.where(scores.isfinite(), scores, torch.full_like(scores, float("inf")))
+    torch.testing.assert_close(got.guide_score, scores, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.guide_order, segmented_argsort_desc(got.guide_score, 1024, 3).int())
+    monkeypatch.undo()
     # segmented argsort with ties and a ragged last segment
     x = torch.randint(0, 5, (3, 2, 70)).float()
     for seg, nseg in ((16, 4), (16, 5), (32, 2), (64, 1)):
@@ -555,8 +603,9 @@ for nbp, chunk, hasidx, mean, sim, pos, guide, sort, finite in [(1, 64, False, T
     compile_kernel(pooling._pool_kernel,
         dict(x_ptr="bf16", idx_ptr="i32", guide_ptr="fp32", mean_ptr="fp32", sim_ptr="fp32", kmin_ptr="i32",
              kmax_ptr="i32", kpad_ptr="i32", gdot_ptr="fp32", order_ptr="i32"), set(),
-        dict(BLOCK=128 if sort else 64, BLOCKS_PER_PROGRAM=nbp, CHUNK=chunk, D=128, D_PAD=128, HAS_INDEX=hasidx,
-             WANT_MEAN=mean, WANT_SIM=sim, WANT_POS=pos, WANT_GUIDE=guide, SORT_GUIDE=sort, FINITE_ROWS_MEAN=finite))
+        dict(BLOCK=2048 if sort else 64, BLOCKS_PER_PROGRAM=nbp, CHUNK=chunk, D=128, D_PAD=128, HAS_INDEX=hasidx,
+             WANT_MEAN=mean, WANT_SIM=sim, WANT_POS=pos, WANT_GUIDE=guide, SORT_GUIDE=sort, FINITE_ROWS_MEAN=finite,
+             ROW_SLOTS=chunk if sort else 1))
 compile_kernel(pooling._pooled_logits_kernel, dict(qm_ptr="fp32", km_ptr="fp32", out_ptr="fp32"), set(),
                dict(BLOCK_M=128, BLOCK_N=128, D=128, D_PAD=128, R=64, C=64, PREC="tf32x3"))
 for judge, perm, keep_all, plan in [(False, True, False, True), (True, False, False, True), (False, False, False, False),
@@ -585,9 +634,11 @@ for pos, keep_all in ((False, False), (True, False), (False, True)):
                    offs_ptr="i32", cnt_ptr="i32", msk_ptr="i32"), set(),
                    dict(TILE_Q=128, TILE_K=64, COARSE=256, W=512, ROWS=2, HAS_POSITIONS=pos, STRIDE_ON=True,
                         RANDOM_ON=True, KEEP_ALL=keep_all), warps=1)
-compile_kernel(s2o._s2o_rank_keys_kernel, dict(k_ptr="bf16", qm_ptr="fp32", out_ptr="i64"), set(),
+compile_kernel(s2o._s2o_rank_keys_kernel, dict(k_ptr="bf16", qm_ptr="fp32", out_ptr="i32"), set(),
                dict(BLOCK_T=64, G_PAD=64, D=128, D_PAD=128, PREC="tf32x3"))
-compile_kernel(s2o._s2o_assemble_kernel, dict(ranked_ptr="i64", out_ptr="i32"), set(), dict(BLOCK=256))
+compile_kernel(s2o._s2o_segment_of_kernel, dict(slot_ptr="i64", out_ptr="i16"), set(), dict(BLOCK=1024))
+compile_kernel(s2o._s2o_assemble_kernel, dict(by_score_ptr="i64", by_segment_ptr="i64", out_ptr="i32"), set(),
+               dict(BLOCK=256))
 for qidx in (True, False):
     compile_kernel(s2o._s2o_select_kernel, dict(qidx_ptr="i32", offs_ptr="i32", cnt_ptr="i32", msk_ptr="i32"),
                    set(), dict(BLOCK_M=128, BLOCK_N=128, W=1024, ROWS=4, HAS_QUERY_INDEX=qidx))

@@ -261,8 +261,11 @@ def reorder_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> 
     heads_kv, S, bn = k.shape[1], params.segment_size, params.block_size_kv
     layout, _ = _s2o_width(n, S, bn)
     g = len(layout.seg_len)
-    # k_guide (B, Hkv, D): the first segment's mean finite key (one reduction, float32 accumulation)
-    guide = finite_row_mean(k[:, :, : layout.seg_len[0]], dim=2) if params.sort_queries else None
+    # k_guide (B, Hkv, D): the first segment's mean finite key (one launch, float32 accumulation)
+    guide = None
+    if params.sort_queries:
+        first = layout.seg_len[0]
+        guide = block_pool(k[:, :, :first], first, finite_rows_mean=True).mean[:, :, 0]
     # one pass over Q: per-head segment means (for the key ranking) and <Q[t], k_guide> sorted inside each
     # segment by the same program (the query order)
     pool = block_pool(q, S, guide=guide, sort_guide=True, finite_rows_mean=True)
@@ -270,8 +273,8 @@ def reorder_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> 
     # the GQA group's mean of the segment means, once (averaging inside the ranking kernel re-read every head's
     # means in every program: 0.41 -> 0.58 ms at 128K, NOTES_selection.md)
     q_mean = pool.mean.view(batch, heads_kv, heads_q // heads_kv, g, dim).mean(2)
-    ranked, position_bits = s2o_rank_keys(k, q_mean, S)
-    key_index = s2o_assemble(ranked, position_bits, n, S, bn, layout.length)
+    ranking = s2o_rank_keys(k, q_mean, S)
+    key_index = s2o_assemble(ranking, batch, heads_kv, n, S, bn, layout.length)
     return Reordering("s2o", key_index=key_index, query_index=query_index, extras={"layout": layout})
 
 
