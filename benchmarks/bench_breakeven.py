@@ -50,10 +50,16 @@ HQ, HKV, D = 32, 8, 128
 
 def alternate(contenders: dict, reps: int, calls: int = 1, queue_ahead: bool = False) -> dict:
     """Median milliseconds of each callable and, as ``<name>_mean``, the means (``harness.alternating_samples``:
-    A, B, C, A, B, C, ... after two warm-up rounds, which also let a density history land)."""
+    A, B, C, A, B, C, ... after two warm-up rounds, which also let a density history land). With a ``cudnn``
+    contender, ``<name>_paired``: the median over rounds of the round's time over cuDNN's in the same round (the
+    clock drifts between rounds, less within one)."""
     times = alternating_samples(contenders, reps, calls=calls, queue_ahead=queue_ahead)
-    return {name: statistics.median(t) for name, t in times.items()} | {
+    out = {name: statistics.median(t) for name, t in times.items()} | {
         f"{name}_mean": statistics.fmean(t) for name, t in times.items()}
+    if "cudnn" in times:
+        out |= {f"{name}_paired": statistics.median(a / b for a, b in zip(t, times["cudnn"]))
+                for name, t in times.items()}
+    return out
 
 
 def random_inputs(n: int, seed: int = 0):
@@ -158,6 +164,7 @@ def verify(args) -> None:
                        "sparse_attention_ms": ms["sparse"], "ratio": ms["sparse"] / ms["cudnn"],
                        "ratio_of_means": ms["sparse_mean"] / ms["cudnn_mean"], "op_ms": ms["op"],
                        "op_ratio": ms["op"] / ms["cudnn"], "op_ratio_of_means": ms["op_mean"] / ms["cudnn_mean"],
+                       "paired_ratio": ms["sparse_paired"], "op_paired_ratio": ms["op_paired"],
                        "op_last_path": op_stats.last_path,
                        "listed_density": density, "rel_l1_sparse": rel_l1, "last_path": stats.last_path,
                        "last_reason": stats.last_reason, "calls": calls, "sm_clock_mhz": sm_clock_mhz()}
@@ -167,7 +174,7 @@ def verify(args) -> None:
             torch.cuda.empty_cache()
     print(write_results(f"{args.name}_verify", rows, out_dir=args.out,
                         columns=["N", "inputs", "method", "cudnn_ms", "sparse_attention_ms", "ratio", "ratio_of_means",
-                                 "op_ratio", "op_ratio_of_means", "last_path",
+                                 "op_ratio", "op_ratio_of_means", "paired_ratio", "op_paired_ratio", "last_path",
                                  "listed_density", "rel_l1_sparse", "last_reason"]))
 
 
