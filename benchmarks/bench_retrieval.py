@@ -37,6 +37,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -69,22 +70,44 @@ def contender_region(name: str, params: dict) -> dict:
         return {"enabled": False}
     if "-calibrated@" in name:
         return dict(params)
-    method = name.split("@")[0].removesuffix("-global")
+    method = name.split("@")[0].removesuffix("-global")  # "pbs@0.1/layer2" too: params carry its site_params
     if method == "pbs-noperm":
         return {"method": "pbs", "reorder": "none", **params}
     return {"method": method, **params}
 
 
-def capture_qk(compiled, tokens) -> list:
-    """(q, k) of every attention call of a dense run (the calibration input)."""
+def capture_qk(compiled, tokens, sites: Optional[list] = None) -> list:
+    """(q, k) of every attention call of a dense run (the calibration input); the calls' site names are appended
+    to ``sites`` when given."""
     calls = []
 
     def keep(site, q, k, v, scale, chunked):
         calls.append((q.detach().clone(), k.detach().clone()))
+        if sites is not None:
+            sites.append(site)
 
     with torch.no_grad(), sparse_compile.sparsity(enabled=False), sparse_compile.ops.capturing(keep):
         compiled(tokens)
     return calls
+
+
+def per_layer_params(method: str, densities: list, layers: list, sites: list, base, reorder=None) -> dict:
+    """``site_params`` that give each attention site its own density: the knob calibrated on that site's captured
+    (q, k) alone; a density of 1 keeps every tile. ``layers`` and ``sites``: one entry per site, in call order."""
+    if len(densities) != len(sites):
+        raise ValueError(f"--layer-densities: {len(densities)} densities for {len(sites)} attention sites")
+    keep_all = dict(sparse_compile.registry.registered_methods()[method].keep_all)
+    site_params = {}
+    for site, qk, rho in zip(sites, layers, densities):
+        site_params[site] = keep_all if rho >= 1 else calibrate(method, rho, [qk], base, reorder=reorder)[0]
+    return {"site_params": site_params}
+
+
+def one_layer_sparse(method: str, params: dict, sites: list, layer: int) -> dict:
+    """``params`` with every site but ``sites[layer]`` set to the method's keep-all parameters (exact attention
+    through the same path), so that only that layer runs the contender's selection."""
+    keep_all = dict(sparse_compile.registry.registered_methods()[method].keep_all)
+    return {**params, "site_params": {site: keep_all for i, site in enumerate(sites) if i != layer}}
 
 
 def listed_keys(plan, head: int, row: int) -> torch.Tensor:
@@ -185,7 +208,8 @@ def run(args) -> list[dict]:
             windows.append(torch.frombuffer(bytearray(corpus.heldout[start:start + length + 1]),
                                             dtype=torch.uint8).to(device).long())
         first = instances[0].tokens[None].to(device).long()
-        layers = capture_qk(compiled, first)
+        sites: list = []
+        layers = capture_qk(compiled, first, sites)
         contenders = [("dense", {})] + [(m, {}) for m in args.methods]
         if "pbs" in args.methods:
             contenders.append(("pbs-noperm", {}))
@@ -194,6 +218,15 @@ def run(args) -> list[dict]:
                 method = "pbs" if m == "pbs-noperm" else m
                 params, _ = calibrate(method, rho, layers, base, reorder="none" if m == "pbs-noperm" else None)
                 contenders.append((f"{m}@{rho}", params))
+                if m in args.layer_ablation:  # the same threshold in one layer at a time, the others exact
+                    contenders += [(f"{m}@{rho}/layer{i}", one_layer_sparse(method, params, sites, i))
+                                   for i in range(len(sites))]
+        for spec in args.layer_densities:
+            densities = [float(x) for x in spec.split(",")]
+            for m in args.layer_ablation or ["pbs"]:
+                method = "pbs" if m == "pbs-noperm" else m
+                contenders.append((f"{m}@layers[{spec}]", per_layer_params(
+                    method, densities, layers, sites, base, reorder="none" if m == "pbs-noperm" else None)))
         for error in args.calibrate_errors:
             method = args.calibrate_method
             calibration = sparse_compile.calibrate(compiled, first, method=method, target_error=error,
@@ -227,7 +260,7 @@ def run(args) -> list[dict]:
             if name == "dense":
                 dense_bpb = bpb
             shown = {k: v for k, v in params.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            if "site_params" in params:
+            if "site_params" in params and "/layer" not in name and "@layers[" not in name:
                 shown = {f"{site}.{k}": v for site, values in params["site_params"].items() for k, v in values.items()}
             row = {"N": length, "contender": name, "density": density,
                    "params": ", ".join(f"{k}={v:.4g}" for k, v in shown.items()),
@@ -304,6 +337,12 @@ def main(argv=None) -> None:
     parser.add_argument("--calibrate-errors", type=float, nargs="*", default=[0.05, 0.1],
                         help="per-layer calibration targets (relative L1), each beside a global knob at its density")
     parser.add_argument("--calibrate-method", default="pbs", choices=METHODS)
+    parser.add_argument("--layer-ablation", nargs="*", default=[], metavar="CONTENDER",
+                        help="for these fixed-density contenders (pbs, pbs-noperm, sparge, ...), also run their "
+                             "threshold in one layer at a time, the other layers exact")
+    parser.add_argument("--layer-densities", nargs="*", default=[], metavar="D0,D1,...",
+                        help="per-layer densities (one per attention site, 1 = keep all), each calibrated on its "
+                             "layer alone, for the --layer-ablation contenders (default pbs)")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default="retrieval")

@@ -121,11 +121,19 @@ def test_retrieval_training_smoke_records_dense_accuracy(tmp_path):
 
 def test_retrieval_benchmark_smoke(tmp_path):
     bench = importlib.import_module("bench_retrieval")
-    bench.main(["--smoke", "--methods", "pbs", "bfla", "--coverage", "1", "--styles", "vkey", "comment", "--out",
-                str(tmp_path)])
+    bench.main(["--smoke", "--methods", "pbs", "bfla", "--coverage", "1", "--styles", "vkey", "comment",
+                "--layer-ablation", "pbs", "--layer-densities", "1,0.2", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "retrieval.json").read_text())["rows"]
     names = {r["contender"] for r in rows}
     assert {"dense", "pbs", "bfla", "pbs-noperm", "pbs@0.3", "bfla@0.3", "pbs-noperm@0.3"} <= names
+    # one layer at a time at pbs@0.3's threshold: the other layers keep every tile, so the mean density is higher
+    one_layer = [r for r in rows if r["contender"].startswith("pbs@0.3/layer")]
+    assert len(one_layer) >= 2 and "bfla@0.3/layer0" not in names
+    everywhere = next(r for r in rows if r["contender"] == "pbs@0.3")["density"]
+    assert all(everywhere < r["density"] <= 1.0 + 1e-6 for r in one_layer)
+    # per-layer densities, each layer calibrated alone: the mean of (1, ~0.2)
+    mixed = next(r for r in rows if r["contender"] == "pbs@layers[1,0.2]")["density"]
+    assert 0.45 < mixed < 0.75
     for r in rows:
         assert 0 <= r["exact"] <= 1 and set(rt.TASKS) <= set(r) and {"style_vkey", "style_comment"} <= set(r)
         if r["contender"] != "dense":
