@@ -23,7 +23,8 @@ its bytes. Contenders, all in the one compiled model and switched by ``sparsity(
 Per contender and length: accuracy per task and per needle-depth bin, the achieved density, the difference in
 bits per byte on held-out code windows against dense, and for every missed value whether the needle's key tile
 was listed for the query block that reads it: as a share of layers x heads, and for the lookup head, the one whose
-attention row puts the most mass on the needle, the byte it reads (for S2O a listed tile may still be cut by early
+attention row puts the most mass on the needle, the byte it reads; and over every row that predicts a byte of the
+value, the share whose reading head's plan lists the byte it reads (for S2O a listed tile may still be cut by early
 stop). Results: ``results/retrieval.{json,md,png}``.
 """
 
@@ -128,14 +129,16 @@ def listed_keys(plan, head: int, row: int) -> torch.Tensor:
     return keys[keys >= 0]
 
 
-def needle_coverage(compiled, base, instance, answer, region: dict) -> tuple[float, bool]:
+def needle_coverage(compiled, base, instance, answer, region: dict) -> tuple[float, bool, float]:
     """For the query block that predicts ``answer``'s first byte: (the share of (layer, head) plans that list a tile
-    holding a byte of its needle, whether the plan of the lookup head lists the needle byte that head reads). The
-    lookup head is the (layer, query head) whose attention row puts the most mass on the needle, and the byte it
-    reads is that row's most attended needle byte: on the retrieval model one head does the lookup and the others
-    barely look there, so the share alone can read 0.94 while the one plan that matters drops the byte (a permuted
-    tile can hold other needle bytes without it). Plans and masses are rebuilt from the attention inputs of this
-    run."""
+    holding a byte of its needle, whether the plan of the lookup head lists the needle byte that head reads, and
+    the same check over every row that predicts a byte of the value: the share of those rows whose reading head's
+    plan lists the needle byte it reads). A row's reading head is the (layer, query head) whose attention row puts
+    the most mass on the needle, and the byte it reads is that row's most attended needle byte: on the retrieval
+    model one head does the lookup and the others barely look there, so the share alone can read 0.94 while the
+    one plan that matters drops the byte (a permuted tile can hold other needle bytes without it). Later bytes are
+    copied from later needle positions, which a permuted tile may hold or not. Plans and masses are rebuilt from
+    the attention inputs of this run."""
     from sparse_compile.context import resolve
     from sparse_compile.methods import build_plan
 
@@ -149,8 +152,10 @@ def needle_coverage(compiled, base, instance, answer, region: dict) -> tuple[flo
         compiled(tokens)
         config = resolve(base)
     row = answer.start - 1
+    rows = list(range(answer.start - 1, answer.end - 1))  # each predicts the next byte of the value
     needle = torch.arange(answer.needle_start, answer.needle_start + NEEDLE_BYTES)
-    hits, total, lookup = 0, 0, (-1.0, False)
+    hits, total = 0, 0
+    reading = [(-1.0, False)] * len(rows)  # per row: (the reading head's needle mass, its byte listed)
     for q, k, scale in inputs:
         plan = build_plan(q, k, scale, config)
         heads_q, plan_heads = q.shape[1], plan.tile_offsets.shape[1]
@@ -158,13 +163,19 @@ def needle_coverage(compiled, base, instance, answer, region: dict) -> tuple[flo
         hits += sum(bool(torch.isin(needle.to(keys.device), keys).any()) for keys in listed)
         total += plan_heads
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        r = torch.tensor(rows, device=q.device)
         for h in range(heads_q):
-            kv = k[0, h * k.shape[1] // heads_q, : row + 1].float()
-            on_needle = torch.softmax(kv @ q[0, h, row].float() * scale, dim=0)[needle.to(kv.device)]
-            if float(on_needle.sum()) > lookup[0]:
-                read = needle[int(on_needle.argmax())].item()  # the needle byte this head reads most
-                lookup = (float(on_needle.sum()), bool((listed[h * plan_heads // heads_q] == read).any()))
-    return hits / max(total, 1), lookup[1]
+            kv = k[0, h * k.shape[1] // heads_q, : rows[-1] + 1].float()
+            logits = q[0, h, r].float() @ kv.T * scale
+            logits = logits.masked_fill(torch.arange(kv.shape[0], device=kv.device)[None, :] > r[:, None],
+                                        float("-inf"))
+            on_needle = torch.softmax(logits, dim=-1)[:, needle.to(kv.device)]  # (rows, needle bytes)
+            mass, read = on_needle.sum(-1).tolist(), needle[on_needle.argmax(-1).cpu()].tolist()
+            for i, row_i in enumerate(rows):
+                if mass[i] > reading[i][0]:
+                    keys = listed_keys(plan, h * plan_heads // heads_q, row_i)
+                    reading[i] = (mass[i], bool((keys == read[i]).any()))
+    return hits / max(total, 1), reading[0][1], sum(ok for _, ok in reading) / len(reading)
 
 
 def bits_per_byte(compiled, windows, region: dict) -> float:
@@ -284,8 +295,9 @@ def run(args) -> list[dict]:
             if name != "dense" and missed and args.coverage:
                 cover = [needle_coverage(compiled, base, r["instance"], r["answer"], region)
                          for r in missed[:args.coverage]]
-                row["missed_needle_listed"] = sum(share for share, _ in cover) / len(cover)
-                row["missed_lookup_head_listed"] = sum(head for _, head in cover) / len(cover)
+                row["missed_needle_listed"] = sum(share for share, _, _ in cover) / len(cover)
+                row["missed_lookup_head_listed"] = sum(head for _, head, _ in cover) / len(cover)
+                row["missed_value_rows_listed"] = sum(rows for _, _, rows in cover) / len(cover)
                 row["missed_examined"] = len(cover)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -352,7 +364,7 @@ def main(argv=None) -> None:
         args.calibrate_errors = args.calibrate_errors[:1]
     rows = run(args)
     columns = ["N", "contender", "density", "exact", "chars", *rt.TASKS, "delta_bpb", "missed_needle_listed",
-               "missed_lookup_head_listed", "params"]
+               "missed_lookup_head_listed", "missed_value_rows_listed", "params"]
     print(write_results(args.name, rows, out_dir=args.out, columns=columns,
                         meta={"checkpoint": None if args.smoke else str(args.checkpoint), "per_task": args.per_task}))
     out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results"

@@ -140,6 +140,7 @@ def test_retrieval_benchmark_smoke(tmp_path):
             assert r["density"] is not None and 0 < r["density"] <= 1.5
             if "missed_needle_listed" in r:  # the untrained model misses: coverage of all plans and the lookup head
                 assert 0 <= r["missed_needle_listed"] <= 1 and r["missed_lookup_head_listed"] in (0, 1)
+                assert 0 <= r["missed_value_rows_listed"] <= 1
     assert abs(next(r for r in rows if r["contender"] == "pbs@0.3")["density"] - 0.3) < 0.15
     assert (tmp_path / "retrieval.png").exists() or importlib.util.find_spec("matplotlib") is None
 
