@@ -65,16 +65,25 @@ def base_config(smoke: bool) -> sparse_compile.SparseConfig:
         s2o={"segment_size": 64, "block_size_q": 32, "block_size_kv": 32})
 
 
+def method_and_reorder(contender: str) -> tuple[str, Optional[str]]:
+    """The registered method of a contender's base name and its reorder override (``pbs-noperm``: PBS, none)."""
+    return ("pbs", "none") if contender == "pbs-noperm" else (contender, None)
+
+
+def keep_all_params(method: str) -> dict:
+    """The method's parameters that keep every tile (exact attention through the same path)."""
+    return dict(sparse_compile.registry.registered_methods()[method].keep_all)
+
+
 def contender_region(name: str, params: dict) -> dict:
     """``sparsity(...)`` keywords of a contender (a calibrated one carries its whole region in ``params``)."""
     if name == "dense":
         return {"enabled": False}
     if "-calibrated@" in name:
         return dict(params)
-    method = name.split("@")[0].removesuffix("-global")  # "pbs@0.1/layer2" too: params carry its site_params
-    if method == "pbs-noperm":
-        return {"method": "pbs", "reorder": "none", **params}
-    return {"method": method, **params}
+    # "pbs@0.1/layer2" too: params carry its site_params
+    method, reorder = method_and_reorder(name.split("@")[0].removesuffix("-global"))
+    return {"method": method, **({"reorder": reorder} if reorder else {}), **params}
 
 
 def capture_qk(compiled, tokens, sites: Optional[list] = None) -> list:
@@ -97,7 +106,7 @@ def per_layer_params(method: str, densities: list, layers: list, sites: list, ba
     (q, k) alone; a density of 1 keeps every tile. ``layers`` and ``sites``: one entry per site, in call order."""
     if len(densities) != len(sites):
         raise ValueError(f"--layer-densities: {len(densities)} densities for {len(sites)} attention sites")
-    keep_all = dict(sparse_compile.registry.registered_methods()[method].keep_all)
+    keep_all = keep_all_params(method)
     site_params = {}
     for site, qk, rho in zip(sites, layers, densities):
         site_params[site] = keep_all if rho >= 1 else calibrate(method, rho, [qk], base, reorder=reorder)[0]
@@ -107,7 +116,7 @@ def per_layer_params(method: str, densities: list, layers: list, sites: list, ba
 def one_layer_sparse(method: str, params: dict, sites: list, layer: int) -> dict:
     """``params`` with every site but ``sites[layer]`` set to the method's keep-all parameters (exact attention
     through the same path), so that only that layer runs the contender's selection."""
-    keep_all = dict(sparse_compile.registry.registered_methods()[method].keep_all)
+    keep_all = keep_all_params(method)
     return {**params, "site_params": {site: keep_all for i, site in enumerate(sites) if i != layer}}
 
 
@@ -226,8 +235,8 @@ def run(args) -> list[dict]:
             contenders.append(("pbs-noperm", {}))
         for rho in args.densities:
             for m in list(args.methods) + (["pbs-noperm"] if "pbs" in args.methods else []):
-                method = "pbs" if m == "pbs-noperm" else m
-                params, _ = calibrate(method, rho, layers, base, reorder="none" if m == "pbs-noperm" else None)
+                method, reorder = method_and_reorder(m)
+                params, _ = calibrate(method, rho, layers, base, reorder=reorder)
                 contenders.append((f"{m}@{rho}", params))
                 if m in args.layer_ablation:  # the same threshold in one layer at a time, the others exact
                     contenders += [(f"{m}@{rho}/layer{i}", one_layer_sparse(method, params, sites, i))
@@ -235,9 +244,9 @@ def run(args) -> list[dict]:
         for spec in args.layer_densities:
             densities = [float(x) for x in spec.split(",")]
             for m in args.layer_ablation or ["pbs"]:
-                method = "pbs" if m == "pbs-noperm" else m
+                method, reorder = method_and_reorder(m)
                 contenders.append((f"{m}@layers[{spec}]", per_layer_params(
-                    method, densities, layers, sites, base, reorder="none" if m == "pbs-noperm" else None)))
+                    method, densities, layers, sites, base, reorder=reorder)))
         for error in args.calibrate_errors:
             method = args.calibrate_method
             calibration = sparse_compile.calibrate(compiled, first, method=method, target_error=error,
