@@ -300,10 +300,14 @@ def s2o_parts(args) -> None:
     """Where S2O's time per visited tile goes (issue 11, item 2): structured inputs, S2O's defaults, contenders
     timed alternately: our dense kernel; the method; the visited tiles as a static plan (no early-stop vote); the
     same without the query permutation; the static plan's unmasked (ranked-prefix) tiles only; a plan with no tiles
-    (the fixed costs); the plan without the query sort (``sort_queries=False``, its own visited tiles); and the
-    method with its keys through permuted K/V copies in segment chunks instead of gathered in place. Efficiency =
-    tiles x t_dense / (causal tiles x t)."""
+    (the fixed costs); the plan without the query sort (``sort_queries=False``, its own visited tiles); the
+    method with its keys through permuted K/V copies in segment chunks, copied in one piece, and gathered in
+    place; and, timing only (their outputs are wrong), the static plan with its masked tiles run as unmasked ones and
+    our dense kernel with every tile masked (what the position masks cost). Efficiency = tiles x t_dense / (causal tiles x t). ``--queue-ahead`` starts each
+    sample behind a GPU sleep, as inside a forward pass (host time then shows only where it exceeds GPU time)."""
     from bench_methods import structured_inputs
+    import kernels.hopper as hopper
+    import sparse_compile.methods.s2o as s2o_method
     from sparse_compile.methods.s2o import execute_s2o
     from sparse_compile.plan import causal_plan, causal_tile_count
 
@@ -326,11 +330,15 @@ def s2o_parts(args) -> None:
             plans["static"] = (_static_plan(plan, visited), config)
             plans["static_no_query_index"] = (_static_plan(plan, visited, query_index=False), config)
             plans["static_prefix_only"] = (_static_plan(plan, visited, drop_masked=True), config)
+            static = plans["static"][0]
+            plans["static_masks_off"] = (dataclasses.replace(static, masked_counts=torch.zeros_like(
+                static.masked_counts)), config)
             plans["no_tiles"] = (dataclasses.replace(plan, tile_counts=torch.zeros_like(plan.tile_counts),
                                                        masked_counts=torch.zeros_like(plan.masked_counts)), config)
             work = {"s2o": float(visited.sum()), "static": float(visited.sum()),
                     "static_no_query_index": float(visited.sum()),
                     "static_prefix_only": float(visited.sum()) - masked_tiles, "no_tiles": 0.0,
+                    "static_masks_off": float(visited.sum()),
                     "s2o_unsorted": float(tiles["s2o_unsorted"].sum())}
             errors = {}
             ref = cudnn(q, k, v).float()
@@ -338,18 +346,42 @@ def s2o_parts(args) -> None:
                 out = _execute(q, k, v, plans[name][0], scale, plans[name][1], "triton", False)
                 errors[name] = float((out.float() - ref).abs().sum() / ref.abs().sum())
             del ref
-        contenders = {"dense": lambda: execute_plan(q, k, v, dense_plan, scale, kernel="triton")}
+        # timing only: every causal tile run as a masked one (what masking costs our dense kernel, no key index)
+        all_masked = dataclasses.replace(dense_plan, masked_counts=dense_plan.tile_counts.clone())
+        contenders = {"dense": lambda: execute_plan(q, k, v, dense_plan, scale, kernel="triton"),
+                      "dense_all_masked": lambda: execute_plan(q, k, v, all_masked, scale, kernel="triton")}
+        work["dense_all_masked"] = causal
         for name, (p, cfg) in plans.items():
             contenders[name] = lambda p=p, cfg=cfg: _execute(q, k, v, p, scale, cfg, "triton", False)
         # the keys through permuted K/V copies in segment chunks (what ran before the kernel gathered them)
         contenders["s2o_copied_keys"] = lambda: execute_s2o(q, k, v, plan, scale, config, kernel="triton",
                                                             key_mode="copy")
         work["s2o_copied_keys"] = work["s2o"]
-        ms = alternate(contenders, args.reps)
+
+        def with_module_value(module, name, value, run):
+            def patched():
+                saved = getattr(module, name)
+                setattr(module, name, value)
+                try:
+                    return run()
+                finally:
+                    setattr(module, name, saved)
+            return patched
+
+        # the keys gathered in place at every length; up to 64K, the whole list copied in one piece (no segment
+        # chunks; 33 x K/V at 128K would not be O(N))
+        contenders["s2o_gathered"] = with_module_value(hopper, "GATHER_LIST_RATIO", 0, contenders["s2o"])
+        work["s2o_gathered"] = work["s2o"]
+        if n <= 65536:
+            contenders["s2o_copy_one_piece"] = with_module_value(
+                s2o_method, "LIST_BUDGET", 1 << 30, contenders["s2o_copied_keys"])
+            work["s2o_copy_one_piece"] = work["s2o"]
+        ms = alternate(contenders, args.reps, queue_ahead=args.queue_ahead)
         row = {"N": n, "kernels_ms": _kernel_times(contenders["s2o"]),
                "kernels_copied_keys_ms": _kernel_times(contenders["s2o_copied_keys"]), "dense_ms": ms["dense"],
                "masked_tile_share": masked_tiles / max(work["s2o"], 1),
-               "rel_l1": errors["s2o"], "rel_l1_unsorted": errors["s2o_unsorted"], "sm_clock_mhz": sm_clock_mhz()}
+               "rel_l1": errors["s2o"], "rel_l1_unsorted": errors["s2o_unsorted"], "queue_ahead": args.queue_ahead,
+               "sm_clock_mhz": sm_clock_mhz()}
         for name in work:
             row[f"{name}_ms"] = ms[name]
             row[f"{name}_density"] = work[name] / causal
@@ -408,9 +440,9 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--calls", type=int, default=1,
                         help="--verify: back-to-back calls per timed sample (1: each call's host time shows)")
-    parser.add_argument("--queue-ahead", action="store_true",
-                        help="--verify / --measure: start each sample behind a GPU sleep (host ahead, as in a "
-                             "forward pass)")
+    parser.add_argument("--queue-ahead", nargs="?", type=int, const=True, default=False,
+                        help="--verify / --measure / --s2o-parts: start each sample behind a GPU sleep (host ahead, "
+                             "as in a forward pass); a value sets the sleep in GPU cycles (default 2M, ~1 ms)")
     parser.add_argument("--layout", choices=("model", "contiguous"), default="model",
                         help="--verify: q/k/v as a model passes them (B, N, H, D memory) or contiguous (B, H, N, D)")
     parser.add_argument("--table", default=str(TABLE_FILE))

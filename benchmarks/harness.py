@@ -22,6 +22,7 @@ import json
 import math
 import os
 import platform
+import random
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -65,8 +66,10 @@ class Rotating:
 
 def alternating_samples(contenders: dict, reps: int, *, warmup: int = 2, calls: int = 1,
                         queue_ahead: Union[bool, int] = False) -> dict:
-    """Milliseconds per call of each callable, timed in turn (A, B, C, A, B, C, ...): clock drift under sustained
-    load then moves every contender alike. Returns {name: [one value per round]}.
+    """Milliseconds per call of each callable, timed in turn (A, B, C, B, C, A, C, A, B, ...): clock drift under
+    sustained load then moves every contender alike. After the first round each round runs them in a fresh order
+    (seeded), so none always runs right after the same one: on the H100 the call after a long one (a dense kernel
+    at 64K-128K) ran about 10% slower (lower clock). Returns {name: [one value per round]}.
 
     ``warmup`` untimed rounds first (JIT, histories that must land). ``calls`` back-to-back calls per sample
     (divided out). ``queue_ahead``: each sample starts behind a short GPU sleep, so the host is ahead of the GPU as
@@ -84,8 +87,12 @@ def alternating_samples(contenders: dict, reps: int, *, warmup: int = 2, calls: 
         if cuda:
             torch.cuda.synchronize()
     times = {name: [] for name in contenders}
-    for _ in range(reps):
-        for name, fn in contenders.items():
+    order, shuffler = list(contenders), random.Random(0)
+    for r in range(reps):
+        if r:
+            shuffler.shuffle(order)
+        for name in order:
+            fn = contenders[name]
             if not cuda:
                 t0 = time.perf_counter()
                 for _ in range(calls):

@@ -6,9 +6,10 @@
 #   bash benchmarks/run_h100_session.sh "$OUT" table     # re-measure the break-even table, peak memory (~7 min)
 #   bash benchmarks/run_h100_session.sh "$OUT" train     # train the retrieval model (~9 min)
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o       # Hopper kernel tests, per-tile costs, S2O's table (~8 min)
+#   bash benchmarks/run_h100_session.sh "$OUT" s2o-parts # S2O's kernel tests, where its time goes, direct and queued
 set -uo pipefail
 out=${1:?results folder}
-part=${2:?part: check, e2e, e2e-long, table, train or s2o}
+part=${2:?part: check, e2e, e2e-long, table, train, s2o or s2o-parts}
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 clock() { nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader | tee -a "$out/gpu.txt"; }
 clock
@@ -44,5 +45,14 @@ s2o)
         --table "$out/queued_table.json" --name s2o_queued --out "$out" 2>&1 | grep -v "^{" | tail -5
     timeout 200 python benchmarks/bench_breakeven.py --verify --methods s2o --calls 4 --reps 7 --queue-ahead \
         --name breakeven_s2o --out "$out" 2>&1 | grep -v "^{" | tail -16 ;;
+s2o-parts)
+    timeout 240 python -m pytest -q -m gpu tests/test_kernel.py tests/test_selection_fast.py -p no:cacheprovider \
+        -k "hopper or early_stop or gathered or s2o or agreement" 2>&1 | tail -30 > "$out/gpu_tests_s2o.txt"
+    tail -3 "$out/gpu_tests_s2o.txt"
+    for queue in direct queued; do
+        timeout 170 python benchmarks/bench_breakeven.py --s2o-parts --lengths 32768 65536 131072 --reps 5 \
+            --name "s2o_$queue" --out "$out" $([ $queue = queued ] && echo --queue-ahead 10000000) 2>&1 \
+            | tee "$out/s2o_parts_$queue.txt" | grep -v "^{" | tail -8
+    done ;;
 esac
 clock

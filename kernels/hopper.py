@@ -130,30 +130,32 @@ if GLUON_IMPORT_ERROR is None:
                       hkv, STAGES)
 
     @gluon.jit
-    def _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, start, N_K, KEY_LEN, kidx_base, stride_kip,
-                     MASKED: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, BLOCK_N: gl.constexpr,
-                     s_layout: gl.constexpr):
-        """Online-softmax step on raw scores ``s_acc``: returns (p, alpha, m_new, l_new, gain, l_prev), p in float32;
-        ``gain`` (the tile's share of the denominator) and ``l_prev`` (the denominator before it, at the new maximum)
-        are early stop's inputs."""
-        if MASKED:
-            k_pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            if HAS_KIDX:
-                # keys read from the permuted copy: logical key p sits at position key_index[p] (< 0: padding)
-                phys = gl.load(kidx_base + k_pos * stride_kip, mask=k_pos < KEY_LEN, other=-1)
-                valid = (phys >= 0) & (phys < N_K)
-                visible = valid[None, :] & (phys[None, :] <= q_pos[:, None])
-            else:
-                visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < N_K)
-            s = gl.where(visible, s_acc * qk_scale, float("-inf"))
-            tile_max = gl.max(s, axis=1)
-            m_new = gl.maximum(m_i, tile_max)
-            p = gl.exp2(s - m_new[:, None])
+    def _key_positions(start, N_K, KEY_LEN, kidx_base, stride_kip, HAS_KIDX: gl.constexpr, BLOCK_N: gl.constexpr,
+                       s_layout: gl.constexpr):
+        """Positions of a masked tile's keys (logical list entries ``start ..``), padding and keys past N_K at a
+        position no query reaches. Callers read them before waiting for the tile's S = Q K^T, so the index load's
+        latency hides behind the MMA instead of stalling the softmax."""
+        k_pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if HAS_KIDX:
+            # keys read from the permuted copy or gathered: logical key p sits at position key_index[p] (< 0: padding)
+            phys = gl.load(kidx_base + k_pos * stride_kip, mask=k_pos < KEY_LEN, other=-1)
+            return gl.where((phys >= 0) & (phys < N_K), phys, 1 << 30)
         else:
-            # scale > 0: max(s) * scale == max(s * scale); one FMA per score
-            tile_max = gl.max(s_acc, axis=1) * qk_scale
-            m_new = gl.maximum(m_i, tile_max)
-            p = gl.exp2(s_acc * qk_scale - m_new[:, None])
+            return gl.where(k_pos < N_K, k_pos, 1 << 30)
+
+    @gluon.jit
+    def _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, key_pos, MASKED: gl.constexpr,
+                     PV_SKIP: gl.constexpr):
+        """Online-softmax step on raw scores ``s_acc`` (masked tiles: keys at ``key_pos``, from ``_key_positions``):
+        returns (p, alpha, m_new, l_new, gain, l_prev), p in float32; ``gain`` (the tile's share of the denominator)
+        and ``l_prev`` (the denominator before it, at the new maximum) are early stop's inputs."""
+        s = s_acc
+        if MASKED:
+            s = gl.where(key_pos[None, :] <= q_pos[:, None], s_acc, float("-inf"))
+        # scale > 0: max(s) * scale == max(s * scale) (and -inf stays -inf); one FMA per score
+        tile_max = gl.max(s, axis=1) * qk_scale
+        m_new = gl.maximum(m_i, tile_max)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
         gain = gl.sum(p, axis=1)
         l_prev = l_i * alpha
@@ -165,12 +167,11 @@ if GLUON_IMPORT_ERROR is None:
         return p, alpha, m_new, l_new, gain, l_prev
 
     @gluon.jit
-    def _attend_tile(t, start, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, m_i, l_i, qk_scale, pv_lambda,
-                     q_pos, N_K, KEY_LEN, kidx_base, stride_kip, MASKED: gl.constexpr, HAS_KIDX: gl.constexpr,
-                     PV_SKIP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
+    def _attend_tile(t, key_pos, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, m_i, l_i, qk_scale,
+                     pv_lambda, q_pos, MASKED: gl.constexpr, PV_SKIP: gl.constexpr, STAGES: gl.constexpr,
                      row_o: gl.constexpr, p_layout: gl.constexpr):
-        """Plan tile ``t`` (ring slot ``t % STAGES``) without overlap: S = Q K^T, softmax, O += P V.
-        Returns (acc, m_i, l_i, gain, l_prev); the caller releases the slot."""
+        """Plan tile ``t`` (ring slot ``t % STAGES``; masked: keys at ``key_pos``) without overlap: S = Q K^T,
+        softmax, O += P V. Returns (acc, m_i, l_i, gain, l_prev); the caller releases the slot."""
         s = t % STAGES
         ph = (t // STAGES) & 1
         k_buf = k_bufs.index(s)
@@ -178,9 +179,8 @@ if GLUON_IMPORT_ERROR is None:
         mbarrier.wait(k_ready.index(s), ph)
         s_acc = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_buf))
-        p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, start, N_K,
-                                                         KEY_LEN, kidx_base, stride_kip, MASKED, HAS_KIDX, PV_SKIP,
-                                                         BLOCK_N, s_layout)
+        p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, key_pos, MASKED,
+                                                         PV_SKIP)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
         mbarrier.wait(v_ready.index(s), ph)
@@ -290,26 +290,30 @@ if GLUON_IMPORT_ERROR is None:
         if OVERLAP:
             # every tile, masked ones included, through the overlapped step: S(t) is issued before O += P(t-1) V(t-1)
             if n_tiles > 0:
+                # the first tile's key positions (read only if it is masked) before its S is waited for
+                key_pos = _key_positions(gl.load(tile_ptr), N_K, KEY_LEN, kidx_base, stride_kip, HAS_KIDX, BLOCK_N,
+                                         s_layout)
                 k_first = k_bufs.index(0)
                 mbarrier.wait(k_ready.index(0), 0)
                 s_acc = warpgroup_mma(q_smem, k_first.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_first))
                 if n_masked > 0:
                     p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos,
-                                                                     gl.load(tile_ptr), N_K, KEY_LEN, kidx_base,
-                                                                     stride_kip, True, HAS_KIDX, PV_SKIP, BLOCK_N,
-                                                                     s_layout)
+                                                                     key_pos, True, PV_SKIP)
                 else:
                     p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0,
-                                                                     N_K, KEY_LEN, kidx_base, stride_kip, False,
-                                                                     HAS_KIDX, PV_SKIP, BLOCK_N, s_layout)
+                                                                     False, PV_SKIP)
                 p16 = gl.convert_layout(p.to(dtype), p_layout)  # acc is still zero: no rescale
+                # each masked tile's start is read one step ahead: its latency would otherwise stall the issue of
+                # the tile's key-position load, which itself must land before the softmax
+                start = gl.load(tile_ptr + stride_tt, mask=n_masked > 1, other=0)
                 for t in range(1, n_masked):
+                    key_pos = _key_positions(start, N_K, KEY_LEN, kidx_base, stride_kip, HAS_KIDX, BLOCK_N, s_layout)
+                    start = gl.load(tile_ptr + (t + 1) * stride_tt, mask=t + 1 < n_masked, other=0)
                     acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
-                        t, gl.load(tile_ptr + t * stride_tt), desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready,
-                        v_ready, kv_empty, tile_ptr, stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16,
-                        qk_scale, pv_lambda, q_pos, N_K, KEY_LEN, kidx_base, stride_kip, True, HAS_KIDX, PV_SKIP,
-                        BLOCK_N, STAGES, WARP_SPEC, s_layout, row_o, p_layout)
+                        t, key_pos, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
+                        stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, True,
+                        PV_SKIP, STAGES, WARP_SPEC, row_o, p_layout)
                 t1 = gl.maximum(n_masked, 1)  # the first unmasked tile not yet computed
                 if EARLY_STOP:
                     # the vote on tile t-1 runs while S(t) and P(t-1) V(t-1) are on the tensor cores (S(t) is
@@ -321,9 +325,8 @@ if GLUON_IMPORT_ERROR is None:
                         acc, m_i, l_i, p16, gain, l_prev, goes_on = _voting_step(
                             t, n_masked, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
                             tile_ptr, stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, gain, l_prev, row_ok,
-                            es_tau, votes, vote_bar, qk_scale, pv_lambda, q_pos, N_K, KEY_LEN, kidx_base, stride_kip,
-                            HAS_KIDX, PV_SKIP, BLOCK_N, STAGES, WARP_SPEC, WG, VOTE_SLOTS, s_layout, row_o,
-                            p_layout, vote_layout)
+                            es_tau, votes, vote_bar, qk_scale, pv_lambda, q_pos, PV_SKIP, STAGES, WARP_SPEC, WG,
+                            VOTE_SLOTS, row_o, p_layout, vote_layout)
                         t = gl.where(goes_on, t + 1, t)
                         pv_pending = goes_on
                         go = goes_on & (t < n_tiles)
@@ -332,9 +335,8 @@ if GLUON_IMPORT_ERROR is None:
                     for t in range(t1, n_tiles):
                         acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
                             t, 0, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
-                            stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, N_K,
-                            KEY_LEN, kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N, STAGES, WARP_SPEC,
-                            s_layout, row_o, p_layout)
+                            stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, False,
+                            PV_SKIP, STAGES, WARP_SPEC, row_o, p_layout)
                 if not EARLY_STOP or pv_pending:
                     sl = last % STAGES
                     v_last = v_bufs.index(sl)
@@ -346,11 +348,11 @@ if GLUON_IMPORT_ERROR is None:
         else:
             # one tile at a time: the masked tiles, then the unmasked walk
             for t in range(0, n_masked):
-                start = gl.load(tile_ptr + t * stride_tt)
-                acc, m_i, l_i, gain, l_prev = _attend_tile(t, start, q_smem, k_bufs, v_bufs, k_ready, v_ready,
-                                                           s_zero, acc, m_i, l_i, qk_scale, pv_lambda, q_pos, N_K,
-                                                           KEY_LEN, kidx_base, stride_kip, True, HAS_KIDX, PV_SKIP,
-                                                           BLOCK_N, STAGES, s_layout, row_o, p_layout)
+                key_pos = _key_positions(gl.load(tile_ptr + t * stride_tt), N_K, KEY_LEN, kidx_base, stride_kip,
+                                         HAS_KIDX, BLOCK_N, s_layout)
+                acc, m_i, l_i, gain, l_prev = _attend_tile(t, key_pos, q_smem, k_bufs, v_bufs, k_ready, v_ready,
+                                                           s_zero, acc, m_i, l_i, qk_scale, pv_lambda, q_pos, True,
+                                                           PV_SKIP, STAGES, row_o, p_layout)
                 _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
                          n_tiles, b, hkv, STAGES, WARP_SPEC)
             if EARLY_STOP:
@@ -359,8 +361,7 @@ if GLUON_IMPORT_ERROR is None:
                 while go:
                     acc, m_i, l_i, gain, l_prev = _attend_tile(t, 0, q_smem, k_bufs, v_bufs, k_ready, v_ready,
                                                                s_zero, acc, m_i, l_i, qk_scale, pv_lambda, q_pos,
-                                                               N_K, KEY_LEN, kidx_base, stride_kip, False, HAS_KIDX,
-                                                               PV_SKIP, BLOCK_N, STAGES, s_layout, row_o, p_layout)
+                                                               False, PV_SKIP, STAGES, row_o, p_layout)
                     mine = _publish_vote(gain, l_prev, row_ok, es_tau, t - n_masked, votes, vote_bar, WG,
                                          VOTE_SLOTS, vote_layout)
                     _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
@@ -373,8 +374,7 @@ if GLUON_IMPORT_ERROR is None:
                 for t in range(n_masked, n_tiles):
                     acc, m_i, l_i, gain, l_prev = _attend_tile(t, 0, q_smem, k_bufs, v_bufs, k_ready, v_ready,
                                                                s_zero, acc, m_i, l_i, qk_scale, pv_lambda, q_pos,
-                                                               N_K, KEY_LEN, kidx_base, stride_kip, False, HAS_KIDX,
-                                                               PV_SKIP, BLOCK_N, STAGES, s_layout, row_o, p_layout)
+                                                               False, PV_SKIP, STAGES, row_o, p_layout)
                     _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
                              n_tiles, b, hkv, STAGES, WARP_SPEC)
         if EARLY_STOP:
@@ -415,18 +415,16 @@ if GLUON_IMPORT_ERROR is None:
         return s_next, pv, k_buf, v_prev
 
     @gluon.jit
-    def _finish_step(t, start, s_next, pv, k_buf, v_prev, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready,
-                     kv_empty, tile_ptr, stride_tt, n_tiles, b, hkv, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, N_K,
-                     KEY_LEN, kidx_base, stride_kip, MASKED: gl.constexpr, HAS_KIDX: gl.constexpr,
-                     PV_SKIP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARP_SPEC: gl.constexpr,
-                     s_layout: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr):
-        """Second half (tile ``t``, masked: its keys start at logical position ``start``): softmax(t) while
+    def _finish_step(t, key_pos, s_next, pv, k_buf, v_prev, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready,
+                     v_ready, kv_empty, tile_ptr, stride_tt, n_tiles, b, hkv, m_i, l_i, p16, qk_scale, pv_lambda,
+                     q_pos, MASKED: gl.constexpr, PV_SKIP: gl.constexpr, STAGES: gl.constexpr,
+                     WARP_SPEC: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr):
+        """Second half (tile ``t``, masked: its keys at ``key_pos``): softmax(t) while
         P(t-1) V(t-1) is in flight, then release tile t-1's slot and rescale O.
         Returns (acc, m_i, l_i, p16 of tile t, gain, l_prev)."""
         s_acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s_next, q_smem, k_buf))
-        p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, start, N_K,
-                                                         KEY_LEN, kidx_base, stride_kip, MASKED, HAS_KIDX, PV_SKIP,
-                                                         BLOCK_N, s_layout)
+        p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, key_pos, MASKED,
+                                                         PV_SKIP)
         acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(pv, p16, v_prev))
         _release(t - 1, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
                  n_tiles, b, hkv, STAGES, WARP_SPEC)
@@ -435,27 +433,23 @@ if GLUON_IMPORT_ERROR is None:
         return acc, m_i, l_i, p16, gain, l_prev
 
     @gluon.jit
-    def _overlapped_step(t, start, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
-                         stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, N_K,
-                         KEY_LEN, kidx_base, stride_kip, MASKED: gl.constexpr, HAS_KIDX: gl.constexpr,
-                         PV_SKIP: gl.constexpr,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARP_SPEC: gl.constexpr,
-                         s_layout: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr):
-        """FA3's intra-warpgroup overlap, tile ``t``: ``_issue_step`` then ``_finish_step``.
-        Returns (acc, m_i, l_i, p16 of tile t, gain, l_prev)."""
+    def _overlapped_step(t, key_pos, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
+                         stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos,
+                         MASKED: gl.constexpr, PV_SKIP: gl.constexpr, STAGES: gl.constexpr, WARP_SPEC: gl.constexpr,
+                         row_o: gl.constexpr, p_layout: gl.constexpr):
+        """FA3's intra-warpgroup overlap, tile ``t`` (masked: keys at ``key_pos``): ``_issue_step`` then
+        ``_finish_step``. Returns (acc, m_i, l_i, p16 of tile t, gain, l_prev)."""
         s_next, pv, k_buf, v_prev = _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, STAGES)
-        return _finish_step(t, start, s_next, pv, k_buf, v_prev, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready,
+        return _finish_step(t, key_pos, s_next, pv, k_buf, v_prev, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready,
                             v_ready, kv_empty, tile_ptr, stride_tt, n_tiles, b, hkv, m_i, l_i, p16, qk_scale,
-                            pv_lambda, q_pos, N_K, KEY_LEN, kidx_base, stride_kip, MASKED, HAS_KIDX, PV_SKIP, BLOCK_N,
-                            STAGES, WARP_SPEC, s_layout, row_o, p_layout)
+                            pv_lambda, q_pos, MASKED, PV_SKIP, STAGES, WARP_SPEC, row_o, p_layout)
 
     @gluon.jit
     def _voting_step(t, n_masked, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
                      stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, gain, l_prev, row_ok, es_tau, votes,
-                     vote_bar, qk_scale, pv_lambda, q_pos, N_K, KEY_LEN, kidx_base, stride_kip,
-                     HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     WARP_SPEC: gl.constexpr, WG: gl.constexpr, VOTE_SLOTS: gl.constexpr, s_layout: gl.constexpr,
-                     row_o: gl.constexpr, p_layout: gl.constexpr, vote_layout: gl.constexpr):
+                     vote_bar, qk_scale, pv_lambda, q_pos, PV_SKIP: gl.constexpr, STAGES: gl.constexpr,
+                     WARP_SPEC: gl.constexpr, WG: gl.constexpr, VOTE_SLOTS: gl.constexpr, row_o: gl.constexpr,
+                     p_layout: gl.constexpr, vote_layout: gl.constexpr):
         """``_overlapped_step`` for the early-stop walk over unmasked tile ``t``: issue S(t) and O += P(t-1) V(t-1),
         then vote on tile t-1 (if unmasked; ``gain`` / ``l_prev`` are its) while both run. The walk goes on: the
         softmax of t as in ``_overlapped_step``. It stops (tile t-1 was the last): O is complete once P(t-1) V(t-1)
@@ -469,9 +463,8 @@ if GLUON_IMPORT_ERROR is None:
         if goes_on:
             acc, m_i, l_i, p16, gain, l_prev = _finish_step(
                 t, 0, s_next, pv, k_buf, v_prev, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                tile_ptr, stride_tt, n_tiles, b, hkv, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, N_K, KEY_LEN,
-                kidx_base, stride_kip, False, HAS_KIDX, PV_SKIP, BLOCK_N, STAGES, WARP_SPEC, s_layout, row_o,
-                p_layout)
+                tile_ptr, stride_tt, n_tiles, b, hkv, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, False, PV_SKIP,
+                STAGES, WARP_SPEC, row_o, p_layout)
         else:
             acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(pv, p16, v_prev))
             _release(t - 1, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,

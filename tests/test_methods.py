@@ -614,11 +614,34 @@ def test_s2o_chunks_ignore_what_unlisted_tile_entries_hold(monkeypatch):
                                                             torch.full_like(plan.tile_offsets, filler)))
         whole, visits = execute_plan(q, k, v, padded, None, kernel="reference", return_visited=True)
         monkeypatch.setattr(s2o, "LIST_BUDGET", 0.5)
+        monkeypatch.setattr(s2o, "COPY_BYTES_FLOOR", 0)
         chunked, chunked_visits = s2o.execute_s2o(q, k, v, padded, None, config, kernel="reference",
                                                   return_visited=True)
-        monkeypatch.setattr(s2o, "LIST_BUDGET", 2)
+        monkeypatch.undo()
         torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
         assert torch.equal(chunked_visits, visits)
+
+
+def test_s2o_copies_a_list_in_one_piece_while_it_fits_the_floor(monkeypatch):
+    """Chunks cost launches and tails: a list whose K/V copy fits ``COPY_BYTES_FLOOR`` runs in one call; a list
+    over both the floor and ``LIST_BUDGET`` x N runs in segment chunks."""
+    from sparse_compile.methods import s2o
+
+    q, k, v = random_qkv(1, 2, 1, 200, 200, 16)
+    config = SparseConfig(method="s2o", s2o=S2OParams(segment_size=32, block_size_q=16, block_size_kv=16,
+                                                      early_stop=0.02))
+    plan = build_plan(q, k, None, config)
+    assert plan.key_index.shape[-1] > s2o.LIST_BUDGET * 200  # long enough to chunk without the floor
+    calls = []
+    real = s2o.execute_plan
+    monkeypatch.setattr(s2o, "execute_plan", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    whole = s2o.execute_s2o(q, k, v, plan, None, config, kernel="reference")
+    assert len(calls) == 1
+    row_bytes = 1 * 1 * (16 + 16) * 4  # batch x KV heads x (Dk + Dv) x fp32
+    monkeypatch.setattr(s2o, "COPY_BYTES_FLOOR", row_bytes * plan.key_index.shape[-1] // 2)
+    chunked = s2o.execute_s2o(q, k, v, plan, None, config, kernel="reference")
+    assert len(calls) > 2
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kernel", ["reference", "triton"])
@@ -633,6 +656,7 @@ def test_s2o_runs_in_segment_chunks_with_the_same_result(kernel, monkeypatch):
     plan = build_plan(q, k, None, config)
     whole, visits = execute_plan(q, k, v, plan, None, kernel=kernel, return_visited=True)
     monkeypatch.setattr(s2o, "LIST_BUDGET", 0.5)  # many chunks
+    monkeypatch.setattr(s2o, "COPY_BYTES_FLOOR", 0)
     chunked, chunked_visits = s2o.execute_s2o(q, k, v, plan, None, config, kernel=kernel, return_visited=True)
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
     assert torch.equal(chunked_visits, visits)
