@@ -162,3 +162,21 @@ def test_profile_layer_smoke(tmp_path):
     situ = [r for r in rows if r["part"] == "in situ run_sparse (synced)"]
     assert situ and "2 calls" in situ[0]["detail"]  # both layers went through the sparse path
     assert all(r["ms"] is None or r["ms"] > 0 for r in rows)
+
+
+def test_alternating_samples_shuffle_each_round_but_time_every_contender_each_round():
+    """Each round times every contender once; after the first round the order changes (seeded), so no contender
+    always runs right after the same one (on the H100 the call after a long one runs at a lower clock)."""
+    from harness import alternating_samples
+
+    calls = []
+    contenders = {name: (lambda name=name: calls.append(name)) for name in "abcde"}
+    times = alternating_samples(contenders, 6, warmup=1)
+    assert {name: len(t) for name, t in times.items()} == dict.fromkeys("abcde", 6)
+    rounds = [calls[i:i + 5] for i in range(0, len(calls), 5)]
+    assert rounds[0] == rounds[1] == list("abcde")  # the warm-up and the first round keep the given order
+    assert all(sorted(r) == list("abcde") for r in rounds)
+    followers_of_a = {r[r.index("a") + 1] for r in rounds[1:] if r.index("a") < 4}
+    assert len(followers_of_a) > 1
+    alternating_samples(contenders, 6, warmup=1)
+    assert calls[len(calls) // 2:] == calls[:len(calls) // 2]  # seeded: the same orders every time
