@@ -213,6 +213,7 @@ def run(args) -> list[dict]:
         print("warning: this machine's held-out corpus differs from the one the checkpoint was trained next to",
               file=sys.stderr)
     base = base_config(args.smoke)
+    base = base.replace(**{m: base.params_of(m).updated(v) for m, v in args.method_params.items()})
     options = {f: getattr(base, f) for f in ("min_seq_len", "dense_when_faster", "pbs", "sparge", "bfla", "s2o")}
     compiled = torch.compile(model, backend=functools.partial(sparse_compile.sparse_prefill, options=options),
                              dynamic=True)
@@ -364,6 +365,9 @@ def main(argv=None) -> None:
     parser.add_argument("--layer-densities", nargs="*", default=[], metavar="D0,D1,...",
                         help="per-layer densities (one per attention site, 1 = keep all), each calibrated on its "
                              "layer alone, for the --layer-ablation contenders (default pbs)")
+    parser.add_argument("--method-params", type=json.loads, default={}, metavar="JSON",
+                        help='overrides of the methods\' parameters for every contender, e.g. '
+                             '\'{"pbs": {"block_size": 64}}\' (block granularity against retrieval)')
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default="retrieval")
