@@ -16,7 +16,7 @@ query block of ``--block`` rows), to the key tiles a policy picks:
   selectors pool), so the gap between it and the oracles is the pooling's;
 * estimators a selector could afford (1/128 to 1/16 of QK^T): ``rowmax-meankeys`` (every row against the tile-mean
   keys, the best row per tile), ``keymax-meanquery`` (the block-mean query against every key, the best key per
-  tile), ``sampled-rows`` (the exact mass of every 16th row of the block).
+  tile), ``sampled-rows`` (the exact mass of every 16th row of the block; ``sampled-rows8`` every 8th, and so on).
 
 Query block i keeps max(1, ⌈ρ(i+1)⌉) of its i+1 causal tiles, its diagonal tile always among them; the softmax runs
 over the kept keys only, in float32. Scores are built one chunk of query rows at a time (no N x N matrix).
@@ -50,6 +50,11 @@ def tile_budget(rho: float, blocks: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.ceil(rho * (blocks + 1) - 1e-9), min=1).long()
 
 
+def sample_every(policy: str) -> int:
+    """Rows per scored row of a ``sampled-rows<k>`` policy (``sampled-rows``: ``SAMPLE_EVERY``)."""
+    return int(policy[len("sampled-rows"):] or SAMPLE_EVERY)
+
+
 def tile_scores(policy: str, scores: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, q_mean: torch.Tensor,
                 k_mean: torch.Tensor, block: int, scale: float, row0: int) -> torch.Tensor:
     """(query blocks of the chunk, key tiles) ranking scores of ``policy``.
@@ -78,7 +83,8 @@ def tile_scores(policy: str, scores: torch.Tensor, queries: torch.Tensor, keys: 
         return per_row.sum(1)
     if policy == "rowmax":
         return per_row.amax(1)
-    return per_row[:, SAMPLE_EVERY - 1::SAMPLE_EVERY].sum(1)  # sampled-rows
+    every = sample_every(policy)
+    return per_row[:, every - 1::every].sum(1)  # sampled-rows
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: str, rho: float, block: int,
@@ -144,7 +150,8 @@ def main(argv=None) -> None:
     parser.add_argument("--contenders", nargs="+",
                         default=["dense", "oracle@0.05", "oracle@0.1", "rowmax@0.1", "meanpool@0.1",
                                  "rowmax-meankeys@0.1", "keymax-meanquery@0.1", "sampled-rows@0.1"],
-                        help="dense, or <policy>@<density> with policy oracle, rowmax or meanpool")
+                        help="dense, or <policy>@<density> with a policy of POLICIES (sampled-rows<k>: every "
+                             "k-th row)")
     parser.add_argument("--per-task", type=int, default=8)
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--chunk", type=int, default=1024, help="query rows per score matrix")
@@ -165,7 +172,8 @@ def main(argv=None) -> None:
     contenders = []
     for name in args.contenders:
         policy, _, rho = name.partition("@")
-        if policy not in POLICIES or (policy == "dense") != (rho == ""):
+        sampled = policy.startswith("sampled-rows") and policy[len("sampled-rows"):].isdigit()
+        if (policy not in POLICIES and not sampled) or (policy == "dense") != (rho == ""):
             raise SystemExit(f"--contenders: {name!r} is not 'dense' or <policy>@<density>, policy one of "
                              f"{POLICIES[1:]}")
         contenders.append((policy, float(rho or 1.0)))
