@@ -50,9 +50,9 @@ HQ, HKV, D = 32, 8, 128
 
 def alternate(contenders: dict, reps: int, calls: int = 1, queue_ahead: bool = False) -> dict:
     """Median milliseconds of each callable and, as ``<name>_mean``, the means (``harness.alternating_samples``:
-    A, B, C, A, B, C, ... after two warm-up rounds, which also let a density history land). With a ``cudnn``
-    contender, ``<name>_paired``: the median over rounds of the round's time over cuDNN's in the same round (the
-    clock drifts between rounds, less within one)."""
+    every contender once per round in shuffled orders, after two warm-up rounds, which also let a density history
+    land). With a ``cudnn`` contender, ``<name>_paired``: the median over rounds of the round's time over cuDNN's in
+    the same round (the clock drifts between rounds, less within one)."""
     times = alternating_samples(contenders, reps, calls=calls, queue_ahead=queue_ahead)
     out = {name: statistics.median(t) for name, t in times.items()} | {
         f"{name}_mean": statistics.fmean(t) for name, t in times.items()}
@@ -296,6 +296,18 @@ def _kernel_times(fn) -> dict:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:8])
 
 
+def _with_module_value(module, name: str, value, run):
+    """``run`` with ``module.name`` set to ``value`` for the call (restored after it)."""
+    def patched():
+        saved = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            return run()
+        finally:
+            setattr(module, name, saved)
+    return patched
+
+
 def s2o_parts(args) -> None:
     """Where S2O's time per visited tile goes (issue 11, item 2): structured inputs, S2O's defaults, contenders
     timed alternately: our dense kernel; the method; the visited tiles as a static plan (no early-stop vote); the
@@ -303,8 +315,9 @@ def s2o_parts(args) -> None:
     (the fixed costs); the plan without the query sort (``sort_queries=False``, its own visited tiles); the
     method with its keys through permuted K/V copies in segment chunks, copied in one piece, and gathered in
     place; and, timing only (their outputs are wrong), the static plan with its masked tiles run as unmasked ones and
-    our dense kernel with every tile masked (what the position masks cost). Efficiency = tiles x t_dense / (causal tiles x t). ``--queue-ahead`` starts each
-    sample behind a GPU sleep, as inside a forward pass (host time then shows only where it exceeds GPU time)."""
+    our dense kernel with every tile masked (what the position masks cost). Efficiency = tiles x t_dense / (causal
+    tiles x t). ``--queue-ahead`` starts each sample behind a GPU sleep, as inside a forward pass (host time then
+    shows only where it exceeds GPU time)."""
     from bench_methods import structured_inputs
     import kernels.hopper as hopper
     import sparse_compile.methods.s2o as s2o_method
@@ -357,23 +370,12 @@ def s2o_parts(args) -> None:
         contenders["s2o_copied_keys"] = lambda: execute_s2o(q, k, v, plan, scale, config, kernel="triton",
                                                             key_mode="copy")
         work["s2o_copied_keys"] = work["s2o"]
-
-        def with_module_value(module, name, value, run):
-            def patched():
-                saved = getattr(module, name)
-                setattr(module, name, value)
-                try:
-                    return run()
-                finally:
-                    setattr(module, name, saved)
-            return patched
-
         # the keys gathered in place at every length; up to 64K, the whole list copied in one piece (no segment
         # chunks; 33 x K/V at 128K would not be O(N))
-        contenders["s2o_gathered"] = with_module_value(hopper, "GATHER_LIST_RATIO", 0, contenders["s2o"])
+        contenders["s2o_gathered"] = _with_module_value(hopper, "GATHER_LIST_RATIO", 0, contenders["s2o"])
         work["s2o_gathered"] = work["s2o"]
         if n <= 65536:
-            contenders["s2o_copy_one_piece"] = with_module_value(
+            contenders["s2o_copy_one_piece"] = _with_module_value(
                 s2o_method, "LIST_BUDGET", 1 << 30, contenders["s2o_copied_keys"])
             work["s2o_copy_one_piece"] = work["s2o"]
         ms = alternate(contenders, args.reps, queue_ahead=args.queue_ahead)

@@ -25,9 +25,9 @@ all on the same prompt:
 * ``floor``: the same compiled model with its attention ops doing nothing: the non-attention time.
 
 At each length every contender is set up first (compile, calibration, density, warm-up), then all are timed
-alternately (A, B, C, A, B, C, ...) with the SM clock sampled after each run: the H100's clock drifts under
-sustained load. Reported per run: TTFT (median of ``--reps``), the mean SM clock, the achieved density (mean over sites and heads,
-from a separate recorded run), the number of attention calls that ran sparse in that run (it must equal the
+alternately (every contender once per round, rounds in shuffled orders: ``harness.alternating_rounds``) with the SM
+clock sampled after each run: the H100's clock drifts under sustained load. Reported per run: TTFT (median of
+``--reps``), the mean SM clock, the achieved density (mean over sites and heads, from a separate recorded run), the number of attention calls that ran sparse in that run (it must equal the
 number of layers), and end-to-end efficiency ``(t_floor + ρ·t_attn) / TTFT`` with
 ``t_attn = TTFT_inductor − t_floor``: the share of the possible gain the system delivers at its density.
 The meta block records each compiled contender's first call (compile included). ``--mask-overhead`` times, at
@@ -51,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparse_compile  # noqa: E402
-from harness import sm_clock_mhz, write_results  # noqa: E402
+from harness import alternating_rounds, sm_clock_mhz, write_results  # noqa: E402
 
 METHODS = ("pbs", "sparge", "bfla", "s2o")
 # parameters held fixed while calibrating, so that the target densities are reachable on random weights:
@@ -463,9 +463,9 @@ def main() -> None:
                     torch.cuda.empty_cache()
                     row["ttft_s"] = "OOM"
             live = [e for e in live if e[0].get("ttft_s") != "OOM"]
-            # 2. time them alternately (A, B, C, A, B, C, ...): the clock drifts under sustained load
-            for round_ in range(max([reps for _, _, reps in live] or [0])):
-                for row, fn, reps in live:
+            # 2. time them alternately (shuffled rounds): the clock drifts under sustained load
+            for round_, order in enumerate(alternating_rounds(live, max([reps for _, _, reps in live] or [0]))):
+                for row, fn, reps in order:
                     if round_ >= reps:
                         continue
                     sparse_compile.reset_runtime_stats()

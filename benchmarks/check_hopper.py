@@ -10,11 +10,11 @@ earlier tiles), model layout (B, N, H, D) viewed as (B, H, N, D); plus tables wi
 2 stages, the P.V skip, permuted keys (``key_index``, 256-key segments as PBS), and the auto-dispatched
 ``execute_plan``. One failure does not stop the others.
 (b) timing, B=1, Hq/Hkv=32/8, D=128, bf16, N 16K/32K/64K: contiguous keys at rho 1 / ~0.3 / ~0.1, and keys
-permuted inside 256-key segments (plans over logical keys) at rho 1 / ~0.3. Contenders, run alternately (A, B, C,
-A, B, C, ...), medians of ``--reps`` CUDA-event timings: cuDNN SDPA (causal, dense), the Triton kernel
-(``backend="triton"``), each Hopper variant, and ``execute_plan`` as users call it (``auto``: the automatic
-dispatch, including the permuted K/V copy for permuted keys). Reports ms, ratio to cuDNN, efficiency
-rho * t_cudnn / t (rho: listed tiles over the identity causal tile count) and TFLOP/s over the plan's visible
+permuted inside 256-key segments (plans over logical keys) at rho 1 / ~0.3. Contenders, run alternately (every one
+once per round, rounds in shuffled orders: ``harness.alternating_rounds``), medians of ``--reps`` CUDA-event
+timings: cuDNN SDPA (causal, dense), the Triton kernel (``backend="triton"``), each Hopper variant, and
+``execute_plan`` as users call it (``auto``: the automatic dispatch, including the permuted K/V copy for permuted
+keys). Reports ms, ratio to cuDNN, efficiency rho * t_cudnn / t (rho: listed tiles over the identity causal tile count) and TFLOP/s over the plan's visible
 (query, key) pairs, and the SM clock / temperature / power (nvidia-smi) right after each row's timing loop.
 Writes JSON to ``--out`` and prints a table.
 """

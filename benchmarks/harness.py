@@ -64,12 +64,21 @@ class Rotating:
         return self.fn(*args)
 
 
+def alternating_rounds(contenders: Sequence, rounds: int) -> Iterable[list]:
+    """The order of each timing round: every contender once per round, in the given order first and then in a fresh
+    seeded shuffle per round, so none always runs right after the same one (on the H100 the call after a long one,
+    a dense kernel at 64K-128K, ran about 10% slower: a lower clock)."""
+    order, shuffler = list(contenders), random.Random(0)
+    for r in range(rounds):
+        if r:
+            shuffler.shuffle(order)
+        yield list(order)
+
+
 def alternating_samples(contenders: dict, reps: int, *, warmup: int = 2, calls: int = 1,
                         queue_ahead: Union[bool, int] = False) -> dict:
-    """Milliseconds per call of each callable, timed in turn (A, B, C, B, C, A, C, A, B, ...): clock drift under
-    sustained load then moves every contender alike. After the first round each round runs them in a fresh order
-    (seeded), so none always runs right after the same one: on the H100 the call after a long one (a dense kernel
-    at 64K-128K) ran about 10% slower (lower clock). Returns {name: [one value per round]}.
+    """Milliseconds per call of each callable, timed in turn, each round in the order ``alternating_rounds`` gives:
+    clock drift under sustained load then moves every contender alike. Returns {name: [one value per round]}.
 
     ``warmup`` untimed rounds first (JIT, histories that must land). ``calls`` back-to-back calls per sample
     (divided out). ``queue_ahead``: each sample starts behind a short GPU sleep, so the host is ahead of the GPU as
@@ -87,10 +96,7 @@ def alternating_samples(contenders: dict, reps: int, *, warmup: int = 2, calls: 
         if cuda:
             torch.cuda.synchronize()
     times = {name: [] for name in contenders}
-    order, shuffler = list(contenders), random.Random(0)
-    for r in range(reps):
-        if r:
-            shuffler.shuffle(order)
+    for order in alternating_rounds(contenders, reps):
         for name in order:
             fn = contenders[name]
             if not cuda:
