@@ -104,7 +104,7 @@ def measure(args) -> None:
             defaults = SparseConfig(method=method)
             full = inert_full_plan_config(method)
             full_plan = build_plan(q, k, scale, full)
-            shape = plan_shape(build_plan(q, k, scale, defaults))
+            shape = plan_shape(build_plan(q, k, scale, defaults), method)  # keyed by the selector too
             # the method's own executor (S2O: segment chunks), as the op runs it
             run_full = lambda: _execute(q, k, v, full_plan, scale, full, "triton", False)  # noqa: E731
             ms = alternate({

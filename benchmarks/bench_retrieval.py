@@ -51,7 +51,7 @@ import train_small_lm as tsl  # noqa: E402
 from bench_e2e import calibrate  # noqa: E402
 from harness import write_results  # noqa: E402
 
-METHODS = ("pbs", "sparge", "bfla", "s2o")
+METHODS = tuple(sparse_compile.registry.registered_methods())  # the four papers' and the sampled selector
 NEEDLE_BYTES = 50  # a needle line's span checked for coverage: the key and the value
 
 
@@ -62,7 +62,8 @@ def base_config(smoke: bool) -> sparse_compile.SparseConfig:
         min_seq_len=256, dense_when_faster=False, pbs={"block_size": 32, "segment_size": 64},
         sparge={"block_size_q": 32, "block_size_kv": 32},
         bfla={"coarse_block_size": 64, "group_size": 16, "tile_size_q": 32, "tile_size_kv": 32},
-        s2o={"segment_size": 64, "block_size_q": 32, "block_size_kv": 32})
+        s2o={"segment_size": 64, "block_size_q": 32, "block_size_kv": 32},
+        sampled={"block_size": 32, "sample_every": 4})
 
 
 def method_and_reorder(contender: str) -> tuple[str, Optional[str]]:
@@ -214,7 +215,7 @@ def run(args) -> list[dict]:
               file=sys.stderr)
     base = base_config(args.smoke)
     base = base.replace(**{m: base.params_of(m).updated(v) for m, v in args.method_params.items()})
-    options = {f: getattr(base, f) for f in ("min_seq_len", "dense_when_faster", "pbs", "sparge", "bfla", "s2o")}
+    options = {f: getattr(base, f) for f in ("min_seq_len", "dense_when_faster", *METHODS)}
     compiled = torch.compile(model, backend=functools.partial(sparse_compile.sparse_prefill, options=options),
                              dynamic=True)
 

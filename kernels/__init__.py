@@ -13,7 +13,7 @@ Modules (``validate`` and ``host`` import no Triton; the others are imported on 
 * ``pooling``: block pooling (``block_pool`` -> ``BlockPool``) and pooled scores;
 * ``mass``: the cumulative-mass selection (``MassRule``, ``mass_select``) into plan rows;
 * ``sorting``: the segmented argsort in registers;
-* ``pbs``, ``bfla``, ``s2o``: the per-method kernels (mirroring ``sparse_compile/methods/<name>.py``).
+* ``pbs``, ``bfla``, ``s2o``, ``sampled``: the per-method kernels (mirroring ``sparse_compile/methods/<name>.py``).
 """
 
 import importlib

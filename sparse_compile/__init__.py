@@ -36,6 +36,7 @@ from .methods import build_plan  # noqa: E402  (first: the built-in methods regi
 from .methods.bfla import BFLAParams  # noqa: E402
 from .methods.pbs import PBSParams  # noqa: E402
 from .methods.s2o import S2OParams  # noqa: E402
+from .methods.sampled import SampledParams  # noqa: E402
 from .methods.sparge import SpargeParams  # noqa: E402
 from .backend import sparse_prefill  # noqa: E402
 from .config import MethodParams, SparseConfig  # noqa: E402
@@ -54,6 +55,7 @@ __all__ = [
     "SpargeParams",
     "BFLAParams",
     "S2OParams",
+    "SampledParams",
     "MethodParams",
     "Method",
     "DensityKnob",

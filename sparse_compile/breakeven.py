@@ -44,8 +44,10 @@ PROBE_MAX = 256  # the interval doubles while re-plans stay too dense, up to thi
 TABLE_FILE = Path(__file__).with_name("breakeven_tables.json")
 
 
-def plan_shape(plan) -> str:
-    """The kernel-visible shape of a plan, the key of the break-even table: ``128x64+keys+stop``."""
+def plan_shape(plan, select: Optional[str] = None) -> str:
+    """The kernel-visible shape of a plan, the key of the break-even table: ``128x64+keys+stop``; with ``select``
+    (the select stage that made it) ``128x128@sampled``, for selectors whose cost is their own: the table's entry
+    under that key wins over the plain shape's."""
     parts = [f"{plan.block_m}x{plan.block_n}"]
     if plan.key_index is not None:
         parts.append("keys")
@@ -55,7 +57,7 @@ def plan_shape(plan) -> str:
         parts.append("stop")
     if plan.pv_skip is not None:
         parts.append("pvskip")
-    return "+".join(parts)
+    return "+".join(parts) + (f"@{select}" if select else "")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -63,7 +65,7 @@ def lowest_density(shape: str, num_queries: int, num_keys: int) -> float:
     """The least density a plan of ``shape`` can have: every query block keeps at least one tile."""
     from .plan import causal_tile_count
 
-    block_m, block_n = (int(side) for side in shape.split("+")[0].split("x"))
+    block_m, block_n = (int(side) for side in shape.split("@")[0].split("+")[0].split("x"))
     return -(-num_queries // block_m) / max(causal_tile_count(num_queries, num_keys, block_m, block_n), 1)
 
 
@@ -105,7 +107,8 @@ def break_even_density(device: torch.device, shape: str, num_keys: int) -> Optio
 
 @functools.lru_cache(maxsize=1024)
 def _break_even(arch: str, shape: str, num_keys: int, tables_id: int) -> Optional[float]:
-    table = load_tables().get(arch, {}).get(shape)
+    tables = load_tables().get(arch, {})
+    table = tables.get(shape) or tables.get(shape.split("@")[0])  # the selector's own entry, else the shape's
     if not table:
         return None
     points = sorted((int(n), entry) for n, entry in table.items())

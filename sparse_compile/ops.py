@@ -125,8 +125,8 @@ def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
     except Unsupported as exc:
         return None, f"method {config.method}: {exc}", None
     if plan_only:
-        HISTORY.record(history_key, _listed_or_visited(plan, q, k, v, scale, config, kernel), plan_shape(plan),
-                       config)
+        HISTORY.record(history_key, _listed_or_visited(plan, q, k, v, scale, config, kernel),
+                       plan_shape(plan, config.select_stage), config)
         return None, REPLANNED, None
     # early stop decides at run time how many tiles a plan costs: count the visits when the count is wanted
     want_visits = config.record_density or (history_key is not None and plan.early_stop > 0)
@@ -137,7 +137,7 @@ def run_sparse(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
             listed = _visited_density(visited, plan, num_queries, num_keys)
         else:
             listed = plan.density(num_queries, num_keys).mean()
-        HISTORY.record(history_key, listed, plan_shape(plan), config)
+        HISTORY.record(history_key, listed, plan_shape(plan, config.select_stage), config)
     density = None
     if config.record_density:
         density = report.density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
@@ -173,8 +173,8 @@ def _probe_group(q: Tensor, k: Tensor, v: Tensor, scale: float, config: SparseCo
     heads = slice(kv_head * group, (kv_head + 1) * group)
     qs, ks, vs = q[:, heads], k[:, kv_head:kv_head + 1], v[:, kv_head:kv_head + 1]
     plan = build_plan(qs, ks, scale, config)
-    HISTORY.record(history_key, _listed_or_visited(plan, qs, ks, vs, scale, config, kernel), plan_shape(plan),
-                   config)
+    HISTORY.record(history_key, _listed_or_visited(plan, qs, ks, vs, scale, config, kernel),
+                   plan_shape(plan, config.select_stage), config)
 
 
 def _listed_or_visited(plan, q: Tensor, k: Tensor, v: Tensor, scale: float, config: SparseConfig,

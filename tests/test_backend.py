@@ -501,7 +501,7 @@ def test_break_even_below_any_plan_skips_planning(monkeypatch):
         q, k, v = random_qkv(1, 4, 2, site_length, site_length, 16)
         out = sparse_compile.sparse_attention(q, k, v, config=config)
         stats = sparse_compile.runtime_stats()["sparse_attention"]
-        assert stats.last_path == "dense" and "below the least any 16x16+keys plan keeps" in stats.last_reason
+        assert stats.last_path == "dense" and "below the least any 16x16+keys@pbs plan keeps" in stats.last_reason
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     assert not planned
     assert breakeven.lowest_density("16x16+keys", 64, 64) == 4 / 10
@@ -519,3 +519,20 @@ def test_break_even_density_interpolates_in_log_length(monkeypatch):
     assert abs(breakeven.break_even_density(cpu, "s", 2048) - gain / 1.5) < 1e-9
     assert breakeven.break_even_density(cpu, "s", 10**6) == gain
     assert breakeven.break_even_density(cpu, "other", 2048) is None
+
+
+def test_break_even_entry_of_the_selector_wins_over_the_shape(monkeypatch):
+    """Two selectors can make plans of one shape at different selection costs (PBS without its permutation and
+    the sampled selector: 128x128): a ``shape@select`` entry serves that selector, the plain shape the others."""
+    from sparse_compile import breakeven
+
+    table = {"cpu": {"16x16": {"64": {"kernel": 1.0, "select": 0.05}},
+                     "16x16@sampled": {"64": {"kernel": 1.0, "select": 0.45}}}}
+    monkeypatch.setattr(breakeven, "_TABLES", table)
+    cpu = torch.device("cpu")
+    assert abs(breakeven.break_even_density(cpu, "16x16@sampled", 64) - 0.5) < 1e-9
+    assert abs(breakeven.break_even_density(cpu, "16x16@pbs", 64) - 0.9) < 1e-9
+    assert breakeven.lowest_density("16x16@sampled", 64, 64) == breakeven.lowest_density("16x16", 64, 64)
+    plan = sparse_compile.build_plan(*random_qkv(1, 2, 1, 64, 64, 16)[:2], None,
+                                     SparseConfig(method="sampled", sampled={"block_size": 16}))
+    assert breakeven.plan_shape(plan) == "16x16" and breakeven.plan_shape(plan, "sampled") == "16x16@sampled"

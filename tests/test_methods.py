@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import sparse_compile.methods._common as common
-from sparse_compile import BFLAParams, PBSParams, S2OParams, SparseConfig, SpargeParams
+from sparse_compile import BFLAParams, PBSParams, S2OParams, SampledParams, SparseConfig, SpargeParams
 from sparse_compile.methods import Unsupported, build_plan
 from sparse_compile.kernels.host import hash32, segmented_argsort_desc
 from sparse_compile.kernels.validate import expand_heads
@@ -33,9 +33,11 @@ SMALL = dict(
     sparge=SpargeParams(block_size_q=32, block_size_kv=16),
     bfla=BFLAParams(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16, local_tiles=1, stride=4),
     s2o=S2OParams(segment_size=64, block_size_q=16, block_size_kv=16),
+    sampled=SampledParams(block_size=16, sample_every=4),
 )
 PAIRS = sorted(valid_pairs())
-PRESETS = {"pbs": ("pbs", "pbs"), "sparge": ("none", "sparge"), "bfla": ("none", "bfla"), "s2o": ("s2o", "s2o")}
+PRESETS = {"pbs": ("pbs", "pbs"), "sparge": ("none", "sparge"), "bfla": ("none", "bfla"), "s2o": ("s2o", "s2o"),
+           "sampled": ("none", "sampled")}
 SHAPES = [
     # batch, Hq, Hkv, Nq, Nk, D
     (2, 4, 1, 201, 201, 16),  # GQA 4, ragged
@@ -662,3 +664,58 @@ def test_s2o_runs_in_segment_chunks_with_the_same_result(kernel, monkeypatch):
     assert torch.equal(chunked_visits, visits)
     exact = s2o.execute_s2o(q, k, v, build_plan(q, k, None, config.keep_all()), None, config, kernel=kernel)
     assert rel_error(exact, dense_reference(q, k, v)) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the sampled-row selector
+
+
+def test_sampled_rows_end_each_block_and_clip_a_ragged_one():
+    from sparse_compile.methods.sampled import sampled_rows
+
+    assert sampled_rows(32, 16, 4).tolist() == [3, 7, 11, 15, 19, 23, 27, 31]
+    # ragged last block (rows 32..36): rows past its end become its last row, 36
+    assert sampled_rows(37, 16, 4).tolist()[8:] == [35, 36, 36, 36]
+    assert sampled_rows(5, 16, 16).tolist() == [4]
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 2, 75, 75, 8), (1, 2, 1, 40, 90, 16)], ids=["gqa-ragged", "chunked"])
+def test_sampled_tile_mass_is_the_sampled_rows_exact_softmax(shape, monkeypatch):
+    from sparse_compile.methods.sampled import TINY, sampled_rows, sampled_tile_logits
+
+    B, Hq, Hkv, Nq, Nk, D = shape
+    q, k, _ = random_qkv(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float64)
+    block, every = 16, 4
+    monkeypatch.setattr(common, "CHUNK_ELEMENTS", 500)  # several key chunks
+    got = sampled_tile_logits(q, k, 0.3, block, every)
+    rows = sampled_rows(Nq, block, every)
+    kk = k.repeat_interleave(Hq // Hkv, 1)
+    z = q[:, :, rows] @ kk.transpose(-1, -2) * 0.3
+    z = z.masked_fill(torch.arange(Nk)[None, :] > (rows + Nk - Nq)[:, None], float("-inf"))
+    p = torch.nn.functional.pad(torch.softmax(z, -1), (0, -Nk % block))
+    nqb = -(-Nq // block)
+    want = p.view(B, Hq, nqb, block // every, -1, block).sum(-1).mean(3)
+    torch.testing.assert_close(got, torch.log(want + TINY), rtol=1e-9, atol=1e-9)
+
+
+def test_sampled_selector_finds_one_row_looking_up_one_key():
+    """One query row looks up one far key (a retrieval): the sampled selector keeps that key's tile at a low
+    threshold on every draw; PBS's mean-pooled selector (without its permutation) misses it on some."""
+    B, H, N, D = 1, 1, 256, 32
+    needle, reader = 37, 16 * 13 + 11  # key 37 (tile 2); row 219 of block 13, a sampled row (every 4th)
+    sampled = SparseConfig(method="sampled", sampled={"block_size": 16, "sample_every": 4, "threshold": 0.2,
+                                                      "keep_first_block": False})
+    pooled = SparseConfig(method="pbs", reorder="none", pbs={"block_size": 16, "segment_size": 32,
+                                                              "threshold": 0.2, "keep_first_block": False})
+    kept = {"sampled": 0, "pbs": 0}
+    draws = 10
+    for seed in range(draws):
+        torch.manual_seed(seed)
+        q, k, _ = random_qkv(B, H, H, N, N, D)
+        k[0, 0, needle] = torch.randn(D) * 2
+        q[0, 0, reader] = k[0, 0, needle]
+        for name, config in (("sampled", sampled), ("pbs", pooled)):
+            plan = build_plan(q, k, None, config)
+            listed = plan.tile_offsets[0, 0, 13, :int(plan.tile_counts[0, 0, 13])] // 16
+            kept[name] += int(2 in listed.tolist())
+    assert kept["sampled"] == draws and kept["pbs"] <= draws - 2, kept

@@ -121,11 +121,11 @@ def test_retrieval_training_smoke_records_dense_accuracy(tmp_path):
 
 def test_retrieval_benchmark_smoke(tmp_path):
     bench = importlib.import_module("bench_retrieval")
-    bench.main(["--smoke", "--methods", "pbs", "bfla", "--coverage", "1", "--styles", "vkey", "comment",
+    bench.main(["--smoke", "--methods", "pbs", "bfla", "sampled", "--coverage", "1", "--styles", "vkey", "comment",
                 "--layer-ablation", "pbs", "--layer-densities", "1,0.2", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "retrieval.json").read_text())["rows"]
     names = {r["contender"] for r in rows}
-    assert {"dense", "pbs", "bfla", "pbs-noperm", "pbs@0.3", "bfla@0.3", "pbs-noperm@0.3"} <= names
+    assert {"dense", "pbs", "bfla", "sampled", "pbs-noperm", "pbs@0.3", "bfla@0.3", "sampled@0.3", "pbs-noperm@0.3"} <= names
     # one layer at a time at pbs@0.3's threshold: the other layers keep every tile, so the mean density is higher
     one_layer = [r for r in rows if r["contender"].startswith("pbs@0.3/layer")]
     assert len(one_layer) >= 2 and "bfla@0.3/layer0" not in names

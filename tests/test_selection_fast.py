@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import sparse_compile
-from sparse_compile import BFLAParams, PBSParams, S2OParams, SparseConfig, SpargeParams
+from sparse_compile import BFLAParams, PBSParams, S2OParams, SampledParams, SparseConfig, SpargeParams
 from sparse_compile.kernels import bfla as bfla_kernels
 from sparse_compile.kernels import common as kernel_common
 from sparse_compile.kernels import pooling, sorting
@@ -46,6 +46,7 @@ from sparse_compile.methods._common import (
 )
 from sparse_compile.methods.bfla import bfla_block_scores, block_softmax_scale
 from sparse_compile.methods.pbs import pbs_key_importance
+from sparse_compile.methods.sampled import sampled_tile_logits
 from sparse_compile.plan import VISIBLE_NONE, block_visibility, check_plan, execute_plan, reference_attention
 
 EPS_P = 2e-4  # relative margin on a block probability when ordering blocks
@@ -58,8 +59,10 @@ SMALL = dict(
     sparge=SpargeParams(block_size_q=32, block_size_kv=16),
     bfla=BFLAParams(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16, local_tiles=1, stride=4),
     s2o=S2OParams(segment_size=64, block_size_q=16, block_size_kv=16),
+    sampled=SampledParams(block_size=16, sample_every=4),
 )
-PRESETS = {"pbs": ("pbs", "pbs"), "sparge": ("none", "sparge"), "bfla": ("none", "bfla"), "s2o": ("s2o", "s2o")}
+PRESETS = {"pbs": ("pbs", "pbs"), "sparge": ("none", "sparge"), "bfla": ("none", "bfla"), "s2o": ("s2o", "s2o"),
+           "sampled": ("none", "sampled")}
 
 
 def _config(reorder, select, params=SMALL, **kw):
@@ -192,6 +195,16 @@ def reference_bounds(select, q, k, scale, r, config):
         sure = torch.where(rows_amb, diag, sure | forced)
         maybe = torch.where(rows_amb, visible, maybe | forced)
         return sure & visible, maybe & visible
+    elif select == "sampled":
+        p = config.sampled
+        bs = p.block_size
+        vis = visibility(Nq, Nk, bs, bs, r, B, Hq, q.device)
+        visible = vis != VISIBLE_NONE
+        mass = torch.where(visible, sampled_tile_logits(qd, kd, scale, bs, p.sample_every).exp(), 0.0)
+        forced = diagonal_tiles(vis, r, Nq, Nk, bs, bs)
+        if p.keep_first_block:
+            forced = forced | first_key_tile(r, Nk, bs, B, Hq, q.device)
+        sure, maybe = mass_bounds(mass, visible, p.threshold, 0.0, mass.sum(-1, keepdim=True))
     elif select == "bfla_coarse":
         p = config.bfla
         b = p.coarse_block_size
@@ -448,7 +461,7 @@ def test_exact_ties_follow_the_stable_order():
     q = torch.randn(B, Hq, N, D)
     k = torch.randn(1, 1, 1, D).expand(B, Hkv, N, D).contiguous()
     k[:, :, :3] = torch.randn(3, D) * 2  # a few distinct keys in the first tile
-    for method in ("pbs", "sparge", "bfla"):
+    for method in ("pbs", "sparge", "bfla", "sampled"):
         cfg = _config(*PRESETS[method])
         p_fast = build_plan(q, k, None, cfg, implementation="fast")
         p_ref = build_plan(q, k, None, cfg, implementation="reference")
@@ -585,7 +598,7 @@ try:
     from triton.compiler import ASTSource
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
-from sparse_compile.kernels import pooling, mass, sorting, pbs, bfla, s2o, attention
+from sparse_compile.kernels import pooling, mass, sorting, pbs, bfla, s2o, sampled, attention
 
 def compile_kernel(fn, pointers, floats, const, warps=4):
     sig = {}
@@ -634,6 +647,10 @@ for pos, keep_all in ((False, False), (True, False), (False, True)):
                    offs_ptr="i32", cnt_ptr="i32", msk_ptr="i32"), set(),
                    dict(TILE_Q=128, TILE_K=64, COARSE=256, W=512, ROWS=2, HAS_POSITIONS=pos, STRIDE_ON=True,
                         RANDOM_ON=True, KEEP_ALL=keep_all), warps=1)
+for every, blocks in ((8, 8), (4, 4), (16, 16)):
+    compile_kernel(sampled._sampled_mass_kernel, dict(q_ptr="bf16", k_ptr="bf16", out_ptr="fp32"), {"qk_scale"},
+                   dict(BLOCK_M=128, BLOCK_N=128, EVERY=every, ROWS=128 // every, BLOCKS=blocks, D=128, D_PAD=128,
+                        PREC="none"), warps=8)
 compile_kernel(s2o._s2o_rank_keys_kernel, dict(k_ptr="bf16", qm_ptr="fp32", out_ptr="i32"), set(),
                dict(BLOCK_T=64, G_PAD=64, D=128, D_PAD=128, PREC="tf32x3"))
 compile_kernel(s2o._s2o_segment_of_kernel, dict(slot_ptr="i64", out_ptr="i16"), set(), dict(BLOCK=1024))
@@ -677,7 +694,7 @@ def test_gpu_bf16_agreement(method, shape):
     B, Hq, Hkv, N, D = shape
     dev = "cuda"
     reorder, select = PRESETS[method]
-    block = {"pbs": 128, "sparge": 64, "bfla": 64, "s2o": 128}[method]
+    block = {"pbs": 128, "sparge": 64, "bfla": 64, "s2o": 128, "sampled": 128}[method]
     q, k = structured_qk(B, Hq, Hkv, N, N, D, block, seed=9, dtype=torch.bfloat16, device=dev)
     cfg = SparseConfig(method=method)
     scale = 1 / math.sqrt(D)
@@ -702,7 +719,7 @@ def test_gpu_bf16_agreement(method, shape):
     p_fast = stage_functions(reorder, select, True)[1](q, k, scale, r_ref, cfg)
     assert_plan_layout(p_fast, p_ref)
     check_plan(p_fast, q, k)
-    if method in ("pbs", "sparge") and not plans_identical(p_fast, p_ref):
+    if method in ("pbs", "sparge", "sampled") and not plans_identical(p_fast, p_ref):
         sure, maybe = reference_bounds(select, q, k, scale, r_ref, cfg)
         assert_keep_agrees(keep_table(p_fast, sure.shape[-1]), sure, maybe, what=method, max_ambiguous_rows=0.25)
     if method == "bfla":
@@ -777,8 +794,8 @@ def _confinement(method, cfg, batch, head, row, heads_q, heads_kv):
     region = torch.zeros(2, heads_q, NAN_N, dtype=torch.bool)
     group = heads_q // heads_kv
     group_heads = slice(head // group * group, head // group * group + group)
-    if method == "pbs":  # its query block, in its head
-        size = cfg.pbs.block_size
+    if method in ("pbs", "sampled"):  # its query block, in its head
+        size = cfg.pbs.block_size if method == "pbs" else cfg.sampled.block_size
         region[batch, head, row // size * size: row // size * size + size] = True
     elif method == "sparge":
         size = cfg.sparge.block_size_q
@@ -807,7 +824,10 @@ def test_nan_query_row_stays_confined(method, planner):
     _, plan, out = _run_with_nan_query_row(q, k, v, cfg, planner, batch, head, row)
     outside = ~_confinement(method, cfg, batch, head, row, 4, 2)
     torch.testing.assert_close(out[outside], clean[outside], rtol=1e-5, atol=1e-6)
-    if method != "s2o":  # the selectors: a query block with non-finite pooled statistics keeps every visible tile
+    # the selectors: a query block with non-finite pooled statistics keeps every visible tile (the sampled
+    # selector: when the row is one it scores; an unsampled NaN row leaves the plan as it was)
+    sampled_row = (row % cfg.sampled.block_size) % cfg.sampled.sample_every == cfg.sampled.sample_every - 1
+    if method != "s2o" and (method != "sampled" or sampled_row):
         vis = block_visibility(NAN_N, NAN_N, plan.block_m, plan.block_n, key_index=plan.key_index, batch=2,
                                heads=plan.tile_counts.shape[1])
         visible = expand_heads((vis != VISIBLE_NONE).sum(-1, dtype=torch.int32), plan.tile_counts.shape[1])

@@ -1,6 +1,6 @@
 """The sparse methods, one module each, and ``build_plan``: reorder, then select, into one ``BlockPlan``.
 
-Each module (``pbs``, ``sparge``, ``bfla``, ``s2o``) declares its parameters, its stages and ends with one
+Each module (``pbs``, ``sparge``, ``bfla``, ``s2o``, and ``sampled``, our own selector) declares its parameters, its stages and ends with one
 ``register_method(...)`` line (``registry.py``); a method registered from outside the package joins the same way.
 ``build_plan(q, k, scale, config)`` runs ``config.reorder_stage`` then ``config.select_stage`` and returns the
 plan that ``plan.execute_plan`` runs. Everything here is exact PyTorch, vectorised over batch and heads,
@@ -31,7 +31,7 @@ from ..plan import BlockPlan
 from ..registry import NO_REORDER, check_stage_pair, method_spec
 from . import _fast
 from ._common import Reordering, Unsupported
-from . import bfla, pbs, s2o, sparge  # noqa: F401 - each module registers its method
+from . import bfla, pbs, s2o, sampled, sparge  # noqa: F401 - each module registers its method
 
 __all__ = ["build_plan", "Unsupported", "Reordering", "stage_functions"]
 
