@@ -7,11 +7,12 @@ BLOCK_N keys is averaged over the block's sampled rows. The selector ranks tiles
 query row and one key, and pooled means dilute both, where sampled rows see them whole.
 
 One program serves BLOCKS consecutive query blocks of one head (BLOCKS * BLOCK_M / EVERY rows on the tensor
-cores) in two passes over the keys they see: the rows' max and sum of exp, then each tile's mass. Output: the
-log of the mass (plus ``TINY``) per visible tile, so the mass selection's softmax of it is the mass itself; NaN
-where a sampled row scores a key of the tile as non-finite (that tile is kept and leaves the softmax, as
-everywhere in selection). Non-finite scores leave their row's softmax. Tiles no query of the block sees are not
-written.
+cores) in two passes over the keys they see: the rows' max and sum of exp, then each tile's mass; tiles that every
+row sees whole skip the position test. Output: the log of the mass (plus ``TINY``) per visible tile, so the mass
+selection's softmax of it is the mass itself. A sampled row that scores a key it sees as NaN or +inf makes its
+row sum NaN, hence every tile of its block NaN: the block keeps every visible tile (as a block with non-finite
+pooled statistics does everywhere in selection); no score is tested one by one. A -inf score weighs nothing, as in
+dense attention. Tiles no query of the block sees are not written.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot, dot_precision, interpreting, is_finite, launchable, query_block_bounds, split_heads
+from .common import dot, dot_precision, interpreting, launchable, query_block_bounds, split_heads
 from .validate import cdiv
 
 __all__ = ["TINY", "sampled_rows_per_block", "sampled_mass_logits"]
@@ -33,6 +34,45 @@ TINY = 1e-30
 def sampled_rows_per_block(block_m: int, every: int) -> int:
     """Rows scored per query block."""
     return max(1, block_m // every)
+
+
+@triton.jit
+def _load_keys(k_base, t, stride_kn, stride_kd, NUM_KEYS, d, dmask, BLOCK_N: tl.constexpr):
+    keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    kt = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_kn + d[None, :] * stride_kd,
+                 mask=(keys < NUM_KEYS)[:, None] & dmask[None, :], other=0.0)
+    return keys, kt
+
+
+@triton.jit
+def _row_stats_inner(q, k_base, m, s, qpos, t0, t1, stride_kn, stride_kd, NUM_KEYS, qk_scale, d, dmask,
+                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
+    """Pass 1 over key tiles [t0, t1): each row's running max (unscaled) and sum of exp2, online. Only MASKED
+    tiles compare positions; a NaN or +inf score makes its row's sum NaN (no per-score finiteness test)."""
+    for t in range(t0, t1):
+        keys, kt = _load_keys(k_base, t, stride_kn, stride_kd, NUM_KEYS, d, dmask, BLOCK_N)
+        z = dot(q, tl.trans(kt), PREC)
+        if MASKED:
+            z = tl.where(keys[None, :] <= qpos[:, None], z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, 1))
+        s = s * tl.exp2((m - m_new) * qk_scale) + tl.sum(tl.exp2(z * qk_scale - (m_new * qk_scale)[:, None]), 1)
+        m = m_new
+    return m, s
+
+
+@triton.jit
+def _mass_inner(q, k_base, mb, inv, qpos, blocks, qmax, out_rows, t0, t1, stride_kn, stride_kd, NUM_KEYS,
+                NUM_QUERY_BLOCKS, qk_scale, d, dmask, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+                ROWS: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
+    """Pass 2 over key tiles [t0, t1): each tile's mass, summed over each block's rows, stored as its log."""
+    for t in range(t0, t1):
+        keys, kt = _load_keys(k_base, t, stride_kn, stride_kd, NUM_KEYS, d, dmask, BLOCK_N)
+        z = dot(q, tl.trans(kt), PREC)
+        p = tl.exp2(z * qk_scale - mb[:, None])
+        if MASKED:
+            p = tl.where(keys[None, :] <= qpos[:, None], p, 0.0)
+        mass = tl.sum(tl.reshape(tl.sum(p, 1) * inv, (BLOCKS, ROWS)), 1)
+        tl.store(out_rows + t, tl.log(mass + 1e-30), mask=(blocks < NUM_QUERY_BLOCKS) & (t * BLOCK_N <= qmax))
 
 
 @triton.jit
@@ -62,50 +102,36 @@ def _sampled_mass_kernel(
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + row.to(tl.int64)[:, None] * stride_qn
                 + d[None, :] * stride_qd, mask=live[:, None] & dmask[None, :], other=0.0)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    # tiles every row of the program sees whole (no position test), then the tiles up to the latest row's
     last = tl.minimum(g * BLOCKS + BLOCKS, NUM_QUERY_BLOCKS) - 1
     _, qmax_last = query_block_bounds(last, BLOCK_M, NUM_QUERIES, NUM_KEYS)
     num_tiles = tl.minimum(qmax_last // BLOCK_N + 1, NUM_KEY_TILES)
+    earliest = tl.min(tl.where(live, qpos, NUM_KEYS), 0)
+    whole = tl.minimum((earliest + 1) // BLOCK_N, num_tiles)
 
-    # pass 1: each row's running max and sum of exp (base 2) over the finite scores it sees
     m = tl.full([M], -1.0e30, tl.float32)
     s = tl.zeros([M], tl.float32)
-    for t in range(0, num_tiles):
-        keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        kt = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_kn + d[None, :] * stride_kd,
-                     mask=(keys < NUM_KEYS)[:, None] & dmask[None, :], other=0.0)
-        z = dot(q, tl.trans(kt), PREC) * qk_scale
-        seen = (keys[None, :] <= qpos[:, None]) & live[:, None]
-        z = tl.where(seen & is_finite(z), z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, 1))
-        s = s * tl.exp2(m - m_new) + tl.sum(tl.exp2(z - m_new[:, None]), 1)
-        m = m_new
-    # each row's share of its block's mean: 1 / (sum of exp * rows)
-    inv = tl.where(s > 0, 1.0 / tl.where(s > 0, s * ROWS, 1.0), 0.0)
-
-    # pass 2: the mass each tile gets, summed over each block's rows
+    m, s = _row_stats_inner(q, k_base, m, s, qpos, 0, whole, stride_kn, stride_kd, NUM_KEYS, qk_scale, d, dmask,
+                            BLOCK_N, False, PREC)
+    m, s = _row_stats_inner(q, k_base, m, s, qpos, whole, num_tiles, stride_kn, stride_kd, NUM_KEYS, qk_scale, d,
+                            dmask, BLOCK_N, True, PREC)
+    # each row's share of its block's mean: 1 / (sum of exp * rows); a NaN sum stays NaN (the block keeps all)
+    inv = 1.0 / (s * ROWS)
+    mb = m * qk_scale
     blocks = g * BLOCKS + tl.arange(0, BLOCKS)
     _, qmax = query_block_bounds(blocks, BLOCK_M, NUM_QUERIES, NUM_KEYS)
     out_rows = out_ptr + (bh.to(tl.int64) * NUM_QUERY_BLOCKS + blocks) * NUM_KEY_TILES
-    for t in range(0, num_tiles):
-        keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        kt = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_kn + d[None, :] * stride_kd,
-                     mask=(keys < NUM_KEYS)[:, None] & dmask[None, :], other=0.0)
-        z = dot(q, tl.trans(kt), PREC) * qk_scale
-        seen = (keys[None, :] <= qpos[:, None]) & live[:, None]
-        readable = seen & is_finite(z)
-        p = tl.where(readable, tl.exp2(z - m[:, None]), 0.0)
-        row_mass = tl.sum(p, 1) * inv
-        row_bad = tl.max((seen & (readable == 0)).to(tl.int32), 1)
-        mass = tl.sum(tl.reshape(row_mass, (BLOCKS, ROWS)), 1)
-        bad = tl.max(tl.reshape(row_bad, (BLOCKS, ROWS)), 1)
-        score = tl.where(bad > 0, float("nan"), tl.log(mass + 1e-30))
-        tl.store(out_rows + t, score, mask=(blocks < NUM_QUERY_BLOCKS) & (t * BLOCK_N <= qmax))
+    _mass_inner(q, k_base, mb, inv, qpos, blocks, qmax, out_rows, 0, whole, stride_kn, stride_kd, NUM_KEYS,
+                NUM_QUERY_BLOCKS, qk_scale, d, dmask, BLOCK_N, BLOCKS, ROWS, False, PREC)
+    _mass_inner(q, k_base, mb, inv, qpos, blocks, qmax, out_rows, whole, num_tiles, stride_kn, stride_kd, NUM_KEYS,
+                NUM_QUERY_BLOCKS, qk_scale, d, dmask, BLOCK_N, BLOCKS, ROWS, True, PREC)
 
 
 def sampled_mass_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block_m: int, block_n: int,
                         every: int) -> torch.Tensor:
-    """(B, Hq, nqb, nkt) float32: log(mean sampled-row mass of each visible tile + ``TINY``), NaN where a sampled
-    row scores a key of the tile as non-finite; entries of tiles no query of the block sees are left unwritten.
+    """(B, Hq, nqb, nkt) float32: log(mean sampled-row mass of each visible tile + ``TINY``), NaN in every tile of
+    a block whose sampled rows score a key as NaN or +inf; entries of tiles no query of the block sees are left
+    unwritten.
 
     q (B, Hq, Nq, D), k (B, Hkv, Nk, D), keys in order, queries the last Nq positions. ``every`` a power of two
     <= ``block_m``.

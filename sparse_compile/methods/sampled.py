@@ -24,11 +24,12 @@ QK^T and exp work, none of its P.V. Block-level table (B, Hq, nqb, nkt); scores 
 
 GQA: per query head (the kernel reads each KV head's keys for its group's heads).
 
-Non-finite inputs (kept confined as in dense attention): a non-finite score leaves its row's softmax and makes its
-tile unreadable, and an unreadable tile is kept and leaves the mass ranking (``mass_keep``). So a NaN key's tile
-is kept by every block that sees it (its last row sees it), and a block whose sampled row is NaN keeps every
-visible tile. A NaN row that is not sampled does not change the plan; its own output is NaN, as in dense
-attention, because every key it scores is NaN.
+Non-finite inputs (kept confined as in dense attention): a block whose sampled rows score a key they see as NaN
+or +inf keeps every visible tile (its scores are NaN, and ``mass_keep`` keeps such tiles). So a NaN key reaches
+every row that sees it (the block's last row sees it, and the block keeps everything), and a block whose sampled
+row is NaN keeps every visible tile. A NaN row that is not sampled does not change the plan; its own output is
+NaN, as in dense attention, because every key it scores is NaN. A -inf score weighs nothing, as in dense
+attention. The kernel needs no per-score test for this: such a score turns its row's sum of exp NaN.
 """
 
 from __future__ import annotations
@@ -55,13 +56,16 @@ class SampledParams(MethodParams):
     """Sampled-row mass selection: exact softmax of every ``sample_every``-th row, tiles kept by cumulative mass.
 
     ``threshold`` is the share of the sampled rows' attention mass the kept tiles must cover; ``threshold=1.0``
-    keeps every causal block. ``block_size`` is the query block and the key tile (square tiles).
+    keeps every causal block. ``block_size`` is the query block and the key tile (square tiles). ``budget``
+    (instead of the threshold): each query block keeps its ceil(budget x visible) highest-mass tiles, the forced
+    ones first (the oracle's rule in ``benchmarks/retrieval_oracle.py``).
     """
 
     block_size: int = 128
     sample_every: int = 8
     threshold: float = 0.9
     keep_first_block: bool = True
+    budget: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -71,6 +75,8 @@ class SampledParams(MethodParams):
             fail("SampledParams", "sample_every",
                  f"must be a power of two <= block_size={self.block_size}, got {self.sample_every}")
         check_fraction("SampledParams", "threshold", self.threshold)
+        if self.budget is not None and not 0.0 < self.budget <= 1.0:
+            fail("SampledParams", "budget", f"must be in (0, 1] or None, got {self.budget!r}")
 
 
 def sampled_rows(num_queries: int, block: int, every: int, device=None) -> torch.Tensor:
@@ -83,9 +89,10 @@ def sampled_rows(num_queries: int, block: int, every: int, device=None) -> torch
 
 
 def sampled_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: int, every: int) -> torch.Tensor:
-    """(B, Hq, nqb, nkt) in the compute dtype: log(mean sampled-row mass of each key tile + ``TINY``), NaN for a
-    tile where a sampled row scores a key it sees as non-finite (steps 1-3; tiles no sampled row sees get
-    log(TINY)). Two passes over key chunks (log-sum-exp, then masses); never the (rows x Nk) matrix whole."""
+    """(B, Hq, nqb, nkt) in the compute dtype: log(mean sampled-row mass of each key tile + ``TINY``) (steps 1-3;
+    tiles no sampled row sees get log(TINY)), NaN in every tile of a block whose sampled rows score a key they see
+    as NaN or +inf (a -inf score weighs nothing, as in dense attention). Two passes over key chunks (log-sum-exp,
+    then masses); never the (rows x Nk) matrix whole."""
     batch, heads_q, num_queries, _ = q.shape
     num_keys = k.shape[2]
     cdt = compute_dtype(q)
@@ -96,52 +103,79 @@ def sampled_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: i
     positions = rows + (num_keys - num_queries)
     step = chunk_count(batch * heads_q * rows.numel() * block) * block  # keys per chunk: whole tiles
     neg = torch.finfo(cdt).min
+    zero = torch.zeros((), dtype=cdt, device=q.device)
 
     def logits(c0: int, c1: int):
         z = group_scores(qs, k[:, :, c0:c1].to(cdt)) * scale
         seen = torch.arange(c0, c1, device=q.device)[None, :] <= positions[:, None]
-        readable = seen & torch.isfinite(z)
-        return torch.where(readable, z, torch.full((), neg, dtype=cdt, device=q.device)), readable, seen
+        bad = seen & (torch.isnan(z) | (z == float("inf")))
+        weighed = seen & torch.isfinite(z)
+        return torch.where(weighed, z, torch.full((), neg, dtype=cdt, device=q.device)), weighed, bad.any(-1)
 
     mx = torch.full((batch, heads_q, rows.numel()), neg, dtype=cdt, device=q.device)
     se = torch.zeros((batch, heads_q, rows.numel()), dtype=cdt, device=q.device)
+    bad = torch.zeros((batch, heads_q, rows.numel()), dtype=torch.bool, device=q.device)
     for c0 in range(0, num_keys, step):
-        z, readable, _ = logits(c0, min(c0 + step, num_keys))
+        z, weighed, bad_rows = logits(c0, min(c0 + step, num_keys))
         new = torch.maximum(mx, z.amax(-1))
-        se = se * torch.exp(mx - new) + (torch.exp(z - new[..., None]) * readable).sum(-1)
-        mx = new
-    inv = torch.where(se > 0, 1.0 / (se * per), torch.zeros((), dtype=cdt, device=q.device))
+        se = se * torch.exp(mx - new) + torch.where(weighed, torch.exp(z - new[..., None]), zero).sum(-1)
+        mx, bad = new, bad | bad_rows
+    inv = 1.0 / (se * per)
     mass = torch.zeros((batch, heads_q, nqb, nkt), dtype=cdt, device=q.device)
-    bad = torch.zeros((batch, heads_q, nqb, nkt), dtype=torch.bool, device=q.device)
     for c0 in range(0, num_keys, step):
         c1 = min(c0 + step, num_keys)
-        z, readable, seen = logits(c0, c1)
-        prob = torch.where(readable, torch.exp(z - mx[..., None]), torch.zeros((), dtype=cdt, device=q.device))
+        z, weighed, _ = logits(c0, c1)
+        prob = torch.where(weighed, torch.exp(z - mx[..., None]), zero) * inv[..., None]
         pad = -(c1 - c0) % block
         tiles = (c1 - c0 + pad) // block
-        prob = torch.nn.functional.pad(prob * inv[..., None], (0, pad)).view(batch, heads_q, nqb, per, tiles, block)
+        prob = torch.nn.functional.pad(prob, (0, pad)).view(batch, heads_q, nqb, per, tiles, block)
         mass[..., c0 // block: c0 // block + tiles] = prob.sum((3, 5))
-        unread = torch.nn.functional.pad(seen & ~readable, (0, pad)).view(batch, heads_q, nqb, per, tiles, block)
-        bad[..., c0 // block: c0 // block + tiles] = unread.any(5).any(3)
     out = torch.log(mass + TINY)
-    return torch.where(bad, torch.full((), float("nan"), dtype=cdt, device=q.device), out)
+    block_bad = bad.view(batch, heads_q, nqb, per).any(-1)
+    return torch.where(block_bad[..., None], torch.full((), float("nan"), dtype=cdt, device=q.device), out)
 
 
-def select_sampled(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
-    params = config.params_of("sampled")
+def keep_top_budget(scores: torch.Tensor, visible: torch.Tensor, forced: torch.Tensor,
+                    budget: float) -> torch.Tensor:
+    """Each row keeps its ceil(budget x visible) (at least one) highest-scoring visible tiles, forced tiles ranked
+    first and kept beyond the budget; NaN scores are kept (ties: lower index first)."""
+    count = visible.sum(-1, keepdim=True)
+    allowed = torch.clamp(torch.ceil(budget * count - 1e-9), min=1)
+    unreadable = visible & torch.isnan(scores)
+    forced = forced & visible
+    key = torch.where(visible & ~unreadable, scores, torch.full((), float("-inf"), dtype=scores.dtype,
+                                                                 device=scores.device))
+    key = torch.where(forced, torch.full((), float("inf"), dtype=scores.dtype, device=scores.device), key)
+    order = torch.argsort(key, dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
+                                            .expand_as(order))
+    return ((rank < allowed) & visible) | unreadable | forced
+
+
+def _finish(scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, reordering: Reordering, params) -> BlockPlan:
+    """Steps 4-5: the kept tiles of the scores, and the plan."""
     bs = params.block_size
     batch, heads_q, num_queries, _ = q.shape
     num_keys = k.shape[2]
     vis = visibility(num_queries, num_keys, bs, bs, reordering, batch, heads_q, q.device)
     visible = vis != VISIBLE_NONE
-    if params.threshold >= 1.0:
-        return finish_plan(visible, vis, bs, bs, reordering)
-    scores = sampled_tile_logits(q, k, scale, bs, params.sample_every)
-    keep = mass_keep(scores, visible, params.threshold)
-    keep = keep | diagonal_tiles(vis, reordering, num_queries, num_keys, bs, bs)
+    forced = diagonal_tiles(vis, reordering, num_queries, num_keys, bs, bs)
     if params.keep_first_block:
-        keep = keep | first_key_tile(reordering, num_keys, bs, batch, heads_q, q.device)
+        forced = forced | first_key_tile(reordering, num_keys, bs, batch, heads_q, q.device)
+    if params.budget is not None:
+        keep = keep_top_budget(scores, visible, forced, params.budget)
+    else:
+        keep = mass_keep(scores, visible, params.threshold) | forced
     return finish_plan(keep, vis, bs, bs, reordering)
+
+
+def select_sampled(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
+    params = config.params_of("sampled")
+    bs = params.block_size
+    if params.threshold >= 1.0:
+        vis = visibility(q.shape[2], k.shape[2], bs, bs, reordering, q.shape[0], q.shape[1], q.device)
+        return finish_plan(vis != VISIBLE_NONE, vis, bs, bs, reordering)
+    return _finish(sampled_tile_logits(q, k, scale, bs, params.sample_every), q, k, reordering, params)
 
 
 # -- GPU fast path: the same plans from Triton kernels ----------------------------------------------------------
@@ -156,6 +190,8 @@ def select_sampled_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reorderi
         raise ValueError("the sampled selector takes keys in order (reorder 'none')")
     params = config.params_of("sampled")
     bs = params.block_size
+    if params.budget is not None and params.threshold < 1.0:  # a fixed share per block: ranked in PyTorch
+        return _finish(sampled_mass_logits(q, k, scale, bs, bs, params.sample_every), q, k, reordering, params)
     grid = tile_grid(q, k, reordering, bs, bs)
     rule = MassRule(threshold=params.threshold, keep_diagonal=True, keep_first_key=params.keep_first_block)
     logits = None if rule.keeps_all else sampled_mass_logits(q, k, scale, bs, bs, params.sample_every)
