@@ -33,7 +33,7 @@ SMALL = dict(
     sparge=SpargeParams(block_size_q=32, block_size_kv=16),
     bfla=BFLAParams(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16, local_tiles=1, stride=4),
     s2o=S2OParams(segment_size=64, block_size_q=16, block_size_kv=16),
-    sampled=SampledParams(block_size=16, sample_every=4),
+    sampled=SampledParams(block_size=16, sample_every=4, budget=0.3),
 )
 PAIRS = sorted(valid_pairs())
 PRESETS = {"pbs": ("pbs", "pbs"), "sparge": ("none", "sparge"), "bfla": ("none", "bfla"), "s2o": ("s2o", "s2o"),
@@ -699,11 +699,12 @@ def test_sampled_tile_mass_is_the_sampled_rows_exact_softmax(shape, monkeypatch)
 
 
 def test_sampled_selector_finds_one_row_looking_up_one_key():
-    """One query row looks up one far key (a retrieval): the sampled selector keeps that key's tile at a low
-    threshold on every draw; PBS's mean-pooled selector (without its permutation) misses it on some."""
+    """One query row looks up one far key (a retrieval): the sampled selector keeps that key's tile at a small
+    budget on every draw; PBS's mean-pooled selector (without its permutation) at a similar density misses it on
+    some."""
     B, H, N, D = 1, 1, 256, 32
     needle, reader = 37, 16 * 13 + 11  # key 37 (tile 2); row 219 of block 13, a sampled row (every 4th)
-    sampled = SparseConfig(method="sampled", sampled={"block_size": 16, "sample_every": 4, "threshold": 0.2,
+    sampled = SparseConfig(method="sampled", sampled={"block_size": 16, "sample_every": 4, "budget": 0.15,
                                                       "keep_first_block": False})
     pooled = SparseConfig(method="pbs", reorder="none", pbs={"block_size": 16, "segment_size": 32,
                                                               "threshold": 0.2, "keep_first_block": False})
@@ -719,3 +720,18 @@ def test_sampled_selector_finds_one_row_looking_up_one_key():
             listed = plan.tile_offsets[0, 0, 13, :int(plan.tile_counts[0, 0, 13])] // 16
             kept[name] += int(2 in listed.tolist())
     assert kept["sampled"] == draws and kept["pbs"] <= draws - 2, kept
+
+
+def test_sampled_budget_keeps_forced_tiles_and_a_fixed_share_of_the_others():
+    from sparse_compile.methods.sampled import keep_top_budget
+
+    scores = torch.tensor([[0.0, 5.0, 1.0, float("nan"), 3.0, 2.0, 4.0, -1.0]])
+    visible = torch.tensor([[True] * 7 + [False]])
+    forced = torch.tensor([[True, False, False, False, False, False, True, False]])
+    # 7 visible: ceil(0.3 * 7) = 3 others by score (5, 3, 2), the forced two, and the NaN tile
+    keep = keep_top_budget(scores, visible, forced, 0.3)
+    assert keep.tolist() == [[True, True, False, True, True, True, True, False]]
+    # ties: the lower tile first; a tiny budget still keeps one
+    keep = keep_top_budget(torch.zeros(1, 4), torch.ones(1, 4, dtype=torch.bool), torch.zeros(1, 4, dtype=torch.bool),
+                           0.01)
+    assert keep.tolist() == [[True, False, False, False]]

@@ -59,7 +59,7 @@ SMALL = dict(
     sparge=SpargeParams(block_size_q=32, block_size_kv=16),
     bfla=BFLAParams(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16, local_tiles=1, stride=4),
     s2o=S2OParams(segment_size=64, block_size_q=16, block_size_kv=16),
-    sampled=SampledParams(block_size=16, sample_every=4),
+    sampled=SampledParams(block_size=16, sample_every=4, budget=0.3),
 )
 PRESETS = {"pbs": ("pbs", "pbs"), "sparge": ("none", "sparge"), "bfla": ("none", "bfla"), "s2o": ("s2o", "s2o"),
            "sampled": ("none", "sampled")}
@@ -195,16 +195,23 @@ def reference_bounds(select, q, k, scale, r, config):
         sure = torch.where(rows_amb, diag, sure | forced)
         maybe = torch.where(rows_amb, visible, maybe | forced)
         return sure & visible, maybe & visible
-    elif select == "sampled":
+    elif select == "sampled":  # a fixed share per block: a tile's rank is known up to near-equal masses
         p = config.sampled
         bs = p.block_size
         vis = visibility(Nq, Nk, bs, bs, r, B, Hq, q.device)
         visible = vis != VISIBLE_NONE
-        mass = torch.where(visible, sampled_tile_logits(qd, kd, scale, bs, p.sample_every).exp(), 0.0)
+        mass = torch.where(visible, sampled_tile_logits(qd, kd, scale, bs, p.sample_every).exp(), -1.0)
         forced = diagonal_tiles(vis, r, Nq, Nk, bs, bs)
         if p.keep_first_block:
             forced = forced | first_key_tile(r, Nk, bs, B, Hq, q.device)
-        sure, maybe = mass_bounds(mass, visible, p.threshold, 0.0, mass.sum(-1, keepdim=True))
+        forced = forced & visible
+        allowed = torch.clamp(torch.ceil(p.budget * visible.sum(-1, keepdim=True) - 1e-9), min=1)
+        tol = EPS_P * mass.clamp_min(0) + 1e-12
+        others = (visible & ~forced)[..., None, :]
+        above_sure = ((mass[..., None, :] > mass[..., :, None] + tol[..., :, None]) & others).sum(-1)
+        above_maybe = ((mass[..., None, :] >= mass[..., :, None] - tol[..., :, None]) & others).sum(-1) - 1
+        sure = visible & (above_maybe < allowed)
+        maybe = visible & (above_sure < allowed)
     elif select == "bfla_coarse":
         p = config.bfla
         b = p.coarse_block_size
