@@ -8,7 +8,7 @@
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o       # Hopper kernel tests, per-tile costs, S2O's table (~8 min)
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o-parts # S2O's kernel tests, where its time goes, direct and queued
 #   bash benchmarks/run_h100_session.sh "$OUT" sampled   # the sampled selector: GPU tests, its break-even entry,
-#                                                        # retrieval at 16K-64K (SAMPLED_PARAMS: --method-params JSON)
+#                                                        # --verify, retrieval at 16K-64K (SAMPLED_PARAMS: --method-params JSON)
 set -uo pipefail
 out=${1:?results folder}
 part=${2:?part: check, e2e, e2e-long, table, train, s2o, s2o-parts or sampled}
@@ -60,10 +60,12 @@ sampled)
     timeout 150 python -m pytest -q -m gpu tests/test_selection_fast.py tests/test_kernel.py -p no:cacheprovider \
         -k "sampled" 2>&1 | tail -30 > "$out/gpu_tests_sampled.txt"
     tail -3 "$out/gpu_tests_sampled.txt"
-    timeout 150 python benchmarks/bench_breakeven.py --measure --methods sampled --lengths 16384 32768 65536 131072 \
+    timeout 150 python benchmarks/bench_breakeven.py --measure --methods sampled --lengths 8192 16384 32768 65536 131072 \
         --reps 5 --queue-ahead --name sampled --out "$out" 2>&1 | grep -v "^{" | tail -8
     cp sparse_compile/breakeven_tables.json "$out/"
-    timeout 280 python benchmarks/bench_retrieval.py --methods sampled --densities 0.05 0.1 0.2 --calibrate-errors \
+    timeout 150 python benchmarks/bench_breakeven.py --verify --methods sampled --calls 4 --reps 5 --queue-ahead \
+        --name breakeven_sampled --out "$out" 2>&1 | grep -v "^{" | tail -14
+    timeout 250 python benchmarks/bench_retrieval.py --methods sampled --densities 0.05 0.1 0.2 0.3 --calibrate-errors \
         --coverage 2 --method-params "${SAMPLED_PARAMS:-{\}}" --name "retrieval_${SAMPLED_NAME:-sampled}" \
         --out "$out" 2>&1 | grep -v "^{" | tail -30 ;;
 esac
