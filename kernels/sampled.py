@@ -62,7 +62,7 @@ def _row_stats_inner(q, k_base, m, s, qpos, t0, t1, stride_kn, stride_kd, NUM_KE
 
 @triton.jit
 def _mass_inner(q, k_base, mb, inv, qpos, blocks, qmax, out_rows, t0, t1, stride_kn, stride_kd, NUM_KEYS,
-                NUM_QUERY_BLOCKS, qk_scale, d, dmask, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+                NUM_QUERY_BLOCKS, qk_scale, tiny, d, dmask, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
                 ROWS: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
     """Pass 2 over key tiles [t0, t1): each tile's mass, summed over each block's rows, stored as its log."""
     for t in range(t0, t1):
@@ -72,7 +72,7 @@ def _mass_inner(q, k_base, mb, inv, qpos, blocks, qmax, out_rows, t0, t1, stride
         if MASKED:
             p = tl.where(keys[None, :] <= qpos[:, None], p, 0.0)
         mass = tl.sum(tl.reshape(tl.sum(p, 1) * inv, (BLOCKS, ROWS)), 1)
-        tl.store(out_rows + t, tl.log(mass + 1e-30), mask=(blocks < NUM_QUERY_BLOCKS) & (t * BLOCK_N <= qmax))
+        tl.store(out_rows + t, tl.log(mass + tiny), mask=(blocks < NUM_QUERY_BLOCKS) & (t * BLOCK_N <= qmax))
 
 
 @triton.jit
@@ -80,7 +80,7 @@ def _sampled_mass_kernel(
     q_ptr, stride_qb, stride_qh, stride_qn, stride_qd,
     k_ptr, stride_kb, stride_kh, stride_kn, stride_kd,
     out_ptr,
-    HQ, GROUP, NUM_QUERY_BLOCKS, NUM_KEY_TILES, NUM_QUERIES, NUM_KEYS, NUM_PROGRAMS, qk_scale,
+    HQ, GROUP, NUM_QUERY_BLOCKS, NUM_KEY_TILES, NUM_QUERIES, NUM_KEYS, NUM_PROGRAMS, qk_scale, tiny,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVERY: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -122,9 +122,9 @@ def _sampled_mass_kernel(
     _, qmax = query_block_bounds(blocks, BLOCK_M, NUM_QUERIES, NUM_KEYS)
     out_rows = out_ptr + (bh.to(tl.int64) * NUM_QUERY_BLOCKS + blocks) * NUM_KEY_TILES
     _mass_inner(q, k_base, mb, inv, qpos, blocks, qmax, out_rows, 0, whole, stride_kn, stride_kd, NUM_KEYS,
-                NUM_QUERY_BLOCKS, qk_scale, d, dmask, BLOCK_N, BLOCKS, ROWS, False, PREC)
+                NUM_QUERY_BLOCKS, qk_scale, tiny, d, dmask, BLOCK_N, BLOCKS, ROWS, False, PREC)
     _mass_inner(q, k_base, mb, inv, qpos, blocks, qmax, out_rows, whole, num_tiles, stride_kn, stride_kd, NUM_KEYS,
-                NUM_QUERY_BLOCKS, qk_scale, d, dmask, BLOCK_N, BLOCKS, ROWS, True, PREC)
+                NUM_QUERY_BLOCKS, qk_scale, tiny, d, dmask, BLOCK_N, BLOCKS, ROWS, True, PREC)
 
 
 def sampled_mass_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block_m: int, block_n: int,
@@ -150,7 +150,7 @@ def sampled_mass_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block_m:
     d_pad = max(16, triton.next_power_of_2(D))
     _sampled_mass_kernel[(programs, B * Hq)](
         q, *q.stride(), k, *k.stride(), out,
-        Hq, Hq // Hkv, nqb, nkt, Nq, Nk, programs, float(scale) * _LOG2E,
+        Hq, Hq // Hkv, nqb, nkt, Nq, Nk, programs, float(scale) * _LOG2E, TINY,
         BLOCK_M=block_m, BLOCK_N=block_n, EVERY=every, ROWS=rows, BLOCKS=blocks, D=D, D_PAD=d_pad,
         PREC=dot_precision(q.dtype), num_warps=8 if rows * blocks >= 128 else 4, num_stages=2,
     )

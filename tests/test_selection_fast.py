@@ -655,7 +655,7 @@ for pos, keep_all in ((False, False), (True, False), (False, True)):
                    dict(TILE_Q=128, TILE_K=64, COARSE=256, W=512, ROWS=2, HAS_POSITIONS=pos, STRIDE_ON=True,
                         RANDOM_ON=True, KEEP_ALL=keep_all), warps=1)
 for every, blocks in ((8, 8), (4, 4), (16, 16)):
-    compile_kernel(sampled._sampled_mass_kernel, dict(q_ptr="bf16", k_ptr="bf16", out_ptr="fp32"), {"qk_scale"},
+    compile_kernel(sampled._sampled_mass_kernel, dict(q_ptr="bf16", k_ptr="bf16", out_ptr="fp32"), {"qk_scale", "tiny"},
                    dict(BLOCK_M=128, BLOCK_N=128, EVERY=every, ROWS=128 // every, BLOCKS=blocks, D=128, D_PAD=128,
                         PREC="none"), warps=8)
 compile_kernel(s2o._s2o_rank_keys_kernel, dict(k_ptr="bf16", qm_ptr="fp32", out_ptr="i32"), set(),

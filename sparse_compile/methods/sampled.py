@@ -20,10 +20,11 @@ Per query head h and query block i of B rows (keys in order; queries are the las
    (ties: lower tile first); so a plan's density is the budget plus about two tiles per block. budget >= 1 keeps
    every visible tile.
 
-Why a fixed share per block and not a cumulative-mass threshold (PBS's, SpargeAttn's rule): with the same
-masses, a threshold tau set for density 0.1 kept 59% of dense retrieval at 64K (0.53 of the values), the fixed
-share 95% (0.86; H100, README). My reading, not measured: a block whose sampled rows look mostly at their diagonal and the sink
-reaches tau with a few tiles, and its rows that were not sampled lose what they read elsewhere.
+Why a fixed share per block and not a cumulative-mass threshold (PBS's and SpargeAttn's rule): with the
+same masses, a threshold tau set for density 0.1 kept 59% of dense retrieval at 64K (0.53 of the values), the
+fixed share 95% (0.86; H100, README). My reading, not measured: a block whose sampled rows look mostly at their
+diagonal and the sink reaches tau with a few tiles, and its rows that were not sampled lose what they read
+elsewhere.
 
 Cost: two passes of QK^T and exp over 1/k of the rows (row statistics, then masses): about 2/k of dense attention's
 QK^T and exp work, none of its P.V. Block-level table (B, Hq, nqb, nkt); scores are formed one key chunk at a time.
@@ -62,9 +63,9 @@ class SampledParams(MethodParams):
     """Sampled-row mass selection: exact softmax of every ``sample_every``-th row, a fixed share of tiles per block.
 
     Each query block keeps its diagonal tile(s), the sink tile (``keep_first_block``) and its ceil(``budget`` x
-    visible tiles) other tiles of highest mass; ``budget=1.0`` keeps every causal block. ``block_size`` is the query block and the key tile. The
-    defaults keep >= 95% of dense retrieval at 16K-64K (README); ``sample_every=4`` keeps more (98-99%) at twice
-    the selection cost.
+    visible tiles) other tiles of highest mass; ``budget=1.0`` keeps every causal block. ``block_size`` is the query
+    block and the key tile. The defaults keep >= 95% of dense retrieval at 16K-64K (README); ``sample_every=4``
+    keeps more (98-99%) at twice the selection cost.
     """
 
     block_size: int = 128
