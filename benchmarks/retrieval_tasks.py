@@ -31,9 +31,10 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["TASKS", "STYLES", "Style", "Answer", "Instance", "make_instance", "make_batch", "score", "DEPTH_BINS"]
+__all__ = ["TASKS", "EXTRA_TASK", "STYLES", "Style", "Answer", "Instance", "make_instance", "make_batch", "score", "DEPTH_BINS"]
 
 TASKS = ("passkey", "multikey", "multivalue", "recall")
+EXTRA_TASK = "extra"  # the answers of make_instance's extra_lookups (training only)
 HEX = "0123456789abcdef"
 VALUE_CHARS = 32
 DEPTH_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0001)
@@ -150,16 +151,40 @@ def _plan(task: str, rng: random.Random, length: int) -> tuple[list[tuple[str, O
     raise ValueError(f"unknown task {task!r}; valid: {list(TASKS)}")
 
 
-def make_instance(task: str, filler: bytes, length: int, rng: random.Random, style: str = "vkey") -> Instance:
+def _extra_lookups(needles, queries, count: int, rng: random.Random):
+    """``count`` more single-value needles under fresh random keys, queried before the task's own queries (training
+    only: more supervised long-range lookups per window at no extra compute; the task's queries stay last)."""
+    if count <= 0:
+        return needles, queries, 0
+    taken = {key for key, _ in needles}
+    first = max(i for _, i in needles) + 1
+    keys: list[str] = []
+    while len(keys) < count:
+        key = f"{rng.randrange(1_000_000):06d}"
+        if key not in taken:
+            taken.add(key)
+            keys.append(key)
+    extra_needles = [(key, first + j) for j, key in enumerate(keys)]
+    extra_queries = [(key, [first + j]) for j, key in enumerate(keys)]
+    rng.shuffle(extra_queries)
+    return needles + extra_needles, extra_queries + queries, count
+
+
+def make_instance(task: str, filler: bytes, length: int, rng: random.Random, style: str = "vkey",
+                  extra_lookups: int = 0) -> Instance:
     """One instance of ``length`` bytes: needles planted at line starts in ``filler`` (at least ``length`` bytes of
-    code), the queries at the end, written in ``style`` (``STYLES``)."""
+    code), the queries at the end, written in ``style`` (``STYLES``).
+
+    ``extra_lookups`` (training): that many more single-value needles with their queries, placed before the task's
+    own queries; their answers carry the task name ``EXTRA_TASK``."""
     if style not in STYLES:
         raise ValueError(f"unknown style {style!r}; valid: {list(STYLES)}")
     fmt = STYLES[style]
     needles, queries = _plan(task, rng, length)
-    values = [_value(rng, fmt) for _ in range(max(i for _, i in needles) + 1)]
     multi = task == "multivalue"
     target = queries[0][0] if multi else None
+    needles, queries, extra = _extra_lookups(needles, queries, extra_lookups, rng)
+    values = [_value(rng, fmt) for _ in range(max(i for _, i in needles) + 1)]
     needle_lines = []
     for key, index in needles:
         if multi and key == target:
@@ -168,8 +193,8 @@ def make_instance(task: str, filler: bytes, length: int, rng: random.Random, sty
             template = fmt.needle
         needle_lines.append(template.format(key=key, value=values[index]).encode())
     query_parts: list[tuple[bytes, list[tuple[int, int]]]] = []  # (bytes, value spans relative to the query)
-    for key, indices in queries:
-        if multi:
+    for number, (key, indices) in enumerate(queries):
+        if multi and number >= extra:
             text = fmt.list_ask.format(key=key)
             spans = []
             for j, index in enumerate(indices):
@@ -213,10 +238,11 @@ def make_instance(task: str, filler: bytes, length: int, rng: random.Random, sty
     for (key, index), offset in zip(needles, needle_offsets):
         value_needle.setdefault(index, offset)
     answers, base = [], body_len
-    for (key, indices), (text, spans) in zip(queries, query_parts):
+    for number, ((key, indices), (text, spans)) in enumerate(zip(queries, query_parts)):
         for index, (a, b) in zip(indices, spans):
             offset = value_needle[index]
-            answers.append(Answer(task, base + a, base + b, offset / max(body_len, 1), offset))
+            answers.append(Answer(task if number >= extra else EXTRA_TASK, base + a, base + b,
+                                  offset / max(body_len, 1), offset))
         base += len(text)
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
     return Instance(tokens, answers, task, style)

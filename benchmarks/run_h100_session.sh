@@ -32,7 +32,7 @@ table)
         | tee "$out/breakeven_log.txt" | grep -v "^{" | tail -40
     cp sparse_compile/breakeven_tables.json "$out/" ;;
 train)
-    timeout 590 python benchmarks/train_small_lm.py --retrieval --out-dir "$out" 2>&1 \
+    timeout 590 python benchmarks/train_small_lm.py --retrieval --out-dir "$out" $TRAIN_ARGS 2>&1 \
         | tee "$out/retrieval_lm_train_log.txt" | grep -v "^step" | tail -20 ;;
 s2o)
     timeout 240 python -m pytest -q -m gpu tests/test_kernel.py -k "hopper or early_stop" -p no:cacheprovider 2>&1 \

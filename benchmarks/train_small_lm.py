@@ -348,13 +348,24 @@ def answer_weight_at(seq_len: int, answer_weight: float) -> float:
     return max(1.0, answer_weight * seq_len / 4096)
 
 
+def extra_lookups_at(seq_len: int, per_64k: float, rng) -> int:
+    """How many extra lookups a training window of ``seq_len`` bytes carries: ``per_64k`` per 64K bytes, the
+    fraction rounded at random (no draw when ``per_64k`` is 0, so earlier runs' streams are unchanged)."""
+    if per_64k <= 0:
+        return 0
+    mean = per_64k * seq_len / 65536
+    return int(mean) + (rng.random() < mean - int(mean))
+
+
 def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: float, device,
-                       styles=("vkey",), answer_weight: float = 0.0, task_weights=None):
+                       styles=("vkey",), answer_weight: float = 0.0, task_weights=None, extra_lookups: float = 0.0):
     """Like ``_batches``, but each window is, with probability ``task_share``, a retrieval instance
     (``retrieval_tasks.py``, a random task in a random one of ``styles``) built on that window's code; built on the
     host while the GPU runs the last step. Returns (x, y, per-target loss weights or None): with
     ``answer_weight`` > 0 the bytes of retrieved values weigh ``answer_weight_at(seq_len, answer_weight)``.
-    ``task_weights`` (one per ``retrieval_tasks.TASKS``): how often each task is drawn (None: uniformly)."""
+    ``task_weights`` (one per ``retrieval_tasks.TASKS``): how often each task is drawn (None: uniformly).
+    ``extra_lookups``: single-value lookups added to each instance per 64K bytes (``extra_lookups_at``), their
+    values weighted like the task's."""
     import retrieval_tasks as rt
 
     rows = []
@@ -368,7 +379,8 @@ def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: 
             task = rng.choice(rt.TASKS) if task_weights is None else rng.choices(rt.TASKS, weights=task_weights)[0]
             # one style draws nothing: the stream then matches runs from before styles existed
             style = styles[0] if len(styles) == 1 else rng.choice(styles)
-            instance = rt.make_instance(task, window, seq_len + 1, rng, style)
+            instance = rt.make_instance(task, window, seq_len + 1, rng, style,
+                                        extra_lookups_at(seq_len, extra_lookups, rng))
             rows.append(instance.tokens)
             if weights is not None:
                 for answer in instance.answers:  # target t predicts token t + 1
@@ -503,7 +515,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--evaluate", type=Path, default=None, metavar="CHECKPOINT",
                         help="no training: the retrieval evaluation of a saved checkpoint (--eval-instances per task "
                              "and length, 16K / 32K / 64K; --smoke: 1K / 2K), written to <out-dir>/<name>_eval.json")
-    parser.add_argument("--eval-instances", type=int, default=32)
+    parser.add_argument("--eval-instances", type=int, default=None,
+                        help="retrieval instances per task and length: --evaluate (default 32) and training's own "
+                             "final evaluation (default 16 at 16K, 8 at 32K / 64K)")
+    parser.add_argument("--extra-lookups", type=float, default=0.0,
+                        help="--retrieval: single-value lookups added to each training instance per 64K bytes, "
+                             "queried before the task's own (more supervised long-range lookups per step)")
     parser.add_argument("--attn-temperature", type=int, default=None, metavar="FLOOR",
                         help="long-context attention temperature from this many positions on "
                              "(ModelArgs.attn_temperature_floor; 0: none; default: the chosen model's)")
@@ -539,9 +556,10 @@ def _evaluate_checkpoint(args, device, smoke, amp) -> dict:
     corpus = build_corpus(1 << 20)  # held-out text is complete at any training size
     model, ckpt = load_checkpoint(args.evaluate, device=device)
     lengths = [1024, 2048] if smoke else [16384, 32768, 65536]
-    result = evaluate_retrieval(model, corpus.heldout, lengths, {n: args.eval_instances for n in lengths},
+    instances = args.eval_instances or 32
+    result = evaluate_retrieval(model, corpus.heldout, lengths, {n: instances for n in lengths},
                                 args.seed + 9, amp, device)
-    record = {"checkpoint": str(args.evaluate), "instances_per_task": args.eval_instances, "seed": args.seed + 9,
+    record = {"checkpoint": str(args.evaluate), "instances_per_task": instances, "seed": args.seed + 9,
               "model_args": ckpt["model_args"], "retrieval": result}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.name}_eval.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -584,7 +602,7 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     def next_batch(seq, batch, generator):
         if args.retrieval:
             return _retrieval_batches(corpus.train, seq, batch, host_rng, args.task_share, device, styles,
-                                      args.answer_weight, args.task_weights)
+                                      args.answer_weight, args.task_weights, args.extra_lookups)
         return (*_batches(train_stream, seq, batch, generator), None)
 
     def train_loss(x, y, weight):
@@ -663,7 +681,7 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     retrieval = None
     if args.retrieval:
         lengths = [seq for seq, _, _ in phases] if smoke else [16384, 32768, 65536]
-        per_task = {n: (2 if smoke else 16 if n <= 16384 else 8) for n in lengths}
+        per_task = {n: (args.eval_instances or (2 if smoke else 16 if n <= 16384 else 8)) for n in lengths}
         retrieval = evaluate_retrieval(model, corpus.heldout, lengths, per_task, args.seed + 9, amp, device,
                                        styles=("vkey",) + tuple(s for s in styles if s != "vkey"))
 
@@ -696,6 +714,7 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
         "task_share": args.task_share if args.retrieval else None,
         "task_weights": args.task_weights if args.retrieval else None,
         "answer_weight": args.answer_weight if args.retrieval else None,
+        "extra_lookups_per_64k": args.extra_lookups if args.retrieval else None,
         "styles": list(styles) if args.retrieval else None,
         "eval_windows": eval_windows,
         "manifest": corpus.manifest,

@@ -40,6 +40,44 @@ def test_instances_plant_every_queried_value_and_keep_the_length(task, length, s
     assert data.endswith(b"\n")
 
 
+@pytest.mark.parametrize("style", list(rt.STYLES))
+@pytest.mark.parametrize("task", rt.TASKS)
+def test_extra_lookups_add_single_value_queries_before_the_tasks_own(task, style):
+    length, extra = 9000, 5
+    plain = rt.make_instance(task, _code(length + 100), length, random.Random(7), style)
+    inst = rt.make_instance(task, _code(length + 100), length, random.Random(7), style, extra_lookups=extra)
+    data = bytes(inst.tokens.tolist())
+    fmt = rt.STYLES[style]
+    assert len(data) == length
+    extras = [a for a in inst.answers if a.task == rt.EXTRA_TASK]
+    own = [a for a in inst.answers if a.task == task]
+    assert len(extras) == extra and len(own) == len(plain.answers)
+    assert max(a.start for a in extras) < min(a.start for a in own)  # the task's queries stay last
+    keys = set()
+    for answer in extras:
+        value = data[answer.start:answer.end]
+        needle = data[answer.needle_start:].split(b"\n")[0]
+        assert value in needle and data.count(value) == 2  # planted once, answered once
+        query = data[:answer.start].rsplit(b"\n", 1)[1]
+        key = fmt.ask.split("{key}")[0]
+        assert query.startswith(key.encode())
+        keys.add(query)
+    assert len(keys) == extra  # distinct keys, none of them the task's
+    # no extras: the same draws as before extra lookups existed
+    again = rt.make_instance(task, _code(length + 100), length, random.Random(7), style, extra_lookups=0)
+    assert torch.equal(again.tokens, plain.tokens)
+
+
+def test_extra_lookups_per_window_scale_with_the_length():
+    tsl = importlib.import_module("train_small_lm")
+    rng = random.Random(0)
+    assert tsl.extra_lookups_at(65536, 16, rng) == 16 and tsl.extra_lookups_at(16384, 16, rng) == 4
+    counts = [tsl.extra_lookups_at(4096, 8, rng) for _ in range(2000)]  # mean 0.5: 0 or 1, half each
+    assert set(counts) == {0, 1} and 0.45 < sum(counts) / len(counts) < 0.55
+    state = rng.getstate()
+    assert tsl.extra_lookups_at(65536, 0, rng) == 0 and rng.getstate() == state  # no draw
+
+
 def test_the_default_style_is_the_first_results_format():
     inst = rt.make_instance("passkey", _code(5000), 4096, random.Random(2))
     data = bytes(inst.tokens.tolist())
@@ -103,6 +141,15 @@ def test_training_batches_weigh_exactly_the_answer_bytes():
         assert torch.equal(weight[row], expected)
         assert all(y[row, a.start - 1:a.end - 1].tolist() == list(inst.tokens[a.start:a.end]) for a in inst.answers)
     assert tsl._retrieval_batches(filler, seq, 2, rng, 1.0, torch.device("cpu"))[2] is None  # no weight asked
+    # extra lookups: their value bytes weigh like the task's
+    seq = 16384
+    filler = bytes(random.Random(1).choice(b"abc =\n") for _ in range(40_000))
+    x, y, weight = tsl._retrieval_batches(filler, seq, 2, random.Random(9), 1.0, torch.device("cpu"), ("vkey",), 8.0,
+                                          None, 16.0)
+    heavy = tsl.answer_weight_at(seq, 8.0)
+    for row in range(2):
+        values = int((weight[row] == heavy).sum()) // rt.VALUE_CHARS
+        assert values >= 4 + 1  # 4 extra lookups per 16K plus the task's own
 
 
 def test_retrieval_training_smoke_records_dense_accuracy(tmp_path):
