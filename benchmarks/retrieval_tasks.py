@@ -151,50 +151,70 @@ def _plan(task: str, rng: random.Random, length: int) -> tuple[list[tuple[str, O
     raise ValueError(f"unknown task {task!r}; valid: {list(TASKS)}")
 
 
-def _extra_lookups(needles, queries, count: int, rng: random.Random):
-    """``count`` more single-value needles under fresh random keys, queried before the task's own queries (training
-    only: more supervised long-range lookups per window at no extra compute; the task's queries stay last)."""
+def _extra_lookups(needles, queries, count: int, rng: random.Random, list_share: float):
+    """``count`` more lookups under fresh random keys (training only: more supervised long-range lookups per window at
+    no extra compute). Each is one value or, with probability ``list_share``, a three-value list (multi-value's
+    form). Their needles are interleaved at random among the task's (each list's entries in order), their queries
+    come before the task's own, which stay last. Returns (needles, queries, extra query count, list keys)."""
     if count <= 0:
-        return needles, queries, 0
+        return needles, queries, 0, set()
     taken = {key for key, _ in needles}
-    first = max(i for _, i in needles) + 1
-    keys: list[str] = []
-    while len(keys) < count:
+    index = max(i for _, i in needles) + 1
+    extra_needles, extra_queries, list_keys = [], [], set()
+    while len(extra_queries) < count:
         key = f"{rng.randrange(1_000_000):06d}"
-        if key not in taken:
-            taken.add(key)
-            keys.append(key)
-    extra_needles = [(key, first + j) for j, key in enumerate(keys)]
-    extra_queries = [(key, [first + j]) for j, key in enumerate(keys)]
+        if key in taken:
+            continue
+        taken.add(key)
+        entries = 3 if rng.random() < list_share else 1
+        if entries > 1:
+            list_keys.add(key)
+        indices = list(range(index, index + entries))
+        index += entries
+        extra_needles += [(key, i) for i in indices]
+        extra_queries.append((key, indices))
+    rng.shuffle(extra_needles)
+    for key in list_keys:  # a list's entries stay in order among their slots
+        slots = [i for i, (k, _) in enumerate(extra_needles) if k == key]
+        for slot, value in zip(slots, sorted(extra_needles[i][1] for i in slots)):
+            extra_needles[slot] = (key, value)
+    # a random merge keeps the task's needles in their order (multi-value's extensions)
+    total = len(needles) + len(extra_needles)
+    extra_slots = set(rng.sample(range(total), len(extra_needles)))
+    task_iter, extra_iter = iter(needles), iter(extra_needles)
+    merged = [next(extra_iter) if i in extra_slots else next(task_iter) for i in range(total)]
     rng.shuffle(extra_queries)
-    return needles + extra_needles, extra_queries + queries, count
+    return merged, extra_queries + queries, count, list_keys
 
 
 def make_instance(task: str, filler: bytes, length: int, rng: random.Random, style: str = "vkey",
-                  extra_lookups: int = 0) -> Instance:
+                  extra_lookups: int = 0, extra_list_share: float = 0.0) -> Instance:
     """One instance of ``length`` bytes: needles planted at line starts in ``filler`` (at least ``length`` bytes of
     code), the queries at the end, written in ``style`` (``STYLES``).
 
-    ``extra_lookups`` (training): that many more single-value needles with their queries, placed before the task's
-    own queries; their answers carry the task name ``EXTRA_TASK``."""
+    ``extra_lookups`` (training): that many more lookups under fresh keys, a share ``extra_list_share`` of them
+    three-value lists (``_extra_lookups``); their answers carry the task name ``EXTRA_TASK``."""
     if style not in STYLES:
         raise ValueError(f"unknown style {style!r}; valid: {list(STYLES)}")
     fmt = STYLES[style]
     needles, queries = _plan(task, rng, length)
-    multi = task == "multivalue"
-    target = queries[0][0] if multi else None
-    needles, queries, extra = _extra_lookups(needles, queries, extra_lookups, rng)
+    needles, queries, extra, list_keys = _extra_lookups(needles, queries, extra_lookups, rng, extra_list_share)
+    if task == "multivalue":
+        list_keys.add(queries[-1][0])
     values = [_value(rng, fmt) for _ in range(max(i for _, i in needles) + 1)]
+    first_entry = {}
+    for key, index in needles:
+        first_entry[key] = min(index, first_entry.get(key, index))
     needle_lines = []
     for key, index in needles:
-        if multi and key == target:
-            template = fmt.first if index == 0 else fmt.extend
+        if key in list_keys:
+            template = fmt.first if index == first_entry[key] else fmt.extend
         else:
             template = fmt.needle
         needle_lines.append(template.format(key=key, value=values[index]).encode())
     query_parts: list[tuple[bytes, list[tuple[int, int]]]] = []  # (bytes, value spans relative to the query)
-    for number, (key, indices) in enumerate(queries):
-        if multi and number >= extra:
+    for key, indices in queries:
+        if key in list_keys:
             text = fmt.list_ask.format(key=key)
             spans = []
             for j, index in enumerate(indices):

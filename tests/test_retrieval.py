@@ -66,6 +66,34 @@ def test_extra_lookups_add_single_value_queries_before_the_tasks_own(task, style
     # no extras: the same draws as before extra lookups existed
     again = rt.make_instance(task, _code(length + 100), length, random.Random(7), style, extra_lookups=0)
     assert torch.equal(again.tokens, plain.tokens)
+    # extras are interleaved among the task's needles, not all planted after them
+    plans = [rt.make_instance(task, _code(length + 100), length, random.Random(seed), style, extra_lookups=extra)
+             for seed in range(12)]
+    assert any(min(a.needle_start for a in p.answers if a.task == rt.EXTRA_TASK) <
+               max(a.needle_start for a in p.answers if a.task == task) for p in plans)
+
+
+@pytest.mark.parametrize("style", list(rt.STYLES))
+def test_extra_lookups_can_be_three_value_lists_in_order(style):
+    length, fmt = 9000, rt.STYLES[style]
+    inst = rt.make_instance("passkey", _code(length + 100), length, random.Random(3), style, extra_lookups=4,
+                            extra_list_share=1.0)
+    data = bytes(inst.tokens.tolist())
+    extras = [a for a in inst.answers if a.task == rt.EXTRA_TASK]
+    assert len(extras) == 12 and len(data) == length
+    for first in range(0, 12, 3):
+        entries = extras[first:first + 3]
+        values = [data[a.start:a.end] for a in entries]
+        positions = [data.find(v) for v in values]
+        assert positions == sorted(positions) and max(positions) < entries[0].start  # planted in order, before
+        query = data[:entries[0].start].rsplit(b"\n", 1)[1]
+        assert query.startswith(fmt.list_ask.split("{key}")[0].encode())
+        first_line = data[positions[0]:].split(b"\n")[0]
+        line_start = data.rfind(b"\n", 0, positions[0]) + 1
+        assert data[line_start:].startswith(fmt.first.split("{key}")[0].encode()) and values[0] in first_line
+        for later in positions[1:]:
+            line_start = data.rfind(b"\n", 0, later) + 1
+            assert data[line_start:].startswith(fmt.extend.split("{key}")[0].encode())
 
 
 def test_extra_lookups_per_window_scale_with_the_length():
