@@ -151,18 +151,20 @@ def _plan(task: str, rng: random.Random, length: int) -> tuple[list[tuple[str, O
     raise ValueError(f"unknown task {task!r}; valid: {list(TASKS)}")
 
 
-def _extra_lookups(needles, queries, count: int, rng: random.Random, list_share: float):
+def _extra_lookups(needles, queries, count: int, rng: random.Random, list_share: float, near_miss_share: float):
     """``count`` more lookups under fresh random keys (training only: more supervised long-range lookups per window at
     no extra compute). Each is one value or, with probability ``list_share``, a three-value list (multi-value's
-    form). Their needles are interleaved at random among the task's (each list's entries in order), their queries
-    come before the task's own, which stay last. Returns (needles, queries, extra query count, list keys)."""
+    form). With probability ``near_miss_share`` their keys share their first four digits (near-miss keys, as in
+    multi-key). Their needles are interleaved at random among the task's (each list's entries in order), their
+    queries come before the task's own, which stay last. Returns (needles, queries, extra query count, list keys)."""
     if count <= 0:
         return needles, queries, 0, set()
     taken = {key for key, _ in needles}
     index = max(i for _, i in needles) + 1
     extra_needles, extra_queries, list_keys = [], [], set()
+    prefix = f"{rng.randrange(10_000):04d}" if near_miss_share > 0 and rng.random() < near_miss_share else None
     while len(extra_queries) < count:
-        key = f"{rng.randrange(1_000_000):06d}"
+        key = prefix + f"{rng.randrange(100):02d}" if prefix else f"{rng.randrange(1_000_000):06d}"
         if key in taken:
             continue
         taken.add(key)
@@ -188,17 +190,19 @@ def _extra_lookups(needles, queries, count: int, rng: random.Random, list_share:
 
 
 def make_instance(task: str, filler: bytes, length: int, rng: random.Random, style: str = "vkey",
-                  extra_lookups: int = 0, extra_list_share: float = 0.0) -> Instance:
+                  extra_lookups: int = 0, extra_list_share: float = 0.0, extra_near_miss_share: float = 0.0) -> Instance:
     """One instance of ``length`` bytes: needles planted at line starts in ``filler`` (at least ``length`` bytes of
     code), the queries at the end, written in ``style`` (``STYLES``).
 
     ``extra_lookups`` (training): that many more lookups under fresh keys, a share ``extra_list_share`` of them
-    three-value lists (``_extra_lookups``); their answers carry the task name ``EXTRA_TASK``."""
+    three-value lists, near-miss keys with probability ``extra_near_miss_share`` (``_extra_lookups``); their
+    answers carry the task name ``EXTRA_TASK``."""
     if style not in STYLES:
         raise ValueError(f"unknown style {style!r}; valid: {list(STYLES)}")
     fmt = STYLES[style]
     needles, queries = _plan(task, rng, length)
-    needles, queries, extra, list_keys = _extra_lookups(needles, queries, extra_lookups, rng, extra_list_share)
+    needles, queries, extra, list_keys = _extra_lookups(needles, queries, extra_lookups, rng, extra_list_share,
+                                                        extra_near_miss_share)
     if task == "multivalue":
         list_keys.add(queries[-1][0])
     values = [_value(rng, fmt) for _ in range(max(i for _, i in needles) + 1)]

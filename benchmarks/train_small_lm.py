@@ -359,14 +359,15 @@ def extra_lookups_at(seq_len: int, per_64k: float, rng) -> int:
 
 def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: float, device,
                        styles=("vkey",), answer_weight: float = 0.0, task_weights=None, extra_lookups: float = 0.0,
-                       extra_list_share: float = 0.0):
+                       extra_list_share: float = 0.0, extra_near_miss_share: float = 0.0):
     """Like ``_batches``, but each window is, with probability ``task_share``, a retrieval instance
     (``retrieval_tasks.py``, a random task in a random one of ``styles``) built on that window's code; built on the
     host while the GPU runs the last step. Returns (x, y, per-target loss weights or None): with
     ``answer_weight`` > 0 the bytes of retrieved values weigh ``answer_weight_at(seq_len, answer_weight)``.
     ``task_weights`` (one per ``retrieval_tasks.TASKS``): how often each task is drawn (None: uniformly).
     ``extra_lookups``: lookups added to each instance per 64K bytes (``extra_lookups_at``), a share
-    ``extra_list_share`` of them three-value lists, their values weighted like the task's."""
+    ``extra_list_share`` of them three-value lists, near-miss keys in a share ``extra_near_miss_share`` of the
+    windows; their values weighted like the task's."""
     import retrieval_tasks as rt
 
     rows = []
@@ -381,7 +382,8 @@ def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: 
             # one style draws nothing: the stream then matches runs from before styles existed
             style = styles[0] if len(styles) == 1 else rng.choice(styles)
             instance = rt.make_instance(task, window, seq_len + 1, rng, style,
-                                        extra_lookups_at(seq_len, extra_lookups, rng), extra_list_share)
+                                        extra_lookups_at(seq_len, extra_lookups, rng), extra_list_share,
+                                        extra_near_miss_share)
             rows.append(instance.tokens)
             if weights is not None:
                 for answer in instance.answers:  # target t predicts token t + 1
@@ -524,6 +526,8 @@ def main(argv=None) -> dict:
                              "queried before the task's own (more supervised long-range lookups per step)")
     parser.add_argument("--extra-list-share", type=float, default=0.0,
                         help="--retrieval: share of the extra lookups that are three-value lists (multi-value's form)")
+    parser.add_argument("--extra-near-miss-share", type=float, default=0.0,
+                        help="--retrieval: share of windows whose extra lookups' keys share their first four digits")
     parser.add_argument("--attn-temperature", type=int, default=None, metavar="FLOOR",
                         help="long-context attention temperature from this many positions on "
                              "(ModelArgs.attn_temperature_floor; 0: none; default: the chosen model's)")
@@ -606,7 +610,7 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
         if args.retrieval:
             return _retrieval_batches(corpus.train, seq, batch, host_rng, args.task_share, device, styles,
                                       args.answer_weight, args.task_weights, args.extra_lookups,
-                                      args.extra_list_share)
+                                      args.extra_list_share, args.extra_near_miss_share)
         return (*_batches(train_stream, seq, batch, generator), None)
 
     def train_loss(x, y, weight):
@@ -720,6 +724,7 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
         "answer_weight": args.answer_weight if args.retrieval else None,
         "extra_lookups_per_64k": args.extra_lookups if args.retrieval else None,
         "extra_list_share": args.extra_list_share if args.retrieval else None,
+        "extra_near_miss_share": args.extra_near_miss_share if args.retrieval else None,
         "styles": list(styles) if args.retrieval else None,
         "eval_windows": eval_windows,
         "manifest": corpus.manifest,

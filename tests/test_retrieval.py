@@ -73,6 +73,14 @@ def test_extra_lookups_add_single_value_queries_before_the_tasks_own(task, style
                max(a.needle_start for a in p.answers if a.task == task) for p in plans)
 
 
+def test_extra_lookups_can_share_a_key_prefix():
+    inst = rt.make_instance("recall", _code(20000), 16384, random.Random(4), extra_lookups=10, extra_near_miss_share=1.0)
+    data = bytes(inst.tokens.tolist())
+    keys = [data[:a.start].rsplit(b"\n", 1)[1][len(b"assert _vkey_"):][:6] for a in inst.answers
+            if a.task == rt.EXTRA_TASK]
+    assert len(set(keys)) == 10 and len({k[:4] for k in keys}) == 1
+
+
 @pytest.mark.parametrize("style", list(rt.STYLES))
 def test_extra_lookups_can_be_three_value_lists_in_order(style):
     length, fmt = 9000, rt.STYLES[style]
