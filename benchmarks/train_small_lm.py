@@ -517,14 +517,15 @@ def main(argv=None) -> dict:
                         help="--retrieval: relative draw frequency of each task (default: uniform)")
     parser.add_argument("--evaluate", type=Path, default=None, metavar="CHECKPOINT",
                         help="no training: the retrieval evaluation of a saved checkpoint (--eval-instances per task "
-                             "and length, 16K / 32K / 64K; --smoke: 1K / 2K), written to <out-dir>/<name>_eval.json")
+                             "and length, 16K / 32K / 64K; --smoke: 1K / 2K), written to <out-dir>/<name>_eval.json; "
+                             "--seed draws other instances than training's own evaluation")
     parser.add_argument("--eval-instances", type=int, default=None,
-                        help="retrieval instances per task and length: --evaluate (default 32) and training's own "
-                             "final evaluation (default 16 at 16K, 8 at 32K / 64K)")
-    parser.add_argument("--extra-lookups", type=float, default=0.0,
+                        help="retrieval instances per task and length, --evaluate's and training's own final "
+                             "evaluation (default 32; --smoke: 2)")
+    parser.add_argument("--extra-lookups", type=float, default=12.0,
                         help="--retrieval: lookups added to each training instance per 64K bytes, "
-                             "queried before the task's own (more supervised long-range lookups per step)")
-    parser.add_argument("--extra-list-share", type=float, default=0.0,
+                             "queried before the task's own (more supervised long-range lookups per step; 0: none)")
+    parser.add_argument("--extra-list-share", type=float, default=0.5,
                         help="--retrieval: share of the extra lookups that are three-value lists (multi-value's form)")
     parser.add_argument("--extra-near-miss-share", type=float, default=0.0,
                         help="--retrieval: share of windows whose extra lookups' keys share their first four digits")
@@ -546,7 +547,7 @@ def main(argv=None) -> dict:
     phases = parse_phases(args.phases or default_phases)
     max_train_bytes = args.max_train_bytes or ((2 << 20) if smoke else (256 << 20))
     steps_total = args.steps if args.steps is not None else (6 if smoke and args.time_budget is None else None)
-    time_budget = args.time_budget if args.time_budget is not None else (515.0 if args.retrieval else 330.0)
+    time_budget = args.time_budget if args.time_budget is not None else (470.0 if args.retrieval else 330.0)
     eval_windows = args.eval_windows or (4 if smoke else 64)
     amp = device.type == "cuda"  # bf16 autocast on the GPU; fp32 on CPU (bf16 matmuls are slow there)
     t_start = time.time()
@@ -689,7 +690,7 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     retrieval = None
     if args.retrieval:
         lengths = [seq for seq, _, _ in phases] if smoke else [16384, 32768, 65536]
-        per_task = {n: (args.eval_instances or (2 if smoke else 16 if n <= 16384 else 8)) for n in lengths}
+        per_task = {n: (args.eval_instances or (2 if smoke else 32)) for n in lengths}
         retrieval = evaluate_retrieval(model, corpus.heldout, lengths, per_task, args.seed + 9, amp, device,
                                        styles=("vkey",) + tuple(s for s in styles if s != "vkey"))
 
