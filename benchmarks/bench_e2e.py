@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparse_compile  # noqa: E402
 from harness import alternating_rounds, sm_clock_mhz, write_results  # noqa: E402
 
-METHODS = ("pbs", "sparge", "bfla", "s2o")
+METHODS = tuple(sparse_compile.registry.registered_methods())  # the four papers' and the sampled selector
 # parameters held fixed while calibrating, so that the target densities are reachable on random weights:
 # SpargeAttn's self-similarity judge flags every block of a random-weight model as not self-similar (always
 # computed), so TopCdf never applies unless the judge is switched off (theta = -1); BFLA's flatten-g block softmax

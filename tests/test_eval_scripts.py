@@ -135,7 +135,8 @@ def _e2e_rows(tmp_path, *args, methods=("pbs", "sparge", "bfla", "s2o")):
 
 def test_e2e_benchmark_smoke_whole_model_every_layer_sparse(tmp_path):
     # the default: the whole model compiled as users do (the traced mask proven causal), compile time recorded
-    methods, result = _e2e_rows(tmp_path, "--layers", "3", "--mask-overhead")
+    methods, result = _e2e_rows(tmp_path, "--layers", "3", "--mask-overhead",
+                                methods=("pbs", "sparge", "bfla", "s2o", "sampled"))
     for r in methods:
         assert r["sparse_calls"] == 3, r
         assert 0 < r["density"] <= 2 and r["ttft_s"] > 0
