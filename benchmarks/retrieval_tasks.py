@@ -31,7 +31,8 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["TASKS", "EXTRA_TASK", "STYLES", "Style", "Answer", "Instance", "make_instance", "make_batch", "score", "DEPTH_BINS"]
+__all__ = ["TASKS", "EXTRA_TASK", "STYLES", "Style", "Answer", "Instance", "make_instance", "make_batch", "score",
+           "DEPTH_BINS"]
 
 TASKS = ("passkey", "multikey", "multivalue", "recall")
 EXTRA_TASK = "extra"  # the answers of make_instance's extra_lookups (training only)
@@ -139,16 +140,21 @@ def _plan(task: str, rng: random.Random, length: int) -> tuple[list[tuple[str, O
         target, others = keys[0], keys[1:]
         needles = [(target, i) for i in range(3)] + [(k, 3 + j) for j, k in enumerate(others)]
         order = rng.sample(needles, len(needles))
-        # the target's extensions must stay in their order: re-sort them among their slots
-        slots = [i for i, n in enumerate(order) if n[0] == target]
-        for slot, needle in zip(slots, [n for n in needles if n[0] == target]):
-            order[slot] = needle
+        _keep_entries_in_order(order, target)  # the target's extensions
         return order, [(target, [0, 1, 2])]
     if task == "recall":
         keys = _keys(rng, count(24), False)
         queried = rng.sample(range(len(keys)), max(1, count(6)) if len(keys) > 2 else 1)
         return [(k, i) for i, k in enumerate(keys)], [(keys[i], [i]) for i in queried]
     raise ValueError(f"unknown task {task!r}; valid: {list(TASKS)}")
+
+
+def _keep_entries_in_order(needles: list, key: str) -> None:
+    """Re-sort ``key``'s entries among the slots they hold in ``needles`` (in place), so that a multi-value key's
+    list is planted in order: its value indices ascend in list order."""
+    slots = [i for i, (k, _) in enumerate(needles) if k == key]
+    for slot, index in zip(slots, sorted(needles[i][1] for i in slots)):
+        needles[slot] = (key, index)
 
 
 def _extra_lookups(needles, queries, count: int, rng: random.Random, list_share: float, near_miss_share: float):
@@ -176,10 +182,8 @@ def _extra_lookups(needles, queries, count: int, rng: random.Random, list_share:
         extra_needles += [(key, i) for i in indices]
         extra_queries.append((key, indices))
     rng.shuffle(extra_needles)
-    for key in list_keys:  # a list's entries stay in order among their slots
-        slots = [i for i, (k, _) in enumerate(extra_needles) if k == key]
-        for slot, value in zip(slots, sorted(extra_needles[i][1] for i in slots)):
-            extra_needles[slot] = (key, value)
+    for key in list_keys:
+        _keep_entries_in_order(extra_needles, key)
     # a random merge keeps the task's needles in their order (multi-value's extensions)
     total = len(needles) + len(extra_needles)
     extra_slots = set(rng.sample(range(total), len(extra_needles)))
@@ -190,7 +194,8 @@ def _extra_lookups(needles, queries, count: int, rng: random.Random, list_share:
 
 
 def make_instance(task: str, filler: bytes, length: int, rng: random.Random, style: str = "vkey",
-                  extra_lookups: int = 0, extra_list_share: float = 0.0, extra_near_miss_share: float = 0.0) -> Instance:
+                  extra_lookups: int = 0, extra_list_share: float = 0.0,
+                  extra_near_miss_share: float = 0.0) -> Instance:
     """One instance of ``length`` bytes: needles planted at line starts in ``filler`` (at least ``length`` bytes of
     code), the queries at the end, written in ``style`` (``STYLES``).
 

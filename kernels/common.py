@@ -173,6 +173,15 @@ def split_heads(bh, HEADS, GROUP):
 
 
 @triton.jit
+def load_head_rows(ptr, b, h, rows, row_mask, d, dmask, stride_b, stride_h, stride_n, stride_d):
+    """The (rows, d) tile of batch ``b``, head ``h`` of a (batch, heads, rows, dim) tensor; masked entries 0.
+    Offsets in int64: batch x heads x rows x dim exceeds 2^31 at long N."""
+    base = ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+    return tl.load(base + rows.to(tl.int64)[:, None] * stride_n + d[None, :] * stride_d,
+                   mask=row_mask[:, None] & dmask[None, :], other=0.0)
+
+
+@triton.jit
 def query_block_bounds(i, BLOCK, NUM_QUERIES, NUM_KEYS):
     """(earliest, latest) absolute position of query block ``i`` of BLOCK rows; queries are the last NUM_QUERIES
     of NUM_KEYS positions."""

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot, dot_precision, interpreting, is_finite, launchable, pow2, split_heads
+from .common import dot, dot_precision, interpreting, is_finite, launchable, load_head_rows, pow2, split_heads
 from .sorting import segmented_argsort_desc
 from .validate import cdiv
 
@@ -42,8 +42,7 @@ def _pbs_lse_kernel(
     qpos = qrow + (NUM_KEYS - NUM_QUERIES)
     d = tl.arange(0, D_PAD)
     dmask = d < D
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + qrow.to(tl.int64)[:, None] * stride_qn
-                + d[None, :] * stride_qd, mask=rin[:, None] & dmask[None, :], other=0.0)
+    q = load_head_rows(q_ptr, b, h, qrow, rin, d, dmask, stride_qb, stride_qh, stride_qn, stride_qd)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     m = tl.full([ROWS_PAD], -1.0e30, tl.float32)
     s = tl.zeros([ROWS_PAD], tl.float32)
@@ -93,9 +92,7 @@ def _pbs_importance_kernel(
             rin = rows < ROWS
             qrow = NUM_QUERIES - ROWS + rows
             qpos = qrow + (NUM_KEYS - NUM_QUERIES)
-            q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-                        + qrow.to(tl.int64)[:, None] * stride_qn + d[None, :] * stride_qd,
-                        mask=rin[:, None] & dmask[None, :], other=0.0)
+            q = load_head_rows(q_ptr, b, h, qrow, rin, d, dmask, stride_qb, stride_qh, stride_qn, stride_qd)
             # this head's rows' base-2 log-sum-exp from the lse pass's per-chunk (max, sum) partials
             pb = ((b.to(tl.int64) * (HKV * GROUP) + h) * ROWS_PAD + rows[None, :]) * NUM_CHUNKS + ch[:, None]
             pm = tl.load(m_ptr + pb, mask=(ch < NUM_CHUNKS)[:, None], other=-1.0e30)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot, dot_precision, interpreting, launchable, query_block_bounds, split_heads
+from .common import dot, dot_precision, interpreting, launchable, load_head_rows, query_block_bounds, split_heads
 from .validate import cdiv
 
 __all__ = ["TINY", "sampled_rows_per_block", "sampled_mass_logits"]
@@ -99,8 +99,7 @@ def _sampled_mass_kernel(
     qpos = row + (NUM_KEYS - NUM_QUERIES)
     d = tl.arange(0, D_PAD)
     dmask = d < D
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + row.to(tl.int64)[:, None] * stride_qn
-                + d[None, :] * stride_qd, mask=live[:, None] & dmask[None, :], other=0.0)
+    q = load_head_rows(q_ptr, b, h, row, live, d, dmask, stride_qb, stride_qh, stride_qn, stride_qd)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     # tiles every row of the program sees whole (no position test), then the tiles up to the latest row's
     last = tl.minimum(g * BLOCKS + BLOCKS, NUM_QUERY_BLOCKS) - 1
