@@ -310,19 +310,18 @@ def _with_module_value(module, name: str, value, run):
 
 def s2o_parts(args) -> None:
     """Where S2O's time per visited tile goes (issue 11, item 2): structured inputs, S2O's defaults, contenders
-    timed alternately: our dense kernel; the method; the visited tiles as a static plan (no early-stop vote); the
-    same without the query permutation; the static plan's unmasked (ranked-prefix) tiles only; a plan with no tiles
-    (the fixed costs); the plan without the query sort (``sort_queries=False``, its own visited tiles); the
-    method with its keys through permuted K/V copies in segment chunks, copied in one piece, and gathered in
-    place; and, timing only (their outputs are wrong), the static plan with its masked tiles run as unmasked ones and
-    our dense kernel with every tile masked (what the position masks cost). Efficiency = tiles x t_dense / (causal
-    tiles x t). ``--queue-ahead`` starts each sample behind a GPU sleep, as inside a forward pass (host time then
-    shows only where it exceeds GPU time)."""
+    timed alternately: our dense kernel; the method as it runs (``s2o``: the intra-segment window pass, then the
+    ranked walk resumed from it); the same in one pass (``s2o_one_pass``: the masked squares of the sorted queries
+    in the walk, as before ``WINDOW_PASS``); the window pass alone and the resumed walk alone; the visited tiles as
+    a static plan (no early-stop vote), whole and its walk alone; the plan without the query sort
+    (``sort_queries=False``, its own visited tiles); and, timing only, our dense kernel with every tile masked (what
+    the position masks cost). Efficiency = tiles x t_dense / (causal tiles x t), with each contender's own tiles
+    (the window pass: each segment's causal triangle). ``--queue-ahead`` starts each sample behind a GPU sleep, as
+    inside a forward pass (host time then shows only where it exceeds GPU time)."""
     from bench_methods import structured_inputs
-    import kernels.hopper as hopper
     import sparse_compile.methods.s2o as s2o_method
-    from sparse_compile.methods.s2o import execute_s2o
-    from sparse_compile.plan import causal_plan, causal_tile_count
+    from sparse_compile.methods.s2o import _window_tables
+    from sparse_compile.plan import BlockPlan, causal_plan, causal_tile_count
 
     rows = []
     scale = 1.0 / math.sqrt(D)
@@ -331,57 +330,53 @@ def s2o_parts(args) -> None:
         dense_plan = causal_plan(1, HQ, n, n, 128, 128, device="cuda")
         causal = causal_tile_count(n, n, 128, 128) * HQ
         config = SparseConfig(method="s2o")
-        unsorted = config.replace(s2o=config.params_of("s2o").updated({"sort_queries": False}))
-        plans, tiles = {}, {}
+        params = config.params_of("s2o")
+        unsorted = config.replace(s2o=params.updated({"sort_queries": False}))
+        one_pass = lambda run: _with_module_value(s2o_method, "WINDOW_PASS", False, run)  # noqa: E731
         with torch.no_grad():
-            for name, cfg in (("s2o", config), ("s2o_unsorted", unsorted)):
-                plan = build_plan(q, k, scale, cfg)
-                _, visited = _execute(q, k, v, plan, scale, cfg, "triton", True)
-                plans[name], tiles[name] = (plan, cfg), visited
-            plan, visited = plans["s2o"][0], tiles["s2o"]
-            masked_tiles = float(plan.masked_counts.sum()) * (HQ // plan.masked_counts.shape[1])
-            plans["static"] = (_static_plan(plan, visited), config)
-            plans["static_no_query_index"] = (_static_plan(plan, visited, query_index=False), config)
-            plans["static_prefix_only"] = (_static_plan(plan, visited, drop_masked=True), config)
-            static = plans["static"][0]
-            plans["static_masks_off"] = (dataclasses.replace(static, masked_counts=torch.zeros_like(
-                static.masked_counts)), config)
-            plans["no_tiles"] = (dataclasses.replace(plan, tile_counts=torch.zeros_like(plan.tile_counts),
-                                                       masked_counts=torch.zeros_like(plan.masked_counts)), config)
-            work = {"s2o": float(visited.sum()), "static": float(visited.sum()),
-                    "static_no_query_index": float(visited.sum()),
-                    "static_prefix_only": float(visited.sum()) - masked_tiles, "no_tiles": 0.0,
-                    "static_masks_off": float(visited.sum()),
-                    "s2o_unsorted": float(tiles["s2o_unsorted"].sum())}
+            plan = build_plan(q, k, scale, config)
+            _, visited = _execute(q, k, v, plan, scale, config, "triton", True)
+            _, one_visited = one_pass(lambda: _execute(q, k, v, plan, scale, config, "triton", True))()
+            unsorted_plan = build_plan(q, k, scale, unsorted)
+            _, unsorted_visited = _execute(q, k, v, unsorted_plan, scale, unsorted, "triton", True)
+            tables = [t.expand(1, HQ, *t.shape[2:]) for t in _window_tables(n, params.segment_size, 128, 128,
+                                                                           q.device)]
+            window = BlockPlan(128, 128, *tables)
+            window_tiles = float(tables[1].sum())  # already expanded to every query head
+            masked = torch.minimum(plan.masked_counts, plan.tile_counts)
+            walked = visited - tables[1]  # the tiles the resumed walk computed
+            static = _static_plan(plan, walked + masked)
+            lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+            state = execute_plan(q, k, v, window, scale, kernel="triton", lse=lse)
             errors = {}
             ref = cudnn(q, k, v).float()
-            for name in ("s2o", "s2o_unsorted"):
-                out = _execute(q, k, v, plans[name][0], scale, plans[name][1], "triton", False)
+            for name, p, cfg in (("s2o", plan, config), ("s2o_unsorted", unsorted_plan, unsorted)):
+                out = _execute(q, k, v, p, scale, cfg, "triton", False)
                 errors[name] = float((out.float() - ref).abs().sum() / ref.abs().sum())
             del ref
-        # timing only: every causal tile run as a masked one (what masking costs our dense kernel, no key index)
+        # the walks resume from the window pass's state in place: repeated calls change the values, not the work
+        walk = lambda p: lambda: s2o_method._ranked_walk(  # noqa: E731
+            q, k, v, p, scale, params, "triton", False, "auto",
+            {"out": state, "lse": lse, "resume": True, "skip_masked": True})
         all_masked = dataclasses.replace(dense_plan, masked_counts=dense_plan.tile_counts.clone())
-        contenders = {"dense": lambda: execute_plan(q, k, v, dense_plan, scale, kernel="triton"),
-                      "dense_all_masked": lambda: execute_plan(q, k, v, all_masked, scale, kernel="triton")}
-        work["dense_all_masked"] = causal
-        for name, (p, cfg) in plans.items():
-            contenders[name] = lambda p=p, cfg=cfg: _execute(q, k, v, p, scale, cfg, "triton", False)
-        # the keys through permuted K/V copies in segment chunks (what ran before the kernel gathered them)
-        contenders["s2o_copied_keys"] = lambda: execute_s2o(q, k, v, plan, scale, config, kernel="triton",
-                                                            key_mode="copy")
-        work["s2o_copied_keys"] = work["s2o"]
-        # the keys gathered in place at every length; up to 64K, the whole list copied in one piece (no segment
-        # chunks; 33 x K/V at 128K would not be O(N))
-        contenders["s2o_gathered"] = _with_module_value(hopper, "GATHER_LIST_RATIO", 0, contenders["s2o"])
-        work["s2o_gathered"] = work["s2o"]
-        if n <= 65536:
-            contenders["s2o_copy_one_piece"] = _with_module_value(
-                s2o_method, "LIST_BUDGET", 1 << 30, contenders["s2o_copied_keys"])
-            work["s2o_copy_one_piece"] = work["s2o"]
+        contenders = {
+            "dense": lambda: execute_plan(q, k, v, dense_plan, scale, kernel="triton"),
+            "dense_all_masked": lambda: execute_plan(q, k, v, all_masked, scale, kernel="triton"),
+            "s2o": lambda: _execute(q, k, v, plan, scale, config, "triton", False),
+            "s2o_one_pass": one_pass(lambda: _execute(q, k, v, plan, scale, config, "triton", False)),
+            "window_pass": lambda: execute_plan(q, k, v, window, scale, kernel="triton", lse=lse),
+            "walk": walk(plan),
+            "static": lambda: _execute(q, k, v, static, scale, config, "triton", False),
+            "static_walk": walk(static),
+            "s2o_unsorted": lambda: _execute(q, k, v, unsorted_plan, scale, unsorted, "triton", False),
+        }
+        work = {"dense_all_masked": causal, "s2o": float(visited.sum()), "s2o_one_pass": float(one_visited.sum()),
+                "window_pass": window_tiles, "walk": float(walked.sum()), "static": float(visited.sum()),
+                "static_walk": float(walked.sum()), "s2o_unsorted": float(unsorted_visited.sum())}
         ms = alternate(contenders, args.reps, queue_ahead=args.queue_ahead)
-        row = {"N": n, "kernels_ms": _kernel_times(contenders["s2o"]),
-               "kernels_copied_keys_ms": _kernel_times(contenders["s2o_copied_keys"]), "dense_ms": ms["dense"],
-               "masked_tile_share": masked_tiles / max(work["s2o"], 1),
+        row = {"N": n, "kernels_ms": _kernel_times(contenders["s2o"]), "dense_ms": ms["dense"],
+               "window_share": window_tiles / max(work["s2o"], 1),
+               "one_pass_masked_share": float(masked.sum()) * (HQ // masked.shape[1]) / max(work["s2o_one_pass"], 1),
                "rel_l1": errors["s2o"], "rel_l1_unsorted": errors["s2o_unsorted"], "queue_ahead": args.queue_ahead,
                "sm_clock_mhz": sm_clock_mhz()}
         for name in work:
@@ -391,7 +386,7 @@ def s2o_parts(args) -> None:
                 row[f"{name}_efficiency"] = work[name] / causal * ms["dense"] / ms[name]
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del q, k, v, plans, tiles
+        del q, k, v, plan, static, state
         torch.cuda.empty_cache()
     print(write_results(f"{args.name}_s2o_parts", rows, out_dir=args.out))
 
@@ -432,8 +427,8 @@ def main(argv=None) -> None:
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--tiles", action="store_true")
     parser.add_argument("--s2o-parts", action="store_true",
-                        help="GPU: where S2O's time per visited tile goes (early-stop vote, query permutation, "
-                             "masked intra-segment tiles, K/V copies, the plan without the query sort)")
+                        help="GPU: where S2O's time per visited tile goes (its window pass and resumed walk, "
+                             "one pass, the early-stop vote, masks, the plan without the query sort)")
     parser.add_argument("--hopper-stages", type=int, nargs="*", default=[],
                         help="--tiles: also time each plan with the Hopper kernel's K/V ring this deep")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])

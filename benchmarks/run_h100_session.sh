@@ -7,11 +7,12 @@
 #   bash benchmarks/run_h100_session.sh "$OUT" train     # train the retrieval model (~9 min)
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o       # Hopper kernel tests, per-tile costs, S2O's table (~8 min)
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o-parts # S2O's kernel tests, where its time goes, direct and queued
+#   bash benchmarks/run_h100_session.sh "$OUT" s2o-table # S2O's break-even entry, --verify at defaults, peak memory
 #   bash benchmarks/run_h100_session.sh "$OUT" sampled   # the sampled selector: GPU tests, its break-even entry,
 #                                                        # --verify, retrieval at 16K-64K (SAMPLED_PARAMS: --method-params JSON)
 set -uo pipefail
 out=${1:?results folder}
-part=${2:?part: check, e2e, e2e-long, table, train, s2o, s2o-parts or sampled}
+part=${2:?part: check, e2e, e2e-long, table, train, s2o, s2o-parts, s2o-table or sampled}
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 clock() { nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader | tee -a "$out/gpu.txt"; }
 clock
@@ -49,13 +50,21 @@ s2o)
         --name breakeven_s2o --out "$out" 2>&1 | grep -v "^{" | tail -16 ;;
 s2o-parts)
     timeout 240 python -m pytest -q -m gpu tests/test_kernel.py tests/test_selection_fast.py -p no:cacheprovider \
-        -k "hopper or early_stop or gathered or s2o or agreement" 2>&1 | tail -30 > "$out/gpu_tests_s2o.txt"
+        -k "hopper or early_stop or gathered or s2o or agreement or pass" 2>&1 | tail -30 > "$out/gpu_tests_s2o.txt"
     tail -3 "$out/gpu_tests_s2o.txt"
-    for queue in direct queued; do
-        timeout 170 python benchmarks/bench_breakeven.py --s2o-parts --lengths 32768 65536 131072 --reps 5 \
+    for queue in ${S2O_QUEUES:-direct queued}; do
+        timeout 200 python benchmarks/bench_breakeven.py --s2o-parts --lengths 32768 65536 131072 --reps 5 \
             --name "s2o_$queue" --out "$out" $([ $queue = queued ] && echo --queue-ahead 10000000) 2>&1 \
             | tee "$out/s2o_parts_$queue.txt" | grep -v "^{" | tail -8
     done ;;
+s2o-table)
+    timeout 150 python benchmarks/bench_breakeven.py --measure --methods s2o --reps 5 --queue-ahead --name s2o \
+        --out "$out" 2>&1 | tee "$out/breakeven_log.txt" | grep -v "^{" | tail -10
+    cp sparse_compile/breakeven_tables.json "$out/"
+    timeout 220 python benchmarks/bench_breakeven.py --verify --methods s2o --calls 4 --reps 7 --queue-ahead \
+        --name breakeven_s2o --out "$out" 2>&1 | grep -v "^{" | tail -16
+    timeout 150 python benchmarks/bench_breakeven.py --memory --methods pbs s2o --name s2o --out "$out" 2>&1 \
+        | grep -v "^{" | tail -12 ;;
 sampled)
     timeout 150 python -m pytest -q -m gpu tests/test_selection_fast.py tests/test_kernel.py -p no:cacheprovider \
         -k "sampled" 2>&1 | tail -30 > "$out/gpu_tests_sampled.txt"

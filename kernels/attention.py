@@ -261,7 +261,7 @@ def _fwd_inner(
 @triton.jit
 def _block_sparse_attn_fwd(
     Q, K, V, Out, desc_k, desc_v,
-    TileOffsets, TileCounts, MaskedCounts, KeyIndex, QueryIndex, Visited,
+    TileOffsets, TileCounts, MaskedCounts, KeyIndex, QueryIndex, Visited, Lse,
     qk_scale, es_tau, pv_lambda,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -272,6 +272,7 @@ def _block_sparse_attn_fwd(
     stride_mb, stride_mh, stride_mq,
     stride_kib, stride_kih, stride_kip,
     stride_qib, stride_qih, stride_qip,
+    stride_lb, stride_lh, stride_ln,
     k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
     H_Q, N_Q, N_K, KEY_LEN, N_QBLK, N_PBLK,
     GQA, PLAN_DIV, KIDX_DIV, QIDX_DIV,
@@ -280,8 +281,10 @@ def _block_sparse_attn_fwd(
     HAS_KIDX: tl.constexpr, HAS_QIDX: tl.constexpr, KEY_GATHER: tl.constexpr, USE_TMA: tl.constexpr,
     EARLY_STOP: tl.constexpr, PV_SKIP: tl.constexpr, WRITE_VISITED: tl.constexpr, DOT_PREC: tl.constexpr,
     INT64_ROWS: tl.constexpr, STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
+    SKIP_MASKED: tl.constexpr, RESUME: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
+    tl.static_assert(not (RESUME and WRITE_LSE), "a resumed pass reads the row statistics, it does not write them")
     tl.static_assert(HEAD_DIM <= HEAD_DIM_PAD)
     tl.static_assert(not (KEY_GATHER and USE_TMA), "TMA cannot gather rows")
     tl.static_assert(not (KEY_GATHER and not HAS_KIDX), "gathered keys need a key_index")
@@ -339,15 +342,28 @@ def _block_sparse_attn_fwd(
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + _M_INIT
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    o_base = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh
+    lse_ptrs = Lse + b64 * stride_lb + h.to(tl.int64) * stride_lh + phys_rows.to(tl.int64) * stride_ln
+    if RESUME:
+        # a first pass left each row's normalised output in Out and its log2-sum-exp2 in Lse: the same softmax
+        # state as (acc = O, m = lse, l = 1); a row that saw nothing (lse = -inf) starts empty
+        lse0 = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
+        seen = lse0 != float("-inf")
+        m_i = tl.where(seen, lse0, m_i)
+        l_i = tl.where(seen, 1.0, l_i)
+        acc = _load_rows(o_base, phys_rows, stride_om, stride_od, offs_d, row_ok, True, HEAD_DIM, HEAD_DIM_PAD,
+                         INT64_ROWS).to(tl.float32)
 
     # -- stage 1: masked tiles (listed first); never subject to early stop. Few trips, so fewer stages: its V
-    # passes through registers for the padding mask, and its buffers would otherwise set the shared memory
-    acc, l_i, m_i, _ = _fwd_inner(
-        acc, l_i, m_i, q, q_pos, row_ok, tile_ptr, stride_tt, 0, n_masked,
-        k_base, v_base, desc_k, desc_v, kidx_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_kip,
-        k_row0, k_col0, v_row0, v_col0, qk_scale, es_tau, pv_lambda, N_K, KEY_LEN, offs_d,
-        True, False, MASKED_STAGES, TILE_SPLIT, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM,
-        HEAD_DIM_PAD, DOT_PREC, INT64_ROWS)
+    # passes through registers for the padding mask, and its buffers would otherwise set the shared memory.
+    # SKIP_MASKED: a first pass computed them (the resumed state)
+    if not SKIP_MASKED:
+        acc, l_i, m_i, _ = _fwd_inner(
+            acc, l_i, m_i, q, q_pos, row_ok, tile_ptr, stride_tt, 0, n_masked,
+            k_base, v_base, desc_k, desc_v, kidx_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_kip,
+            k_row0, k_col0, v_row0, v_col0, qk_scale, es_tau, pv_lambda, N_K, KEY_LEN, offs_d,
+            True, False, MASKED_STAGES, TILE_SPLIT, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM,
+            HEAD_DIM_PAD, DOT_PREC, INT64_ROWS)
     # -- stage 2: unmasked tiles, fully visible by the plan's promise: no mask arithmetic
     acc, l_i, m_i, n_visited = _fwd_inner(
         acc, l_i, m_i, q, q_pos, row_ok, tile_ptr, stride_tt, n_masked, n_tiles,
@@ -363,13 +379,17 @@ def _block_sparse_attn_fwd(
     o_rows = phys_rows
     if INT64_ROWS:
         o_rows = phys_rows.to(tl.int64)
-    o_ptrs = Out + b64 * stride_ob + h.to(tl.int64) * stride_oh \
-        + o_rows[:, None] * stride_om + offs_d[None, :] * stride_od
+    o_ptrs = o_base + o_rows[:, None] * stride_om + offs_d[None, :] * stride_od
     if HEAD_DIM_PAD != HEAD_DIM:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
     else:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if WRITE_LSE:
+        # log2-sum-exp2 of the row's scaled scores (log2 e / sqrt(D) units): what a resumed pass starts from
+        tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=row_ok)
     if WRITE_VISITED:
+        if SKIP_MASKED:
+            n_visited -= n_masked  # the tiles this pass computed
         tl.store(Visited + pid_bh.to(tl.int64) * N_PBLK + pblk, n_visited)
 
 
@@ -583,6 +603,20 @@ def _permute_keys(k: torch.Tensor, v: torch.Tensor, key_index: torch.Tensor, hea
     return kp, vp
 
 
+def _validate_passes(q, out, lse, resume) -> None:
+    """``out`` / ``lse`` / ``resume`` of a two-pass call (``block_sparse_attention``'s docstring)."""
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
+                            or out.device != q.device):
+        _fail(f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}, got "
+              f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+    if lse is not None and (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32
+                            or lse.shape != q.shape[:3] or lse.device != q.device):
+        _fail(f"lse must be a float32 tensor of shape {tuple(q.shape[:3])} (B, Hq, Nq) on {q.device}, got "
+              f"{getattr(lse, 'dtype', type(lse).__name__)} {tuple(getattr(lse, 'shape', ()))}")
+    if resume and (out is None or lse is None):
+        _fail("resume=True continues from a first pass: it needs that pass's out and lse")
+
+
 def _key_layout(k, v, key_index, key_mode: str, head_dim_pad: int):
     """(K, V as the loop reads them, gather?): the permuted copy, gathered rows, or K/V themselves."""
     if key_mode not in ("auto", "gather", "copy"):
@@ -645,10 +679,11 @@ def _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, quer
                                      query_index=query_index, early_stop=early_stop, pv_skip=pv_skip)
 
 
-def _hopper_spec(q, block_n, key_index, query_index, early_stop, pv_skip, key_mode) -> tuple:
-    """The Hopper kernel's specialisation of a call: the key of ``_HOPPER_FAILED``."""
+def _hopper_spec(q, block_n, key_index, query_index, early_stop, pv_skip, key_mode, passes=(False, False)) -> tuple:
+    """The Hopper kernel's specialisation of a call: the key of ``_HOPPER_FAILED`` (``passes``: whether it writes
+    the row statistics, whether it resumes from them)."""
     return (q.dtype, q.shape[-1], block_n, key_index is not None, pv_skip is not None, query_index is not None,
-            early_stop > 0, key_mode)
+            early_stop > 0, key_mode, *passes)
 
 
 def reads_keys_in_place(q, k, v, tile_offsets, *, block_m: int, block_n: int, key_index, query_index=None,
@@ -690,6 +725,10 @@ def block_sparse_attention(
     key_mode: str = "auto",
     config: Optional[KernelConfig] = None,
     backend: str = "auto",
+    out: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
+    resume: bool = False,
+    skip_masked: bool = False,
 ):
     """Block-sparse causal attention over tile lists (module docstring): q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D)
     -> out (B, Hq, Nq, D), and with ``return_visited`` the int32 (B, Hq, n_query_blocks) tiles each block
@@ -701,10 +740,18 @@ def block_sparse_attention(
     docstring; the environment variable ``SPARSE_COMPILE_ATTENTION_BACKEND=triton`` turns it off), "triton" or
     "hopper" (ValueError naming why when the Hopper kernel cannot serve the call). Raises ValueError naming the
     first problem with the inputs. ``sparse_compile.plan.execute_plan`` calls this with a plan's fields.
+
+    Two passes over one softmax (S2O's intra-segment window, then its ranked prefix): ``out`` (q's shape and
+    dtype) receives the output; ``lse``, a float32 (B, Hq, Nq) tensor, receives each row's log2-sum-exp2 of its
+    scaled scores (log2(e) * scale units; -inf for a row that saw no key). ``resume=True`` continues from such a
+    pass instead: each row starts from ``out`` and ``lse`` (as if it had already attended to the first pass's keys)
+    and the combined output replaces ``out``; ``lse`` is then only read. ``skip_masked=True`` runs only the
+    unmasked tiles of each list (the first pass computed the masked ones); the visited counts are then this pass's.
     """
     global last_backend
     _validate(q, k, v, tile_offsets, tile_counts, masked_counts, block_m, block_n, key_index, query_index,
               early_stop, pv_skip)
+    _validate_passes(q, out, lse, resume)
     if pv_skip is not None and pv_skip_is_negligible(pv_skip, k.shape[2], q.dtype):
         pv_skip = None
     B, Hq, Nq, D = q.shape
@@ -727,7 +774,8 @@ def block_sparse_attention(
         if backend == "hopper" and why is not None:
             _fail(f"backend='hopper' cannot serve this call: {why}")
         if why is None:
-            spec = _hopper_spec(q, block_n, key_index, query_index, early_stop, pv_skip, key_mode)
+            spec = _hopper_spec(q, block_n, key_index, query_index, early_stop, pv_skip, key_mode,
+                                (lse is not None and not resume, resume))
             failed = _HOPPER_FAILED.get(spec) if backend == "auto" else None
             if failed is None:
                 from . import hopper
@@ -737,7 +785,8 @@ def block_sparse_attention(
                         q, k, v, tile_offsets, tile_counts, masked_counts, block_n=block_n, scale=scale,
                         block_m=block_m, key_index=key_index, query_index=query_index, early_stop=early_stop,
                         pv_skip=pv_skip, return_visited=return_visited,
-                        key_gather={"gather": True, "copy": False}.get(key_mode))
+                        key_gather={"gather": True, "copy": False}.get(key_mode), out=out, lse=lse,
+                        resume=resume, skip_masked=skip_masked)
                 except Exception as exc:  # a compile or launch problem of the Gluon path: the Triton kernel
                     if backend == "hopper":
                         raise
@@ -765,7 +814,8 @@ def block_sparse_attention(
         _fail("the P.V skip decides per table tile: config.block_n must equal block_n")
 
     kk, vv, gather = _key_layout(k, v, key_index, key_mode, head_dim_pad)
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     visited = torch.empty(B, Hq, nqb, dtype=torch.int32, device=q.device) if return_visited else None
 
     use_tma = cfg.use_tma
@@ -793,6 +843,7 @@ def block_sparse_attention(
     qidx = query_index if query_index is not None else tile_counts
     ki_strides = key_index.stride() if has_kidx else (0, 0, 0)
     qi_strides = query_index.stride() if query_index is not None else (0, 0, 0)
+    lse_strides = lse.stride() if lse is not None else (0, 0, 0)
     q_split = block_m // cfg.block_m
     # trailing kernel blocks past Nq do nothing but must not exist: trim the last plan block's halves
     n_qblk = min(nqb * q_split, cdiv(Nq, cfg.block_m))
@@ -802,10 +853,11 @@ def block_sparse_attention(
     _block_sparse_attn_fwd[grid](
         q, kk, vv, out, desc_k, desc_v,
         tile_offsets, tile_counts, masked_counts, kidx, qidx, visited if visited is not None else tile_counts,
+        lse if lse is not None else out,
         scale * _LOG2E, float(early_stop), (pv_skip or 0.0) * _LOG2E,
         *q.stride(), *kk.stride(), *vv.stride(), *out.stride(),
         *tile_offsets.stride(), *tile_counts.stride(), *masked_counts.stride(),
-        *ki_strides, *qi_strides,
+        *ki_strides, *qi_strides, *lse_strides,
         *k_geo, *v_geo,
         Hq, Nq, Nk, key_len, n_qblk, nqb,
         Hq // Hkv, Hq // tile_offsets.shape[1],
@@ -820,6 +872,7 @@ def block_sparse_attention(
                        vv.shape[2] * vv.stride(2)) >= 2**31,
         STAGES=cfg.num_stages,
         MASKED_STAGES=cfg.masked_stages if cfg.masked_stages is not None else min(cfg.num_stages, 2),
+        SKIP_MASKED=bool(skip_masked), RESUME=bool(resume), WRITE_LSE=lse is not None and not resume,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, visited) if return_visited else out

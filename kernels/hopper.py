@@ -237,14 +237,30 @@ if GLUON_IMPORT_ERROR is None:
         gl.thread_barrier()
 
     @gluon.jit
+    def _output_rows(o_base, stride_on, qidx_base, stride_qip, row0, N_Q, ROWS: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, HAS_QIDX: gl.constexpr, o_layout: gl.constexpr):
+        """Pointers and mask of O's rows for logical rows ``row0 ..`` in the accumulator's layout (through the
+        query index: physical rows). Built where used: kept live across the walk they would hold 64 registers."""
+        rows_o = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+        ok_o = rows_o < N_Q
+        if HAS_QIDX:
+            phys_o = gl.load(qidx_base + rows_o * stride_qip, mask=ok_o, other=0)
+        else:
+            phys_o = rows_o
+        d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        return (o_base + phys_o.to(gl.int64)[:, None] * stride_on + d_o[None, :],
+                ok_o[:, None] & (d_o[None, :] < HEAD_DIM))
+
+    @gluon.jit
     def _consumer(desc_k, desc_v, desc_o, q_all, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, votes, vote_bar,
                   tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale, N_Q, N_K,
                   pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
-                  q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
+                  q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr, lse_base, stride_ln,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr,
                   ROWS: gl.constexpr, ROW0: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr,
-                  HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr, VOTE_SLOTS: gl.constexpr):
+                  HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr, VOTE_SLOTS: gl.constexpr,
+                  RESUME: gl.constexpr, WRITE_LSE: gl.constexpr):
         """Compute partition: query rows [ROW0, ROW0 + ROWS) of the block (all 128, or one warpgroup's 64)."""
         gl.static_assert(ROWS == 16 * NUM_WARPS, "one m16 wgmma atom row per warp: rows = 16 * warps")
         gl.static_assert(not EARLY_STOP or ROWS * 2 == BLOCK_M, "early stop votes between two compute warpgroups")
@@ -271,10 +287,22 @@ if GLUON_IMPORT_ERROR is None:
             phys = gl.load(qidx_base + rows * stride_qip, mask=row_ok, other=0)
             q_pos = gl.where(row_ok, phys + (N_K - N_Q), -1)
         else:
+            phys = rows
             q_pos = rows + (N_K - N_Q)
         m_i = gl.full([ROWS], -1.0e30, gl.float32, layout=row_s)  # finite start: no (-inf) - (-inf)
         l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        if RESUME:
+            # a first pass left each row's normalised output in O and its log2-sum-exp2 in lse: the softmax state
+            # (acc = O, m = lse, l = 1); a row that saw nothing (lse = -inf) starts empty
+            lse0 = gl.load(lse_base + phys.to(gl.int64) * stride_ln, mask=row_ok, other=float("-inf"))
+            seen = lse0 != float("-inf")
+            m_i = gl.where(seen, lse0, m_i)
+            l_i = gl.where(seen, l_i + 1.0, l_i)
+            o_ptrs, o_mask = _output_rows(o_base, stride_on, qidx_base, stride_qip, qblk * BLOCK_M + ROW0, N_Q,
+                                          ROWS, HEAD_DIM, HAS_QIDX, o_layout)
+            acc = gl.load(o_ptrs, mask=o_mask, other=0.0).to(gl.float32)
+        else:
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
 
         if HAS_QIDX:
@@ -303,7 +331,10 @@ if GLUON_IMPORT_ERROR is None:
                 else:
                     p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0,
                                                                      False, PV_SKIP)
-                p16 = gl.convert_layout(p.to(dtype), p_layout)  # acc is still zero: no rescale
+                if RESUME:
+                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                # (otherwise acc is still zero: no rescale)
+                p16 = gl.convert_layout(p.to(dtype), p_layout)
                 # each masked tile's start is read one step ahead: its latency would otherwise stall the issue of
                 # the tile's key-position load, which itself must land before the softmax
                 start = gl.load(tile_ptr + stride_tt, mask=n_masked > 1, other=0)
@@ -383,16 +414,16 @@ if GLUON_IMPORT_ERROR is None:
                 gl.store(visited_ptr, last + 1)
 
         # -- epilogue: rows that saw nothing have l == 0 and acc == 0 and write zeros
+        if WRITE_LSE:
+            # log2-sum-exp2 of the row's scaled scores: what a resumed pass starts from
+            gl.store(lse_base + phys.to(gl.int64) * stride_ln, m_i + gl.log2(l_i), mask=row_ok)
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         out = acc / gl.convert_layout(l_safe, row_o)[:, None]
         if HAS_QIDX:
             # back to the physical rows, straight from registers (no TMA scatter on Hopper)
-            rows_o = qblk * BLOCK_M + ROW0 + gl.arange(0, ROWS, layout=row_o)
-            ok_o = rows_o < N_Q
-            phys_o = gl.load(qidx_base + rows_o * stride_qip, mask=ok_o, other=0)
-            d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            gl.store(o_base + phys_o.to(gl.int64)[:, None] * stride_on + d_o[None, :], out.to(dtype),
-                     mask=ok_o[:, None] & (d_o[None, :] < HEAD_DIM))
+            o_ptrs, o_mask = _output_rows(o_base, stride_on, qidx_base, stride_qip, qblk * BLOCK_M + ROW0, N_Q,
+                                          ROWS, HEAD_DIM, HAS_QIDX, o_layout)
+            gl.store(o_ptrs, out.to(dtype), mask=o_mask)
         else:
             # Q's buffer holds O for the TMA store (rows past Nq are clipped by the descriptor)
             gl.thread_barrier()  # every warpgroup is done reading Q before it is overwritten
@@ -560,7 +591,7 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _hopper_fwd_kernel(
         desc_q, desc_k, desc_v, desc_o, Q, Out,
-        TileOffsets, TileCounts, MaskedCounts, KeyIndex, QueryIndex, Visited,
+        TileOffsets, TileCounts, MaskedCounts, KeyIndex, QueryIndex, Visited, Lse,
         qk_scale, pv_lambda, es_tau,
         stride_qb, stride_qh, stride_qn,
         stride_ob, stride_oh, stride_on,
@@ -569,13 +600,14 @@ if GLUON_IMPORT_ERROR is None:
         stride_mb, stride_mh, stride_mq,
         stride_kib, stride_kih, stride_kip,
         stride_qib, stride_qih, stride_qip,
+        stride_lb, stride_lh, stride_ln,
         K, V, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         H_Q, N_Q, N_K, KEY_LEN, N_QBLK, GQA, PLAN_DIV, QIDX_DIV,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, HAS_QIDX: gl.constexpr,
         EARLY_STOP: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr,
-        LOAD_REGS: gl.constexpr,
+        LOAD_REGS: gl.constexpr, SKIP_MASKED: gl.constexpr, RESUME: gl.constexpr, WRITE_LSE: gl.constexpr,
     ):
         gl.static_assert(not SPLIT or WARP_SPEC, "two compute partitions need the producer partition")
         gl.static_assert(not GATHER or (SPLIT and HAS_KIDX), "gathered keys: a two-warpgroup variant and a key index")
@@ -595,6 +627,11 @@ if GLUON_IMPORT_ERROR is None:
         tile_ptr = TileOffsets + b64 * stride_tb + hp * stride_th + qblk.to(gl.int64) * stride_tq
         n_tiles = gl.load(TileCounts + b64 * stride_cb + hp * stride_ch + qblk * stride_cq)
         n_masked = gl.minimum(gl.load(MaskedCounts + b64 * stride_mb + hp * stride_mh + qblk * stride_mq), n_tiles)
+        if SKIP_MASKED:
+            # a first pass computed the masked tiles: this one walks the rest of the list, from its start
+            tile_ptr = tile_ptr + n_masked * stride_tt
+            n_tiles = n_tiles - n_masked
+            n_masked = gl.minimum(n_masked, 0)
         # key positions of the permuted copy (an index with Hkv heads: one per KV head); read in masked tiles only
         kidx_base = KeyIndex + b64 * stride_kib + hkv.to(gl.int64) * stride_kih
         # permuted queries: rows gathered and scattered by pointer (read only with HAS_QIDX)
@@ -602,6 +639,7 @@ if GLUON_IMPORT_ERROR is None:
         q_base = Q + b64 * stride_qb + h.to(gl.int64) * stride_qh
         o_base = Out + b64 * stride_ob + h.to(gl.int64) * stride_oh
         visited_ptr = Visited + (b64 * H_Q + h) * N_QBLK + qblk  # written only with EARLY_STOP
+        lse_base = Lse + b64 * stride_lb + h.to(gl.int64) * stride_lh  # read with RESUME, written with WRITE_LSE
 
         # -- shared memory: Q (reused for O), the K/V ring, barriers; early stop's votes (module docstring)
         dtype: gl.constexpr = desc_q.dtype
@@ -642,14 +680,16 @@ if GLUON_IMPORT_ERROR is None:
                              votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
                              N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                              q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
+                             lse_base, stride_ln,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, 0,
-                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS)),
+                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE)),
                 (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
                              N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                              q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
+                             lse_base, stride_ln,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, HALF,
-                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS)),
+                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE)),
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
                              stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
@@ -661,8 +701,9 @@ if GLUON_IMPORT_ERROR is None:
                              votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
                              N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                              q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
+                             lse_base, stride_ln,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
-                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS)),
+                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE)),
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
                              stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
@@ -679,8 +720,9 @@ if GLUON_IMPORT_ERROR is None:
                       votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
                       N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                       q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
+                      lse_base, stride_ln,
                       HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
-                      HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS)
+                      HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(STAGES):
@@ -810,7 +852,8 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
                                   scale: Optional[float] = None, num_stages: Optional[int] = None,
                                   variant: str = "ws2_ov",
                                   block_m: int = 128, key_index=None, query_index=None, early_stop: float = 0.0,
-                                  pv_skip=None, return_visited: bool = False, key_gather: Optional[bool] = None):
+                                  pv_skip=None, return_visited: bool = False, key_gather: Optional[bool] = None,
+                                  out=None, lse=None, resume: bool = False, skip_masked: bool = False):
     """Block-sparse causal attention over tile lists (the plan contract, module docstring) on an H100.
 
     q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D) -> out (B, Hq, Nq, D) in q's dtype, stored as (B, Nq, Hq, D) memory.
@@ -822,6 +865,8 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     load partition gathers rows with cp.async; two-warpgroup variants), None picks it for lists longer than
     ``GATHER_LIST_RATIO`` x Nk (S2O's per-segment prefixes, whose copy is ~N^2/2S rows). ``return_visited``: also
     the int32 (B, Hq, n_query_blocks) tiles each block computed (without early stop, its tile count).
+    ``out`` / ``lse`` / ``resume`` / ``skip_masked``: two passes over one softmax, as
+    ``kernels.attention.block_sparse_attention`` documents them (``out`` needs TMA-compatible strides).
     Raises NotImplementedError naming the first unsupported feature (the caller falls back to the Triton kernel)
     and ValueError for malformed inputs. ``variant``: one of HOPPER_VARIANTS (module docstring).
     """
@@ -863,7 +908,16 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     if not (early_stop >= 0 and math.isfinite(early_stop)):
         raise ValueError(f"hopper_block_sparse_attention: early_stop must be a finite number >= 0, got {early_stop!r}")
 
-    out = torch.empty(B, Nq, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)
+    if out is None:
+        out = torch.empty(B, Nq, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"hopper_block_sparse_attention: out must be a {q.dtype} tensor of q's shape on {q.device}")
+    elif out.stride(-1) != 1 or not _is_16b_aligned(out):
+        raise NotImplementedError("hopper_block_sparse_attention: out's strides are not TMA-compatible")
+    if lse is not None and (lse.dtype != torch.float32 or lse.shape != q.shape[:3] or lse.device != q.device):
+        raise ValueError(f"hopper_block_sparse_attention: lse must be a float32 {tuple(q.shape[:3])} tensor")
+    if resume and (lse is None):
+        raise ValueError("hopper_block_sparse_attention: resume=True needs the first pass's out and lse")
     visited = None
     if early_stop > 0:
         # the kernel writes how far each block walked (both when asked and as its scratch otherwise)
@@ -871,7 +925,8 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     elif return_visited:
         # no early stop: every block computes its whole list (a copy, one column per query head)
         g = Hq // tile_counts.shape[1]
-        visited = tile_counts[:, :, None, :].expand(B, tile_counts.shape[1], g, nqb).reshape(B, Hq, nqb).clone()
+        counts = tile_counts - torch.minimum(masked_counts, tile_counts) if skip_masked else tile_counts
+        visited = counts[:, :, None, :].expand(B, tile_counts.shape[1], g, nqb).reshape(B, Hq, nqb).clone()
     if out.numel() == 0:
         return (out, visited) if return_visited else out
     warp_spec, overlap, split = _VARIANT_FLAGS[variant]
@@ -906,9 +961,11 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     _hopper_fwd_kernel[grid](
         desc_q, desc_k, desc_v, desc_o, q, out,
         tile_offsets, tile_counts, masked_counts, kidx, qidx, visited if visited is not None else tile_counts,
+        lse if lse is not None else tile_counts,
         scale * _LOG2E, float(pv_skip if pv_skip is not None else 0.0) * _LOG2E, early_stop,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *tile_offsets.stride(), *tile_counts.stride(), *masked_counts.stride(), *ki_strides, *qi_strides,
+        *(lse.stride() if lse is not None else (0, 0, 0)),
         k, v, *k.stride()[:3], *v.stride()[:3],
         Hq, Nq, Nk, key_len, nqb, Hq // Hkv, Hq // tile_offsets.shape[1],
         Hq // query_index.shape[1] if query_index is not None else 1,
@@ -917,6 +974,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         CONSUMER_REGS=CONSUMER_REGS, HAS_KIDX=key_index is not None, PV_SKIP=pv_skip is not None,
         HAS_QIDX=query_index is not None, EARLY_STOP=early_stop > 0, GATHER=bool(key_gather),
         LOAD_WARPS=GATHER_LOAD_WARPS, LOAD_REGS=GATHER_LOAD_REGS,
+        SKIP_MASKED=bool(skip_masked), RESUME=bool(resume), WRITE_LSE=lse is not None and not resume,
         **kwargs,
     )
     return (out, visited) if return_visited else out

@@ -282,7 +282,8 @@ def plan_density(plan: BlockPlan, num_queries: int, num_keys: int, num_heads: Op
 
 def execute_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: Optional[float] = None,
                  *, kernel: str = "auto", return_visited: bool = False, check: bool = False,
-                 key_mode: str = "auto", config=None):
+                 key_mode: str = "auto", config=None, out=None, lse=None, resume: bool = False,
+                 skip_masked: bool = False):
     """Run ``plan`` on q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D): the one place that picks the executor.
 
     ``kernel``: "triton" (the Triton kernel: CUDA, or the CPU under ``TRITON_INTERPRET=1``), "reference"
@@ -290,6 +291,8 @@ def execute_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockP
     ``check=True`` runs ``check_plan`` first (host syncs). ``key_mode`` and ``config`` (a
     ``sparse_compile.kernels.KernelConfig``) go to the Triton kernel. Returns the output, and with
     ``return_visited`` also the tiles each (batch, query head, query block) computed, int32.
+    ``out`` / ``lse`` / ``resume`` / ``skip_masked`` run a plan as the second of two passes over one softmax
+    (``kernels.block_sparse_attention`` documents them); the kernels only: the reference runs a plan in one pass.
     """
     if kernel not in ("auto", "triton", "reference"):
         raise ValueError(f"execute_plan: kernel must be 'auto', 'triton' or 'reference', got {kernel!r}")
@@ -304,7 +307,10 @@ def execute_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockP
             q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts, block_m=plan.block_m,
             block_n=plan.block_n, key_index=plan.key_index, query_index=plan.query_index, scale=scale,
             early_stop=plan.early_stop, pv_skip=plan.pv_skip, return_visited=return_visited, key_mode=key_mode,
-            config=config)
+            config=config, out=out, lse=lse, resume=resume, skip_masked=skip_masked)
+    if out is not None or lse is not None or resume or skip_masked:
+        raise ValueError("execute_plan: out=, lse=, resume= and skip_masked= need a kernel (kernel='triton' or "
+                         "CUDA inputs); the reference runs a plan in one pass")
     return reference_attention(q, k, v, plan, scale, return_visited=return_visited)
 
 

@@ -260,6 +260,68 @@ def test_empty_tile_lists_give_zeros():
     _assert_close(out, _ref(q, k, v, plan)[0], torch.float32)
 
 
+# ------------------------------------------------------------------------ two passes over one softmax
+
+
+def test_first_pass_writes_each_rows_log2_sum_exp2():
+    """``lse=``: each row's log2-sum-exp2 of its scaled, visible scores; -inf for a row that saw no key."""
+    B, Hq, Hkv, N, D, b = 2, 4, 2, 70, 32, 16
+    q, k, v = random_qkv(B, Hq, Hkv, N, N, D, device=DEV)
+    plan = causal_plan(B, Hq, N, N, b, b, device=DEV)
+    plan = plan.with_options(tile_counts=plan.tile_counts.index_fill(2, torch.tensor([2], device=DEV), 0))
+    lse = torch.full((B, Hq, N), 7.0, device=DEV)
+    out = _kernel(q, k, v, plan, scale=0.3, lse=lse)
+    kk = k.double().repeat_interleave(Hq // Hkv, 1)
+    s = (q.double() @ kk.transpose(-1, -2) * 0.3).masked_fill(torch.ones(N, N, dtype=torch.bool, device=DEV).triu(1),
+                                                            float("-inf"))
+    want = torch.logsumexp(s, -1) / math.log(2)
+    empty = torch.zeros(N, dtype=torch.bool, device=DEV)
+    empty[2 * b:3 * b] = True  # query block 2 lists no tile
+    want[:, :, empty] = float("-inf")
+    torch.testing.assert_close(lse.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[:, :, empty], torch.zeros_like(out[:, :, empty]))
+
+
+@pytest.mark.parametrize("permuted", [False, True], ids=["in-order", "permuted-queries"])
+@pytest.mark.parametrize("early_stop", [0.0, 0.05])
+def test_two_passes_over_one_softmax_equal_one_pass(permuted, early_stop):
+    """S2O's window pass: the masked tiles alone, writing ``lse``; then ``skip_masked`` + ``resume``, the unmasked
+    tiles from that state. The same output and early-stop decisions as one pass over the whole list; the second
+    pass counts its own tiles. Rows whose first pass saw nothing (lse = -inf) resume from an empty state."""
+    B, Hq, Hkv, N, D, b = 2, 4, 2, 100, 32, 16
+    q, k, v = _sink_qkv(B, Hq, Hkv, N, N, D, torch.float32)
+    # queries permuted inside segments of 32 (as S2O's): tiles of earlier segments stay fully visible
+    qi = _segment_permutation(B, Hq, N, seg=32, device=DEV) if permuted else None
+    vis = expand_heads(block_visibility(N, N, b, b, query_index=qi, batch=B, heads=Hq, device=DEV), Hq)
+    keep = torch.rand(vis.shape, device=DEV) < 0.7
+    keep[:, 0, 3, 2:4] = False  # block 3 (rows 48-63) keeps none of its own segment's tiles: no first pass
+    plan = plan_from_block_mask(keep, vis, b, b, query_index=qi, early_stop=early_stop)
+    masked = torch.minimum(plan.masked_counts, plan.tile_counts)
+    assert bool((masked == 0).any()) and bool((masked > 0).any())  # both kinds of first pass
+    one, one_visited = _kernel(q, k, v, plan, return_visited=True)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=DEV)
+    out = _kernel(q, k, v, plan.with_options(tile_counts=masked, early_stop=0.0), lse=lse)
+    two, two_visited = _kernel(q, k, v, plan, return_visited=True, out=out, lse=lse, resume=True, skip_masked=True)
+    assert two.data_ptr() == out.data_ptr()  # resumed in place
+    _assert_close(two, one, torch.float32)
+    assert torch.equal(two_visited + masked, one_visited)
+
+
+def test_two_pass_arguments_are_checked():
+    B, H, N, D = 1, 2, 32, 16
+    q, k, v = random_qkv(B, H, H, N, N, D, device=DEV)
+    plan = causal_plan(B, H, N, N, 16, 16, device=DEV)
+    lse = torch.zeros(B, H, N, device=DEV)
+    with pytest.raises(ValueError, match="resume=True .* needs that pass's out and lse"):
+        _kernel(q, k, v, plan, lse=lse, resume=True)
+    with pytest.raises(ValueError, match="lse must be a float32 tensor of shape"):
+        _kernel(q, k, v, plan, lse=lse.double())
+    with pytest.raises(ValueError, match="out must be a"):
+        _kernel(q, k, v, plan, out=q[:, :, :8])
+    with pytest.raises(ValueError, match="reference runs a plan in one pass"):
+        execute_plan(q, k, v, plan, kernel="reference", lse=lse)
+
+
 # ------------------------------------------------------------------------------- early stop and P.V skip
 
 
@@ -474,12 +536,12 @@ except ImportError:
 m = importlib.import_module("sparse_compile.kernels.attention")
 fn = m._block_sparse_attn_fwd
 pointers = {"Q": "bf16", "K": "bf16", "V": "bf16", "Out": "bf16", "TileOffsets": "i32", "TileCounts": "i32",
-            "MaskedCounts": "i32", "KeyIndex": "i32", "QueryIndex": "i32", "Visited": "i32"}
+            "MaskedCounts": "i32", "KeyIndex": "i32", "QueryIndex": "i32", "Visited": "i32", "Lse": "fp32"}
 for tma, gather, stop in ((1, 0, 0), (0, 1, 0), (1, 0, 1)):
     const = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=128, BLOCK_N=128, Q_SPLIT=1, TILE_SPLIT=1,
                  HAS_KIDX=bool(gather), HAS_QIDX=False, KEY_GATHER=bool(gather), USE_TMA=bool(tma),
                  EARLY_STOP=bool(stop), PV_SKIP=bool(stop), WRITE_VISITED=True, DOT_PREC="tf32", INT64_ROWS=False,
-                 STAGES=3, MASKED_STAGES=2)
+                 STAGES=3, MASKED_STAGES=2, SKIP_MASKED=bool(stop), RESUME=bool(stop), WRITE_LSE=bool(tma and not stop))
     sig = {}
     for name in fn.arg_names:
         if name in const:
@@ -543,12 +605,12 @@ def _gpu_sparse_plan(B, H, Nq, Nk, bm, bn, density, **kw):
     return plan_from_block_mask(keep, vis, bm, bn, **kw)
 
 
-def _segment_permutation(batch, heads, n, seg=256):
+def _segment_permutation(batch, heads, n, seg=256, device="cuda"):
     """Random order inside consecutive segments of ``seg`` positions (as PBS-Attn / S2O reorder), int32."""
     nseg = -(-n // seg)
-    r = torch.rand(batch, heads, nseg, seg, device="cuda")
+    r = torch.rand(batch, heads, nseg, seg, device=device)
     r[..., -1, n - (nseg - 1) * seg:] = 2.0  # positions past n sort last in the last segment, then are cut
-    idx = torch.argsort(r, -1) + torch.arange(nseg, device="cuda")[:, None] * seg
+    idx = torch.argsort(r, -1) + torch.arange(nseg, device=device)[:, None] * seg
     return idx.flatten(2)[..., :n].to(torch.int32).contiguous()
 
 
@@ -914,10 +976,56 @@ def test_gpu_s2o_keys_gathered_in_place_agree_with_copies(monkeypatch):
                                  query_index=plan.query_index, early_stop=plan.early_stop)
     before = A.BACKEND_CALLS["hopper"]
     gathered, gathered_visited = execute_s2o(q, k, v, plan, scale, config, return_visited=True)
-    assert A.BACKEND_CALLS["hopper"] == before + 1, A._HOPPER_FAILED  # one call, no chunks
+    assert A.BACKEND_CALLS["hopper"] == before + 2, A._HOPPER_FAILED  # the window pass, then one walk: no chunks
     copied, copied_visited = execute_s2o(q, k, v, plan, scale, config, return_visited=True, key_mode="copy")
     assert A.BACKEND_CALLS["hopper"] > before + 2  # the copies run in segment chunks
     _assert_close(gathered, copied, torch.bfloat16, "gathered vs copied keys")
     assert (gathered_visited == copied_visited).float().mean().item() > 0.99
     assert int(gathered_visited.sum()) < int(plan.tile_counts.sum())  # the walks stopped early
+    # the window pass against one pass over the plan (the masked squares in the walk): same output, same stops
+    monkeypatch.setattr(s2o, "WINDOW_PASS", False)
+    one, one_visited = execute_s2o(q, k, v, plan, scale, config, return_visited=True)
+    _assert_close(gathered, one, torch.bfloat16, "window pass vs one pass")
+    window_counts = s2o._window_tables(N, 256, 128, 128, q.device)[1]
+    masked = torch.minimum(plan.masked_counts, plan.tile_counts)
+    assert (gathered_visited == one_visited - masked + window_counts).float().mean().item() > 0.99
+    ref = reference_attention(q, k, v, plan, scale)
+    _assert_close(one, ref, torch.bfloat16, "one pass vs reference")
+
+
+@gpu
+@hopper_gpu
+@pytest.mark.parametrize("keys", ["copy", "gather"])
+def test_gpu_hopper_two_passes_equal_one_pass(keys):
+    """The Hopper kernel's first pass writes each row's log2-sum-exp2 (against float64), and a walk resumed from
+    it (``skip_masked``, ``resume``: S2O's window pass) matches one pass over the list: outputs, early stops."""
+    H = importlib.import_module("sparse_compile.kernels.hopper")
+    B, Hq, Hkv, N, D = 1, 8, 2, 3000, 128
+    q, k, v = _sink_qkv(B, Hq, Hkv, N, N, D, torch.bfloat16, strength=1.0, device="cuda")
+    causal = causal_plan(B, Hq, N, N, 128, 128, device="cuda")
+    lse = torch.empty(B, Hq, N, dtype=torch.float32, device="cuda")
+    H.hopper_block_sparse_attention(q, k, v, causal.tile_offsets, causal.tile_counts, causal.masked_counts,
+                                    block_n=128, lse=lse)
+    kk = k.double().repeat_interleave(Hq // Hkv, 1)
+    s = (q.double() @ kk.transpose(-1, -2) / math.sqrt(D)).masked_fill(
+        torch.ones(N, N, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1) / math.log(2), rtol=1e-4, atol=1e-3)
+    del s, kk
+    qi = _segment_permutation(B, Hq, N)
+    ki = _segment_permutation(B, Hkv, N)
+    plan = _gpu_sparse_plan(B, Hq, N, N, 128, 128, 0.5, query_index=qi, key_index=ki, early_stop=0.02)
+    masked = torch.minimum(plan.masked_counts, plan.tile_counts)
+    options = dict(block_n=128, key_index=ki, query_index=qi, early_stop=plan.early_stop, return_visited=True,
+                   key_gather=keys == "gather")
+    one, one_visited = H.hopper_block_sparse_attention(q, k, v, plan.tile_offsets, plan.tile_counts,
+                                                       plan.masked_counts, **options)
+    out = H.hopper_block_sparse_attention(q, k, v, plan.tile_offsets, masked, plan.masked_counts, lse=lse,
+                                          **dict(options, early_stop=0.0, return_visited=False))
+    two, two_visited = H.hopper_block_sparse_attention(q, k, v, plan.tile_offsets, plan.tile_counts,
+                                                       plan.masked_counts, out=out, lse=lse, resume=True,
+                                                       skip_masked=True, **options)
+    assert two.data_ptr() == out.data_ptr()
+    _assert_close(two, one, torch.bfloat16, "two passes vs one")
+    assert (two_visited + masked == one_visited).float().mean().item() > 0.99
+    assert int(two_visited.sum()) < int((plan.tile_counts - masked).sum())  # the walks stopped early
 

@@ -294,7 +294,7 @@ def select_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: 
                             early_stop=float(params.early_stop))
 
 
-# -- execution in segment chunks: O(N) extra memory -----------------------------------------------------------
+# -- execution: the intra-segment window as its own pass, then the ranked prefix in segment chunks -----------------
 #: the longest slice of the ranked key list run at once, in sequence lengths. The kernel reads keys in list order
 #: from a permuted copy of K and V; the whole list is ~N^2 / 2S long (17 GiB of copies at 128K), so the plan runs
 #: in chunks of whole segments, each over its own slice of the list and K/V cut at the chunk's last position.
@@ -303,29 +303,86 @@ LIST_BUDGET = 2
 #: chunks cost more than their copies (each launch's tail, the short lists of the first segments). H100, S2O at
 #: 32K: five chunks ran at 0.62 of the dense kernel per visited tile, one piece at 0.69.
 COPY_BYTES_FLOOR = 2 << 30
+#: the kernels run a plan's masked tiles (each block's own-segment keys) as a pass of their own: the causal
+#: triangle of every segment in the original query order (one masked tile per block, the diagonal), then the
+#: ranked-prefix walk resumes from its rows' softmax state. With sorted queries a block's rows spread over its
+#: whole segment, so in one pass it visits the segment's full square of tiles, every score masked by position;
+#: the triangle holds half of them and almost no masks. Same keys per row, same early-stop rule.
+WINDOW_PASS = True
+
+
+@functools.lru_cache(maxsize=64)
+def _window_tables(n: int, segment: int, block_m: int, block_n: int, device: torch.device):
+    """(tile_offsets, tile_counts, masked_counts) of the intra-segment causal window in the original query order,
+    each (1, 1, blocks, ...): block i (rows r0..r1 of segment s0..) lists the tiles holding a key in (r0, r1]
+    (masked) first, then the segment's tiles before them (fully visible to every row)."""
+    nqb = cdiv(n, block_m)
+    r0 = torch.arange(nqb, device=device) * block_m
+    r1 = torch.clamp(r0 + block_m, max=n) - 1
+    first = (r0 // segment) * segment // block_n  # the segment's first tile
+    masked_from = torch.maximum(first, (r0 + 1) // block_n)  # tiles from here on hold a key after r0
+    last = r1 // block_n
+    n_masked = last - masked_from + 1
+    counts = last - first + 1
+    t = torch.arange(segment // block_n, device=device)
+    tiles = torch.where(t < n_masked[:, None], masked_from[:, None] + t, first[:, None] + t - n_masked[:, None])
+    offsets = torch.where(t < counts[:, None], tiles * block_n, torch.zeros_like(tiles))
+    as_table = lambda x: x.to(torch.int32)[None, None].contiguous()  # noqa: E731
+    return as_table(offsets), as_table(counts), as_table(n_masked)
+
+
+def _uses_window_pass(q: torch.Tensor, kernel: str) -> bool:
+    return WINDOW_PASS and (kernel == "triton" or (kernel == "auto" and q.is_cuda))
 
 
 def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale, config, *,
                 kernel: str = "auto", return_visited: bool = False, key_mode: str = "auto"):
-    """``execute_plan`` for S2O's plans in O(N) extra memory: one call when the kernel reads the ranked keys in
-    place (the Hopper kernel gathers them for lists over 12 x N, i.e. from 64K at S=2048:
-    ``kernels.attention.reads_keys_in_place``; ``key_mode="auto"``), else segment chunk by segment chunk over
-    permuted K/V copies (``key_mode="copy"`` forces it; same result).
+    """``execute_plan`` for S2O's plans, in O(N) extra memory.
 
+    On the kernels (``WINDOW_PASS``), two passes: the plan's masked tiles are each block's own-segment keys, run as
+    the causal triangle of every segment in the original query order (``_window_tables``), writing each row's
+    log2-sum-exp2; then the ranked-prefix walk (the plan's unmasked tiles, early stop) resumes from that state. Its
+    visited counts are the tiles the two passes computed. The reference runs the plan in one pass (the spec).
+
+    The ranked walk is one call when the kernel reads the ranked keys in place (the Hopper kernel gathers them for
+    lists over 12 x N, i.e. from 64K at S=2048: ``kernels.attention.reads_keys_in_place``; ``key_mode="auto"``),
+    else segment chunk by segment chunk over permuted K/V copies (``key_mode="copy"`` forces it; same result).
     Segment n's queries are physical rows [nS, (n+1)S) (the query sort stays inside segments) and its keys are
     list entries [base[n], base[n+1]), all physical keys < (n+1)S. So a chunk of segments is a chunked prefill:
     its queries are the last positions of K/V cut at the chunk's end.
     """
     if key_mode not in ("auto", "copy"):
         raise ValueError(f"execute_s2o: key_mode must be 'auto' or 'copy', got {key_mode!r}")
+    params = config.params_of("s2o")
+    passes = {}
+    window_visits = None
+    if _uses_window_pass(q, kernel):
+        batch, heads, n = q.shape[:3]
+        tables = [t.expand(batch, heads, *t.shape[2:]) for t in
+                  _window_tables(n, params.segment_size, plan.block_m, plan.block_n, q.device)]
+        window = BlockPlan(block_m=plan.block_m, block_n=plan.block_n, tile_offsets=tables[0],
+                           tile_counts=tables[1], masked_counts=tables[2])
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        out = execute_plan(q, k, v, window, scale, kernel=kernel, lse=lse)
+        passes = {"out": out, "lse": lse, "resume": True, "skip_masked": True}
+        window_visits = tables[1]
+    result = _ranked_walk(q, k, v, plan, scale, params, kernel, return_visited, key_mode, passes)
+    if window_visits is None or not return_visited:
+        return result
+    out, visited = result
+    return out, visited + window_visits
+
+
+def _ranked_walk(q, k, v, plan: BlockPlan, scale, params, kernel: str, return_visited: bool, key_mode: str,
+                 passes: dict):
+    """The plan (with ``passes``: its unmasked tiles, resumed from the window pass) in one call or segment chunks."""
     if key_mode == "auto" and kernel != "reference" and q.is_cuda:
         from ..kernels.attention import reads_keys_in_place
 
         if reads_keys_in_place(q, k, v, plan.tile_offsets, block_m=plan.block_m, block_n=plan.block_n,
                                key_index=plan.key_index, query_index=plan.query_index, early_stop=plan.early_stop,
                                pv_skip=plan.pv_skip):
-            return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited)
-    params = config.params_of("s2o")
+            return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited, **passes)
     n = q.shape[-2]
     copied = "copy" if kernel != "reference" else "auto"  # the kernels read each chunk's keys from a copy
     layout = s2o_layout(n, params.segment_size, plan.block_n)
@@ -341,8 +398,10 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
     chunks.append((start, segments))
     if len(chunks) == 1:
         return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited,
-                            key_mode=copied)
-    out = torch.empty_like(q) if v.shape[-1] == q.shape[-1] else q.new_empty((*q.shape[:-1], v.shape[-1]))
+                            key_mode=copied, **passes)
+    out = passes.get("out")
+    if out is None:
+        out = torch.empty_like(q) if v.shape[-1] == q.shape[-1] else q.new_empty((*q.shape[:-1], v.shape[-1]))
     visited = None
     if return_visited:
         visited = torch.zeros((q.shape[0], q.shape[1], plan.num_query_blocks), dtype=torch.int32, device=q.device)
@@ -363,11 +422,14 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
             query_index=None if plan.query_index is None else plan.query_index[..., row0:row1] - row0,
             early_stop=plan.early_stop, pv_skip=plan.pv_skip,
         )
+        chunk_passes = {}
+        if passes:  # the chunk resumes its own rows, in place
+            chunk_passes = dict(passes, out=out[:, :, row0:row1], lse=passes["lse"][:, :, row0:row1])
         result = execute_plan(q[:, :, row0:row1], k[:, :, :row1], v[:, :, :row1], chunk_plan, scale, kernel=kernel,
-                              return_visited=return_visited, key_mode=copied)
+                              return_visited=return_visited, key_mode=copied, **chunk_passes)
         if return_visited:
-            out[:, :, row0:row1], visited[:, :, block0:block1] = result
-        else:
+            result, visited[:, :, block0:block1] = result
+        if not passes:
             out[:, :, row0:row1] = result
     return (out, visited) if return_visited else out
 
