@@ -21,7 +21,9 @@ strides are 16-byte aligned (TMA); or, with ``key_gather`` (the default for list
 S2O's ranked prefixes), keys read in place through the index by a 4-warp load partition with cp.async (no copy of
 a list ~N^2/2S rows long; a gathered tile costs 10-16% more than a TMA one); GQA (Hq a multiple of Hkv), tables
 with Hq or Hkv heads; ``Nq <= Nk``.
-``return_visited`` gives the tiles each block computed.
+``return_visited`` gives the tiles each block computed. Two passes over one softmax (S2O's window pass, then its
+resumed walk): ``lse=`` stores each row's log2-sum-exp2, ``resume=True`` starts each row from ``out`` and ``lse``,
+``skip_masked=True`` walks only the unmasked tiles (``kernels.attention.block_sparse_attention`` documents them).
 
 Early stop (the plan's rule: after each unmasked tile, the block stops when no real row of its 128 gained at least
 tau of its denominator; the stopping tile counts). Each compute warpgroup holds 64 of the rows, so the decision is
