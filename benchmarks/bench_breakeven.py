@@ -320,8 +320,8 @@ def s2o_parts(args) -> None:
     inside a forward pass (host time then shows only where it exceeds GPU time)."""
     from bench_methods import structured_inputs
     import sparse_compile.methods.s2o as s2o_method
-    from sparse_compile.methods.s2o import _window_tables
-    from sparse_compile.plan import BlockPlan, causal_plan, causal_tile_count
+    from sparse_compile.methods.s2o import _window_plan
+    from sparse_compile.plan import causal_plan, causal_tile_count
 
     rows = []
     scale = 1.0 / math.sqrt(D)
@@ -339,12 +339,10 @@ def s2o_parts(args) -> None:
             _, one_visited = one_pass(lambda: _execute(q, k, v, plan, scale, config, "triton", True))()
             unsorted_plan = build_plan(q, k, scale, unsorted)
             _, unsorted_visited = _execute(q, k, v, unsorted_plan, scale, unsorted, "triton", True)
-            tables = [t.expand(1, HQ, *t.shape[2:]) for t in _window_tables(n, params.segment_size, 128, 128,
-                                                                           q.device)]
-            window = BlockPlan(128, 128, *tables)
-            window_tiles = float(tables[1].sum())  # already expanded to every query head
+            window = _window_plan(q, params.segment_size, 128, 128)
+            window_tiles = float(window.tile_counts.sum())  # already expanded to every query head
             masked = torch.minimum(plan.masked_counts, plan.tile_counts)
-            walked = visited - tables[1]  # the tiles the resumed walk computed
+            walked = visited - window.tile_counts  # the tiles the resumed walk computed
             static = _static_plan(plan, walked + masked)
             lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
             state = execute_plan(q, k, v, window, scale, kernel="triton", lse=lse)

@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 
 from .common import interpreting
-from .validate import MAX_HEAD_DIM, cdiv, validate_qkv
+from .validate import MAX_HEAD_DIM, cdiv, validate_passes, validate_qkv
 
 try:  # host-side tensor descriptors (TMA) exist from Triton 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -603,20 +603,6 @@ def _permute_keys(k: torch.Tensor, v: torch.Tensor, key_index: torch.Tensor, hea
     return kp, vp
 
 
-def _validate_passes(q, out, lse, resume) -> None:
-    """``out`` / ``lse`` / ``resume`` of a two-pass call (``block_sparse_attention``'s docstring)."""
-    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
-                            or out.device != q.device):
-        _fail(f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}, got "
-              f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
-    if lse is not None and (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32
-                            or lse.shape != q.shape[:3] or lse.device != q.device):
-        _fail(f"lse must be a float32 tensor of shape {tuple(q.shape[:3])} (B, Hq, Nq) on {q.device}, got "
-              f"{getattr(lse, 'dtype', type(lse).__name__)} {tuple(getattr(lse, 'shape', ()))}")
-    if resume and (out is None or lse is None):
-        _fail("resume=True continues from a first pass: it needs that pass's out and lse")
-
-
 def _key_layout(k, v, key_index, key_mode: str, head_dim_pad: int):
     """(K, V as the loop reads them, gather?): the permuted copy, gathered rows, or K/V themselves."""
     if key_mode not in ("auto", "gather", "copy"):
@@ -751,7 +737,7 @@ def block_sparse_attention(
     global last_backend
     _validate(q, k, v, tile_offsets, tile_counts, masked_counts, block_m, block_n, key_index, query_index,
               early_stop, pv_skip)
-    _validate_passes(q, out, lse, resume)
+    validate_passes(q, out, lse, resume, who="block_sparse_attention")
     if pv_skip is not None and pv_skip_is_negligible(pv_skip, k.shape[2], q.dtype):
         pv_skip = None
     B, Hq, Nq, D = q.shape

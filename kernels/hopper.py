@@ -73,7 +73,7 @@ from typing import Optional
 
 import torch
 
-from .validate import cdiv, validate_qkv
+from .validate import cdiv, validate_passes, validate_qkv
 
 __all__ = ["hopper_block_sparse_attention", "HOPPER_VARIANTS", "hopper_unsupported", "gathers_by_default",
            "GLUON_IMPORT_ERROR"]
@@ -880,6 +880,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     if why is not None:
         raise NotImplementedError(f"hopper_block_sparse_attention: {why}")
     validate_qkv(q, k, v, who="hopper_block_sparse_attention")
+    validate_passes(q, out, lse, resume, who="hopper_block_sparse_attention")
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     nqb = cdiv(Nq, BLOCK_M)
@@ -912,14 +913,8 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
 
     if out is None:
         out = torch.empty(B, Nq, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"hopper_block_sparse_attention: out must be a {q.dtype} tensor of q's shape on {q.device}")
     elif out.stride(-1) != 1 or not _is_16b_aligned(out):
         raise NotImplementedError("hopper_block_sparse_attention: out's strides are not TMA-compatible")
-    if lse is not None and (lse.dtype != torch.float32 or lse.shape != q.shape[:3] or lse.device != q.device):
-        raise ValueError(f"hopper_block_sparse_attention: lse must be a float32 {tuple(q.shape[:3])} tensor")
-    if resume and (lse is None):
-        raise ValueError("hopper_block_sparse_attention: resume=True needs the first pass's out and lse")
     visited = None
     if early_stop > 0:
         # the kernel writes how far each block walked (both when asked and as its scratch otherwise)

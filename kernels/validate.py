@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "MAX_HEAD_DIM", "cdiv", "validate_qkv", "expand_heads"]
+__all__ = ["SUPPORTED_DTYPES", "MAX_HEAD_DIM", "cdiv", "validate_qkv", "validate_passes", "expand_heads"]
 
 #: the dtypes the sparse path (kernels, planners, reference) serves
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -22,6 +22,22 @@ MAX_HEAD_DIM = 256
 def cdiv(a: int, b: int) -> int:
     """Ceil division of non-negative integers."""
     return -(-a // b)
+
+
+def validate_passes(q, out, lse, resume: bool, *, who: str) -> None:
+    """ValueError naming the first problem of a two-pass call's ``out`` / ``lse`` / ``resume`` (the kernels' host
+    wrappers: ``kernels.attention.block_sparse_attention`` documents them)."""
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
+                            or out.device != q.device):
+        raise ValueError(f"{who}: out must be a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}, got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+    if lse is not None and (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32
+                            or lse.shape != q.shape[:3] or lse.device != q.device):
+        raise ValueError(f"{who}: lse must be a float32 tensor of shape {tuple(q.shape[:3])} (B, Hq, Nq) on "
+                         f"{q.device}, got {getattr(lse, 'dtype', type(lse).__name__)} "
+                         f"{tuple(getattr(lse, 'shape', ()))}")
+    if resume and (out is None or lse is None):
+        raise ValueError(f"{who}: resume=True continues from a first pass: it needs that pass's out and lse")
 
 
 def validate_qkv(q, k, v, *, who: str, dtypes: tuple = SUPPORTED_DTYPES) -> None:

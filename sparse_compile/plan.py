@@ -49,6 +49,7 @@ from .kernels.validate import SUPPORTED_DTYPES, cdiv, expand_heads, validate_qkv
 __all__ = [
     "BlockPlan",
     "execute_plan",
+    "runs_on_kernels",
     "plan_density",
     "reference_attention",
     "check_plan",
@@ -280,6 +281,11 @@ def plan_density(plan: BlockPlan, num_queries: int, num_keys: int, num_heads: Op
     return counts.to(torch.float32) / max(total, 1)
 
 
+def runs_on_kernels(q: torch.Tensor, kernel: str) -> bool:
+    """Whether ``execute_plan(..., kernel=kernel)`` runs the kernels (not the PyTorch reference) for ``q``."""
+    return kernel == "triton" or (kernel == "auto" and q.is_cuda)
+
+
 def execute_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: Optional[float] = None,
                  *, kernel: str = "auto", return_visited: bool = False, check: bool = False,
                  key_mode: str = "auto", config=None, out=None, lse=None, resume: bool = False,
@@ -300,7 +306,7 @@ def execute_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockP
         raise ValueError(f"execute_plan: plan must be a sparse_compile.plan.BlockPlan, got {type(plan).__name__}")
     if check:
         check_plan(plan, q, k)
-    if kernel == "triton" or (kernel == "auto" and q.is_cuda):
+    if runs_on_kernels(q, kernel):
         from .kernels import block_sparse_attention
 
         return block_sparse_attention(

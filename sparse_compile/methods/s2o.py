@@ -39,7 +39,7 @@ import torch
 from ..config import MethodParams, check_block, check_fraction, check_int, fail
 from ..kernels.host import segmented_argsort_desc
 from ..kernels.validate import cdiv
-from ..plan import BlockPlan, execute_plan
+from ..plan import BlockPlan, execute_plan, runs_on_kernels
 from ..registry import DensityKnob, Method, register_method
 from ._common import Reordering, Unsupported, block_mean, chunk_count, compute_dtype, finite_row_mean
 from ._fast import plan_from_tables
@@ -331,8 +331,12 @@ def _window_tables(n: int, segment: int, block_m: int, block_n: int, device: tor
     return as_table(offsets), as_table(counts), as_table(n_masked)
 
 
-def _uses_window_pass(q: torch.Tensor, kernel: str) -> bool:
-    return WINDOW_PASS and (kernel == "triton" or (kernel == "auto" and q.is_cuda))
+def _window_plan(q: torch.Tensor, segment: int, block_m: int, block_n: int) -> BlockPlan:
+    """The window pass's plan for q's (batch, query heads): ``_window_tables`` expanded with stride 0."""
+    batch, heads, n = q.shape[:3]
+    tables = [t.expand(batch, heads, *t.shape[2:]) for t in _window_tables(n, segment, block_m, block_n, q.device)]
+    return BlockPlan(block_m=block_m, block_n=block_n, tile_offsets=tables[0], tile_counts=tables[1],
+                     masked_counts=tables[2])
 
 
 def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale, config, *,
@@ -356,16 +360,12 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
     params = config.params_of("s2o")
     passes = {}
     window_visits = None
-    if _uses_window_pass(q, kernel):
-        batch, heads, n = q.shape[:3]
-        tables = [t.expand(batch, heads, *t.shape[2:]) for t in
-                  _window_tables(n, params.segment_size, plan.block_m, plan.block_n, q.device)]
-        window = BlockPlan(block_m=plan.block_m, block_n=plan.block_n, tile_offsets=tables[0],
-                           tile_counts=tables[1], masked_counts=tables[2])
+    if WINDOW_PASS and runs_on_kernels(q, kernel):
+        window = _window_plan(q, params.segment_size, plan.block_m, plan.block_n)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         out = execute_plan(q, k, v, window, scale, kernel=kernel, lse=lse)
         passes = {"out": out, "lse": lse, "resume": True, "skip_masked": True}
-        window_visits = tables[1]
+        window_visits = window.tile_counts
     result = _ranked_walk(q, k, v, plan, scale, params, kernel, return_visited, key_mode, passes)
     if window_visits is None or not return_visited:
         return result
