@@ -17,7 +17,8 @@ from this CPU machine, so the JSON records the manifest, including the long held
 that ``quality.py`` and ``attention_map.py`` evaluate on: they re-read exactly those files and check the hashes.
 
 Model: ``examples/model.py``'s Transformer (RoPE, GQA, SDPA causal attention) with head_dim 64 so that the
-sparse kernels apply. Training: AdamW, cosine LR with warm-up, bf16 autocast, fixed seed, a length curriculum
+sparse kernels apply. Training: AdamW (``--retrieval``: Muon for the blocks' weight matrices), cosine LR with
+warm-up, bf16 autocast, fixed seed, a length curriculum
 (4K then 16K then 32K contexts, about the same tokens per step), and a step count calibrated from measured
 step times so that the run fits a wall-clock budget. The checkpoint stores bf16 weights (a few MB).
 """
@@ -477,6 +478,125 @@ def parse_phases(text: str) -> list[tuple[int, int, float]]:
     return [(s, b, w / total) for s, b, w in phases]
 
 
+def orthogonalized(update: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Each matrix's polar factor U V^T (batched over leading dims), approximately: singular values pushed into
+    about [0.7, 1.2] by a quintic Newton-Schulz iteration in bf16 on the wide orientation, whose coefficients
+    favour a fast rise of small singular values over exact convergence (Muon, Jordan et al. 2024)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = update.bfloat16()
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x.mT if tall else x).to(update.dtype)
+
+
+class Muon(torch.optim.Optimizer):
+    """Momentum SGD whose step for each weight matrix is its Nesterov momentum orthogonalised (every direction
+    moves at the same rate), scaled by sqrt(max(1, rows / cols)). ``row_splits`` maps a parameter to the row
+    counts of the matrices it stacks (a fused q/k/v projection), orthogonalised one by one. Matrices of one
+    shape are orthogonalised as one batch (a few dozen launches per step, not hundreds). Only for 2-D hidden
+    weights: embeddings, the output head and norm gains stay with AdamW."""
+
+    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0,
+                 row_splits: Optional[dict] = None):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+        self.row_splits = row_splits or {}
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            by_shape: dict = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum" not in state:
+                    state["momentum"] = torch.zeros_like(p.grad)
+                buf = state["momentum"]
+                buf.mul_(group["momentum"]).add_(p.grad)
+                update = p.grad.add(buf, alpha=group["momentum"])
+                if group["weight_decay"]:
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                start = 0
+                for rows in self.row_splits.get(p, (p.shape[0],)):
+                    part = update[start:start + rows]
+                    by_shape.setdefault(tuple(part.shape), []).append((p, start, part))
+                    start += rows
+            for (rows, cols), parts in by_shape.items():
+                steps = orthogonalized(torch.stack([part for _, _, part in parts]))
+                scale = max(1.0, rows / cols) ** 0.5
+                for (p, start, _), step in zip(parts, steps):
+                    p[start:start + rows].add_(step, alpha=-group["lr"] * scale)
+
+
+def make_optimizers(model, args, device) -> list:
+    """AdamW for everything (``--optimizer adamw``), or Muon for the blocks' weight matrices and AdamW for the
+    embedding, the output head and the norm gains (``--optimizer muon``). Each group keeps its peak rate in
+    ``peak_lr``; the schedule scales it."""
+    fused = device.type == "cuda"
+    if args.optimizer == "adamw":
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms: decaying their gains only hurts
+        opts = [torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)]
+    else:
+        hidden, splits = [], {}
+        for block in model.layers:
+            for name, p in block.named_parameters():
+                if p.dim() == 2:
+                    hidden.append(p)
+                    if name.endswith("wqkv.weight"):
+                        attn = block.attention
+                        splits[p] = (attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim,
+                                     attn.n_kv_heads * attn.head_dim)
+        hidden_ids = {id(p) for p in hidden}
+        rest = [p for p in model.parameters() if id(p) not in hidden_ids]
+        opts = [Muon(hidden, lr=args.muon_lr, weight_decay=0.0, row_splits=splits),
+                torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
+                                   {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)]
+    for opt in opts:
+        for group in opt.param_groups:
+            group["peak_lr"] = group["lr"]
+    return opts
+
+
+def optimizer_step_seconds(model, args, device, sync, repeats: int = 7) -> float:
+    """Median time of one step of ``args.optimizer``'s optimizers, on a copy of the model with random gradients.
+    On the GPU it is the device's time: in training the host launches a step while the previous one runs, so
+    the launches' host time is hidden (timing it with the host clock over-counted Muon's step ~5x)."""
+    import copy
+
+    probe = copy.deepcopy(model)
+    for p in probe.parameters():
+        p.grad = torch.randn_like(p)
+    opts = make_optimizers(probe, args, device)
+    times = []
+    for _ in range(repeats):
+        sync()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(50_000_000)  # ~25 ms of GPU work queued first: the launches below run ahead of it
+            start.record()
+            for opt in opts:
+                opt.step()
+            end.record()
+            sync()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            t = time.perf_counter()
+            for opt in opts:
+                opt.step()
+            times.append(time.perf_counter() - t)
+    del probe, opts
+    return sorted(times[2:])[len(times[2:]) // 2]
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int, floor: float) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -497,6 +617,10 @@ def main(argv=None) -> dict:
                         help="seconds of training steps; the step count is calibrated from measured step times")
     parser.add_argument("--steps", type=int, default=None, help="fixed total step count (overrides --time-budget)")
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--optimizer", choices=("adamw", "muon"), default=None,
+                        help="muon: orthogonalised momentum for the blocks' weight matrices, AdamW for the rest "
+                             "(default: muon with --retrieval, which trained the committed model 3; adamw otherwise)")
+    parser.add_argument("--muon-lr", type=float, default=0.02, help="--optimizer muon: peak rate of Muon's groups")
     parser.add_argument("--warmup", type=int, default=150)
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--max-train-bytes", type=int, default=None)
@@ -538,6 +662,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.retrieval and args.name == "small_lm":
         args.name = "retrieval_lm"
+    if args.optimizer is None:
+        args.optimizer = "muon" if args.retrieval else "adamw"
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     smoke = args.smoke
@@ -591,11 +717,7 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     n_params = param_count(model)
     print(f"model: {dataclasses.asdict(model_args)}; {n_params / 1e6:.2f} M parameters; device {device}")
 
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms: decaying their gains only hurts
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    opts = make_optimizers(model, args, device)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     import random
 
@@ -637,8 +759,12 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
                 train_loss(x, y, weight)[0].backward()
                 sync()
                 times.append(time.perf_counter() - t)
-                opt.zero_grad(set_to_none=True)
+                model.zero_grad(set_to_none=True)
             step_times.append(sorted(times[2:])[len(times[2:]) // 2] * 1.03)  # median after warm-up, + optimizer
+        if args.optimizer != "adamw":
+            # the 3% above is AdamW's share; other optimizers' steps are timed on a copy (the weights stay)
+            extra = optimizer_step_seconds(model, args, device, sync)
+            step_times = [t + extra for t in step_times]
         phase_steps = [max(1, int(share * time_budget / st)) for (_, _, share), st in zip(phases, step_times)]
     else:
         phase_steps = [max(1, round(share * steps_total)) for _, _, share in phases]
@@ -654,15 +780,18 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     model.train()
     for (seq, batch, _), n_steps in zip(phases, phase_steps):
         for _ in range(n_steps):
-            lr = lr_at(step, total_steps, args.lr, min(args.warmup, max(1, total_steps // 10)), 0.1)
-            for group in opt.param_groups:
-                group["lr"] = lr
+            factor = lr_at(step, total_steps, 1.0, min(args.warmup, max(1, total_steps // 10)), 0.1)
+            lr = args.lr * factor
+            for opt in opts:
+                for group in opt.param_groups:
+                    group["lr"] = group["peak_lr"] * factor
             x, y, weight = next_batch(seq, batch, gen)
             objective, loss = train_loss(x, y, weight)
             objective.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            for opt in opts:
+                opt.step()
+            model.zero_grad(set_to_none=True)
             running += loss.detach()
             running_n += 1
             step += 1
@@ -705,7 +834,10 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
             "seed": args.seed, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "python": platform.python_version(), "smoke": smoke,
             "precision": "bf16 autocast, fp32 master weights" if amp else "fp32",
-            "optimizer": {"name": "AdamW", "lr": args.lr, "betas": [0.9, 0.95], "weight_decay": args.weight_decay,
+            "optimizer": {"name": "AdamW" if args.optimizer == "adamw" else
+                          "Muon (blocks' weight matrices, momentum 0.95, Nesterov) + AdamW (the rest)",
+                          "muon_lr": args.muon_lr if args.optimizer == "muon" else None,
+                          "lr": args.lr, "betas": [0.9, 0.95], "weight_decay": args.weight_decay,
                           "grad_clip": 1.0, "schedule": "linear warm-up then cosine to 0.1x",
                           "warmup_steps": min(args.warmup, max(1, total_steps // 10))},
             "phases": [{"seq_len": s, "batch": b, "steps": n, "tokens": s * b * n}
