@@ -49,11 +49,11 @@ import sparse_compile  # noqa: E402
 import retrieval_tasks as rt  # noqa: E402
 import train_small_lm as tsl  # noqa: E402
 from bench_e2e import calibrate  # noqa: E402
+from harness import write_results  # noqa: E402
 
 # bisection steps of a density knob: on a model with concentrated attention, mass thresholds must come within 1e-4
 # of 1 (and S2O's early stop within 1e-5 of 0) before ρ 0.2-0.3 is kept; 10 steps end at 0.999 / 0.0005
 KNOB_STEPS = 20
-from harness import write_results  # noqa: E402
 
 METHODS = tuple(sparse_compile.registry.registered_methods())  # the four papers' and the sampled selector
 NEEDLE_BYTES = 50  # a needle line's span checked for coverage: the key and the value

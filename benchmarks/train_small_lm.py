@@ -537,13 +537,15 @@ def make_optimizers(model, args, device) -> list:
     """AdamW for everything (``--optimizer adamw``), or Muon for the blocks' weight matrices and AdamW for the
     embedding, the output head and the norm gains (``--optimizer muon``). Each group keeps its peak rate in
     ``peak_lr``; the schedule scales it."""
-    fused = device.type == "cuda"
+    def adamw(params: list) -> torch.optim.AdamW:
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]  # norms: decaying their gains only hurts
+        return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                  {"params": no_decay, "weight_decay": 0.0}],
+                                 lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+
     if args.optimizer == "adamw":
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms: decaying their gains only hurts
-        opts = [torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)]
+        opts = [adamw(list(model.parameters()))]
     else:
         hidden, splits = [], {}
         for block in model.layers:
@@ -556,10 +558,7 @@ def make_optimizers(model, args, device) -> list:
                                      attn.n_kv_heads * attn.head_dim)
         hidden_ids = {id(p) for p in hidden}
         rest = [p for p in model.parameters() if id(p) not in hidden_ids]
-        opts = [Muon(hidden, lr=args.muon_lr, weight_decay=0.0, row_splits=splits),
-                torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
-                                   {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)]
+        opts = [Muon(hidden, lr=args.muon_lr, weight_decay=0.0, row_splits=splits), adamw(rest)]
     for opt in opts:
         for group in opt.param_groups:
             group["peak_lr"] = group["lr"]
@@ -594,7 +593,13 @@ def optimizer_step_seconds(model, args, device, sync, repeats: int = 7) -> float
                 opt.step()
             times.append(time.perf_counter() - t)
     del probe, opts
-    return sorted(times[2:])[len(times[2:]) // 2]
+    return median_after_warmup(times)
+
+
+def median_after_warmup(times: list, warmup: int = 2) -> float:
+    """Median of timings, the first ``warmup`` dropped (allocations, autotuning)."""
+    kept = sorted(times[warmup:])
+    return kept[len(kept) // 2]
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, floor: float) -> float:
@@ -760,9 +765,10 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
                 sync()
                 times.append(time.perf_counter() - t)
                 model.zero_grad(set_to_none=True)
-            step_times.append(sorted(times[2:])[len(times[2:]) // 2] * 1.03)  # median after warm-up, + optimizer
+            step_times.append(median_after_warmup(times) * 1.03)  # + 3%: an AdamW step
         if args.optimizer != "adamw":
-            # the 3% above is AdamW's share; other optimizers' steps are timed on a copy (the weights stay)
+            # other optimizers' steps (AdamW's part included, so it counts twice: ~1% of a step) are timed on a
+            # copy, so the weights stay as they are
             extra = optimizer_step_seconds(model, args, device, sync)
             step_times = [t + extra for t in step_times]
         phase_steps = [max(1, int(share * time_budget / st)) for (_, _, share), st in zip(phases, step_times)]
