@@ -5,7 +5,7 @@
 #   bash benchmarks/run_h100_session.sh "$OUT" e2e       # whole-model TTFT at defaults, 8K-64K (~8 min)
 #   bash benchmarks/run_h100_session.sh "$OUT" e2e-long  # the same at 128K, plus the density-0.1 rows (~8 min)
 #   bash benchmarks/run_h100_session.sh "$OUT" table     # re-measure the break-even table, peak memory (~7 min)
-#   bash benchmarks/run_h100_session.sh "$OUT" train     # train the retrieval model (~9 min)
+#   bash benchmarks/run_h100_session.sh "$OUT" train     # train the retrieval model (~9.5 min)
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o       # Hopper kernel tests, per-tile costs, S2O's table (~8 min)
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o-parts # S2O's kernel tests, where its time goes, direct and queued
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o-table # S2O's break-even entry, --verify at defaults, peak memory

@@ -19,7 +19,8 @@ that ``quality.py`` and ``attention_map.py`` evaluate on: they re-read exactly t
 Model: ``examples/model.py``'s Transformer (RoPE, GQA, SDPA causal attention) with head_dim 64 so that the
 sparse kernels apply. Training: AdamW (``--retrieval``: Muon for the blocks' weight matrices), cosine LR with
 warm-up, bf16 autocast, fixed seed, a length curriculum
-(4K then 16K then 32K contexts, about the same tokens per step), and a step count calibrated from measured
+(4K then 16K then 32K contexts, about the same tokens per step; ``--retrieval``: 4K, 16K, then steps that cycle
+through 16K / 32K / 64K, so the model does not end on one length), and a step count calibrated from measured
 step times so that the run fits a wall-clock budget. The checkpoint stores bf16 weights (a few MB).
 """
 
@@ -467,15 +468,37 @@ def evaluate_stream(model, stream, seq_len, batch, windows, seed, amp) -> float:
     return total / max(n, 1)
 
 
-def parse_phases(text: str) -> list[tuple[int, int, float]]:
-    """'4096x16:0.6,16384x4:0.25' -> [(seq_len, batch, share)]; shares are normalised to sum to 1."""
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """A stretch of training: its steps cycle through ``shapes`` ((seq_len, batch) each, in turn) for ``share`` of
+    the time budget (or of the step count). One shape is a plain phase; several mix context lengths step by step."""
+
+    shapes: tuple[tuple[int, int], ...]
+    share: float
+
+    @property
+    def label(self) -> str:
+        return "|".join(f"{seq}x{batch}" for seq, batch in self.shapes)
+
+
+def parse_phases(text: str) -> list[Phase]:
+    """'4096x16:0.6,16384x4|65536x1:0.4' -> phases; '|' mixes shapes within a phase (steps alternate between them).
+    Shares are normalised to sum to 1."""
     phases = []
     for part in text.split(","):
-        shape, share = part.split(":")
-        seq, batch = shape.lower().split("x")
-        phases.append((int(seq), int(batch), float(share)))
-    total = sum(p[2] for p in phases)
-    return [(s, b, w / total) for s, b, w in phases]
+        shape_text, share = part.split(":")
+        shapes = []
+        for shape in shape_text.split("|"):
+            seq, batch = shape.lower().split("x")
+            shapes.append((int(seq), int(batch)))
+        phases.append(Phase(tuple(shapes), float(share)))
+    total = sum(p.share for p in phases)
+    return [dataclasses.replace(p, share=p.share / total) for p in phases]
+
+
+def phase_shapes(phases: list[Phase]) -> list[tuple[int, int]]:
+    """Every (seq_len, batch) the phases use, once each, in first-use order."""
+    return list(dict.fromkeys(shape for p in phases for shape in p.shapes))
 
 
 def orthogonalized(update: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -617,14 +640,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default=None)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--phases", default=None,
-                        help="length curriculum 'SEQxBATCH:SHARE,...' (share of the time budget, or of --steps)")
+                        help="length curriculum 'SEQxBATCH:SHARE,...' (share of the time budget, or of --steps); "
+                             "'SEQxBATCH|SEQxBATCH:SHARE' is a phase whose steps cycle through its shapes")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds of training steps; the step count is calibrated from measured step times")
     parser.add_argument("--steps", type=int, default=None, help="fixed total step count (overrides --time-budget)")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--optimizer", choices=("adamw", "muon"), default=None,
                         help="muon: orthogonalised momentum for the blocks' weight matrices, AdamW for the rest "
-                             "(default: muon with --retrieval, which trained the committed model 3; adamw otherwise)")
+                             "(default: muon with --retrieval, which trained the committed model 4; adamw otherwise)")
     parser.add_argument("--muon-lr", type=float, default=0.02, help="--optimizer muon: peak rate of Muon's groups")
     parser.add_argument("--warmup", type=int, default=150)
     parser.add_argument("--weight-decay", type=float, default=0.1)
@@ -673,12 +697,12 @@ def main(argv=None) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     smoke = args.smoke
     default_phases = (("1024x2:0.5,2048x1:0.5" if args.retrieval else "256x4:0.5,512x2:0.5") if smoke else
-                      "4096x16:0.35,16384x4:0.25,32768x2:0.2,65536x1:0.2" if args.retrieval else
+                      "4096x16:0.35,16384x4:0.2,16384x4|32768x2|65536x1:0.45" if args.retrieval else
                       "4096x16:0.6,16384x4:0.25,32768x2:0.15")
     phases = parse_phases(args.phases or default_phases)
     max_train_bytes = args.max_train_bytes or ((2 << 20) if smoke else (256 << 20))
     steps_total = args.steps if args.steps is not None else (6 if smoke and args.time_budget is None else None)
-    time_budget = args.time_budget if args.time_budget is not None else (470.0 if args.retrieval else 330.0)
+    time_budget = args.time_budget if args.time_budget is not None else (525.0 if args.retrieval else 330.0)
     eval_windows = args.eval_windows or (4 if smoke else 64)
     amp = device.type == "cuda"  # bf16 autocast on the GPU; fp32 on CPU (bf16 matmuls are slow there)
     t_start = time.time()
@@ -717,7 +741,8 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     overrides = {"n_layers": args.layers, "conv_width": args.conv_width,
                  "attn_temperature_floor": args.attn_temperature}
     sizes = dict(sizes, **{field: value for field, value in overrides.items() if value is not None})
-    model_args = mod.ModelArgs(**sizes, max_seq_len=max(p[0] for p in phases))
+    shapes = phase_shapes(phases)
+    model_args = mod.ModelArgs(**sizes, max_seq_len=max(seq for seq, _ in shapes))
     model = mod.Transformer(model_args).to(device)
     n_params = param_count(model)
     print(f"model: {dataclasses.asdict(model_args)}; {n_params / 1e6:.2f} M parameters; device {device}")
@@ -752,10 +777,10 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
 
     # step allocation: a fixed count, or calibrated from forward+backward times (no optimizer step, so the
     # calibration leaves the weights untouched; it also warms up cuDNN/cuBLAS for each shape)
-    step_times = []
+    step_times = {}  # (seq_len, batch) -> seconds per step
     if steps_total is None:
         calib_gen = torch.Generator(device=device).manual_seed(args.seed + 1)
-        for seq, batch, _ in phases:
+        for seq, batch in shapes:
             times = []
             for i in range(7):
                 x, y, weight = next_batch(seq, batch, calib_gen)
@@ -765,18 +790,20 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
                 sync()
                 times.append(time.perf_counter() - t)
                 model.zero_grad(set_to_none=True)
-            step_times.append(median_after_warmup(times) * 1.03)  # + 3%: an AdamW step
+            step_times[seq, batch] = median_after_warmup(times) * 1.03  # + 3%: an AdamW step
         if args.optimizer != "adamw":
             # other optimizers' steps (AdamW's part included, so it counts twice: ~1% of a step) are timed on a
             # copy, so the weights stay as they are
             extra = optimizer_step_seconds(model, args, device, sync)
-            step_times = [t + extra for t in step_times]
-        phase_steps = [max(1, int(share * time_budget / st)) for (_, _, share), st in zip(phases, step_times)]
+            step_times = {shape: t + extra for shape, t in step_times.items()}
+        # a mixed phase's steps cycle through its shapes: its mean step time is theirs
+        phase_steps = [max(1, int(p.share * time_budget * len(p.shapes) / sum(step_times[x] for x in p.shapes)))
+                       for p in phases]
     else:
-        phase_steps = [max(1, round(share * steps_total)) for _, _, share in phases]
+        phase_steps = [max(1, round(p.share * steps_total)) for p in phases]
     total_steps = sum(phase_steps)
-    print(f"phases (seq x batch: steps): {[(s, b, n) for (s, b, _), n in zip(phases, phase_steps)]}; "
-          f"calibrated step seconds {[round(t, 4) for t in step_times]}")
+    print(f"phases (seq x batch: steps): {[(p.label, n) for p, n in zip(phases, phase_steps)]}; "
+          f"calibrated step seconds { {f'{s}x{b}': round(t, 4) for (s, b), t in step_times.items()} }")
 
     log = []
     step = 0
@@ -784,8 +811,9 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     running_n = 0
     t_train = time.time()
     model.train()
-    for (seq, batch, _), n_steps in zip(phases, phase_steps):
-        for _ in range(n_steps):
+    for phase, n_steps in zip(phases, phase_steps):
+        for phase_step in range(n_steps):
+            seq, batch = phase.shapes[phase_step % len(phase.shapes)]
             factor = lr_at(step, total_steps, 1.0, min(args.warmup, max(1, total_steps // 10)), 0.1)
             lr = args.lr * factor
             for opt in opts:
@@ -814,7 +842,7 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     train_seconds = time.time() - t_train
 
     final = {}
-    for seq, batch, _ in phases:
+    for seq, batch in sorted(dict(shapes).items()):  # one evaluation per context length
         final[str(seq)] = {
             "train_loss": round(evaluate_stream(model, train_stream, seq, batch, eval_windows, args.seed + 7, amp), 4),
             "heldout_loss": round(evaluate_stream(model, held_stream, seq, batch, eval_windows, args.seed + 8, amp), 4),
@@ -824,7 +852,7 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     print(f"final loss (nats/byte) per context length: {json.dumps(final)}")
     retrieval = None
     if args.retrieval:
-        lengths = [seq for seq, _, _ in phases] if smoke else [16384, 32768, 65536]
+        lengths = sorted(dict(shapes)) if smoke else [16384, 32768, 65536]
         per_task = {n: (args.eval_instances or (2 if smoke else 32)) for n in lengths}
         retrieval = evaluate_retrieval(model, corpus.heldout, lengths, per_task, args.seed + 9, amp, device,
                                        styles=("vkey",) + tuple(s for s in styles if s != "vkey"))
@@ -846,12 +874,11 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
                           "lr": args.lr, "betas": [0.9, 0.95], "weight_decay": args.weight_decay,
                           "grad_clip": 1.0, "schedule": "linear warm-up then cosine to 0.1x",
                           "warmup_steps": min(args.warmup, max(1, total_steps // 10))},
-            "phases": [{"seq_len": s, "batch": b, "steps": n, "tokens": s * b * n}
-                       for (s, b, _), n in zip(phases, phase_steps)],
+            "phases": [_phase_record(p, n) for p, n in zip(phases, phase_steps)],
             "steps": total_steps,
-            "tokens": sum(s * b * n for (s, b, _), n in zip(phases, phase_steps)),
+            "tokens": sum(_phase_record(p, n)["tokens"] for p, n in zip(phases, phase_steps)),
             "time_budget_s": None if args.steps is not None else time_budget,
-            "calibrated_step_seconds": step_times,
+            "calibrated_step_seconds": {f"{s}x{b}": t for (s, b), t in step_times.items()},
             "train_seconds": round(train_seconds, 1),
             "total_seconds": None,  # filled below
             "log": log,
@@ -896,11 +923,23 @@ def _plot_loss(record: dict, path: Path) -> None:
         ax.axvline(phase_end, color="grey", lw=0.6, ls=":")
     ax.set_xlabel("step")
     ax.set_ylabel("train loss (bits per byte)")
-    ax.set_title("small byte-level LM on Python source (phases: 4K / 16K / 32K contexts)", fontsize=9)
+    labels = ["|".join(f"{x['seq_len'] // 1024}K" for x in p["shapes"]) if "shapes" in p else f"{p['seq_len'] // 1024}K"
+              for p in record["training"]["phases"]]
+    ax.set_title(f"small byte-level LM on Python source (phases: {' / '.join(labels)} contexts)", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _phase_record(phase: Phase, steps: int) -> dict:
+    """A phase as the JSON records it; a plain phase keeps the earlier records' fields (seq_len, batch)."""
+    counts = [steps // len(phase.shapes) + (i < steps % len(phase.shapes)) for i in range(len(phase.shapes))]
+    record = {"shapes": [{"seq_len": s, "batch": b, "steps": c} for (s, b), c in zip(phase.shapes, counts)],
+              "steps": steps, "tokens": sum(s * b * c for (s, b), c in zip(phase.shapes, counts))}
+    if len(phase.shapes) == 1:
+        record = {"seq_len": phase.shapes[0][0], "batch": phase.shapes[0][1], **record}
+    return record
 
 
 def _phase_ends(record: dict) -> list[int]:

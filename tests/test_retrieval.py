@@ -335,3 +335,19 @@ def test_retrieval_training_smoke_with_each_optimizer(tmp_path):
                            "1", "--optimizer", optimizer, "--out-dir", str(tmp_path / optimizer)])
         assert record["training"]["optimizer"]["name"].startswith("Muon" if optimizer == "muon" else "AdamW")
         assert all(math.isfinite(r["loss"]) for r in record["training"]["log"])
+
+
+def test_mixed_phases_cycle_their_shapes_and_record_each_one(tmp_path):
+    tsl = importlib.import_module("train_small_lm")
+    phases = tsl.parse_phases("1024x2:1,1024x2|2048x1:3")
+    assert [p.shapes for p in phases] == [((1024, 2),), ((1024, 2), (2048, 1))]
+    assert [p.share for p in phases] == [0.25, 0.75]
+    assert tsl.phase_shapes(phases) == [(1024, 2), (2048, 1)]
+    mixed = tsl._phase_record(phases[1], 5)  # steps alternate: 1024, 2048, 1024, 2048, 1024
+    assert [s["steps"] for s in mixed["shapes"]] == [3, 2] and mixed["tokens"] == 3 * 2048 + 2 * 2048
+    assert tsl._phase_record(phases[0], 4)["seq_len"] == 1024  # a plain phase keeps the earlier records' fields
+    record = tsl.main(["--smoke", "--retrieval", "--steps", "4", "--phases", "1024x2:1,1024x2|2048x1:1",
+                       "--max-train-bytes", "300000", "--eval-windows", "1", "--eval-instances", "1",
+                       "--out-dir", str(tmp_path)])
+    assert record["training"]["steps"] == 4 and set(record["final"]) == {"1024", "2048"}
+    assert [p["steps"] for p in record["training"]["phases"]] == [2, 2]
