@@ -645,6 +645,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds of training steps; the step count is calibrated from measured step times")
     parser.add_argument("--steps", type=int, default=None, help="fixed total step count (overrides --time-budget)")
+    parser.add_argument("--phase-steps", type=int, nargs="+", default=None, metavar="N",
+                        help="fixed step count of each phase (overrides the calibrated or --steps counts): a "
+                             "timed run's recorded counts repeat its schedule; the calibration still runs, so the "
+                             "training data are the timed run's")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--optimizer", choices=("adamw", "muon"), default=None,
                         help="muon: orthogonalised momentum for the blocks' weight matrices, AdamW for the rest "
@@ -801,6 +805,11 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
                        for p in phases]
     else:
         phase_steps = [max(1, round(p.share * steps_total)) for p in phases]
+    if args.phase_steps is not None:  # after the calibration, whose batches come from the same host generator
+        if len(args.phase_steps) != len(phases) or min(args.phase_steps) < 1:
+            raise SystemExit(f"--phase-steps: {len(phases)} positive counts needed (one per phase), "
+                             f"got {args.phase_steps}")
+        phase_steps = list(args.phase_steps)
     total_steps = sum(phase_steps)
     print(f"phases (seq x batch: steps): {[(p.label, n) for p, n in zip(phases, phase_steps)]}; "
           f"calibrated step seconds { {f'{s}x{b}': round(t, 4) for (s, b), t in step_times.items()} }")
@@ -877,7 +886,7 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
             "phases": [_phase_record(p, n) for p, n in zip(phases, phase_steps)],
             "steps": total_steps,
             "tokens": sum(_phase_record(p, n)["tokens"] for p, n in zip(phases, phase_steps)),
-            "time_budget_s": None if args.steps is not None else time_budget,
+            "time_budget_s": None if args.steps is not None or args.phase_steps is not None else time_budget,
             "calibrated_step_seconds": {f"{s}x{b}": t for (s, b), t in step_times.items()},
             "train_seconds": round(train_seconds, 1),
             "total_seconds": None,  # filled below

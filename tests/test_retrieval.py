@@ -351,3 +351,14 @@ def test_mixed_phases_cycle_their_shapes_and_record_each_one(tmp_path):
                        "--out-dir", str(tmp_path)])
     assert record["training"]["steps"] == 4 and set(record["final"]) == {"1024", "2048"}
     assert [p["steps"] for p in record["training"]["phases"]] == [2, 2]
+
+
+def test_phase_steps_fix_each_phase_count(tmp_path):
+    tsl = importlib.import_module("train_small_lm")
+    record = tsl.main(["--smoke", "--retrieval", "--phases", "1024x2:1,1024x2|2048x1:1", "--phase-steps", "1", "3",
+                       "--max-train-bytes", "300000", "--eval-windows", "1", "--eval-instances", "1",
+                       "--out-dir", str(tmp_path)])
+    assert [p["steps"] for p in record["training"]["phases"]] == [1, 3]
+    assert record["training"]["time_budget_s"] is None
+    with pytest.raises(SystemExit, match="phase-steps"):
+        tsl.main(["--smoke", "--retrieval", "--phase-steps", "1", "--out-dir", str(tmp_path)])
