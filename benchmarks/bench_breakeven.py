@@ -330,6 +330,8 @@ def s2o_parts(args) -> None:
         dense_plan = causal_plan(1, HQ, n, n, 128, 128, device="cuda")
         causal = causal_tile_count(n, n, 128, 128) * HQ
         config = SparseConfig(method="s2o")
+        if args.s2o_segment:
+            config = config.replace(s2o=config.params_of("s2o").updated({"segment_size": args.s2o_segment}))
         params = config.params_of("s2o")
         unsorted = config.replace(s2o=params.updated({"sort_queries": False}))
         one_pass = lambda run: _with_module_value(s2o_method, "WINDOW_PASS", False, run)  # noqa: E731
@@ -376,6 +378,7 @@ def s2o_parts(args) -> None:
                "window_share": window_tiles / max(work["s2o"], 1),
                "one_pass_masked_share": float(masked.sum()) * (HQ // masked.shape[1]) / max(work["s2o_one_pass"], 1),
                "rel_l1": errors["s2o"], "rel_l1_unsorted": errors["s2o_unsorted"], "queue_ahead": args.queue_ahead,
+               "segment_size": params.segment_size,
                "sm_clock_mhz": sm_clock_mhz()}
         for name in work:
             row[f"{name}_ms"] = ms[name]
@@ -427,6 +430,8 @@ def main(argv=None) -> None:
     parser.add_argument("--s2o-parts", action="store_true",
                         help="GPU: where S2O's time per visited tile goes (its window pass and resumed walk, "
                              "one pass, the early-stop vote, masks, the plan without the query sort)")
+    parser.add_argument("--s2o-segment", type=int, default=None,
+                        help="--s2o-parts: S2O's segment size S (default: S2OParams' own)")
     parser.add_argument("--hopper-stages", type=int, nargs="*", default=[],
                         help="--tiles: also time each plan with the Hopper kernel's K/V ring this deep")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
