@@ -869,6 +869,7 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     out_dir = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path = out_dir / f"{args.name}.pt"
+    phase_records = [_phase_record(p, n) for p, n in zip(phases, phase_steps)]
     record = {
         "checkpoint": ckpt_path.name,
         "model_args": dataclasses.asdict(model_args),
@@ -883,9 +884,9 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
                           "lr": args.lr, "betas": [0.9, 0.95], "weight_decay": args.weight_decay,
                           "grad_clip": 1.0, "schedule": "linear warm-up then cosine to 0.1x",
                           "warmup_steps": min(args.warmup, max(1, total_steps // 10))},
-            "phases": [_phase_record(p, n) for p, n in zip(phases, phase_steps)],
+            "phases": phase_records,
             "steps": total_steps,
-            "tokens": sum(_phase_record(p, n)["tokens"] for p, n in zip(phases, phase_steps)),
+            "tokens": sum(r["tokens"] for r in phase_records),
             "time_budget_s": None if args.steps is not None or args.phase_steps is not None else time_budget,
             "calibrated_step_seconds": {f"{s}x{b}": t for (s, b), t in step_times.items()},
             "train_seconds": round(train_seconds, 1),
@@ -932,8 +933,7 @@ def _plot_loss(record: dict, path: Path) -> None:
         ax.axvline(phase_end, color="grey", lw=0.6, ls=":")
     ax.set_xlabel("step")
     ax.set_ylabel("train loss (bits per byte)")
-    labels = ["|".join(f"{x['seq_len'] // 1024}K" for x in p["shapes"]) if "shapes" in p else f"{p['seq_len'] // 1024}K"
-              for p in record["training"]["phases"]]
+    labels = ["|".join(f"{x['seq_len'] // 1024}K" for x in p["shapes"]) for p in record["training"]["phases"]]
     ax.set_title(f"small byte-level LM on Python source (phases: {' / '.join(labels)} contexts)", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
