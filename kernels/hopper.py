@@ -411,7 +411,6 @@ if GLUON_IMPORT_ERROR is None:
                     _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
                              n_tiles, b, hkv, STAGES, WARP_SPEC)
         if EARLY_STOP:
-            _drain(last, n_tiles, k_ready, v_ready, STAGES)
             if ROW0 == 0:
                 gl.store(visited_ptr, last + 1)
 
@@ -434,6 +433,10 @@ if GLUON_IMPORT_ERROR is None:
             gl.thread_barrier()
             tma.async_copy_shared_to_global(desc_o, [b, h, qblk * BLOCK_M + ROW0, 0], q_smem)
             tma.store_wait(pendings=0)
+        if EARLY_STOP:
+            # tiles loaded past the stop land in the ring while the epilogue above runs; none may land after the
+            # CTA has exited
+            _drain(last, n_tiles, k_ready, v_ready, STAGES)
 
     @gluon.jit
     def _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, STAGES: gl.constexpr):
