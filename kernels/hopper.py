@@ -222,33 +222,36 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.wait(v_ready.index(x % STAGES), (x // STAGES) & 1)
 
     @gluon.jit
-    def _load_query_rows(q_smem, q_base, stride_qn, qidx_base, stride_qip, row0, N_Q, ROWS: gl.constexpr,
-                         HEAD_DIM: gl.constexpr, NUM_WARPS: gl.constexpr):
-        """Permuted queries: logical rows ``row0 ..`` read physical rows ``query_index[row]`` (rows past N_Q read
-        zeros) into this partition's Q buffer. TMA cannot gather rows on Hopper, so ordinary loads."""
-        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[256 // HEAD_DIM, HEAD_DIM // 8],
-                                            warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
-        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
+    def _row_index(qidx_base, stride_qip, row0, N_Q, ROWS: gl.constexpr, HAS_QIDX: gl.constexpr,
+                   row_layout: gl.constexpr):
+        """Physical rows of logical rows ``row0 ..`` (through the query index if any) in ``row_layout``, and
+        which of them exist (rows past N_Q read row 0, masked)."""
+        rows = row0 + gl.arange(0, ROWS, layout=row_layout)
         ok = rows < N_Q
-        phys = gl.load(qidx_base + rows * stride_qip, mask=ok, other=0)
+        if HAS_QIDX:
+            phys = gl.load(qidx_base + rows * stride_qip, mask=ok, other=0)
+        else:
+            phys = rows
+        return phys, ok
+
+    @gluon.jit
+    def _read_query_rows(q_base, stride_qn, phys, ok, HEAD_DIM: gl.constexpr, ld: gl.constexpr):
+        """Permuted queries: the Q rows ``phys`` (from ``_row_index`` in ``ld``'s rows; missing rows read zeros)
+        into registers, for ``_store_query_rows``. TMA cannot gather rows on Hopper, so ordinary loads."""
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
         mask = ok[:, None] & (d[None, :] < HEAD_DIM)
-        x = gl.load(q_base + phys.to(gl.int64)[:, None] * stride_qn + d[None, :], mask=mask, other=0.0)
+        return gl.load(q_base + phys.to(gl.int64)[:, None] * stride_qn + d[None, :], mask=mask, other=0.0)
+
+    @gluon.jit
+    def _store_query_rows(q_smem, x):
         q_smem.store(x)
         fence_async_shared()  # generic-proxy writes before the wgmma (async proxy) reads them
         gl.thread_barrier()
 
     @gluon.jit
-    def _output_rows(o_base, stride_on, qidx_base, stride_qip, row0, N_Q, ROWS: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, HAS_QIDX: gl.constexpr, o_layout: gl.constexpr):
-        """Pointers and mask of O's rows for logical rows ``row0 ..`` in the accumulator's layout (through the
-        query index: physical rows). Built where used: kept live across the walk they would hold 64 registers."""
-        rows_o = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-        ok_o = rows_o < N_Q
-        if HAS_QIDX:
-            phys_o = gl.load(qidx_base + rows_o * stride_qip, mask=ok_o, other=0)
-        else:
-            phys_o = rows_o
+    def _output_rows(o_base, stride_on, phys_o, ok_o, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
+        """Pointers and mask of O's physical rows ``phys_o`` (``_row_index`` in the accumulator's row layout).
+        Built where used: kept live across the walk they would hold 64 registers."""
         d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         return (o_base + phys_o.to(gl.int64)[:, None] * stride_on + d_o[None, :],
                 ok_o[:, None] & (d_o[None, :] < HEAD_DIM))
@@ -283,35 +286,42 @@ if GLUON_IMPORT_ERROR is None:
         vote_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
                                                      warps_per_cta=[NUM_WARPS], order=[0])
 
-        rows = qblk * BLOCK_M + ROW0 + gl.arange(0, ROWS, layout=row_s)  # logical rows
-        row_ok = rows < N_Q
+        # every load of the prologue (query indices, then the rows they name) is issued before any value is used,
+        # so that their latencies overlap instead of adding up before the first MMA
+        row0 = qblk * BLOCK_M + ROW0
+        phys, row_ok = _row_index(qidx_base, stride_qip, row0, N_Q, ROWS, HAS_QIDX, row_s)
+        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[256 // HEAD_DIM, HEAD_DIM // 8],
+                                            warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
         if HAS_QIDX:
-            phys = gl.load(qidx_base + rows * stride_qip, mask=row_ok, other=0)
-            q_pos = gl.where(row_ok, phys + (N_K - N_Q), -1)
-        else:
-            phys = rows
-            q_pos = rows + (N_K - N_Q)
-        m_i = gl.full([ROWS], -1.0e30, gl.float32, layout=row_s)  # finite start: no (-inf) - (-inf)
-        l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
+            phys_ld, ok_ld = _row_index(qidx_base, stride_qip, row0, N_Q, ROWS, HAS_QIDX, gl.SliceLayout(1, ld))
+        if RESUME:
+            phys_o, ok_o = _row_index(qidx_base, stride_qip, row0, N_Q, ROWS, HAS_QIDX, row_o)
+        if HAS_QIDX:
+            q_rows = _read_query_rows(q_base, stride_qn, phys_ld, ok_ld, HEAD_DIM, ld)
         if RESUME:
             # a first pass left each row's normalised output in O and its log2-sum-exp2 in lse: the softmax state
             # (acc = O, m = lse, l = 1); a row that saw nothing (lse = -inf) starts empty
             lse0 = gl.load(lse_base + phys.to(gl.int64) * stride_ln, mask=row_ok, other=float("-inf"))
+            o_ptrs, o_mask = _output_rows(o_base, stride_on, phys_o, ok_o, HEAD_DIM, o_layout)
+            o_prev = gl.load(o_ptrs, mask=o_mask, other=0.0)
+        if HAS_QIDX:
+            q_pos = gl.where(row_ok, phys + (N_K - N_Q), -1)
+        else:
+            q_pos = phys + (N_K - N_Q)
+        m_i = gl.full([ROWS], -1.0e30, gl.float32, layout=row_s)  # finite start: no (-inf) - (-inf)
+        l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_s)
+        if HAS_QIDX:
+            _store_query_rows(q_smem, q_rows)
+        else:
+            mbarrier.wait(q_bar, 0)
+        if RESUME:
             seen = lse0 != float("-inf")
             m_i = gl.where(seen, lse0, m_i)
             l_i = gl.where(seen, l_i + 1.0, l_i)
-            o_ptrs, o_mask = _output_rows(o_base, stride_on, qidx_base, stride_qip, qblk * BLOCK_M + ROW0, N_Q,
-                                          ROWS, HEAD_DIM, HAS_QIDX, o_layout)
-            acc = gl.load(o_ptrs, mask=o_mask, other=0.0).to(gl.float32)
+            acc = o_prev.to(gl.float32)
         else:
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-
-        if HAS_QIDX:
-            _load_query_rows(q_smem, q_base, stride_qn, qidx_base, stride_qip, qblk * BLOCK_M + ROW0, N_Q, ROWS,
-                             HEAD_DIM, NUM_WARPS)
-        else:
-            mbarrier.wait(q_bar, 0)
 
         # -- unmasked tiles need no mask arithmetic; masked ones (first in the list) are never subject to early
         # stop. With early stop the walk is a while loop that both warpgroups leave after the same tile
@@ -422,8 +432,8 @@ if GLUON_IMPORT_ERROR is None:
         out = acc / gl.convert_layout(l_safe, row_o)[:, None]
         if HAS_QIDX:
             # back to the physical rows, straight from registers (no TMA scatter on Hopper)
-            o_ptrs, o_mask = _output_rows(o_base, stride_on, qidx_base, stride_qip, qblk * BLOCK_M + ROW0, N_Q,
-                                          ROWS, HEAD_DIM, HAS_QIDX, o_layout)
+            phys_o, ok_o = _row_index(qidx_base, stride_qip, row0, N_Q, ROWS, HAS_QIDX, row_o)
+            o_ptrs, o_mask = _output_rows(o_base, stride_on, phys_o, ok_o, HEAD_DIM, o_layout)
             gl.store(o_ptrs, out.to(dtype), mask=o_mask)
         else:
             # Q's buffer holds O for the TMA store (rows past Nq are clipped by the descriptor)
