@@ -37,6 +37,32 @@ CASES = {
 }
 
 
+#: pointer arguments of the attention kernels (Triton's ``_block_sparse_attn_fwd`` and the Gluon one), by element
+#: type; their scalar arguments are fp32 for the scales and int32 otherwise
+POINTERS = {"Q": "bf16", "Out": "bf16", "K": "bf16", "V": "bf16", "TileOffsets": "i32", "TileCounts": "i32",
+            "MaskedCounts": "i32", "KeyIndex": "i32", "QueryIndex": "i32", "Visited": "i32", "Lse": "fp32"}
+FP32_ARGS = ("qk_scale", "es_tau", "pv_lambda")
+
+
+def kernel_signature(fn, const: dict, descriptors: dict) -> dict:
+    """The argument types ``triton.compile`` needs for an attention kernel ``fn``: ``const``'s names are
+    constexprs; ``descriptors`` maps tensor-descriptor arguments to their type strings (None: the variant takes
+    none, passed as a None constexpr and added to ``const``)."""
+    sig = {}
+    for arg in fn.arg_names:
+        if arg in const:
+            sig[arg] = "constexpr"
+        elif arg in descriptors:
+            sig[arg] = descriptors[arg] or "constexpr"
+            if descriptors[arg] is None:
+                const[arg] = None
+        elif arg in POINTERS:
+            sig[arg] = "*" + POINTERS[arg]
+        else:
+            sig[arg] = "fp32" if arg in FP32_ARGS else "i32"
+    return sig
+
+
 def compile_case(name: str, extra: dict, ptxas: bool, keep: str = "") -> str:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -60,25 +86,11 @@ def compile_case(name: str, extra: dict, ptxas: bool, keep: str = "") -> str:
         return mangle_type(TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, D], layout))
 
     fn = hopper._hopper_fwd_kernel
-    pointers = {"Q": "bf16", "Out": "bf16", "K": "bf16", "V": "bf16", "TileOffsets": "i32", "TileCounts": "i32",
-                "MaskedCounts": "i32", "KeyIndex": "i32", "QueryIndex": "i32", "Visited": "i32", "Lse": "fp32"}
-    sig = {}
-    for arg in fn.arg_names:
-        if arg in const:
-            sig[arg] = "constexpr"
-        elif arg in ("desc_q", "desc_o"):
-            sig[arg] = desc(128 if arg == "desc_q" else 64)
-        elif arg in ("desc_k", "desc_v"):
-            sig[arg] = desc(bn)
-        elif arg in pointers:
-            sig[arg] = "*" + pointers[arg]
-        elif arg in ("qk_scale", "es_tau", "pv_lambda"):
-            sig[arg] = "fp32"
-        else:
-            sig[arg] = "i32"
+    sig = kernel_signature(fn, const, {"desc_q": desc(128), "desc_o": desc(64), "desc_k": desc(bn),
+                                       "desc_v": desc(bn)})
     # what the JIT specialises at run time: 16-byte aligned pointers, and the K/V row strides (heads x D) are
     # multiples of 16 elements (the gathers' 16-byte cp.async needs to know it)
-    aligned = set(pointers) | {"stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn"}
+    aligned = set(POINTERS) | {"stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names) if arg in aligned}
     try:
         k = triton.compile(GluonASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),

@@ -441,7 +441,7 @@ if GLUON_IMPORT_ERROR is None:
             q_smem.store(out.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
-            tma.async_copy_shared_to_global(desc_o, [b, h, qblk * BLOCK_M + ROW0, 0], q_smem)
+            tma.async_copy_shared_to_global(desc_o, [b, h, row0, 0], q_smem)
             tma.store_wait(pendings=0)
         if EARLY_STOP:
             # tiles loaded past the stop land in the ring while the epilogue above runs; none may land after the

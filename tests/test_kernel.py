@@ -533,31 +533,17 @@ try:
     from triton.compiler import ASTSource
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
+sys.path.insert(0, sys.argv[1])  # benchmarks/: compile_hopper's signature of the attention kernels
+from compile_hopper import kernel_signature
 m = importlib.import_module("sparse_compile.kernels.attention")
 fn = m._block_sparse_attn_fwd
-pointers = {"Q": "bf16", "K": "bf16", "V": "bf16", "Out": "bf16", "TileOffsets": "i32", "TileCounts": "i32",
-            "MaskedCounts": "i32", "KeyIndex": "i32", "QueryIndex": "i32", "Visited": "i32", "Lse": "fp32"}
 for tma, gather, stop in ((1, 0, 0), (0, 1, 0), (1, 0, 1)):
     const = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=128, BLOCK_N=128, Q_SPLIT=1, TILE_SPLIT=1,
                  HAS_KIDX=bool(gather), HAS_QIDX=False, KEY_GATHER=bool(gather), USE_TMA=bool(tma),
                  EARLY_STOP=bool(stop), PV_SKIP=bool(stop), WRITE_VISITED=True, DOT_PREC="tf32", INT64_ROWS=False,
                  STAGES=3, MASKED_STAGES=2, SKIP_MASKED=bool(stop), RESUME=bool(stop), WRITE_LSE=bool(tma and not stop))
-    sig = {}
-    for name in fn.arg_names:
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in ("desc_k", "desc_v"):
-            if tma:
-                sig[name] = "tensordesc<bf16[128, 128]>"
-            else:
-                sig[name] = "constexpr"
-                const[name] = None
-        elif name in pointers:
-            sig[name] = "*" + pointers[name]
-        elif name in ("qk_scale", "es_tau", "pv_lambda"):
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
+    desc = "tensordesc<bf16[128, 128]>" if tma else None
+    sig = kernel_signature(fn, const, {"desc_k": desc, "desc_v": desc})
     k = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=8, num_stages=3))
     ptx = k.asm["ptx"]
@@ -574,7 +560,8 @@ def test_compiles_for_hopper_with_wgmma_and_tma():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    r = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, bench], capture_output=True, text=True, env=env,
                        timeout=600)
     if "NO_BACKEND" in r.stdout:
         pytest.skip("this Triton has no CUDA compiler backend")
