@@ -9,11 +9,12 @@
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o       # Hopper kernel tests, per-tile costs, S2O's table (~8 min)
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o-parts # S2O's kernel tests, where its time goes, direct and queued
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o-table # S2O's break-even entry, --verify at defaults, peak memory
+#   bash benchmarks/run_h100_session.sh "$OUT" s2o-profile  # Nsight Compute counters: S2O's walks vs dense, 64K
 #   bash benchmarks/run_h100_session.sh "$OUT" sampled   # the sampled selector: GPU tests, its break-even entry,
 #                                                        # --verify, retrieval at 16K-64K (SAMPLED_PARAMS: --method-params JSON)
 set -uo pipefail
 out=${1:?results folder}
-part=${2:?part: check, check-verify, e2e, e2e-long, table, train, s2o, s2o-parts, s2o-table or sampled}
+part=${2:?part: check, check-verify, e2e, e2e-long, table, train, s2o, s2o-parts, s2o-profile, s2o-table or sampled}
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 clock() { nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader | tee -a "$out/gpu.txt"; }
 clock
@@ -59,6 +60,14 @@ s2o-parts)
             --name "s2o_$queue" --out "$out" $([ $queue = queued ] && echo --queue-ahead 10000000) 2>&1 \
             | tee "$out/s2o_parts_$queue.txt" | grep -v "^{" | tail -8
     done ;;
+s2o-profile)
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+    timeout 500 "$ncu" --profile-from-start off --clock-control none --set full --import-source no \
+        -k regex:_hopper_fwd -o "$out/s2o_profile" python benchmarks/profile_s2o.py --length ${PROFILE_LENGTH:-65536} \
+        2>&1 | tail -20 | tee "$out/s2o_profile_log.txt"
+    "$ncu" -i "$out/s2o_profile.ncu-rep" --page details --csv > "$out/s2o_profile_details.csv" 2>&1
+    "$ncu" -i "$out/s2o_profile.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$out/s2o_profile_sass.csv.gz"
+    ls -la "$out" ;;
 s2o-table)
     timeout 150 python benchmarks/bench_breakeven.py --measure --methods s2o --reps 5 --queue-ahead --name s2o \
         --out "$out" 2>&1 | tee "$out/breakeven_log.txt" | grep -v "^{" | tail -10

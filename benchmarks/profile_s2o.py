@@ -1,0 +1,85 @@
+"""Hardware counters of S2O's kernels against our dense kernel (issue 11, item 2), for Nsight Compute.
+
+    ncu --profile-from-start off --clock-control none --set full -k regex:_hopper_fwd -o OUT/s2o \
+        python benchmarks/profile_s2o.py --length 65536
+
+Builds S2O's plan at its defaults on structured inputs, runs its window pass once (the walks resume from its
+state), warms every contender up, then runs each once inside ``cudaProfilerStart`` / ``Stop`` and an NVTX range
+named after it, in this order:
+
+* ``dense``: our dense kernel, every causal tile (TMA);
+* ``walk_gather``: the resumed ranked walk with early stop, keys gathered in place (what 64K-128K run);
+* ``walk_copy``: the same reading a permuted copy of the whole list by TMA (the copy is not profiled);
+* ``static_gather`` / ``static_copy``: the tiles the walk visited as a static plan (no vote), both key modes;
+* ``window``: the intra-segment window pass.
+
+The walks' visited tiles are printed, so that per-tile rates can be set against the counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_breakeven import HQ, _static_plan, in_model_layout  # noqa: E402
+from bench_methods import structured_inputs  # noqa: E402
+from sparse_compile import SparseConfig  # noqa: E402
+from sparse_compile.methods import build_plan  # noqa: E402
+from sparse_compile.methods.s2o import _window_plan  # noqa: E402
+from sparse_compile.plan import causal_plan, execute_plan  # noqa: E402
+
+CONTENDERS = ("dense", "walk_gather", "walk_copy", "static_gather", "static_copy", "window")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--length", type=int, default=65536)
+    parser.add_argument("--only", nargs="*", default=list(CONTENDERS), choices=CONTENDERS)
+    args = parser.parse_args(argv)
+    n = args.length
+    q, k, v = in_model_layout(*structured_inputs(n, device="cuda"))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    config = SparseConfig(method="s2o")
+    params = config.params_of("s2o")
+    with torch.no_grad():
+        plan = build_plan(q, k, scale, config)
+        window = _window_plan(q, params.segment_size, plan.block_m, plan.block_n)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        state = execute_plan(q, k, v, window, scale, kernel="triton", lse=lse)
+        passes = {"out": state, "lse": lse, "resume": True, "skip_masked": True}
+        _, walked = execute_plan(q, k, v, plan, scale, kernel="triton", return_visited=True, key_mode="gather",
+                                 **passes)
+        static = _static_plan(plan, walked + torch.minimum(plan.masked_counts, plan.tile_counts))
+        dense = causal_plan(1, HQ, n, n, 128, 128, device="cuda")
+        contenders = {
+            "dense": lambda: execute_plan(q, k, v, dense, scale, kernel="triton"),
+            "walk_gather": lambda: execute_plan(q, k, v, plan, scale, kernel="triton", key_mode="gather", **passes),
+            "walk_copy": lambda: execute_plan(q, k, v, plan, scale, kernel="triton", key_mode="copy", **passes),
+            "static_gather": lambda: execute_plan(q, k, v, static, scale, kernel="triton", key_mode="gather",
+                                                  **passes),
+            "static_copy": lambda: execute_plan(q, k, v, static, scale, kernel="triton", key_mode="copy", **passes),
+            "window": lambda: execute_plan(q, k, v, window, scale, kernel="triton", lse=lse),
+        }
+        for name in args.only:
+            contenders[name]()
+        torch.cuda.synchronize()
+        print(json.dumps({"N": n, "walk_tiles": int(walked.sum()), "window_tiles": int(window.tile_counts.sum()),
+                          "dense_tiles": int(dense.tile_counts.sum()), "order": args.only}), flush=True)
+        for name in args.only:
+            torch.cuda.nvtx.range_push(name)
+            torch.cuda.profiler.start()
+            contenders[name]()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            torch.cuda.nvtx.range_pop()
+
+
+if __name__ == "__main__":
+    main()
