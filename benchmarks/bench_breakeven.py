@@ -312,7 +312,8 @@ def s2o_parts(args) -> None:
     """Where S2O's time per visited tile goes (issue 11, item 2): structured inputs, S2O's defaults, contenders
     timed alternately: our dense kernel; the method as it runs (``s2o``: the intra-segment window pass, then the
     ranked walk resumed from it); the same in one pass (``s2o_one_pass``: the masked squares of the sorted queries
-    in the walk, as before ``WINDOW_PASS``); the window pass alone and the resumed walk alone; the visited tiles as
+    in the walk, as before ``WINDOW_PASS``); the window pass alone and the resumed walk alone (also with its keys
+    gathered in place at every length: ``walk_gathered``); the visited tiles as
     a static plan (no early-stop vote), whole and its walk alone; the plan without the query sort
     (``sort_queries=False``, its own visited tiles); and, timing only, our dense kernel with every tile masked (what
     the position masks cost). Efficiency = tiles x t_dense / (causal tiles x t), with each contender's own tiles
@@ -366,12 +367,16 @@ def s2o_parts(args) -> None:
             "s2o_one_pass": one_pass(lambda: _execute(q, k, v, plan, scale, config, "triton", False)),
             "window_pass": lambda: execute_plan(q, k, v, window, scale, kernel="triton", lse=lse),
             "walk": walk(plan),
+            # the same with its keys gathered in place whatever the list's length ("auto" copies short lists)
+            "walk_gathered": lambda: execute_plan(q, k, v, plan, scale, kernel="triton", key_mode="gather",
+                                                  out=state, lse=lse, resume=True, skip_masked=True),
             "static": lambda: _execute(q, k, v, static, scale, config, "triton", False),
             "static_walk": walk(static),
             "s2o_unsorted": lambda: _execute(q, k, v, unsorted_plan, scale, unsorted, "triton", False),
         }
         work = {"dense_all_masked": causal, "s2o": float(visited.sum()), "s2o_one_pass": float(one_visited.sum()),
-                "window_pass": window_tiles, "walk": float(walked.sum()), "static": float(visited.sum()),
+                "window_pass": window_tiles, "walk": float(walked.sum()), "walk_gathered": float(walked.sum()),
+                "static": float(visited.sum()),
                 "static_walk": float(walked.sum()), "s2o_unsorted": float(unsorted_visited.sum())}
         ms = alternate(contenders, args.reps, queue_ahead=args.queue_ahead)
         row = {"N": n, "kernels_ms": _kernel_times(contenders["s2o"]), "dense_ms": ms["dense"],
