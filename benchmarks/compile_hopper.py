@@ -76,6 +76,7 @@ def compile_case(name: str, extra: dict, ptxas: bool, keep: str = "") -> str:
     const = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, STAGES=3, WARP_SPEC=True, OVERLAP=True, NUM_WARPS=4,
                  SPLIT=True, CONSUMER_REGS=hopper.CONSUMER_REGS, HAS_KIDX=False, PV_SKIP=False, HAS_QIDX=False,
                  EARLY_STOP=False, GATHER=False, LOAD_WARPS=hopper.GATHER_LOAD_WARPS,
+                 GATHER_ROWS=hopper.GATHER_ROWS_PER_COPY,
                  LOAD_REGS=hopper.GATHER_LOAD_REGS, SKIP_MASKED=False, RESUME=False, WRITE_LSE=False)
     const.update(extra)
     D, bn = const["HEAD_DIM"], const["BLOCK_N"]
@@ -121,9 +122,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma-separated case names (default: all): " + ", ".join(CASES))
     ap.add_argument("--ptxas", action="store_true", help="also run ptxas -v for registers and spills")
+    ap.add_argument("--gather-rows", type=int, default=0, help="override GATHER_ROWS_PER_COPY")
     ap.add_argument("--keep", default="", help="with --ptxas: write each case's PTX and cubin into this folder")
     args = ap.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or list(CASES)
+    if args.gather_rows:
+        from kernels import hopper
+
+        hopper.GATHER_ROWS_PER_COPY = args.gather_rows
     failed = False
     for name in names:
         line = compile_case(name, CASES[name], args.ptxas, args.keep)

@@ -14,6 +14,10 @@ named after it, in this order:
 * ``window``: the intra-segment window pass.
 
 The walks' visited tiles are printed, so that per-tile rates can be set against the counters.
+
+``--time R [R ...]`` (no profiler): times our dense kernel, the copied walk and the gathered walk with each of
+the given ``GATHER_ROWS_PER_COPY`` values alternately (queued, medians) and prints each one's efficiency per
+visited tile against the dense kernel, for each ``--lengths`` entry.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from sparse_compile import SparseConfig  # noqa: E402
 from sparse_compile.methods import build_plan  # noqa: E402
 from sparse_compile.methods.s2o import _window_plan  # noqa: E402
 from sparse_compile.plan import causal_plan, execute_plan  # noqa: E402
+from harness import alternating_samples, sm_clock_mhz, write_results  # noqa: E402
+from kernels import hopper  # noqa: E402
 
 CONTENDERS = ("dense", "walk_gather", "walk_copy", "static_gather", "static_copy", "window")
 
@@ -42,7 +48,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=65536)
     parser.add_argument("--only", nargs="*", default=list(CONTENDERS), choices=CONTENDERS)
+    parser.add_argument("--time", nargs="*", type=int, default=None, metavar="R")
+    parser.add_argument("--lengths", nargs="*", type=int, default=[32768, 65536])
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.time is not None:
+        rows = [time_gathers(n, args.time, args.reps) for n in args.lengths]
+        print(write_results("gather_rows", rows, out_dir=args.out))
+        return
     n = args.length
     q, k, v = in_model_layout(*structured_inputs(n, device="cuda"))
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -79,6 +93,50 @@ def main(argv=None) -> None:
             torch.cuda.synchronize()
             torch.cuda.profiler.stop()
             torch.cuda.nvtx.range_pop()
+
+
+def with_gather_rows(rows: int, fn):
+    def run():
+        saved = hopper.GATHER_ROWS_PER_COPY
+        hopper.GATHER_ROWS_PER_COPY = rows
+        try:
+            return fn()
+        finally:
+            hopper.GATHER_ROWS_PER_COPY = saved
+    return run
+
+
+def time_gathers(n: int, choices, reps: int) -> dict:
+    q, k, v = in_model_layout(*structured_inputs(n, device="cuda"))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    config = SparseConfig(method="s2o")
+    params = config.params_of("s2o")
+    with torch.no_grad():
+        plan = build_plan(q, k, scale, config)
+        window = _window_plan(q, params.segment_size, plan.block_m, plan.block_n)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        state = execute_plan(q, k, v, window, scale, kernel="triton", lse=lse)
+        passes = {"out": state, "lse": lse, "resume": True, "skip_masked": True}
+        _, walked = execute_plan(q, k, v, plan, scale, kernel="triton", return_visited=True, key_mode="gather",
+                                 **passes)
+        dense = causal_plan(1, HQ, n, n, 128, 128, device="cuda")
+        contenders = {
+            "dense": lambda: execute_plan(q, k, v, dense, scale, kernel="triton"),
+            "walk_copy": lambda: execute_plan(q, k, v, plan, scale, kernel="triton", key_mode="copy", **passes),
+        }
+        for r in choices:
+            contenders[f"walk_gather_r{r}"] = with_gather_rows(r, lambda: execute_plan(
+                q, k, v, plan, scale, kernel="triton", key_mode="gather", **passes))
+        times = alternating_samples(contenders, reps, queue_ahead=10_000_000)
+    ms = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    share = float(walked.sum()) / float(dense.tile_counts.sum())
+    row = {"N": n, "walk_density": share, "sm_clock_mhz": sm_clock_mhz()}
+    for name, t in ms.items():
+        row[f"{name}_ms"] = t
+        if name != "dense":
+            row[f"{name}_efficiency"] = share * ms["dense"] / t
+    print(json.dumps(row), flush=True)
+    return row
 
 
 if __name__ == "__main__":

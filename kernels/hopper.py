@@ -290,7 +290,7 @@ if GLUON_IMPORT_ERROR is None:
         # so that their latencies overlap instead of adding up before the first MMA
         row0 = qblk * BLOCK_M + ROW0
         phys, row_ok = _row_index(qidx_base, stride_qip, row0, N_Q, ROWS, HAS_QIDX, row_s)
-        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[16, 2],
+        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[256 // HEAD_DIM, HEAD_DIM // 8],
                                             warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
         if HAS_QIDX:
             phys_ld, ok_ld = _row_index(qidx_base, stride_qip, row0, N_Q, ROWS, HAS_QIDX, gl.SliceLayout(1, ld))
@@ -522,7 +522,8 @@ if GLUON_IMPORT_ERROR is None:
                   tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base, stride_kn, stride_vn,
                   kidx_base, stride_kip, KEY_LEN, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr,
-                  VOTE_SLOTS: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr):
+                  VOTE_SLOTS: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr,
+                  GATHER_ROWS: gl.constexpr):
         """The load partition: Q once (unless the consumers gather permuted rows), then every K/V tile of the list
         through the ring, by TMA (1 warp) or gathered through the key index (``_gather_kv``, ``LOAD_WARPS``
         warps: one warp cannot issue a tile's 2 x 128 row copies fast enough); with early stop, until the tile
@@ -539,7 +540,7 @@ if GLUON_IMPORT_ERROR is None:
                 s = t % STAGES
                 if GATHER:
                     phys = _gather_rows(kidx_base, stride_kip, KEY_LEN, tile_ptr, stride_tt, t, BLOCK_N, HEAD_DIM,
-                                        LOAD_WARPS)
+                                        LOAD_WARPS, GATHER_ROWS)
                 mbarrier.wait(kv_empty.index(s), ((t // STAGES) & 1) ^ 1)
                 # the slot's previous tile (t - STAGES) was released by both warpgroups after they voted on it:
                 # both voted stop -> the walk ended there, and nothing more is loaded
@@ -551,7 +552,7 @@ if GLUON_IMPORT_ERROR is None:
                 if GATHER:
                     if load:
                         _gather_kv(phys, k_base, v_base, stride_kn, stride_vn, k_bufs, v_bufs, k_ready, v_ready, t,
-                                   HEAD_DIM, STAGES, LOAD_WARPS)
+                                   HEAD_DIM, STAGES, LOAD_WARPS, GATHER_ROWS)
                 else:
                     _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t, load, b, hkv,
                               STAGES)
@@ -561,12 +562,12 @@ if GLUON_IMPORT_ERROR is None:
             for t in range(0, n_tiles):
                 if GATHER:
                     phys = _gather_rows(kidx_base, stride_kip, KEY_LEN, tile_ptr, stride_tt, t, BLOCK_N, HEAD_DIM,
-                                        LOAD_WARPS)
+                                        LOAD_WARPS, GATHER_ROWS)
                 # a fresh barrier counts as phase 1 completed
                 mbarrier.wait(kv_empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
                 if GATHER:
                     _gather_kv(phys, k_base, v_base, stride_kn, stride_vn, k_bufs, v_bufs, k_ready, v_ready, t,
-                               HEAD_DIM, STAGES, LOAD_WARPS)
+                               HEAD_DIM, STAGES, LOAD_WARPS, GATHER_ROWS)
                 else:
                     _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t, True, b, hkv,
                               STAGES)
@@ -574,29 +575,33 @@ if GLUON_IMPORT_ERROR is None:
             async_copy.commit_group()
             async_copy.wait_group(0)
 
+    @gluon.constexpr_function
+    def _gather_layout(HEAD_DIM, LOAD_WARPS, GATHER_ROWS):
+        """The gathers' register layout: each warp instruction copies 16 bytes per thread from ``GATHER_ROWS`` rows
+        (``GATHER_ROWS_PER_COPY``; at least the 256 // HEAD_DIM that 512 bytes fill), each thread its pieces of a
+        few rows (a row's address computed once)."""
+        rows = max(GATHER_ROWS, 256 // HEAD_DIM)
+        return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[rows, 32 // rows],
+                                warps_per_cta=[LOAD_WARPS, 1], order=[1, 0])
+
     @gluon.jit
     def _gather_rows(kidx_base, stride_kip, KEY_LEN, tile_ptr, stride_tt, t, BLOCK_N: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, LOAD_WARPS: gl.constexpr):
+                     HEAD_DIM: gl.constexpr, LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr):
         """The key positions of plan tile ``t`` (padding: -1), in ``_gather_kv``'s row layout. Loaded before the
         load partition waits for the tile's ring slot, so the index's latency hides behind that wait."""
-        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[16, 2],
-                                            warps_per_cta=[LOAD_WARPS, 1], order=[1, 0])
+        ld: gl.constexpr = _gather_layout(HEAD_DIM, LOAD_WARPS, GATHER_ROWS)
         start = gl.load(tile_ptr + t * stride_tt)
         pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
         return gl.load(kidx_base + pos * stride_kip, mask=pos < KEY_LEN, other=-1)
 
     @gluon.jit
     def _gather_kv(phys, k_base, v_base, stride_kn, stride_vn, k_bufs, v_bufs, k_ready, v_ready, t,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr):
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr):
         """Plan tile ``t``'s keys read in place (rows ``phys``, from ``_gather_rows``; no permuted copy): cp.async
         of 16 bytes per thread into ring slot ``t % STAGES``; each load thread's ready arrivals land when its
         copies have (the barriers count one per load thread). Padding rows read zeros, as TMA past a tensor's
         end does."""
-        # 16 rows x 2 threads per warp instruction (a row's whole 32-byte sector), each thread with all its
-        # 16-byte pieces in two rows: a row's address is computed once, not per piece (H100 at D=128: 104
-        # instructions per load warp and tile instead of 396, which took issue slots from the softmax)
-        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[16, 2],
-                                            warps_per_cta=[LOAD_WARPS, 1], order=[1, 0])
+        ld: gl.constexpr = _gather_layout(HEAD_DIM, LOAD_WARPS, GATHER_ROWS)
         s = t % STAGES
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
         ok = (phys >= 0)[:, None] & (d[None, :] < HEAD_DIM)
@@ -624,7 +629,7 @@ if GLUON_IMPORT_ERROR is None:
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, HAS_QIDX: gl.constexpr,
-        EARLY_STOP: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr,
+        EARLY_STOP: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr,
         LOAD_REGS: gl.constexpr, SKIP_MASKED: gl.constexpr, RESUME: gl.constexpr, WRITE_LSE: gl.constexpr,
     ):
         gl.static_assert(not SPLIT or WARP_SPEC, "two compute partitions need the producer partition")
@@ -711,7 +716,7 @@ if GLUON_IMPORT_ERROR is None:
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
                              stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, GATHER, LOAD_WARPS)),
+                             STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, GATHER, LOAD_WARPS, GATHER_ROWS)),
             ], [NUM_WARPS, LOAD_WARPS if GATHER else 1], [CONSUMER_REGS, LOAD_REGS if GATHER else 24])
         elif WARP_SPEC:
             gl.warp_specialize([
@@ -725,7 +730,7 @@ if GLUON_IMPORT_ERROR is None:
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
                              stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, False, 1)),
+                             STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, False, 1, GATHER_ROWS)),
             ], [1], [24])
         else:
             if not HAS_QIDX:
@@ -767,6 +772,10 @@ CONSUMER_REGS = 240  # registers per thread of the second compute partition (spl
 # benchmarks/NOTES_hopper.md part 6; the copy costs a pass over the whole list)
 GATHER_LOAD_WARPS = 4
 GATHER_LOAD_REGS = 56  # the compute partitions keep 208 (default) and 240: 504 of 512 per lane
+#: rows per warp instruction of the gathers' cp.async (32 threads x 16 bytes): 2 at D=128 is two whole rows per
+#: instruction, four 128-byte lines, each thread one piece of 16 rows (an address each); more rows per instruction
+#: means fewer addresses per thread but more, smaller requests (16 rows of 32 bytes ran 25% slower on the H100)
+GATHER_ROWS_PER_COPY = 4
 GATHER_LIST_RATIO = 12  # H100: gathered S2O beats copy + TMA by 10% at 128K (list 33 x Nk), ties at 32K (9 x Nk)
 
 
@@ -986,7 +995,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         WARP_SPEC=warp_spec, OVERLAP=overlap, NUM_WARPS=4 if split else NUM_WARPS, SPLIT=split,
         CONSUMER_REGS=CONSUMER_REGS, HAS_KIDX=key_index is not None, PV_SKIP=pv_skip is not None,
         HAS_QIDX=query_index is not None, EARLY_STOP=early_stop > 0, GATHER=bool(key_gather),
-        LOAD_WARPS=GATHER_LOAD_WARPS, LOAD_REGS=GATHER_LOAD_REGS,
+        LOAD_WARPS=GATHER_LOAD_WARPS, GATHER_ROWS=GATHER_ROWS_PER_COPY, LOAD_REGS=GATHER_LOAD_REGS,
         SKIP_MASKED=bool(skip_masked), RESUME=bool(resume), WRITE_LSE=lse is not None and not resume,
         **kwargs,
     )
