@@ -76,7 +76,7 @@ def compile_case(name: str, extra: dict, ptxas: bool, keep: str = "") -> str:
     const = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, STAGES=3, WARP_SPEC=True, OVERLAP=True, NUM_WARPS=4,
                  SPLIT=True, CONSUMER_REGS=hopper.CONSUMER_REGS, HAS_KIDX=False, PV_SKIP=False, HAS_QIDX=False,
                  EARLY_STOP=False, GATHER=False, LOAD_WARPS=hopper.GATHER_LOAD_WARPS,
-                 GATHER_ROWS=hopper.GATHER_ROWS_PER_COPY,
+                 GATHER_ROWS=hopper.GATHER_ROWS_PER_COPY, INT32_OFFSETS=True,
                  LOAD_REGS=hopper.GATHER_LOAD_REGS, SKIP_MASKED=False, RESUME=False, WRITE_LSE=False)
     const.update(extra)
     D, bn = const["HEAD_DIM"], const["BLOCK_N"]

@@ -523,7 +523,7 @@ if GLUON_IMPORT_ERROR is None:
                   kidx_base, stride_kip, KEY_LEN, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr,
                   VOTE_SLOTS: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr,
-                  GATHER_ROWS: gl.constexpr):
+                  GATHER_ROWS: gl.constexpr, INT32_OFFSETS: gl.constexpr):
         """The load partition: Q once (unless the consumers gather permuted rows), then every K/V tile of the list
         through the ring, by TMA (1 warp) or gathered through the key index (``_gather_kv``, ``LOAD_WARPS``
         warps: one warp cannot issue a tile's 2 x 128 row copies fast enough); with early stop, until the tile
@@ -552,7 +552,7 @@ if GLUON_IMPORT_ERROR is None:
                 if GATHER:
                     if load:
                         _gather_kv(phys, k_base, v_base, stride_kn, stride_vn, k_bufs, v_bufs, k_ready, v_ready, t,
-                                   HEAD_DIM, STAGES, LOAD_WARPS, GATHER_ROWS)
+                                   HEAD_DIM, STAGES, LOAD_WARPS, GATHER_ROWS, INT32_OFFSETS)
                 else:
                     _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t, load, b, hkv,
                               STAGES)
@@ -567,7 +567,7 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.wait(kv_empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
                 if GATHER:
                     _gather_kv(phys, k_base, v_base, stride_kn, stride_vn, k_bufs, v_bufs, k_ready, v_ready, t,
-                               HEAD_DIM, STAGES, LOAD_WARPS, GATHER_ROWS)
+                               HEAD_DIM, STAGES, LOAD_WARPS, GATHER_ROWS, INT32_OFFSETS)
                 else:
                     _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t, True, b, hkv,
                               STAGES)
@@ -596,7 +596,8 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _gather_kv(phys, k_base, v_base, stride_kn, stride_vn, k_bufs, v_bufs, k_ready, v_ready, t,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr):
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr,
+                   INT32_OFFSETS: gl.constexpr):
         """Plan tile ``t``'s keys read in place (rows ``phys``, from ``_gather_rows``; no permuted copy): cp.async
         of 16 bytes per thread into ring slot ``t % STAGES``; each load thread's ready arrivals land when its
         copies have (the barriers count one per load thread). Padding rows read zeros, as TMA past a tensor's
@@ -605,10 +606,13 @@ if GLUON_IMPORT_ERROR is None:
         s = t % STAGES
         d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
         ok = (phys >= 0)[:, None] & (d[None, :] < HEAD_DIM)
-        row = gl.maximum(phys, 0).to(gl.int64)[:, None]
-        async_copy.async_copy_global_to_shared(k_bufs.index(s), k_base + row * stride_kn + d[None, :], mask=ok)
+        row = gl.maximum(phys, 0)[:, None]
+        if not INT32_OFFSETS:
+            row = row.to(gl.int64)
+        # int32 offsets (when the host found they fit): one IMAD per address instead of a 64-bit product and add
+        async_copy.async_copy_global_to_shared(k_bufs.index(s), (k_base + d[None, :]) + row * stride_kn, mask=ok)
         async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
-        async_copy.async_copy_global_to_shared(v_bufs.index(s), v_base + row * stride_vn + d[None, :], mask=ok)
+        async_copy.async_copy_global_to_shared(v_bufs.index(s), (v_base + d[None, :]) + row * stride_vn, mask=ok)
         async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
 
     @gluon.jit
@@ -630,7 +634,7 @@ if GLUON_IMPORT_ERROR is None:
         WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, HAS_QIDX: gl.constexpr,
         EARLY_STOP: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr,
-        LOAD_REGS: gl.constexpr, SKIP_MASKED: gl.constexpr, RESUME: gl.constexpr, WRITE_LSE: gl.constexpr,
+        INT32_OFFSETS: gl.constexpr, LOAD_REGS: gl.constexpr, SKIP_MASKED: gl.constexpr, RESUME: gl.constexpr, WRITE_LSE: gl.constexpr,
     ):
         gl.static_assert(not SPLIT or WARP_SPEC, "two compute partitions need the producer partition")
         gl.static_assert(not GATHER or (SPLIT and HAS_KIDX), "gathered keys: a two-warpgroup variant and a key index")
@@ -716,7 +720,8 @@ if GLUON_IMPORT_ERROR is None:
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
                              stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, GATHER, LOAD_WARPS, GATHER_ROWS)),
+                             STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, GATHER, LOAD_WARPS, GATHER_ROWS,
+                             INT32_OFFSETS)),
             ], [NUM_WARPS, LOAD_WARPS if GATHER else 1], [CONSUMER_REGS, LOAD_REGS if GATHER else 24])
         elif WARP_SPEC:
             gl.warp_specialize([
@@ -730,7 +735,7 @@ if GLUON_IMPORT_ERROR is None:
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
                              stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, False, 1, GATHER_ROWS)),
+                             STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, False, 1, GATHER_ROWS, INT32_OFFSETS)),
             ], [1], [24])
         else:
             if not HAS_QIDX:
@@ -996,6 +1001,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         CONSUMER_REGS=CONSUMER_REGS, HAS_KIDX=key_index is not None, PV_SKIP=pv_skip is not None,
         HAS_QIDX=query_index is not None, EARLY_STOP=early_stop > 0, GATHER=bool(key_gather),
         LOAD_WARPS=GATHER_LOAD_WARPS, GATHER_ROWS=GATHER_ROWS_PER_COPY, LOAD_REGS=GATHER_LOAD_REGS,
+        INT32_OFFSETS=(Nk - 1) * max(k.stride(2), v.stride(2)) + D < 2**31,
         SKIP_MASKED=bool(skip_masked), RESUME=bool(resume), WRITE_LSE=lse is not None and not resume,
         **kwargs,
     )
