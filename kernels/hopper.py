@@ -777,9 +777,10 @@ CONSUMER_REGS = 240  # registers per thread of the second compute partition (spl
 # benchmarks/NOTES_hopper.md part 6; the copy costs a pass over the whole list)
 GATHER_LOAD_WARPS = 4
 GATHER_LOAD_REGS = 56  # the compute partitions keep 208 (default) and 240: 504 of 512 per lane
-#: rows per warp instruction of the gathers' cp.async (32 threads x 16 bytes): 2 at D=128 is two whole rows per
-#: instruction, four 128-byte lines, each thread one piece of 16 rows (an address each); more rows per instruction
-#: means fewer addresses per thread but more, smaller requests (16 rows of 32 bytes ran 25% slower on the H100)
+#: rows per warp instruction of the gathers' cp.async (32 threads x 16 bytes). 4 at D=128: each row half is one
+#: 128-byte line (four lines per instruction) and each thread copies two pieces of each of 8 rows (one address per
+#: row). H100, S2O's walk at 64K / 128K: 5% faster than 2 (whole rows, an address per piece) and than 8; 16
+#: (32-byte requests) ran 25% slower (benchmarks/NOTES_hopper.md part 11)
 GATHER_ROWS_PER_COPY = 4
 GATHER_LIST_RATIO = 12  # H100: gathered S2O beats copy + TMA by 10% at 128K (list 33 x Nk), ties at 32K (9 x Nk)
 
