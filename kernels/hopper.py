@@ -782,7 +782,8 @@ GATHER_LOAD_REGS = 56  # the compute partitions keep 208 (default) and 240: 504 
 #: row). H100, S2O's walk at 64K / 128K: 5% faster than 2 (whole rows, an address per piece) and than 8; 16
 #: (32-byte requests) ran 25% slower (benchmarks/NOTES_hopper.md part 11)
 GATHER_ROWS_PER_COPY = 4
-GATHER_LIST_RATIO = 12  # H100: gathered S2O beats copy + TMA by 10% at 128K (list 33 x Nk), ties at 32K (9 x Nk)
+#: H100 (4-row gathers): S2O's walk gathered beats copy + TMA by 3% at 16K (list 5 x Nk) and 4.5% at 32K (9 x Nk)
+GATHER_LIST_RATIO = 4
 
 
 def _is_16b_aligned(x: torch.Tensor) -> bool:

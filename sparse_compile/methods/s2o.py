@@ -349,7 +349,7 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
     visited counts are the tiles the two passes computed. The reference runs the plan in one pass (the spec).
 
     The ranked walk is one call when the kernel reads the ranked keys in place (the Hopper kernel gathers them for
-    lists over 12 x N, i.e. from 64K at S=2048: ``kernels.attention.reads_keys_in_place``; ``key_mode="auto"``),
+    lists over 4 x N, i.e. from 16K at S=2048: ``kernels.attention.reads_keys_in_place``; ``key_mode="auto"``),
     else segment chunk by segment chunk over permuted K/V copies (``key_mode="copy"`` forces it; same result).
     Segment n's queries are physical rows [nS, (n+1)S) (the query sort stays inside segments) and its keys are
     list entries [base[n], base[n+1]), all physical keys < (n+1)S. So a chunk of segments is a chunked prefill:
