@@ -312,8 +312,7 @@ def s2o_parts(args) -> None:
     """Where S2O's time per visited tile goes (issue 11, item 2): structured inputs, S2O's defaults, contenders
     timed alternately: our dense kernel; the method as it runs (``s2o``: the intra-segment window pass, then the
     ranked walk resumed from it); the same in one pass (``s2o_one_pass``: the masked squares of the sorted queries
-    in the walk, as before ``WINDOW_PASS``); the window pass alone (also without its blocks paired:
-    ``window_unpaired``) and the resumed walk alone (also with its keys
+    in the walk, as before ``WINDOW_PASS``); the window pass alone and the resumed walk alone (also with its keys
     gathered in place at every length: ``walk_gathered``); the visited tiles as
     a static plan (no early-stop vote), whole and its walk alone; the plan without the query sort
     (``sort_queries=False``, its own visited tiles); and, timing only, our dense kernel with every tile masked (what
@@ -349,8 +348,7 @@ def s2o_parts(args) -> None:
             walked = visited - window.tile_counts  # the tiles the resumed walk computed
             static = _static_plan(plan, walked + masked)
             lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-            pairing = s2o_method.window_pairing(params.segment_size, 128)
-            state = execute_plan(q, k, v, window, scale, kernel="triton", lse=lse, pair_blocks=pairing)
+            state = execute_plan(q, k, v, window, scale, kernel="triton", lse=lse)
             errors = {}
             ref = cudnn(q, k, v).float()
             for name, p, cfg in (("s2o", plan, config), ("s2o_unsorted", unsorted_plan, unsorted)):
@@ -367,9 +365,7 @@ def s2o_parts(args) -> None:
             "dense_all_masked": lambda: execute_plan(q, k, v, all_masked, scale, kernel="triton"),
             "s2o": lambda: _execute(q, k, v, plan, scale, config, "triton", False),
             "s2o_one_pass": one_pass(lambda: _execute(q, k, v, plan, scale, config, "triton", False)),
-            "window_pass": lambda: execute_plan(q, k, v, window, scale, kernel="triton", lse=lse,
-                                                pair_blocks=pairing),
-            "window_unpaired": lambda: execute_plan(q, k, v, window, scale, kernel="triton", lse=lse),
+            "window_pass": lambda: execute_plan(q, k, v, window, scale, kernel="triton", lse=lse),
             "walk": walk(plan),
             # the same with its keys gathered in place whatever the list's length ("auto" copies short lists)
             "walk_gathered": lambda: execute_plan(q, k, v, plan, scale, kernel="triton", key_mode="gather",
@@ -379,7 +375,7 @@ def s2o_parts(args) -> None:
             "s2o_unsorted": lambda: _execute(q, k, v, unsorted_plan, scale, unsorted, "triton", False),
         }
         work = {"dense_all_masked": causal, "s2o": float(visited.sum()), "s2o_one_pass": float(one_visited.sum()),
-                "window_pass": window_tiles, "window_unpaired": window_tiles, "walk": float(walked.sum()), "walk_gathered": float(walked.sum()),
+                "window_pass": window_tiles, "walk": float(walked.sum()), "walk_gathered": float(walked.sum()),
                 "static": float(visited.sum()),
                 "static_walk": float(walked.sum()), "s2o_unsorted": float(unsorted_visited.sum())}
         ms = alternate(contenders, args.reps, queue_ahead=args.queue_ahead)

@@ -31,7 +31,6 @@ CASES = {
     "walk_copied": dict(HAS_KIDX=True, HAS_QIDX=True, EARLY_STOP=True, SKIP_MASKED=True, RESUME=True),
     "one_pass": dict(HAS_KIDX=True, HAS_QIDX=True, EARLY_STOP=True),
     "window": dict(WRITE_LSE=True),
-    "window_paired": dict(WRITE_LSE=True, PAIR_SPAN=16),
     "stop_pvskip": dict(EARLY_STOP=True, PV_SKIP=True),
     "stop_2stages": dict(EARLY_STOP=True, STAGES=2),
     "stop_d64": dict(EARLY_STOP=True, HEAD_DIM=64, HAS_KIDX=True, GATHER=True),
@@ -77,7 +76,7 @@ def compile_case(name: str, extra: dict, ptxas: bool, keep: str = "") -> str:
     const = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, STAGES=3, WARP_SPEC=True, OVERLAP=True, NUM_WARPS=4,
                  SPLIT=True, CONSUMER_REGS=hopper.CONSUMER_REGS, HAS_KIDX=False, PV_SKIP=False, HAS_QIDX=False,
                  EARLY_STOP=False, GATHER=False, LOAD_WARPS=hopper.GATHER_LOAD_WARPS,
-                 GATHER_ROWS=hopper.GATHER_ROWS_PER_COPY, INT32_OFFSETS=True, PAIR_SPAN=0,
+                 GATHER_ROWS=hopper.GATHER_ROWS_PER_COPY, INT32_OFFSETS=True,
                  LOAD_REGS=hopper.GATHER_LOAD_REGS, SKIP_MASKED=False, RESUME=False, WRITE_LSE=False)
     const.update(extra)
     D, bn = const["HEAD_DIM"], const["BLOCK_N"]

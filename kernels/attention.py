@@ -665,10 +665,9 @@ def _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, quer
                                      query_index=query_index, early_stop=early_stop, pv_skip=pv_skip)
 
 
-def _hopper_spec(q, block_n, key_index, query_index, early_stop, pv_skip, key_mode,
-                 passes=(False, False, False)) -> tuple:
+def _hopper_spec(q, block_n, key_index, query_index, early_stop, pv_skip, key_mode, passes=(False, False)) -> tuple:
     """The Hopper kernel's specialisation of a call: the key of ``_HOPPER_FAILED`` (``passes``: whether it writes
-    the row statistics, whether it resumes from them, whether its blocks are paired)."""
+    the row statistics, whether it resumes from them)."""
     return (q.dtype, q.shape[-1], block_n, key_index is not None, pv_skip is not None, query_index is not None,
             early_stop > 0, key_mode, *passes)
 
@@ -716,7 +715,6 @@ def block_sparse_attention(
     lse: Optional[torch.Tensor] = None,
     resume: bool = False,
     skip_masked: bool = False,
-    pair_blocks: int = 0,
 ):
     """Block-sparse causal attention over tile lists (module docstring): q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D)
     -> out (B, Hq, Nq, D), and with ``return_visited`` the int32 (B, Hq, n_query_blocks) tiles each block
@@ -735,9 +733,6 @@ def block_sparse_attention(
     pass instead: each row starts from ``out`` and ``lse`` (as if it had already attended to the first pass's keys)
     and the combined output replaces ``out``; ``lse`` is then only read. ``skip_masked=True`` runs only the
     unmasked tiles of each list (the first pass computed the masked ones); the visited counts are then this pass's.
-
-    ``pair_blocks``: a scheduling hint for the Hopper kernel (``hopper_block_sparse_attention`` documents it; the
-    results are the same): blocks j and span - 1 - j of every span of that many query blocks share a CTA.
     """
     global last_backend
     _validate(q, k, v, tile_offsets, tile_counts, masked_counts, block_m, block_n, key_index, query_index,
@@ -766,7 +761,7 @@ def block_sparse_attention(
             _fail(f"backend='hopper' cannot serve this call: {why}")
         if why is None:
             spec = _hopper_spec(q, block_n, key_index, query_index, early_stop, pv_skip, key_mode,
-                                (lse is not None and not resume, resume, bool(pair_blocks)))
+                                (lse is not None and not resume, resume))
             failed = _HOPPER_FAILED.get(spec) if backend == "auto" else None
             if failed is None:
                 from . import hopper
@@ -777,7 +772,7 @@ def block_sparse_attention(
                         block_m=block_m, key_index=key_index, query_index=query_index, early_stop=early_stop,
                         pv_skip=pv_skip, return_visited=return_visited,
                         key_gather={"gather": True, "copy": False}.get(key_mode), out=out, lse=lse,
-                        resume=resume, skip_masked=skip_masked, pair_blocks=pair_blocks)
+                        resume=resume, skip_masked=skip_masked)
                 except Exception as exc:  # a compile or launch problem of the Gluon path: the Triton kernel
                     if backend == "hopper":
                         raise

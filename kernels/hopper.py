@@ -257,20 +257,16 @@ if GLUON_IMPORT_ERROR is None:
                 ok_o[:, None] & (d_o[None, :] < HEAD_DIM))
 
     @gluon.jit
-    def _attend_block(desc_k, desc_v, desc_o, q_all, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, votes,
-                      vote_bar, tile_ptr, stride_tt, t0, n_tiles, n_masked, q_phase, q_free, b, h, hkv, qblk,
-                      qk_scale, N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
-                      q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr, lse_base, stride_ln,
-                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr,
-                      ROWS: gl.constexpr, ROW0: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr,
-                      HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr, VOTE_SLOTS: gl.constexpr,
-                      RESUME: gl.constexpr, WRITE_LSE: gl.constexpr, PAIRED: gl.constexpr):
-        """Query rows [ROW0, ROW0 + ROWS) of query block ``qblk`` (all 128, or one warpgroup's 64): its plan tiles
-        are ring positions ``t0 .. n_tiles - 1`` (``tile_ptr`` indexed by ring position; the first ``n_masked``
-        masked), its Q the ``q_phase``-th load of ``q_bar``. ``PAIRED`` (a second block follows in this CTA):
-        Q's buffer is handed back on ``q_free`` once the last S = Q K^T has completed, and O is stored from
-        registers, so the next block's Q loads under this one's last P V and epilogue."""
+    def _consumer(desc_k, desc_v, desc_o, q_all, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, votes, vote_bar,
+                  tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale, N_Q, N_K,
+                  pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
+                  q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr, lse_base, stride_ln,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr,
+                  ROWS: gl.constexpr, ROW0: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr,
+                  HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr, VOTE_SLOTS: gl.constexpr,
+                  RESUME: gl.constexpr, WRITE_LSE: gl.constexpr):
+        """Compute partition: query rows [ROW0, ROW0 + ROWS) of the block (all 128, or one warpgroup's 64)."""
         gl.static_assert(ROWS == 16 * NUM_WARPS, "one m16 wgmma atom row per warp: rows = 16 * warps")
         gl.static_assert(not EARLY_STOP or ROWS * 2 == BLOCK_M, "early stop votes between two compute warpgroups")
         WG: gl.constexpr = ROW0 // ROWS
@@ -317,7 +313,7 @@ if GLUON_IMPORT_ERROR is None:
         if HAS_QIDX:
             _store_query_rows(q_smem, q_rows)
         else:
-            mbarrier.wait(q_bar, q_phase)
+            mbarrier.wait(q_bar, 0)
         if RESUME:
             seen = lse0 != float("-inf")
             m_i = gl.where(seen, lse0, m_i)
@@ -333,15 +329,15 @@ if GLUON_IMPORT_ERROR is None:
         last = n_tiles - 1
         if OVERLAP:
             # every tile, masked ones included, through the overlapped step: S(t) is issued before O += P(t-1) V(t-1)
-            if n_tiles > t0:
+            if n_tiles > 0:
                 # the first tile's key positions (read only if it is masked) before its S is waited for
-                key_pos = _key_positions(gl.load(tile_ptr + t0 * stride_tt), N_K, KEY_LEN, kidx_base, stride_kip,
-                                         HAS_KIDX, BLOCK_N, s_layout)
-                k_first = k_bufs.index(t0 % STAGES)
-                mbarrier.wait(k_ready.index(t0 % STAGES), (t0 // STAGES) & 1)
+                key_pos = _key_positions(gl.load(tile_ptr), N_K, KEY_LEN, kidx_base, stride_kip, HAS_KIDX, BLOCK_N,
+                                         s_layout)
+                k_first = k_bufs.index(0)
+                mbarrier.wait(k_ready.index(0), 0)
                 s_acc = warpgroup_mma(q_smem, k_first.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_first))
-                if n_masked > t0:
+                if n_masked > 0:
                     p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos,
                                                                      key_pos, True, PV_SKIP)
                 else:
@@ -353,15 +349,15 @@ if GLUON_IMPORT_ERROR is None:
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
                 # each masked tile's start is read one step ahead: its latency would otherwise stall the issue of
                 # the tile's key-position load, which itself must land before the softmax
-                start = gl.load(tile_ptr + (t0 + 1) * stride_tt, mask=n_masked > t0 + 1, other=0)
-                for t in range(t0 + 1, n_masked):
+                start = gl.load(tile_ptr + stride_tt, mask=n_masked > 1, other=0)
+                for t in range(1, n_masked):
                     key_pos = _key_positions(start, N_K, KEY_LEN, kidx_base, stride_kip, HAS_KIDX, BLOCK_N, s_layout)
                     start = gl.load(tile_ptr + (t + 1) * stride_tt, mask=t + 1 < n_masked, other=0)
                     acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
                         t, key_pos, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
                         stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, True,
                         PV_SKIP, STAGES, WARP_SPEC, row_o, p_layout)
-                t1 = gl.maximum(n_masked, t0 + 1)  # the first unmasked tile not yet computed
+                t1 = gl.maximum(n_masked, 1)  # the first unmasked tile not yet computed
                 if EARLY_STOP:
                     # the vote on tile t-1 runs while S(t) and P(t-1) V(t-1) are on the tensor cores (S(t) is
                     # computed before the walk knows it goes on; a stop discards it). Only unmasked tiles vote
@@ -384,8 +380,6 @@ if GLUON_IMPORT_ERROR is None:
                             t, 0, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
                             stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, False,
                             PV_SKIP, STAGES, WARP_SPEC, row_o, p_layout)
-                if PAIRED:
-                    _hand_back_q(q_free)  # every S of this block has completed: the next block's Q may load
                 if not EARLY_STOP or pv_pending:
                     sl = last % STAGES
                     v_last = v_bufs.index(sl)
@@ -394,12 +388,9 @@ if GLUON_IMPORT_ERROR is None:
                     acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_last))
                     _release(last, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
                              n_tiles, b, hkv, STAGES, WARP_SPEC)
-            else:
-                if PAIRED:
-                    _hand_back_q(q_free)
         else:
             # one tile at a time: the masked tiles, then the unmasked walk
-            for t in range(t0, n_masked):
+            for t in range(0, n_masked):
                 key_pos = _key_positions(gl.load(tile_ptr + t * stride_tt), N_K, KEY_LEN, kidx_base, stride_kip,
                                          HAS_KIDX, BLOCK_N, s_layout)
                 acc, m_i, l_i, gain, l_prev = _attend_tile(t, key_pos, q_smem, k_bufs, v_bufs, k_ready, v_ready,
@@ -431,7 +422,7 @@ if GLUON_IMPORT_ERROR is None:
                              n_tiles, b, hkv, STAGES, WARP_SPEC)
         if EARLY_STOP:
             if ROW0 == 0:
-                gl.store(visited_ptr, last + 1 - t0)
+                gl.store(visited_ptr, last + 1)
 
         # -- epilogue: rows that saw nothing have l == 0 and acc == 0 and write zeros
         if WRITE_LSE:
@@ -439,9 +430,8 @@ if GLUON_IMPORT_ERROR is None:
             gl.store(lse_base + phys.to(gl.int64) * stride_ln, m_i + gl.log2(l_i), mask=row_ok)
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         out = acc / gl.convert_layout(l_safe, row_o)[:, None]
-        if HAS_QIDX or PAIRED:
-            # back to the physical rows, straight from registers (no TMA scatter on Hopper; paired blocks leave
-            # Q's buffer to the next block's Q)
+        if HAS_QIDX:
+            # back to the physical rows, straight from registers (no TMA scatter on Hopper)
             phys_o, ok_o = _row_index(qidx_base, stride_qip, row0, N_Q, ROWS, HAS_QIDX, row_o)
             o_ptrs, o_mask = _output_rows(o_base, stride_on, phys_o, ok_o, HEAD_DIM, o_layout)
             gl.store(o_ptrs, out.to(dtype), mask=o_mask)
@@ -457,49 +447,6 @@ if GLUON_IMPORT_ERROR is None:
             # tiles loaded past the stop land in the ring while the epilogue above runs; none may land after the
             # CTA has exited
             _drain(last, n_tiles, k_ready, v_ready, STAGES)
-
-    @gluon.jit
-    def _hand_back_q(q_free):
-        gl.thread_barrier()  # the whole partition's MMAs that read Q have completed
-        mbarrier.arrive(q_free, count=1)
-
-    @gluon.jit
-    def _consumer(desc_k, desc_v, desc_o, q_all, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, votes, vote_bar,
-                  tile_ptr, stride_tt, n_tiles, n_masked, qblk, tile_ptr2, n_tiles2, n_masked2, qblk2, n_blocks,
-                  q_free, b, h, hkv, qk_scale, N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
-                  q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr, lse_base, stride_ln,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr,
-                  ROWS: gl.constexpr, ROW0: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr,
-                  HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr, VOTE_SLOTS: gl.constexpr,
-                  RESUME: gl.constexpr, WRITE_LSE: gl.constexpr, PAIRED: gl.constexpr):
-        """Compute partition: query rows [ROW0, ROW0 + ROWS) of the CTA's query block, or of its ``n_blocks``
-        paired blocks in turn (``PAIRED``: ``qblk`` then ``qblk2``, whose tiles continue the ring after the
-        first's)."""
-        if PAIRED:
-            if n_blocks > 0:
-                _attend_block(desc_k, desc_v, desc_o, q_all, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                              votes, vote_bar, tile_ptr, stride_tt, 0, n_tiles, n_masked, 0, q_free, b, h, hkv,
-                              qblk, qk_scale, N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
-                              q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr, lse_base,
-                              stride_ln, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, ROWS,
-                              ROW0, HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, True)
-            if n_blocks > 1:
-                # ring positions continue: the second block's tile t sits at position n_tiles + t
-                _attend_block(desc_k, desc_v, desc_o, q_all, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                              votes, vote_bar, tile_ptr2 - n_tiles * stride_tt, stride_tt, n_tiles,
-                              n_tiles + n_tiles2, n_tiles + n_masked2, 1, q_free, b, h, hkv, qblk2, qk_scale, N_Q,
-                              N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip, q_base, stride_qn, o_base,
-                              stride_on, qidx_base, stride_qip, visited_ptr, lse_base, stride_ln, HEAD_DIM,
-                              BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, ROWS, ROW0, HAS_KIDX,
-                              PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, True)
-        else:
-            _attend_block(desc_k, desc_v, desc_o, q_all, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                          votes, vote_bar, tile_ptr, stride_tt, 0, n_tiles, n_masked, 0, q_free, b, h, hkv,
-                          qblk, qk_scale, N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
-                          q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr, lse_base,
-                          stride_ln, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, ROWS,
-                          ROW0, HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, False)
 
     @gluon.jit
     def _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, STAGES: gl.constexpr):
@@ -571,32 +518,12 @@ if GLUON_IMPORT_ERROR is None:
         return acc, m_i, l_i, p16, gain, l_prev, goes_on
 
     @gluon.jit
-    def _producer(desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, votes, q_free,
-                  tile_ptr, stride_tt, n_tiles, n_masked, qblk, tile_ptr2, n_tiles2, qblk2, n_blocks, b, h, hkv,
-                  k_base, v_base, stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_QIDX: gl.constexpr,
-                  EARLY_STOP: gl.constexpr, VOTE_SLOTS: gl.constexpr, GATHER: gl.constexpr,
-                  LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr, INT32_OFFSETS: gl.constexpr,
-                  PAIRED: gl.constexpr):
-        """The load partition: ``_paired_producer`` for paired blocks, else ``_stream_producer``."""
-        if PAIRED:
-            _paired_producer(desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             q_free, tile_ptr, stride_tt, n_tiles, qblk, tile_ptr2, n_tiles2, qblk2, n_blocks, b, h,
-                             hkv, BLOCK_M, STAGES)
-        else:
-            _stream_producer(desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
-                             stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, GATHER, LOAD_WARPS, GATHER_ROWS,
-                             INT32_OFFSETS)
-
-    @gluon.jit
-    def _stream_producer(desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, votes,
-                         tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base, stride_kn,
-                         stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_QIDX: gl.constexpr,
-                         EARLY_STOP: gl.constexpr, VOTE_SLOTS: gl.constexpr, GATHER: gl.constexpr,
-                         LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr, INT32_OFFSETS: gl.constexpr):
+    def _producer(desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, votes,
+                  tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base, stride_kn, stride_vn,
+                  kidx_base, stride_kip, KEY_LEN, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr,
+                  VOTE_SLOTS: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr,
+                  GATHER_ROWS: gl.constexpr, INT32_OFFSETS: gl.constexpr):
         """The load partition: Q once (unless the consumers gather permuted rows), then every K/V tile of the list
         through the ring, by TMA (1 warp) or gathered through the key index (``_gather_kv``, ``LOAD_WARPS``
         warps: one warp cannot issue a tile's 2 x 128 row copies fast enough); with early stop, until the tile
@@ -647,36 +574,6 @@ if GLUON_IMPORT_ERROR is None:
         if GATHER:  # no copy outlives the partition (the compute partitions also wait for every tile issued)
             async_copy.commit_group()
             async_copy.wait_group(0)
-
-    @gluon.jit
-    def _paired_producer(desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, q_free,
-                         tile_ptr, stride_tt, n_tiles, qblk, tile_ptr2, n_tiles2, qblk2, n_blocks, b, h, hkv,
-                         BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """The load partition of paired blocks (plain plans: TMA, no early stop): the first block's Q and tiles;
-        then the second block's first STAGES - 1 tiles (their slots are released before the first block's last
-        P V), its Q once the first block's last S has completed (``q_free``), and its other tiles."""
-        if n_blocks > 0:
-            mbarrier.expect(q_bar, desc_q.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_q, [b, h, qblk * BLOCK_M, 0], q_bar, q_smem)
-            for t in range(0, n_tiles):
-                mbarrier.wait(kv_empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
-                _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t, True, b, hkv,
-                          STAGES)
-        if n_blocks > 1:
-            ptr2 = tile_ptr2 - n_tiles * stride_tt  # indexed by ring position, as the consumers index it
-            end = n_tiles + n_tiles2
-            ahead = gl.minimum(n_tiles + STAGES - 1, end)
-            for t in range(n_tiles, ahead):
-                mbarrier.wait(kv_empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
-                _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, ptr2, stride_tt, t, True, b, hkv,
-                          STAGES)
-            mbarrier.wait(q_free, 0)
-            mbarrier.expect(q_bar, desc_q.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_q, [b, h, qblk2 * BLOCK_M, 0], q_bar, q_smem)
-            for t in range(ahead, end):
-                mbarrier.wait(kv_empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
-                _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, ptr2, stride_tt, t, True, b, hkv,
-                          STAGES)
 
     @gluon.constexpr_function
     def _gather_layout(HEAD_DIM, LOAD_WARPS, GATHER_ROWS):
@@ -732,41 +629,23 @@ if GLUON_IMPORT_ERROR is None:
         stride_qib, stride_qih, stride_qip,
         stride_lb, stride_lh, stride_ln,
         K, V, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-        H_Q, N_Q, N_K, KEY_LEN, N_QBLK, N_ITEMS, GQA, PLAN_DIV, QIDX_DIV,
+        H_Q, N_Q, N_K, KEY_LEN, N_QBLK, GQA, PLAN_DIV, QIDX_DIV,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, HAS_QIDX: gl.constexpr,
         EARLY_STOP: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr,
-        INT32_OFFSETS: gl.constexpr, LOAD_REGS: gl.constexpr, PAIR_SPAN: gl.constexpr, SKIP_MASKED: gl.constexpr, RESUME: gl.constexpr, WRITE_LSE: gl.constexpr,
+        INT32_OFFSETS: gl.constexpr, LOAD_REGS: gl.constexpr, SKIP_MASKED: gl.constexpr, RESUME: gl.constexpr, WRITE_LSE: gl.constexpr,
     ):
         gl.static_assert(not SPLIT or WARP_SPEC, "two compute partitions need the producer partition")
         gl.static_assert(not GATHER or (SPLIT and HAS_KIDX), "gathered keys: a two-warpgroup variant and a key index")
         gl.static_assert(not EARLY_STOP or SPLIT, "early stop: the two-warpgroup variants (ws2, ws2_ov)")
-        PAIRED: gl.constexpr = PAIR_SPAN > 0
-        gl.static_assert(not PAIRED or (SPLIT and OVERLAP and not (HAS_KIDX or HAS_QIDX or EARLY_STOP or RESUME
-                                                                   or SKIP_MASKED)),
-                         "paired blocks: plain plans on ws2_ov")
-        # -- (batch, query head, query block): the query heads of one KV head fastest, query blocks last-first;
-        # paired (PAIR_SPAN blocks per span, N_ITEMS CTAs per head): blocks j and PAIR_SPAN - 1 - j of a span
+        # -- (batch, query head, query block): the query heads of one KV head fastest, query blocks last-first
         pid = gl.program_id(0)
         n_kv = H_Q // GQA
         h_in = pid % GQA
         rest = pid // GQA
-        if PAIRED:
-            item = rest % N_ITEMS
-            bkv = rest // N_ITEMS
-            HALF_SPAN: gl.constexpr = PAIR_SPAN // 2
-            span0 = (item // HALF_SPAN) * PAIR_SPAN
-            qblk = span0 + item % HALF_SPAN  # the shorter list first: its epilogue overlaps the longer one's loads
-            qblk2 = span0 + PAIR_SPAN - 1 - item % HALF_SPAN
-            n_blocks = (qblk < N_QBLK).to(gl.int32) + (qblk2 < N_QBLK).to(gl.int32)
-            qblk = gl.minimum(qblk, N_QBLK - 1)  # (reads stay in range; n_blocks says what runs)
-            qblk2 = gl.minimum(qblk2, N_QBLK - 1)
-        else:
-            qblk = N_QBLK - 1 - rest % N_QBLK
-            bkv = rest // N_QBLK
-            qblk2 = qblk
-            n_blocks = 1
+        qblk = N_QBLK - 1 - rest % N_QBLK
+        bkv = rest // N_QBLK
         b = bkv // n_kv
         hkv = bkv % n_kv
         h = hkv * GQA + h_in
@@ -775,10 +654,6 @@ if GLUON_IMPORT_ERROR is None:
         tile_ptr = TileOffsets + b64 * stride_tb + hp * stride_th + qblk.to(gl.int64) * stride_tq
         n_tiles = gl.load(TileCounts + b64 * stride_cb + hp * stride_ch + qblk * stride_cq)
         n_masked = gl.minimum(gl.load(MaskedCounts + b64 * stride_mb + hp * stride_mh + qblk * stride_mq), n_tiles)
-        tile_ptr2 = TileOffsets + b64 * stride_tb + hp * stride_th + qblk2.to(gl.int64) * stride_tq
-        n_tiles2 = gl.load(TileCounts + b64 * stride_cb + hp * stride_ch + qblk2 * stride_cq)
-        n_masked2 = gl.minimum(gl.load(MaskedCounts + b64 * stride_mb + hp * stride_mh + qblk2 * stride_mq),
-                               n_tiles2)
         if SKIP_MASKED:
             # a first pass computed the masked tiles: this one walks the rest of the list, from its start
             tile_ptr = tile_ptr + n_masked * stride_tt
@@ -811,11 +686,6 @@ if GLUON_IMPORT_ERROR is None:
                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
         vote_bar = gl.allocate_shared_memory(gl.int64, [VOTE_SLOTS, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        if PAIRED:
-            q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(q_free, count=2)  # both compute warpgroups are done with Q
-        else:
-            q_free = q_bar  # never used
         # ready: one TMA arrival with its byte count, or one (copies-landed) arrival per thread that gathers
         READY_ARRIVALS: gl.constexpr = 32 * LOAD_WARPS if GATHER else 1
         for i in gl.static_range(STAGES):
@@ -834,44 +704,38 @@ if GLUON_IMPORT_ERROR is None:
             HALF: gl.constexpr = BLOCK_M // 2
             gl.warp_specialize([
                 (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, qblk, tile_ptr2, n_tiles2,
-                             n_masked2, qblk2, n_blocks, q_free, b, h, hkv, qk_scale,
+                             votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
                              N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                              q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                              lse_base, stride_ln,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, 0,
-                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, PAIRED)),
+                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE)),
                 (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, qblk, tile_ptr2, n_tiles2,
-                             n_masked2, qblk2, n_blocks, q_free, b, h, hkv, qk_scale,
+                             votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
                              N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                              q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                              lse_base, stride_ln,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, HALF,
-                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, PAIRED)),
+                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE)),
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             votes, q_free, tile_ptr, stride_tt, n_tiles, n_masked, qblk, tile_ptr2, n_tiles2,
-                             qblk2, n_blocks, b, h, hkv, k_base, v_base,
+                             votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
                              stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
                              STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, GATHER, LOAD_WARPS, GATHER_ROWS,
-                             INT32_OFFSETS, PAIRED)),
+                             INT32_OFFSETS)),
             ], [NUM_WARPS, LOAD_WARPS if GATHER else 1], [CONSUMER_REGS, LOAD_REGS if GATHER else 24])
         elif WARP_SPEC:
             gl.warp_specialize([
                 (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, qblk, tile_ptr2, n_tiles2,
-                             n_masked2, qblk2, n_blocks, q_free, b, h, hkv, qk_scale,
+                             votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
                              N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                              q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                              lse_base, stride_ln,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
-                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, PAIRED)),
+                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE)),
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             votes, q_free, tile_ptr, stride_tt, n_tiles, n_masked, qblk, tile_ptr2, n_tiles2,
-                             qblk2, n_blocks, b, h, hkv, k_base, v_base,
+                             votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
                              stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, False, 1, GATHER_ROWS, INT32_OFFSETS,
-                             PAIRED)),
+                             STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, False, 1, GATHER_ROWS, INT32_OFFSETS)),
             ], [1], [24])
         else:
             if not HAS_QIDX:
@@ -881,17 +745,14 @@ if GLUON_IMPORT_ERROR is None:
                 _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, i, i < n_tiles, b,
                           hkv, STAGES)
             _consumer(desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                      votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, qblk, tile_ptr2, n_tiles2,
-                             n_masked2, qblk2, n_blocks, q_free, b, h, hkv, qk_scale,
+                      votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
                       N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                       q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                       lse_base, stride_ln,
                       HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
-                      HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, PAIRED)
+                      HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE)
 
         mbarrier.invalidate(q_bar)
-        if PAIRED:
-            mbarrier.invalidate(q_free)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_ready.index(i))
             mbarrier.invalidate(v_ready.index(i))
@@ -1026,8 +887,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
                                   variant: str = "ws2_ov",
                                   block_m: int = 128, key_index=None, query_index=None, early_stop: float = 0.0,
                                   pv_skip=None, return_visited: bool = False, key_gather: Optional[bool] = None,
-                                  out=None, lse=None, resume: bool = False, skip_masked: bool = False,
-                                  pair_blocks: int = 0):
+                                  out=None, lse=None, resume: bool = False, skip_masked: bool = False):
     """Block-sparse causal attention over tile lists (the plan contract, module docstring) on an H100.
 
     q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D) -> out (B, Hq, Nq, D) in q's dtype, stored as (B, Nq, Hq, D) memory.
@@ -1041,10 +901,6 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     the int32 (B, Hq, n_query_blocks) tiles each block computed (without early stop, its tile count).
     ``out`` / ``lse`` / ``resume`` / ``skip_masked``: two passes over one softmax, as
     ``kernels.attention.block_sparse_attention`` documents them (``out`` needs TMA-compatible strides).
-    ``pair_blocks`` (even, >= 2; a scheduling hint, same results): in every span of that many query blocks, blocks
-    j and span - 1 - j share a CTA, one after the other, the second's loads overlapping the first's end (S2O's
-    window pass: a segment's causal triangle, 1 + 16 tiles per CTA instead of 1 to 16). Plain plans (no key or
-    query index, early stop or resume) on ``ws2_ov``; ignored otherwise.
     Raises NotImplementedError naming the first unsupported feature (the caller falls back to the Triton kernel)
     and ValueError for malformed inputs. ``variant``: one of HOPPER_VARIANTS (module docstring).
     """
@@ -1087,9 +943,6 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     if not (early_stop >= 0 and math.isfinite(early_stop)):
         raise ValueError(f"hopper_block_sparse_attention: early_stop must be a finite number >= 0, got {early_stop!r}")
 
-    if not (isinstance(pair_blocks, int) and pair_blocks >= 0 and pair_blocks % 2 == 0):
-        raise ValueError(f"hopper_block_sparse_attention: pair_blocks must be 0 or an even int >= 2, got "
-                         f"{pair_blocks!r}")
     if out is None:
         out = torch.empty(B, Nq, Hq, D, dtype=q.dtype, device=q.device).transpose(1, 2)
     elif out.stride(-1) != 1 or not _is_16b_aligned(out):
@@ -1126,11 +979,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     desc_o = _desc(out, BLOCK_M // 2 if split else BLOCK_M, _LAYOUTS)  # each compute partition stores its rows
     desc_k = _desc(kk, block_n, _LAYOUTS)
     desc_v = _desc(vv, block_n, _LAYOUTS)
-    # paired blocks (a scheduling hint; same results): plain plans on ws2_ov only, else one block per CTA
-    pair_span = pair_blocks if (pair_blocks and variant == "ws2_ov" and key_index is None and query_index is None
-                                and early_stop == 0 and not resume and not skip_masked and nqb > 1) else 0
-    n_items = cdiv(nqb, pair_span) * (pair_span // 2) if pair_span else nqb
-    grid = (B * Hq * n_items,)
+    grid = (B * Hq * nqb,)
     kwargs = dict(num_warps=4 if split else NUM_WARPS)
     if warp_spec:
         # 8 compute warps + 1 load warp, allocated by warpgroup: 12 warps x 168 registers fit the 64K register
@@ -1147,14 +996,14 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         *tile_offsets.stride(), *tile_counts.stride(), *masked_counts.stride(), *ki_strides, *qi_strides,
         *(lse.stride() if lse is not None else (0, 0, 0)),
         k, v, *k.stride()[:3], *v.stride()[:3],
-        Hq, Nq, Nk, key_len, nqb, n_items, Hq // Hkv, Hq // tile_offsets.shape[1],
+        Hq, Nq, Nk, key_len, nqb, Hq // Hkv, Hq // tile_offsets.shape[1],
         Hq // query_index.shape[1] if query_index is not None else 1,
         HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=num_stages,
         WARP_SPEC=warp_spec, OVERLAP=overlap, NUM_WARPS=4 if split else NUM_WARPS, SPLIT=split,
         CONSUMER_REGS=CONSUMER_REGS, HAS_KIDX=key_index is not None, PV_SKIP=pv_skip is not None,
         HAS_QIDX=query_index is not None, EARLY_STOP=early_stop > 0, GATHER=bool(key_gather),
         LOAD_WARPS=GATHER_LOAD_WARPS, GATHER_ROWS=GATHER_ROWS_PER_COPY, LOAD_REGS=GATHER_LOAD_REGS,
-        INT32_OFFSETS=(Nk - 1) * max(k.stride(2), v.stride(2)) + D < 2**31, PAIR_SPAN=pair_span,
+        INT32_OFFSETS=(Nk - 1) * max(k.stride(2), v.stride(2)) + D < 2**31,
         SKIP_MASKED=bool(skip_masked), RESUME=bool(resume), WRITE_LSE=lse is not None and not resume,
         **kwargs,
     )

@@ -289,7 +289,7 @@ def runs_on_kernels(q: torch.Tensor, kernel: str) -> bool:
 def execute_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: Optional[float] = None,
                  *, kernel: str = "auto", return_visited: bool = False, check: bool = False,
                  key_mode: str = "auto", config=None, out=None, lse=None, resume: bool = False,
-                 skip_masked: bool = False, pair_blocks: int = 0):
+                 skip_masked: bool = False):
     """Run ``plan`` on q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D): the one place that picks the executor.
 
     ``kernel``: "triton" (the Triton kernel: CUDA, or the CPU under ``TRITON_INTERPRET=1``), "reference"
@@ -299,7 +299,6 @@ def execute_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockP
     ``return_visited`` also the tiles each (batch, query head, query block) computed, int32.
     ``out`` / ``lse`` / ``resume`` / ``skip_masked`` run a plan as the second of two passes over one softmax
     (``kernels.block_sparse_attention`` documents them); the kernels only: the reference runs a plan in one pass.
-    ``pair_blocks``: a scheduling hint for the Hopper kernel (same results; ``kernels.block_sparse_attention``).
     """
     if kernel not in ("auto", "triton", "reference"):
         raise ValueError(f"execute_plan: kernel must be 'auto', 'triton' or 'reference', got {kernel!r}")
@@ -314,7 +313,7 @@ def execute_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockP
             q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts, block_m=plan.block_m,
             block_n=plan.block_n, key_index=plan.key_index, query_index=plan.query_index, scale=scale,
             early_stop=plan.early_stop, pv_skip=plan.pv_skip, return_visited=return_visited, key_mode=key_mode,
-            config=config, out=out, lse=lse, resume=resume, skip_masked=skip_masked, pair_blocks=pair_blocks)
+            config=config, out=out, lse=lse, resume=resume, skip_masked=skip_masked)
     if out is not None or lse is not None or resume or skip_masked:
         raise ValueError("execute_plan: out=, lse=, resume= and skip_masked= need a kernel (kernel='triton' or "
                          "CUDA inputs); the reference runs a plan in one pass")

@@ -5,7 +5,6 @@ On CPU the kernel runs in Triton's interpreter (conftest sets TRITON_INTERPRET=1
 Every test draws fresh random inputs (conftest seeds per test); errors are measured in float64 terms.
 """
 
-import dataclasses
 import importlib
 import math
 
@@ -1017,45 +1016,3 @@ def test_gpu_hopper_two_passes_equal_one_pass(keys):
     assert (two_visited + masked == one_visited).float().mean().item() > 0.99
     assert int(two_visited.sum()) < int((plan.tile_counts - masked).sum())  # the walks stopped early
 
-
-
-# name: (B, Hq, Hkv, N, D, block_n, plan kind, pair_blocks)
-_HOPPER_PAIRED_CASES = {
-    # S2O's window pass: a 4-block span's causal triangles, the last span partial (odd N)
-    "window-d128-b2-gqa4-partial-span": (2, 8, 2, 4 * 512 * 2 + 300, 128, 128, "window", 4),
-    "window-d64-bn64-span16": (1, 8, 2, 2048 * 2 + 77, 64, 64, "window", 16),
-    # any plan: random tile lists of unequal lengths (blocks whose lists are empty among them)
-    "sparse-d128-span2": (1, 8, 2, 3000, 128, 128, "sparse", 2),
-    "sparse-d128-span6-kvtable": (1, 4, 4, 2500, 128, 128, "sparse", 6),
-}
-
-
-@gpu
-@hopper_gpu
-@pytest.mark.parametrize("case", list(_HOPPER_PAIRED_CASES))
-def test_gpu_hopper_paired_blocks_equal_one_block_per_cta(case):
-    """``pair_blocks`` (two query blocks per CTA, the second's loads under the first's end) changes no value:
-    outputs and log2-sum-exp2 equal the unpaired kernel's exactly, and match the reference."""
-    from sparse_compile.methods import s2o
-
-    H = importlib.import_module("sparse_compile.kernels.hopper")
-    B, Hq, Hkv, N, D, bn, kind, span = _HOPPER_PAIRED_CASES[case]
-    q, k, v = _model_layout_qkv(B, Hq, Hkv, N, N, D)
-    if kind == "window":
-        plan = s2o._window_plan(q, span * 128, 128, bn)
-    else:
-        plan = _gpu_sparse_plan(B, Hq if case.endswith("span2") else Hkv, N, N, 128, bn, 0.3)
-        counts = plan.tile_counts.clone()
-        counts[..., 1::5] = 0  # blocks that see nothing write zeros, paired or not
-        plan = dataclasses.replace(plan, tile_counts=counts,
-                                   masked_counts=torch.minimum(plan.masked_counts, counts))
-    args = (q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts)
-    lse_one = torch.empty(B, Hq, N, dtype=torch.float32, device="cuda")
-    lse_two = torch.full_like(lse_one, float("nan"))
-    one = H.hopper_block_sparse_attention(*args, block_n=bn, lse=lse_one)
-    two = H.hopper_block_sparse_attention(*args, block_n=bn, lse=lse_two, pair_blocks=span)
-    assert torch.equal(two, one) and torch.equal(lse_two, lse_one)
-    ref = reference_attention(q.float(), k.float(), v.float(), plan)
-    _assert_close(two, ref, torch.bfloat16, "paired vs reference")
-    with pytest.raises(ValueError, match="pair_blocks"):
-        H.hopper_block_sparse_attention(*args, block_n=bn, pair_blocks=3)

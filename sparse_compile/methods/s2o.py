@@ -309,15 +309,6 @@ COPY_BYTES_FLOOR = 2 << 30
 #: whole segment, so in one pass it visits the segment's full square of tiles, every score masked by position;
 #: the triangle holds half of them and almost no masks. Same keys per row, same early-stop rule.
 WINDOW_PASS = True
-#: the window pass runs blocks j and S/bm - 1 - j of a segment in one CTA on the Hopper kernel (S/bm + 1 tiles each,
-#: instead of 1 to S/bm: a CTA's fixed costs spread over more tiles); results are the same
-PAIR_WINDOW_BLOCKS = True
-
-
-def window_pairing(segment: int, block_m: int) -> int:
-    """``pair_blocks`` for the window pass: a segment's query blocks (when paired and their count is even), else 0."""
-    blocks = segment // block_m
-    return blocks if PAIR_WINDOW_BLOCKS and blocks >= 2 and blocks % 2 == 0 else 0
 
 
 @functools.lru_cache(maxsize=64)
@@ -372,8 +363,7 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
     if WINDOW_PASS and runs_on_kernels(q, kernel):
         window = _window_plan(q, params.segment_size, plan.block_m, plan.block_n)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        out = execute_plan(q, k, v, window, scale, kernel=kernel, lse=lse,
-                           pair_blocks=window_pairing(params.segment_size, plan.block_m))
+        out = execute_plan(q, k, v, window, scale, kernel=kernel, lse=lse)
         passes = {"out": out, "lse": lse, "resume": True, "skip_masked": True}
         window_visits = window.tile_counts
     result = _ranked_walk(q, k, v, plan, scale, params, kernel, return_visited, key_mode, passes)
