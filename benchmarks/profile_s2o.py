@@ -39,7 +39,7 @@ from sparse_compile.methods import build_plan  # noqa: E402
 from sparse_compile.methods.s2o import _window_plan  # noqa: E402
 from sparse_compile.plan import causal_plan, execute_plan  # noqa: E402
 from harness import alternating_samples, sm_clock_mhz, write_results  # noqa: E402
-from kernels import hopper  # noqa: E402
+from sparse_compile.kernels import hopper  # noqa: E402  (the module the kernels run from)
 
 CONTENDERS = ("dense", "walk_gather", "walk_copy", "static_gather", "static_copy", "window")
 

@@ -779,8 +779,9 @@ GATHER_LOAD_WARPS = 4
 GATHER_LOAD_REGS = 56  # the compute partitions keep 208 (default) and 240: 504 of 512 per lane
 #: rows per warp instruction of the gathers' cp.async (32 threads x 16 bytes). 4 at D=128: each row half is one
 #: 128-byte line (four lines per instruction) and each thread copies two pieces of each of 8 rows (one address per
-#: row). H100, S2O's walk at 64K / 128K: 5% faster than 2 (whole rows, an address per piece) and than 8; 16
-#: (32-byte requests) ran 25% slower (benchmarks/NOTES_hopper.md part 11)
+#: row). H100, S2O's walk at 64K / 128K: 0.87 / 0.89 of the dense kernel per tile against 0.79 / 0.86 with 2
+#: (whole rows, an address per piece) and 0.79 / 0.77 with 8; 16 (32-byte requests) ran 25% slower
+#: (benchmarks/NOTES_hopper.md part 11)
 GATHER_ROWS_PER_COPY = 4
 #: H100 (4-row gathers): S2O's walk gathered beats copy + TMA by 3% at 16K (list 5 x Nk) and 4.5% at 32K (9 x Nk)
 GATHER_LIST_RATIO = 4
