@@ -19,7 +19,7 @@ like ordinary keys, its logical length may exceed Nk; masked tiles load the tile
 with ordinary loads for the causal / padding mask); any strides whose last dim is contiguous and whose other
 strides are 16-byte aligned (TMA); or, with ``key_gather`` (the default for lists over ``GATHER_LIST_RATIO`` x Nk:
 S2O's ranked prefixes), keys read in place through the index by a 4-warp load partition with cp.async (no copy of
-a list ~N^2/2S rows long; a gathered tile costs 10-16% more than a TMA one); GQA (Hq a multiple of Hkv), tables
+a list ~N^2/2S rows long; per cycle a gathered tile costs about 9% more than a TMA one, ncu at 64K); GQA (Hq a multiple of Hkv), tables
 with Hq or Hkv heads; ``Nq <= Nk``.
 ``return_visited`` gives the tiles each block computed. Two passes over one softmax (S2O's window pass, then its
 resumed walk): ``lse=`` stores each row's log2-sum-exp2, ``resume=True`` starts each row from ``out`` and ``lse``,
@@ -773,8 +773,8 @@ BLOCK_M = 128
 NUM_WARPS = 8  # two consumer warpgroups of 64 rows
 CONSUMER_REGS = 240  # registers per thread of the second compute partition (split variants)
 # gathered keys (``key_gather``): the load partition's warps and registers, and the list length (x Nk) above
-# which "auto" gathers rather than copying (a gathered tile costs 10-16% more than one TMA reads from the copy,
-# benchmarks/NOTES_hopper.md part 6; the copy costs a pass over the whole list)
+# which "auto" gathers rather than copying (a gathered tile costs about 9% more than one TMA reads from the copy,
+# benchmarks/NOTES_hopper.md part 11; the copy costs a pass over the whole list)
 GATHER_LOAD_WARPS = 4
 GATHER_LOAD_REGS = 56  # the compute partitions keep 208 (default) and 240: 504 of 512 per lane
 #: rows per warp instruction of the gathers' cp.async (32 threads x 16 bytes). 4 at D=128: each row half is one
