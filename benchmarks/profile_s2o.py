@@ -32,13 +32,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_breakeven import HQ, _static_plan, in_model_layout  # noqa: E402
+from bench_breakeven import HQ, _static_plan, _with_module_value, alternate, in_model_layout  # noqa: E402
 from bench_methods import structured_inputs  # noqa: E402
 from sparse_compile import SparseConfig  # noqa: E402
 from sparse_compile.methods import build_plan  # noqa: E402
 from sparse_compile.methods.s2o import _window_plan  # noqa: E402
 from sparse_compile.plan import causal_plan, execute_plan  # noqa: E402
-from harness import alternating_samples, sm_clock_mhz, write_results  # noqa: E402
+from harness import sm_clock_mhz, write_results  # noqa: E402
 from sparse_compile.kernels import hopper  # noqa: E402  (the module the kernels run from)
 
 CONTENDERS = ("dense", "walk_gather", "walk_copy", "static_gather", "static_copy", "window")
@@ -58,20 +58,9 @@ def main(argv=None) -> None:
         print(write_results("gather_rows", rows, out_dir=args.out))
         return
     n = args.length
-    q, k, v = in_model_layout(*structured_inputs(n, device="cuda"))
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    config = SparseConfig(method="s2o")
-    params = config.params_of("s2o")
     with torch.no_grad():
-        plan = build_plan(q, k, scale, config)
-        window = _window_plan(q, params.segment_size, plan.block_m, plan.block_n)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        state = execute_plan(q, k, v, window, scale, kernel="triton", lse=lse)
-        passes = {"out": state, "lse": lse, "resume": True, "skip_masked": True}
-        _, walked = execute_plan(q, k, v, plan, scale, kernel="triton", return_visited=True, key_mode="gather",
-                                 **passes)
+        q, k, v, scale, plan, window, lse, passes, walked, dense = _s2o_walk_setup(n)
         static = _static_plan(plan, walked + torch.minimum(plan.masked_counts, plan.tile_counts))
-        dense = causal_plan(1, HQ, n, n, 128, 128, device="cuda")
         contenders = {
             "dense": lambda: execute_plan(q, k, v, dense, scale, kernel="triton"),
             "walk_gather": lambda: execute_plan(q, k, v, plan, scale, kernel="triton", key_mode="gather", **passes),
@@ -95,40 +84,36 @@ def main(argv=None) -> None:
             torch.cuda.nvtx.range_pop()
 
 
-def with_gather_rows(rows: int, fn):
-    def run():
-        saved = hopper.GATHER_ROWS_PER_COPY
-        hopper.GATHER_ROWS_PER_COPY = rows
-        try:
-            return fn()
-        finally:
-            hopper.GATHER_ROWS_PER_COPY = saved
-    return run
-
-
-def time_gathers(n: int, choices, reps: int) -> dict:
+def _s2o_walk_setup(n: int):
+    """S2O at its defaults on structured inputs of length ``n``: (q, k, v, scale, plan, window plan, lse, the
+    resumed walk's pass arguments, the tiles the walk visits, the dense causal plan). The window pass has run once;
+    the walks resume from its state in place (repeated calls change the values, not the work)."""
     q, k, v = in_model_layout(*structured_inputs(n, device="cuda"))
     scale = 1.0 / math.sqrt(q.shape[-1])
     config = SparseConfig(method="s2o")
-    params = config.params_of("s2o")
+    plan = build_plan(q, k, scale, config)
+    window = _window_plan(q, config.params_of("s2o").segment_size, plan.block_m, plan.block_n)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    state = execute_plan(q, k, v, window, scale, kernel="triton", lse=lse)
+    passes = {"out": state, "lse": lse, "resume": True, "skip_masked": True}
+    _, walked = execute_plan(q, k, v, plan, scale, kernel="triton", return_visited=True, key_mode="gather", **passes)
+    dense = causal_plan(1, HQ, n, n, 128, 128, device="cuda")
+    return q, k, v, scale, plan, window, lse, passes, walked, dense
+
+
+def time_gathers(n: int, choices, reps: int) -> dict:
     with torch.no_grad():
-        plan = build_plan(q, k, scale, config)
-        window = _window_plan(q, params.segment_size, plan.block_m, plan.block_n)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        state = execute_plan(q, k, v, window, scale, kernel="triton", lse=lse)
-        passes = {"out": state, "lse": lse, "resume": True, "skip_masked": True}
-        _, walked = execute_plan(q, k, v, plan, scale, kernel="triton", return_visited=True, key_mode="gather",
-                                 **passes)
-        dense = causal_plan(1, HQ, n, n, 128, 128, device="cuda")
+        q, k, v, scale, plan, _, _, passes, walked, dense = _s2o_walk_setup(n)
         contenders = {
             "dense": lambda: execute_plan(q, k, v, dense, scale, kernel="triton"),
             "walk_copy": lambda: execute_plan(q, k, v, plan, scale, kernel="triton", key_mode="copy", **passes),
         }
         for r in choices:
-            contenders[f"walk_gather_r{r}"] = with_gather_rows(r, lambda: execute_plan(
-                q, k, v, plan, scale, kernel="triton", key_mode="gather", **passes))
-        times = alternating_samples(contenders, reps, queue_ahead=10_000_000)
-    ms = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+            gathered = lambda: execute_plan(q, k, v, plan, scale, kernel="triton", key_mode="gather",  # noqa: E731
+                                            **passes)
+            contenders[f"walk_gather_r{r}"] = _with_module_value(hopper, "GATHER_ROWS_PER_COPY", r, gathered)
+        ms = alternate(contenders, reps, queue_ahead=10_000_000)
+    ms = {name: ms[name] for name in contenders}  # medians (``alternate`` also gives means)
     share = float(walked.sum()) / float(dense.tile_counts.sum())
     row = {"N": n, "walk_density": share, "sm_clock_mhz": sm_clock_mhz()}
     for name, t in ms.items():

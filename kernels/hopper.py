@@ -19,8 +19,8 @@ like ordinary keys, its logical length may exceed Nk; masked tiles load the tile
 with ordinary loads for the causal / padding mask); any strides whose last dim is contiguous and whose other
 strides are 16-byte aligned (TMA); or, with ``key_gather`` (the default for lists over ``GATHER_LIST_RATIO`` x Nk:
 S2O's ranked prefixes), keys read in place through the index by a 4-warp load partition with cp.async (no copy of
-a list ~N^2/2S rows long; per cycle a gathered tile costs about 9% more than a TMA one, ncu at 64K); GQA (Hq a multiple of Hkv), tables
-with Hq or Hkv heads; ``Nq <= Nk``.
+a list ~N^2/2S rows long; per cycle a gathered tile costs about 9% more than a TMA one, ncu at 64K); GQA (Hq a
+multiple of Hkv), tables with Hq or Hkv heads; ``Nq <= Nk``.
 ``return_visited`` gives the tiles each block computed. Two passes over one softmax (S2O's window pass, then its
 resumed walk): ``lse=`` stores each row's log2-sum-exp2, ``resume=True`` starts each row from ``out`` and ``lse``,
 ``skip_masked=True`` walks only the unmasked tiles (``kernels.attention.block_sparse_attention`` documents them).
@@ -634,7 +634,8 @@ if GLUON_IMPORT_ERROR is None:
         WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, HAS_QIDX: gl.constexpr,
         EARLY_STOP: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr,
-        INT32_OFFSETS: gl.constexpr, LOAD_REGS: gl.constexpr, SKIP_MASKED: gl.constexpr, RESUME: gl.constexpr, WRITE_LSE: gl.constexpr,
+        INT32_OFFSETS: gl.constexpr, LOAD_REGS: gl.constexpr, SKIP_MASKED: gl.constexpr, RESUME: gl.constexpr,
+        WRITE_LSE: gl.constexpr,
     ):
         gl.static_assert(not SPLIT or WARP_SPEC, "two compute partitions need the producer partition")
         gl.static_assert(not GATHER or (SPLIT and HAS_KIDX), "gathered keys: a two-warpgroup variant and a key index")
