@@ -31,6 +31,11 @@ CASES = {
     "walk_copied": dict(HAS_KIDX=True, HAS_QIDX=True, EARLY_STOP=True, SKIP_MASKED=True, RESUME=True),
     "one_pass": dict(HAS_KIDX=True, HAS_QIDX=True, EARLY_STOP=True),
     "window": dict(WRITE_LSE=True),
+    "window_stagger": dict(WRITE_LSE=True, PINGPONG=1),
+    "window_pingpong": dict(WRITE_LSE=True, PINGPONG=2),
+    "dense_pingpong": dict(PINGPONG=2),
+    "walk_pingpong": dict(HAS_KIDX=True, HAS_QIDX=True, EARLY_STOP=True, GATHER=True, SKIP_MASKED=True, RESUME=True,
+                          PINGPONG=2),
     "stop_pvskip": dict(EARLY_STOP=True, PV_SKIP=True),
     "stop_2stages": dict(EARLY_STOP=True, STAGES=2),
     "stop_d64": dict(EARLY_STOP=True, HEAD_DIM=64, HAS_KIDX=True, GATHER=True),
@@ -77,7 +82,8 @@ def compile_case(name: str, extra: dict, ptxas: bool, keep: str = "") -> str:
                  SPLIT=True, CONSUMER_REGS=hopper.CONSUMER_REGS, HAS_KIDX=False, PV_SKIP=False, HAS_QIDX=False,
                  EARLY_STOP=False, GATHER=False, LOAD_WARPS=hopper.GATHER_LOAD_WARPS,
                  GATHER_ROWS=hopper.GATHER_ROWS_PER_COPY, INT32_OFFSETS=True,
-                 LOAD_REGS=hopper.GATHER_LOAD_REGS, SKIP_MASKED=False, RESUME=False, WRITE_LSE=False)
+                 LOAD_REGS=hopper.GATHER_LOAD_REGS, SKIP_MASKED=False, RESUME=False, WRITE_LSE=False,
+                 PINGPONG=0)
     const.update(extra)
     D, bn = const["HEAD_DIM"], const["BLOCK_N"]
     x = torch.empty(1, 1, 256, D, dtype=torch.bfloat16)

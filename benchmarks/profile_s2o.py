@@ -15,9 +15,11 @@ named after it, in this order:
 
 The walks' visited tiles are printed, so that per-tile rates can be set against the counters.
 
-``--time R [R ...]`` (no profiler): times our dense kernel, the copied walk and the gathered walk with each of
-the given ``GATHER_ROWS_PER_COPY`` values alternately (queued, medians) and prints each one's efficiency per
-visited tile against the dense kernel, for each ``--lengths`` entry.
+``--time V [V ...]`` (no profiler): sets ``--constant`` (a ``kernels.hopper`` module constant, default
+``GATHER_ROWS_PER_COPY``) to each value in turn and times our dense kernel, the window pass and the gathered walk
+under each, all alternately in one loop (queued, medians), for each ``--lengths`` entry. Each one's efficiency per
+visited tile is against the dense kernel under the first value; S2O's is window + walk. Every value's outputs are
+checked bit for bit against the first value's (for constants that change a schedule, not the arithmetic).
 """
 
 from __future__ import annotations
@@ -48,14 +50,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=65536)
     parser.add_argument("--only", nargs="*", default=list(CONTENDERS), choices=CONTENDERS)
-    parser.add_argument("--time", nargs="*", type=int, default=None, metavar="R")
+    parser.add_argument("--time", nargs="*", type=int, default=None, metavar="V")
+    parser.add_argument("--constant", default="GATHER_ROWS_PER_COPY")
     parser.add_argument("--lengths", nargs="*", type=int, default=[32768, 65536])
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.time is not None:
-        rows = [time_gathers(n, args.time, args.reps) for n in args.lengths]
-        print(write_results("gather_rows", rows, out_dir=args.out))
+        rows = [time_sweep(n, args.constant, args.time, args.reps) for n in args.lengths]
+        print(write_results(args.constant.lower(), rows, out_dir=args.out))
         return
     n = args.length
     with torch.no_grad():
@@ -101,25 +104,46 @@ def _s2o_walk_setup(n: int):
     return q, k, v, scale, plan, window, lse, passes, walked, dense
 
 
-def time_gathers(n: int, choices, reps: int) -> dict:
+def time_sweep(n: int, constant: str, values, reps: int) -> dict:
     with torch.no_grad():
-        q, k, v, scale, plan, _, _, passes, walked, dense = _s2o_walk_setup(n)
-        contenders = {
+        q, k, v, scale, plan, window, lse, passes, walked, dense = _s2o_walk_setup(n)
+        state, first = passes["out"].clone(), None
+        runs = {
             "dense": lambda: execute_plan(q, k, v, dense, scale, kernel="triton"),
-            "walk_copy": lambda: execute_plan(q, k, v, plan, scale, kernel="triton", key_mode="copy", **passes),
+            "window": lambda: execute_plan(q, k, v, window, scale, kernel="triton", lse=lse),
+            "walk": lambda: execute_plan(q, k, v, plan, scale, kernel="triton", key_mode="gather", **passes),
         }
-        for r in choices:
-            gathered = lambda: execute_plan(q, k, v, plan, scale, kernel="triton", key_mode="gather",  # noqa: E731
-                                            **passes)
-            contenders[f"walk_gather_r{r}"] = _with_module_value(hopper, "GATHER_ROWS_PER_COPY", r, gathered)
+        contenders = {}
+        for value in values:
+            outputs = []
+            for name, run in runs.items():
+                timed = _with_module_value(hopper, constant, value, run)
+                contenders[f"{name}_{value}"] = timed
+                if name == "walk":
+                    passes["out"].copy_(state)  # the walk resumes in place: from the same state for every value
+                outputs.append(timed().clone())
+                if name == "window":
+                    outputs.append(lse.clone())
+            if first is None:
+                first = outputs
+            elif not all(torch.equal(a, b) for a, b in zip(first, outputs)):
+                raise AssertionError(f"{constant}={value} changed an output against {constant}={values[0]}")
         ms = alternate(contenders, reps, queue_ahead=10_000_000)
     ms = {name: ms[name] for name in contenders}  # medians (``alternate`` also gives means)
-    share = float(walked.sum()) / float(dense.tile_counts.sum())
-    row = {"N": n, "walk_density": share, "sm_clock_mhz": sm_clock_mhz()}
-    for name, t in ms.items():
-        row[f"{name}_ms"] = t
-        if name != "dense":
-            row[f"{name}_efficiency"] = share * ms["dense"] / t
+    dense_tiles = float(dense.tile_counts.sum())
+    shares = {"window": float(window.tile_counts.sum()) / dense_tiles,
+              "walk": float(walked.sum()) / dense_tiles}
+    base = ms[f"dense_{values[0]}"]
+    row = {"N": n, "constant": constant, "window_density": shares["window"], "walk_density": shares["walk"],
+           "sm_clock_mhz": sm_clock_mhz()}
+    for value in values:
+        for name in runs:
+            t = ms[f"{name}_{value}"]
+            row[f"{name}_{value}_ms"] = t
+            row[f"{name}_{value}_efficiency"] = shares.get(name, 1.0) * base / t
+        s2o = ms[f"window_{value}"] + ms[f"walk_{value}"]
+        row[f"s2o_{value}_ms"] = s2o
+        row[f"s2o_{value}_efficiency"] = (shares["window"] + shares["walk"]) * base / s2o
     print(json.dumps(row), flush=True)
     return row
 

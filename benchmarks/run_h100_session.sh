@@ -10,11 +10,13 @@
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o-parts # S2O's kernel tests, where its time goes, direct and queued
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o-table # S2O's break-even entry, --verify at defaults, peak memory
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o-profile  # Nsight Compute counters: S2O's walks vs dense, 64K
+#   bash benchmarks/run_h100_session.sh "$OUT" s2o-sweep  # a kernels.hopper constant's values (SWEEP_CONSTANT,
+#                                                        # SWEEP_VALUES) timed on dense, window pass and walk
 #   bash benchmarks/run_h100_session.sh "$OUT" sampled   # the sampled selector: GPU tests, its break-even entry,
 #                                                        # --verify, retrieval at 16K-64K (SAMPLED_PARAMS: --method-params JSON)
 set -uo pipefail
 out=${1:?results folder}
-part=${2:?part: check, check-verify, e2e, e2e-long, table, train, s2o, s2o-parts, s2o-profile, s2o-table or sampled}
+part=${2:?part: check, check-verify, e2e, e2e-long, table, train, s2o, s2o-parts, s2o-profile, s2o-sweep, s2o-table or sampled}
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 clock() { nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader | tee -a "$out/gpu.txt"; }
 clock
@@ -68,6 +70,10 @@ s2o-profile)
     "$ncu" -i "$out/s2o_profile.ncu-rep" --page details --csv > "$out/s2o_profile_details.csv" 2>&1
     "$ncu" -i "$out/s2o_profile.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$out/s2o_profile_sass.csv.gz"
     ls -la "$out" ;;
+s2o-sweep)
+    timeout 560 python benchmarks/profile_s2o.py --time ${SWEEP_VALUES:-0 1 2} --constant ${SWEEP_CONSTANT:-PINGPONG} \
+        --lengths ${SWEEP_LENGTHS:-16384 32768 65536} --reps ${SWEEP_REPS:-7} --out "$out" 2>&1 \
+        | tee "$out/sweep_log.txt" | tail -20 ;;
 s2o-table)
     timeout 150 python benchmarks/bench_breakeven.py --measure --methods s2o --reps 5 --queue-ahead --name s2o \
         --out "$out" 2>&1 | tee "$out/breakeven_log.txt" | grep -v "^{" | tail -10

@@ -258,14 +258,14 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _consumer(desc_k, desc_v, desc_o, q_all, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, votes, vote_bar,
-                  tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale, N_Q, N_K,
+                  turn, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale, N_Q, N_K,
                   pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                   q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr, lse_base, stride_ln,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr,
                   ROWS: gl.constexpr, ROW0: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr,
                   HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr, VOTE_SLOTS: gl.constexpr,
-                  RESUME: gl.constexpr, WRITE_LSE: gl.constexpr):
+                  RESUME: gl.constexpr, WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr):
         """Compute partition: query rows [ROW0, ROW0 + ROWS) of the block (all 128, or one warpgroup's 64)."""
         gl.static_assert(ROWS == 16 * NUM_WARPS, "one m16 wgmma atom row per warp: rows = 16 * warps")
         gl.static_assert(not EARLY_STOP or ROWS * 2 == BLOCK_M, "early stop votes between two compute warpgroups")
@@ -335,7 +335,15 @@ if GLUON_IMPORT_ERROR is None:
                                          s_layout)
                 k_first = k_bufs.index(0)
                 mbarrier.wait(k_ready.index(0), 0)
+                if PINGPONG > 0:
+                    if WG == 1:
+                        mbarrier.wait(turn.index(1), 0)
                 s_acc = warpgroup_mma(q_smem, k_first.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                if PINGPONG == 2:
+                    mbarrier.arrive(turn.index(1 - WG), count=1)
+                elif PINGPONG == 1:
+                    if WG == 0:
+                        mbarrier.arrive(turn.index(1), count=1)
                 s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_first))
                 if n_masked > 0:
                     p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos,
@@ -356,7 +364,7 @@ if GLUON_IMPORT_ERROR is None:
                     acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
                         t, key_pos, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
                         stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, True,
-                        PV_SKIP, STAGES, WARP_SPEC, row_o, p_layout)
+                        PV_SKIP, STAGES, WARP_SPEC, row_o, p_layout, turn, WG, PINGPONG)
                 t1 = gl.maximum(n_masked, 1)  # the first unmasked tile not yet computed
                 if EARLY_STOP:
                     # the vote on tile t-1 runs while S(t) and P(t-1) V(t-1) are on the tensor cores (S(t) is
@@ -369,7 +377,7 @@ if GLUON_IMPORT_ERROR is None:
                             t, n_masked, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
                             tile_ptr, stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, gain, l_prev, row_ok,
                             es_tau, votes, vote_bar, qk_scale, pv_lambda, q_pos, PV_SKIP, STAGES, WARP_SPEC, WG,
-                            VOTE_SLOTS, row_o, p_layout, vote_layout)
+                            VOTE_SLOTS, row_o, p_layout, vote_layout, turn, PINGPONG)
                         t = gl.where(goes_on, t + 1, t)
                         pv_pending = goes_on
                         go = goes_on & (t < n_tiles)
@@ -379,7 +387,7 @@ if GLUON_IMPORT_ERROR is None:
                         acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
                             t, 0, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
                             stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, False,
-                            PV_SKIP, STAGES, WARP_SPEC, row_o, p_layout)
+                            PV_SKIP, STAGES, WARP_SPEC, row_o, p_layout, turn, WG, PINGPONG)
                 if not EARLY_STOP or pv_pending:
                     sl = last % STAGES
                     v_last = v_bufs.index(sl)
@@ -449,16 +457,31 @@ if GLUON_IMPORT_ERROR is None:
             _drain(last, n_tiles, k_ready, v_ready, STAGES)
 
     @gluon.jit
-    def _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, STAGES: gl.constexpr):
+    def _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, turn, STAGES: gl.constexpr,
+                    WG: gl.constexpr, PINGPONG: gl.constexpr):
         """FA3's intra-warpgroup overlap, first half: issue S(t) = Q K(t)^T, then O += P(t-1) V(t-1).
         Returns (S(t) in flight, O in flight, K(t)'s slot, V(t-1)'s slot)."""
         k_buf = k_bufs.index(t % STAGES)
         v_prev = v_bufs.index((t - 1) % STAGES)
         mbarrier.wait(k_ready.index(t % STAGES), (t // STAGES) & 1)
+        if PINGPONG == 2:
+            _wait_turn(t, turn, WG)
         s_next = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index((t - 1) % STAGES), ((t - 1) // STAGES) & 1)
         pv = warpgroup_mma(p16, v_prev, acc, is_async=True)
+        if PINGPONG == 2:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
         return s_next, pv, k_buf, v_prev
+
+    @gluon.jit
+    def _wait_turn(t, turn, WG: gl.constexpr):
+        """FA3's ping-pong: warpgroup 0 issues step ``t``'s MMAs after warpgroup 1 issued step t-1's, and
+        warpgroup 1 after warpgroup 0 issued step t's, so one's softmax runs while the other's MMAs do. Each
+        issue arrives once on the other's ``turn`` barrier; neither can get two steps ahead, so parity suffices."""
+        if WG == 0:
+            mbarrier.wait(turn.index(0), (t - 1) & 1, pred=t > 0)
+        else:
+            mbarrier.wait(turn.index(1), t & 1)
 
     @gluon.jit
     def _finish_step(t, key_pos, s_next, pv, k_buf, v_prev, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready,
@@ -482,10 +505,12 @@ if GLUON_IMPORT_ERROR is None:
     def _overlapped_step(t, key_pos, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
                          stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos,
                          MASKED: gl.constexpr, PV_SKIP: gl.constexpr, STAGES: gl.constexpr, WARP_SPEC: gl.constexpr,
-                         row_o: gl.constexpr, p_layout: gl.constexpr):
+                         row_o: gl.constexpr, p_layout: gl.constexpr, turn, WG: gl.constexpr,
+                         PINGPONG: gl.constexpr):
         """FA3's intra-warpgroup overlap, tile ``t`` (masked: keys at ``key_pos``): ``_issue_step`` then
         ``_finish_step``. Returns (acc, m_i, l_i, p16 of tile t, gain, l_prev)."""
-        s_next, pv, k_buf, v_prev = _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, STAGES)
+        s_next, pv, k_buf, v_prev = _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, turn,
+                                                STAGES, WG, PINGPONG)
         return _finish_step(t, key_pos, s_next, pv, k_buf, v_prev, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready,
                             v_ready, kv_empty, tile_ptr, stride_tt, n_tiles, b, hkv, m_i, l_i, p16, qk_scale,
                             pv_lambda, q_pos, MASKED, PV_SKIP, STAGES, WARP_SPEC, row_o, p_layout)
@@ -495,12 +520,13 @@ if GLUON_IMPORT_ERROR is None:
                      stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, gain, l_prev, row_ok, es_tau, votes,
                      vote_bar, qk_scale, pv_lambda, q_pos, PV_SKIP: gl.constexpr, STAGES: gl.constexpr,
                      WARP_SPEC: gl.constexpr, WG: gl.constexpr, VOTE_SLOTS: gl.constexpr, row_o: gl.constexpr,
-                     p_layout: gl.constexpr, vote_layout: gl.constexpr):
+                     p_layout: gl.constexpr, vote_layout: gl.constexpr, turn, PINGPONG: gl.constexpr):
         """``_overlapped_step`` for the early-stop walk over unmasked tile ``t``: issue S(t) and O += P(t-1) V(t-1),
         then vote on tile t-1 (if unmasked; ``gain`` / ``l_prev`` are its) while both run. The walk goes on: the
         softmax of t as in ``_overlapped_step``. It stops (tile t-1 was the last): O is complete once P(t-1) V(t-1)
         lands, and S(t) is dropped. Returns (acc, m_i, l_i, p16, gain, l_prev, goes_on)."""
-        s_next, pv, k_buf, v_prev = _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, STAGES)
+        s_next, pv, k_buf, v_prev = _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, turn,
+                                                STAGES, WG, PINGPONG)
         j = t - 1 - n_masked  # tile t-1's rank among the unmasked tiles (< 0: it was masked and does not vote)
         goes_on = True
         if j >= 0:
@@ -635,11 +661,12 @@ if GLUON_IMPORT_ERROR is None:
         CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, HAS_QIDX: gl.constexpr,
         EARLY_STOP: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr,
         INT32_OFFSETS: gl.constexpr, LOAD_REGS: gl.constexpr, SKIP_MASKED: gl.constexpr, RESUME: gl.constexpr,
-        WRITE_LSE: gl.constexpr,
+        WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr,
     ):
         gl.static_assert(not SPLIT or WARP_SPEC, "two compute partitions need the producer partition")
         gl.static_assert(not GATHER or (SPLIT and HAS_KIDX), "gathered keys: a two-warpgroup variant and a key index")
         gl.static_assert(not EARLY_STOP or SPLIT, "early stop: the two-warpgroup variants (ws2, ws2_ov)")
+        gl.static_assert(PINGPONG == 0 or (SPLIT and OVERLAP), "ping-pong: two overlapped compute warpgroups")
         # -- (batch, query head, query block): the query heads of one KV head fastest, query blocks last-first
         pid = gl.program_id(0)
         n_kv = H_Q // GQA
@@ -686,6 +713,7 @@ if GLUON_IMPORT_ERROR is None:
         votes = gl.allocate_shared_memory(gl.int32, [2 * VOTE_SLOTS, 1],
                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
         vote_bar = gl.allocate_shared_memory(gl.int64, [VOTE_SLOTS, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG's issue order
         mbarrier.init(q_bar, count=1)
         # ready: one TMA arrival with its byte count, or one (copies-landed) arrival per thread that gathers
         READY_ARRIVALS: gl.constexpr = 32 * LOAD_WARPS if GATHER else 1
@@ -695,6 +723,8 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.init(kv_empty.index(i), count=2 if SPLIT else 1)  # one arrival per compute partition
         for i in gl.static_range(VOTE_SLOTS):
             mbarrier.init(vote_bar.index(i), count=2)  # one vote per compute warpgroup
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)  # one arrival per step of the other warpgroup
         fence_async_shared()
 
         k_base = K + b64 * stride_kb + hkv.to(gl.int64) * stride_kh  # K/V read in place: only with GATHER
@@ -705,19 +735,19 @@ if GLUON_IMPORT_ERROR is None:
             HALF: gl.constexpr = BLOCK_M // 2
             gl.warp_specialize([
                 (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
+                             votes, vote_bar, turn, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
                              N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                              q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                              lse_base, stride_ln,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, 0,
-                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE)),
+                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, PINGPONG)),
                 (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
+                             votes, vote_bar, turn, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
                              N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                              q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                              lse_base, stride_ln,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, HALF,
-                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE)),
+                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, PINGPONG)),
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
                              stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
@@ -727,12 +757,12 @@ if GLUON_IMPORT_ERROR is None:
         elif WARP_SPEC:
             gl.warp_specialize([
                 (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
+                             votes, vote_bar, turn, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
                              N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                              q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                              lse_base, stride_ln,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
-                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE)),
+                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, 0)),
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
                              stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
@@ -746,12 +776,12 @@ if GLUON_IMPORT_ERROR is None:
                 _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, i, i < n_tiles, b,
                           hkv, STAGES)
             _consumer(desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                      votes, vote_bar, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
+                      votes, vote_bar, turn, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
                       N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                       q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                       lse_base, stride_ln,
                       HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
-                      HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE)
+                      HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, 0)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(STAGES):
@@ -760,6 +790,8 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.invalidate(kv_empty.index(i))
         for i in gl.static_range(VOTE_SLOTS):
             mbarrier.invalidate(vote_bar.index(i))
+        for i in gl.static_range(2):
+            mbarrier.invalidate(turn.index(i))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -786,6 +818,9 @@ GATHER_LOAD_REGS = 56  # the compute partitions keep 208 (default) and 240: 504 
 GATHER_ROWS_PER_COPY = 4
 #: H100 (4-row gathers): S2O's walk gathered beats copy + TMA by 3% at 16K (list 5 x Nk) and 4.5% at 32K (9 x Nk)
 GATHER_LIST_RATIO = 4
+#: the two compute warpgroups' issue order (ws2_ov): 0 free, 1 warpgroup 1's first MMAs after warpgroup 0's,
+#: 2 FA3's ping-pong, every step alternating (``_wait_turn``)
+PINGPONG = 0
 
 
 def _is_16b_aligned(x: torch.Tensor) -> bool:
@@ -798,9 +833,9 @@ SHARED_MEMORY_LIMIT = 227 * 1024
 
 
 def shared_memory_bytes(head_dim: int, block_n: int, num_stages: int, element_size: int = 2) -> int:
-    """Q (and the output staging in its buffer) plus ``num_stages`` K and V tiles, plus the ring's barriers and
-    1 KiB for the compiler's scratch (votes, layout conversions: 16-300 B in every compiled variant)."""
-    return element_size * head_dim * (BLOCK_M + 2 * num_stages * block_n) + 8 * (3 * num_stages + 1) + 1024
+    """Q (and the output staging in its buffer) plus ``num_stages`` K and V tiles, plus the ring's and the turn
+    barriers and 1 KiB for the compiler's scratch (votes, layout conversions: 16-300 B in every compiled variant)."""
+    return element_size * head_dim * (BLOCK_M + 2 * num_stages * block_n) + 8 * (3 * num_stages + 3) + 1024
 
 
 #: K/V ring depths per (head dim, block_n) that differ from 3 when the caller names none. Empty: 3 is the most that
@@ -1007,6 +1042,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         LOAD_WARPS=GATHER_LOAD_WARPS, GATHER_ROWS=GATHER_ROWS_PER_COPY, LOAD_REGS=GATHER_LOAD_REGS,
         INT32_OFFSETS=(Nk - 1) * max(k.stride(2), v.stride(2)) + D < 2**31,
         SKIP_MASKED=bool(skip_masked), RESUME=bool(resume), WRITE_LSE=lse is not None and not resume,
+        PINGPONG=PINGPONG if (split and overlap) else 0,
         **kwargs,
     )
     return (out, visited) if return_visited else out
