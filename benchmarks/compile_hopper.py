@@ -31,9 +31,12 @@ CASES = {
     "walk_copied": dict(HAS_KIDX=True, HAS_QIDX=True, EARLY_STOP=True, SKIP_MASKED=True, RESUME=True),
     "one_pass": dict(HAS_KIDX=True, HAS_QIDX=True, EARLY_STOP=True),
     "window": dict(WRITE_LSE=True),
-    "window_stagger": dict(WRITE_LSE=True, PINGPONG=1),
+    "window_free": dict(WRITE_LSE=True, PINGPONG=0),
     "window_pingpong": dict(WRITE_LSE=True, PINGPONG=2),
     "dense_pingpong": dict(PINGPONG=2),
+    "window_timeline": dict(WRITE_LSE=True, TIMELINE=True),
+    "walk_timeline": dict(HAS_KIDX=True, HAS_QIDX=True, EARLY_STOP=True, GATHER=True, SKIP_MASKED=True, RESUME=True,
+                          TIMELINE=True),
     "walk_pingpong": dict(HAS_KIDX=True, HAS_QIDX=True, EARLY_STOP=True, GATHER=True, SKIP_MASKED=True, RESUME=True,
                           PINGPONG=2),
     "stop_pvskip": dict(EARLY_STOP=True, PV_SKIP=True),
@@ -45,7 +48,7 @@ CASES = {
 #: pointer arguments of the attention kernels (Triton's ``_block_sparse_attn_fwd`` and the Gluon one), by element
 #: type; their scalar arguments are fp32 for the scales and int32 otherwise
 POINTERS = {"Q": "bf16", "Out": "bf16", "K": "bf16", "V": "bf16", "TileOffsets": "i32", "TileCounts": "i32",
-            "MaskedCounts": "i32", "KeyIndex": "i32", "QueryIndex": "i32", "Visited": "i32", "Lse": "fp32"}
+            "MaskedCounts": "i32", "KeyIndex": "i32", "QueryIndex": "i32", "Visited": "i32", "Lse": "fp32", "Timeline": "i64"}
 FP32_ARGS = ("qk_scale", "es_tau", "pv_lambda")
 
 
@@ -83,8 +86,10 @@ def compile_case(name: str, extra: dict, ptxas: bool, keep: str = "") -> str:
                  EARLY_STOP=False, GATHER=False, LOAD_WARPS=hopper.GATHER_LOAD_WARPS,
                  GATHER_ROWS=hopper.GATHER_ROWS_PER_COPY, INT32_OFFSETS=True,
                  LOAD_REGS=hopper.GATHER_LOAD_REGS, SKIP_MASKED=False, RESUME=False, WRITE_LSE=False,
-                 PINGPONG=0)
+                 PINGPONG=0, TIMELINE=False)
     const.update(extra)
+    if "PINGPONG" not in extra:  # the wrapper's default (``hopper.PINGPONG = None``): staggered without early stop
+        const["PINGPONG"] = 0 if const["EARLY_STOP"] else 1
     D, bn = const["HEAD_DIM"], const["BLOCK_N"]
     x = torch.empty(1, 1, 256, D, dtype=torch.bfloat16)
 

@@ -265,12 +265,20 @@ if GLUON_IMPORT_ERROR is None:
                   WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr,
                   ROWS: gl.constexpr, ROW0: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr,
                   HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr, VOTE_SLOTS: gl.constexpr,
-                  RESUME: gl.constexpr, WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr):
+                  RESUME: gl.constexpr, WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr, tl_row,
+                  TIMELINE: gl.constexpr):
         """Compute partition: query rows [ROW0, ROW0 + ROWS) of the block (all 128, or one warpgroup's 64)."""
         gl.static_assert(ROWS == 16 * NUM_WARPS, "one m16 wgmma atom row per warp: rows = 16 * warps")
         gl.static_assert(not EARLY_STOP or ROWS * 2 == BLOCK_M, "early stop votes between two compute warpgroups")
         WG: gl.constexpr = ROW0 // ROWS
         dtype: gl.constexpr = q_all.dtype
+        _stamp(tl_row, 1 + 5 * WG, n_tiles, TIMELINE)
+        if TIMELINE:
+            if WG == 0:
+                smid = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [n_tiles], dtype=gl.int32,
+                                                 is_pure=False, pack=1)
+                gl.store(tl_row, smid.to(gl.int64))
+                gl.store(tl_row + 14, n_tiles.to(gl.int64))
         if ROWS == BLOCK_M:
             q_smem = q_all
         else:
@@ -314,6 +322,7 @@ if GLUON_IMPORT_ERROR is None:
             _store_query_rows(q_smem, q_rows)
         else:
             mbarrier.wait(q_bar, 0)
+        _stamp(tl_row, 2 + 5 * WG, n_tiles, TIMELINE)
         if RESUME:
             seen = lse0 != float("-inf")
             m_i = gl.where(seen, lse0, m_i)
@@ -345,6 +354,7 @@ if GLUON_IMPORT_ERROR is None:
                     if WG == 0:
                         mbarrier.arrive(turn.index(1), count=1)
                 s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_first))
+                _stamp(tl_row, 3 + 5 * WG, n_tiles, TIMELINE)
                 if n_masked > 0:
                     p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos,
                                                                      key_pos, True, PV_SKIP)
@@ -394,6 +404,7 @@ if GLUON_IMPORT_ERROR is None:
                     mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
                     acc = warpgroup_mma(p16, v_last, acc, is_async=True)
                     acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_last))
+                    _stamp(tl_row, 4 + 5 * WG, n_tiles, TIMELINE)
                     _release(last, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
                              n_tiles, b, hkv, STAGES, WARP_SPEC)
         else:
@@ -455,6 +466,7 @@ if GLUON_IMPORT_ERROR is None:
             # tiles loaded past the stop land in the ring while the epilogue above runs; none may land after the
             # CTA has exited
             _drain(last, n_tiles, k_ready, v_ready, STAGES)
+        _stamp(tl_row, 5 + 5 * WG, n_tiles, TIMELINE)
 
     @gluon.jit
     def _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, turn, STAGES: gl.constexpr,
@@ -472,6 +484,14 @@ if GLUON_IMPORT_ERROR is None:
         if PINGPONG == 2:
             mbarrier.arrive(turn.index(1 - WG), count=1)
         return s_next, pv, k_buf, v_prev
+
+    @gluon.jit
+    def _stamp(ptr, slot, x, TIMELINE: gl.constexpr):
+        """Debug timeline: this SM's clock64 into ``ptr[slot]``."""
+        if TIMELINE:
+            now = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [x], dtype=gl.int64, is_pure=False,
+                                            pack=1)
+            gl.store(ptr + slot, now)
 
     @gluon.jit
     def _wait_turn(t, turn, WG: gl.constexpr):
@@ -549,11 +569,12 @@ if GLUON_IMPORT_ERROR is None:
                   kidx_base, stride_kip, KEY_LEN, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr,
                   VOTE_SLOTS: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr,
-                  GATHER_ROWS: gl.constexpr, INT32_OFFSETS: gl.constexpr):
+                  GATHER_ROWS: gl.constexpr, INT32_OFFSETS: gl.constexpr, tl_row, TIMELINE: gl.constexpr):
         """The load partition: Q once (unless the consumers gather permuted rows), then every K/V tile of the list
         through the ring, by TMA (1 warp) or gathered through the key index (``_gather_kv``, ``LOAD_WARPS``
         warps: one warp cannot issue a tile's 2 x 128 row copies fast enough); with early stop, until the tile
         whose slot it would refill ended the walk."""
+        _stamp(tl_row, 11, n_tiles, TIMELINE)
         if not HAS_QIDX:
             mbarrier.expect(q_bar, desc_q.block_type.nbytes)
             tma.async_copy_global_to_shared(desc_q, [b, h, qblk * BLOCK_M, 0], q_bar, q_smem)
@@ -597,6 +618,7 @@ if GLUON_IMPORT_ERROR is None:
                 else:
                     _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t, True, b, hkv,
                               STAGES)
+        _stamp(tl_row, 13, n_tiles, TIMELINE)
         if GATHER:  # no copy outlives the partition (the compute partitions also wait for every tile issued)
             async_copy.commit_group()
             async_copy.wait_group(0)
@@ -644,7 +666,7 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _hopper_fwd_kernel(
         desc_q, desc_k, desc_v, desc_o, Q, Out,
-        TileOffsets, TileCounts, MaskedCounts, KeyIndex, QueryIndex, Visited, Lse,
+        TileOffsets, TileCounts, MaskedCounts, KeyIndex, QueryIndex, Visited, Lse, Timeline,
         qk_scale, pv_lambda, es_tau,
         stride_qb, stride_qh, stride_qn,
         stride_ob, stride_oh, stride_on,
@@ -661,7 +683,7 @@ if GLUON_IMPORT_ERROR is None:
         CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, HAS_QIDX: gl.constexpr,
         EARLY_STOP: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr,
         INT32_OFFSETS: gl.constexpr, LOAD_REGS: gl.constexpr, SKIP_MASKED: gl.constexpr, RESUME: gl.constexpr,
-        WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr,
+        WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr, TIMELINE: gl.constexpr,
     ):
         gl.static_assert(not SPLIT or WARP_SPEC, "two compute partitions need the producer partition")
         gl.static_assert(not GATHER or (SPLIT and HAS_KIDX), "gathered keys: a two-warpgroup variant and a key index")
@@ -694,6 +716,7 @@ if GLUON_IMPORT_ERROR is None:
         q_base = Q + b64 * stride_qb + h.to(gl.int64) * stride_qh
         o_base = Out + b64 * stride_ob + h.to(gl.int64) * stride_oh
         visited_ptr = Visited + (b64 * H_Q + h) * N_QBLK + qblk  # written only with EARLY_STOP
+        tl_row = Timeline + pid.to(gl.int64) * 16  # debug timeline (TIMELINE): 16 int64 per CTA
         lse_base = Lse + b64 * stride_lb + h.to(gl.int64) * stride_lh  # read with RESUME, written with WRITE_LSE
 
         # -- shared memory: Q (reused for O), the K/V ring, barriers; early stop's votes (module docstring)
@@ -740,19 +763,19 @@ if GLUON_IMPORT_ERROR is None:
                              q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                              lse_base, stride_ln,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, 0,
-                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, PINGPONG)),
+                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, PINGPONG, tl_row, TIMELINE)),
                 (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              votes, vote_bar, turn, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
                              N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                              q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                              lse_base, stride_ln,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, HALF,
-                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, PINGPONG)),
+                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, PINGPONG, tl_row, TIMELINE)),
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
                              stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
                              STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, GATHER, LOAD_WARPS, GATHER_ROWS,
-                             INT32_OFFSETS)),
+                             INT32_OFFSETS, tl_row, TIMELINE)),
             ], [NUM_WARPS, LOAD_WARPS if GATHER else 1], [CONSUMER_REGS, LOAD_REGS if GATHER else 24])
         elif WARP_SPEC:
             gl.warp_specialize([
@@ -762,11 +785,12 @@ if GLUON_IMPORT_ERROR is None:
                              q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                              lse_base, stride_ln,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
-                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, 0)),
+                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, 0, tl_row, TIMELINE)),
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
                              stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, False, 1, GATHER_ROWS, INT32_OFFSETS)),
+                             STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, False, 1, GATHER_ROWS, INT32_OFFSETS, tl_row,
+                             TIMELINE)),
             ], [1], [24])
         else:
             if not HAS_QIDX:
@@ -781,7 +805,7 @@ if GLUON_IMPORT_ERROR is None:
                       q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                       lse_base, stride_ln,
                       HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
-                      HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, 0)
+                      HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, 0, tl_row, TIMELINE)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(STAGES):
@@ -818,9 +842,16 @@ GATHER_LOAD_REGS = 56  # the compute partitions keep 208 (default) and 240: 504 
 GATHER_ROWS_PER_COPY = 4
 #: H100 (4-row gathers): S2O's walk gathered beats copy + TMA by 3% at 16K (list 5 x Nk) and 4.5% at 32K (9 x Nk)
 GATHER_LIST_RATIO = 4
-#: the two compute warpgroups' issue order (ws2_ov): 0 free, 1 warpgroup 1's first MMAs after warpgroup 0's,
-#: 2 FA3's ping-pong, every step alternating (``_wait_turn``)
-PINGPONG = 0
+#: the two compute warpgroups' issue order (ws2_ov): 0 free, 1 warpgroup 1's first MMAs after warpgroup 0's
+#: (staggered: its S = Q K^T runs during warpgroup 0's first softmax instead of beside it), 2 FA3's ping-pong, every
+#: step alternating (``_wait_turn``); None: 1 without early stop, else 0. H100, one loop (NOTES_hopper.md part 12):
+#: 1 runs S2O's window pass 3-4% faster at 16K-64K and the dense kernel within 1%; 2 slows the dense kernel by 1-4%
+#: and the walk by 1-8%; the early-stop walk was not faster with 1
+PINGPONG = None
+#: debug (``benchmarks/timeline_s2o.py``): an int64 (grid, 16) tensor; each CTA writes its row: 0 the SM, 14 its
+#: tile count; 1-5 (compute warpgroup 0) and 6-10 (warpgroup 1) clock64 at its start, Q ready, first S landed, last
+#: P V landed, end; 11 / 13 the load partition's start / end. None: the stamps are compiled out
+TIMELINE_BUFFER = None
 
 
 def _is_16b_aligned(x: torch.Tensor) -> bool:
@@ -1027,7 +1058,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     _hopper_fwd_kernel[grid](
         desc_q, desc_k, desc_v, desc_o, q, out,
         tile_offsets, tile_counts, masked_counts, kidx, qidx, visited if visited is not None else tile_counts,
-        lse if lse is not None else tile_counts,
+        lse if lse is not None else tile_counts, TIMELINE_BUFFER if TIMELINE_BUFFER is not None else tile_counts,
         scale * _LOG2E, float(pv_skip if pv_skip is not None else 0.0) * _LOG2E, early_stop,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *tile_offsets.stride(), *tile_counts.stride(), *masked_counts.stride(), *ki_strides, *qi_strides,
@@ -1042,7 +1073,8 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         LOAD_WARPS=GATHER_LOAD_WARPS, GATHER_ROWS=GATHER_ROWS_PER_COPY, LOAD_REGS=GATHER_LOAD_REGS,
         INT32_OFFSETS=(Nk - 1) * max(k.stride(2), v.stride(2)) + D < 2**31,
         SKIP_MASKED=bool(skip_masked), RESUME=bool(resume), WRITE_LSE=lse is not None and not resume,
-        PINGPONG=PINGPONG if (split and overlap) else 0,
+        PINGPONG=(PINGPONG if PINGPONG is not None else int(early_stop == 0)) if (split and overlap) else 0,
+        TIMELINE=TIMELINE_BUFFER is not None,
         **kwargs,
     )
     return (out, visited) if return_visited else out
