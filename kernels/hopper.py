@@ -42,7 +42,9 @@ move through rank-4 TMA descriptors over the (B, H, N, D) views, so a tile past 
 a store past it is clipped: no row masks anywhere. K/V tiles go through a ``num_stages``-deep shared-memory ring
 guarded by mbarriers (ready: the TMA landed; empty: both MMAs that read the slot completed). Two warpgroups
 (8 warps) compute, 64 query rows each: S = Q K^T by ``warpgroup_mma`` from shared memory, the softmax in
-registers, O += P V with P from registers (dot-operand layout) and V from shared memory.
+registers, O += P V with P from registers (dot-operand layout) and V from shared memory. Without early stop,
+warpgroup 1 issues its first MMAs after warpgroup 0's (``PINGPONG``): both wait for the same Q and K(0) and would
+otherwise start every block in lockstep, their first softmaxes together with the tensor cores idle.
 
 Variants (``variant=``), one kernel specialised by two constexprs:
 
