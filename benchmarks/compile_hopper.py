@@ -48,7 +48,8 @@ CASES = {
 #: pointer arguments of the attention kernels (Triton's ``_block_sparse_attn_fwd`` and the Gluon one), by element
 #: type; their scalar arguments are fp32 for the scales and int32 otherwise
 POINTERS = {"Q": "bf16", "Out": "bf16", "K": "bf16", "V": "bf16", "TileOffsets": "i32", "TileCounts": "i32",
-            "MaskedCounts": "i32", "KeyIndex": "i32", "QueryIndex": "i32", "Visited": "i32", "Lse": "fp32", "Timeline": "i64"}
+            "MaskedCounts": "i32", "KeyIndex": "i32", "QueryIndex": "i32", "Visited": "i32", "Lse": "fp32",
+            "Timeline": "i64"}
 FP32_ARGS = ("qk_scale", "es_tau", "pv_lambda")
 
 
@@ -86,7 +87,7 @@ def compile_case(name: str, extra: dict, ptxas: bool, keep: str = "") -> str:
                  EARLY_STOP=False, GATHER=False, LOAD_WARPS=hopper.GATHER_LOAD_WARPS,
                  GATHER_ROWS=hopper.GATHER_ROWS_PER_COPY, INT32_OFFSETS=True,
                  LOAD_REGS=hopper.GATHER_LOAD_REGS, SKIP_MASKED=False, RESUME=False, WRITE_LSE=False,
-                 PINGPONG=0, TIMELINE=False)
+                 TIMELINE=False)
     const.update(extra)
     if "PINGPONG" not in extra:  # the wrapper's default (``hopper.PINGPONG = None``): staggered without early stop
         const["PINGPONG"] = 0 if const["EARLY_STOP"] else 1

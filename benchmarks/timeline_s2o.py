@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_breakeven import _with_module_value  # noqa: E402
 from profile_s2o import _s2o_walk_setup  # noqa: E402
 from sparse_compile.plan import execute_plan  # noqa: E402
 from sparse_compile.kernels import hopper  # noqa: E402  (the module the kernels run from)
@@ -27,17 +28,12 @@ from harness import write_results  # noqa: E402
 
 
 def stamped(run, grid: int, constants: dict) -> torch.Tensor:
+    """``run`` once with ``kernels.hopper``'s ``constants`` and a fresh timeline buffer set; the buffer."""
     buf = torch.zeros(grid, 16, dtype=torch.int64, device="cuda")
-    constants = {"TIMELINE_BUFFER": buf, **constants}
-    saved = {name: getattr(hopper, name) for name in constants}
-    for name, value in constants.items():
-        setattr(hopper, name, value)
-    try:
-        run()
-        torch.cuda.synchronize()
-    finally:
-        for name, value in saved.items():
-            setattr(hopper, name, value)
+    for name, value in {"TIMELINE_BUFFER": buf, **constants}.items():
+        run = _with_module_value(hopper, name, value, run)
+    run()
+    torch.cuda.synchronize()
     return buf.cpu()
 
 

@@ -1021,7 +1021,7 @@ def test_gpu_hopper_two_passes_equal_one_pass(keys):
 @gpu
 @hopper_gpu
 @pytest.mark.parametrize("early_stop", [0.0, 0.02])
-def test_gpu_hopper_issue_orders_are_bit_identical(early_stop):
+def test_gpu_hopper_issue_orders_are_bit_identical(early_stop, monkeypatch):
     """``PINGPONG`` orders the two compute warpgroups' MMA issues (free, staggered start, FA3's ping-pong): a
     schedule, not arithmetic. Outputs, lse and visited counts are bit-identical across the three, on a causal
     plan with lse (S2O's window pass) and on a permuted sparse plan (with and without early stop)."""
@@ -1042,14 +1042,10 @@ def test_gpu_hopper_issue_orders_are_bit_identical(early_stop):
             query_index=qi, early_stop=early_stop, return_visited=True)
         return first, lse, sparse, visited
 
-    saved = H.PINGPONG
-    try:
-        results = []
-        for order in (0, 1, 2):
-            H.PINGPONG = order
-            results.append(run_all())
-    finally:
-        H.PINGPONG = saved
+    results = []
+    for order in (0, 1, 2):
+        monkeypatch.setattr(H, "PINGPONG", order)
+        results.append(run_all())
     assert torch.isfinite(results[0][0]).all() and torch.isfinite(results[0][2]).all()
     for other in results[1:]:
         for a, b in zip(results[0], other):
