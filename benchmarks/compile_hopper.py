@@ -32,6 +32,11 @@ CASES = {
     "one_pass": dict(HAS_KIDX=True, HAS_QIDX=True, EARLY_STOP=True),
     "window": dict(WRITE_LSE=True),
     "window_free": dict(WRITE_LSE=True, PINGPONG=0),
+    "window_persistent": dict(WRITE_LSE=True, PERSISTENT=True),
+    "window_persistent_timeline": dict(WRITE_LSE=True, PERSISTENT=True, TIMELINE=True),
+    "window_persistent_free": dict(WRITE_LSE=True, PERSISTENT=True, PINGPONG=0),
+    "dense_persistent": dict(PERSISTENT=True),
+    "persistent_free_kidx": dict(PERSISTENT=True, PINGPONG=0, HAS_KIDX=True, PV_SKIP=True),
     "window_pingpong": dict(WRITE_LSE=True, PINGPONG=2),
     "dense_pingpong": dict(PINGPONG=2),
     "window_timeline": dict(WRITE_LSE=True, TIMELINE=True),
@@ -87,7 +92,7 @@ def compile_case(name: str, extra: dict, ptxas: bool, keep: str = "") -> str:
                  EARLY_STOP=False, GATHER=False, LOAD_WARPS=hopper.GATHER_LOAD_WARPS,
                  GATHER_ROWS=hopper.GATHER_ROWS_PER_COPY, INT32_OFFSETS=True,
                  LOAD_REGS=hopper.GATHER_LOAD_REGS, SKIP_MASKED=False, RESUME=False, WRITE_LSE=False,
-                 TIMELINE=False)
+                 TIMELINE=False, PERSISTENT=False)
     const.update(extra)
     if "PINGPONG" not in extra:  # the wrapper's default (``hopper.PINGPONG = None``): staggered without early stop
         const["PINGPONG"] = 0 if const["EARLY_STOP"] else 1
@@ -103,7 +108,8 @@ def compile_case(name: str, extra: dict, ptxas: bool, keep: str = "") -> str:
                                        "desc_v": desc(bn)})
     # what the JIT specialises at run time: 16-byte aligned pointers, and the K/V row strides (heads x D) are
     # multiples of 16 elements (the gathers' 16-byte cp.async needs to know it)
-    aligned = set(POINTERS) | {"stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn"}
+    aligned = set(POINTERS) | {"stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn",
+                               "stride_qb", "stride_qh", "stride_qn", "stride_ob", "stride_oh", "stride_on"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names) if arg in aligned}
     try:
         k = triton.compile(GluonASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),

@@ -86,8 +86,8 @@ def main(argv=None) -> None:
                 "window": lambda: execute_plan(q, k, v, window, scale, kernel="triton", lse=lse),
                 "walk": lambda: execute_plan(q, k, v, plan, scale, kernel="triton", key_mode="gather", **passes),
             }
-            variants = {"dense": {"": {}}, "window": {"": {}, "_no_stagger": {"PINGPONG": 0}},
-                        "walk": {"": {}}}
+            variants = {"dense": {"": {}, "_persistent": {"PERSISTENT": True}},
+                        "window": {"": {}, "_one_cta_per_block": {"PERSISTENT": False}}, "walk": {"": {}}}
             for name, run in runs.items():
                 for suffix, constants in variants[name].items():
                     stamped(run, grid, constants)  # compile and warm

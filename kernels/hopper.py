@@ -46,6 +46,13 @@ registers, O += P V with P from registers (dot-operand layout) and V from shared
 warpgroup 1 issues its first MMAs after warpgroup 0's (``PINGPONG``): both wait for the same Q and K(0) and would
 otherwise start every block in lockstep, their first softmaxes together with the tensor cores idle.
 
+Persistent CTAs (``PERSISTENT``; by default for short lists, ``persistent_by_default``: S2O's window pass): one CTA
+per SM takes work items pid, pid + grid, ... in turn. The ring's positions and the barriers' phases run on across
+items; the load partition issues the next block's first K/V tiles as soon as slots free and its Q as soon as both
+compute warpgroups have computed their last S (``q_empty``); O leaves by TMA through the last tile's K buffer (Q's
+buffer already holds the next rows), which is released once the store has read it. No CTA launch, Q wait or first
+tile latency between blocks (benchmarks/NOTES_hopper.md part 13).
+
 Variants (``variant=``), one kernel specialised by two constexprs:
 
 * ``"tma"``: no warp specialisation; the compute warps issue the TMA loads themselves, ``num_stages`` tiles
@@ -268,8 +275,13 @@ if GLUON_IMPORT_ERROR is None:
                   ROWS: gl.constexpr, ROW0: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr,
                   HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr, VOTE_SLOTS: gl.constexpr,
                   RESUME: gl.constexpr, WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr, tl_row,
-                  TIMELINE: gl.constexpr):
-        """Compute partition: query rows [ROW0, ROW0 + ROWS) of the block (all 128, or one warpgroup's 64)."""
+                  TIMELINE: gl.constexpr, g, item_i, q_empty, PERSISTENT: gl.constexpr):
+        """Compute partition: query rows [ROW0, ROW0 + ROWS) of the block (all 128, or one warpgroup's 64).
+
+        ``g``: the ring position of the block's first tile (a persistent CTA's earlier blocks used the ring before
+        it; 0 otherwise), ``item_i``: how many blocks this CTA computed before (the parity of Q's barriers)."""
+        gl.static_assert(not PERSISTENT or (OVERLAP and not HAS_QIDX and not EARLY_STOP and not RESUME),
+                         "persistent CTAs: the overlapped two-warpgroup walk, Q by TMA, no early stop, no resume")
         gl.static_assert(ROWS == 16 * NUM_WARPS, "one m16 wgmma atom row per warp: rows = 16 * warps")
         gl.static_assert(not EARLY_STOP or ROWS * 2 == BLOCK_M, "early stop votes between two compute warpgroups")
         WG: gl.constexpr = ROW0 // ROWS
@@ -323,7 +335,7 @@ if GLUON_IMPORT_ERROR is None:
         if HAS_QIDX:
             _store_query_rows(q_smem, q_rows)
         else:
-            mbarrier.wait(q_bar, 0)
+            mbarrier.wait(q_bar, item_i & 1)
         _stamp(tl_row, 2 + 5 * WG, n_tiles, TIMELINE)
         if RESUME:
             seen = lse0 != float("-inf")
@@ -337,18 +349,22 @@ if GLUON_IMPORT_ERROR is None:
         # -- unmasked tiles need no mask arithmetic; masked ones (first in the list) are never subject to early
         # stop. With early stop the walk is a while loop that both warpgroups leave after the same tile
         # (``_goes_on``); ``last`` is the last tile computed
-        last = n_tiles - 1
+        # ring positions are absolute (t = g .. g + n_tiles - 1): plan entry t - g sits at tp + t * stride_tt
+        tp = tile_ptr + (0 - g) * stride_tt
+        end = g + n_tiles
+        masked_end = g + n_masked
+        last = end - 1
         if OVERLAP:
             # every tile, masked ones included, through the overlapped step: S(t) is issued before O += P(t-1) V(t-1)
             if n_tiles > 0:
                 # the first tile's key positions (read only if it is masked) before its S is waited for
                 key_pos = _key_positions(gl.load(tile_ptr), N_K, KEY_LEN, kidx_base, stride_kip, HAS_KIDX, BLOCK_N,
                                          s_layout)
-                k_first = k_bufs.index(0)
-                mbarrier.wait(k_ready.index(0), 0)
+                k_first = k_bufs.index(g % STAGES)
+                mbarrier.wait(k_ready.index(g % STAGES), (g // STAGES) & 1)
                 if PINGPONG > 0:
                     if WG == 1:
-                        mbarrier.wait(turn.index(1), 0)
+                        mbarrier.wait(turn.index(1), item_i & 1)
                 s_acc = warpgroup_mma(q_smem, k_first.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 if PINGPONG == 2:
                     mbarrier.arrive(turn.index(1 - WG), count=1)
@@ -370,36 +386,41 @@ if GLUON_IMPORT_ERROR is None:
                 # each masked tile's start is read one step ahead: its latency would otherwise stall the issue of
                 # the tile's key-position load, which itself must land before the softmax
                 start = gl.load(tile_ptr + stride_tt, mask=n_masked > 1, other=0)
-                for t in range(1, n_masked):
+                for t in range(g + 1, masked_end):
                     key_pos = _key_positions(start, N_K, KEY_LEN, kidx_base, stride_kip, HAS_KIDX, BLOCK_N, s_layout)
-                    start = gl.load(tile_ptr + (t + 1) * stride_tt, mask=t + 1 < n_masked, other=0)
+                    start = gl.load(tp + (t + 1) * stride_tt, mask=t + 1 < masked_end, other=0)
                     acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
-                        t, key_pos, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
-                        stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, True,
+                        t, key_pos, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tp,
+                        stride_tt, end, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, True,
                         PV_SKIP, STAGES, WARP_SPEC, row_o, p_layout, turn, WG, PINGPONG)
-                t1 = gl.maximum(n_masked, 1)  # the first unmasked tile not yet computed
+                t1 = gl.maximum(masked_end, g + 1)  # the first unmasked tile not yet computed
                 if EARLY_STOP:
                     # the vote on tile t-1 runs while S(t) and P(t-1) V(t-1) are on the tensor cores (S(t) is
                     # computed before the walk knows it goes on; a stop discards it). Only unmasked tiles vote
                     t = t1
-                    go = t1 < n_tiles
+                    go = t1 < end
                     pv_pending = True  # P(last) V(last) not yet issued
                     while go:
                         acc, m_i, l_i, p16, gain, l_prev, goes_on = _voting_step(
-                            t, n_masked, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                            tile_ptr, stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, gain, l_prev, row_ok,
+                            t, masked_end, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
+                            tp, stride_tt, end, b, hkv, s_zero, acc, m_i, l_i, p16, gain, l_prev, row_ok,
                             es_tau, votes, vote_bar, qk_scale, pv_lambda, q_pos, PV_SKIP, STAGES, WARP_SPEC, WG,
                             VOTE_SLOTS, row_o, p_layout, vote_layout, turn, PINGPONG)
                         t = gl.where(goes_on, t + 1, t)
                         pv_pending = goes_on
-                        go = goes_on & (t < n_tiles)
+                        go = goes_on & (t < end)
                     last = t - 1
                 else:
-                    for t in range(t1, n_tiles):
+                    for t in range(t1, end):
                         acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
-                            t, 0, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
-                            stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, False,
+                            t, 0, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tp,
+                            stride_tt, end, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, False,
                             PV_SKIP, STAGES, WARP_SPEC, row_o, p_layout, turn, WG, PINGPONG)
+                if PERSISTENT:
+                    # the block's last S = Q K^T has landed: the load partition may bring the next block's Q while
+                    # this one finishes (its O leaves from registers, not through Q's buffer)
+                    gl.thread_barrier()
+                    mbarrier.arrive(q_empty, count=1)
                 if not EARLY_STOP or pv_pending:
                     sl = last % STAGES
                     v_last = v_bufs.index(sl)
@@ -407,8 +428,18 @@ if GLUON_IMPORT_ERROR is None:
                     acc = warpgroup_mma(p16, v_last, acc, is_async=True)
                     acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_last))
                     _stamp(tl_row, 4 + 5 * WG, n_tiles, TIMELINE)
-                    _release(last, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
-                             n_tiles, b, hkv, STAGES, WARP_SPEC)
+                    if not PERSISTENT:  # (persistent: after O has gone out through its K buffer)
+                        _release(last, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tp, stride_tt,
+                                 end, b, hkv, STAGES, WARP_SPEC)
+            elif PERSISTENT:
+                # no tile: Q is released at once, and the stagger's barrier keeps its parity (one phase per block)
+                if PINGPONG == 1:
+                    if WG == 0:
+                        mbarrier.arrive(turn.index(1), count=1)
+                    else:
+                        mbarrier.wait(turn.index(1), item_i & 1)
+                gl.thread_barrier()
+                mbarrier.arrive(q_empty, count=1)
         else:
             # one tile at a time: the masked tiles, then the unmasked walk
             for t in range(0, n_masked):
@@ -443,7 +474,7 @@ if GLUON_IMPORT_ERROR is None:
                              n_tiles, b, hkv, STAGES, WARP_SPEC)
         if EARLY_STOP:
             if ROW0 == 0:
-                gl.store(visited_ptr, last + 1)
+                gl.store(visited_ptr, last + 1 - g)
 
         # -- epilogue: rows that saw nothing have l == 0 and acc == 0 and write zeros
         if WRITE_LSE:
@@ -451,7 +482,25 @@ if GLUON_IMPORT_ERROR is None:
             gl.store(lse_base + phys.to(gl.int64) * stride_ln, m_i + gl.log2(l_i), mask=row_ok)
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         out = acc / gl.convert_layout(l_safe, row_o)[:, None]
-        if HAS_QIDX:
+        if PERSISTENT:
+            if n_tiles > 0:
+                # Q's buffer already holds the next block's rows: O goes out by TMA through the last tile's K
+                # buffer, once both warpgroups' last S has read it (Q's barrier says so); the slot is released
+                # after the store has read it
+                mbarrier.wait(q_empty, item_i & 1)
+                o_smem = k_bufs.index(last % STAGES).slice(ROW0, ROWS, dim=0)
+                o_smem.store(out.to(dtype))
+                fence_async_shared()
+                gl.thread_barrier()
+                tma.async_copy_shared_to_global(desc_o, [b, h, row0, 0], o_smem)
+                tma.store_wait(pendings=0)
+                _release(last, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tp, stride_tt, end, b,
+                         hkv, STAGES, WARP_SPEC)
+            else:
+                phys_o, ok_o = _row_index(qidx_base, stride_qip, row0, N_Q, ROWS, HAS_QIDX, row_o)
+                o_ptrs, o_mask = _output_rows(o_base, stride_on, phys_o, ok_o, HEAD_DIM, o_layout)
+                gl.store(o_ptrs, out.to(dtype), mask=o_mask)
+        elif HAS_QIDX:
             # back to the physical rows, straight from registers (no TMA scatter on Hopper)
             phys_o, ok_o = _row_index(qidx_base, stride_qip, row0, N_Q, ROWS, HAS_QIDX, row_o)
             o_ptrs, o_mask = _output_rows(o_base, stride_on, phys_o, ok_o, HEAD_DIM, o_layout)
@@ -467,7 +516,7 @@ if GLUON_IMPORT_ERROR is None:
         if EARLY_STOP:
             # tiles loaded past the stop land in the ring while the epilogue above runs; none may land after the
             # CTA has exited
-            _drain(last, n_tiles, k_ready, v_ready, STAGES)
+            _drain(last, end, k_ready, v_ready, STAGES)
         _stamp(tl_row, 5 + 5 * WG, n_tiles, TIMELINE)
 
     @gluon.jit
@@ -571,13 +620,15 @@ if GLUON_IMPORT_ERROR is None:
                   kidx_base, stride_kip, KEY_LEN, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr,
                   VOTE_SLOTS: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr,
-                  GATHER_ROWS: gl.constexpr, INT32_OFFSETS: gl.constexpr, tl_row, TIMELINE: gl.constexpr):
-        """The load partition: Q once (unless the consumers gather permuted rows), then every K/V tile of the list
+                  GATHER_ROWS: gl.constexpr, INT32_OFFSETS: gl.constexpr, tl_row, TIMELINE: gl.constexpr,
+                  g, item_i, q_empty, PERSISTENT: gl.constexpr):
+        """The load partition (``g``, ``item_i``: as ``_consumer``'s; a persistent CTA's next Q waits until both
+        compute warpgroups computed their last S of the block before): Q once (unless the consumers gather permuted rows), then every K/V tile of the list
         through the ring, by TMA (1 warp) or gathered through the key index (``_gather_kv``, ``LOAD_WARPS``
         warps: one warp cannot issue a tile's 2 x 128 row copies fast enough); with early stop, until the tile
         whose slot it would refill ended the walk."""
         _stamp(tl_row, 11, n_tiles, TIMELINE)
-        if not HAS_QIDX:
+        if not HAS_QIDX and not PERSISTENT:
             mbarrier.expect(q_bar, desc_q.block_type.nbytes)
             tma.async_copy_global_to_shared(desc_q, [b, h, qblk * BLOCK_M, 0], q_bar, q_smem)
         if EARLY_STOP:
@@ -608,9 +659,10 @@ if GLUON_IMPORT_ERROR is None:
                 t += 1
                 go = (t < n_tiles) & load
         else:
-            for t in range(0, n_tiles):
+            tp = tile_ptr + (0 - g) * stride_tt  # absolute ring positions, as in _consumer
+            for t in range(g, g + n_tiles):
                 if GATHER:
-                    phys = _gather_rows(kidx_base, stride_kip, KEY_LEN, tile_ptr, stride_tt, t, BLOCK_N, HEAD_DIM,
+                    phys = _gather_rows(kidx_base, stride_kip, KEY_LEN, tp, stride_tt, t, BLOCK_N, HEAD_DIM,
                                         LOAD_WARPS, GATHER_ROWS)
                 # a fresh barrier counts as phase 1 completed
                 mbarrier.wait(kv_empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
@@ -618,12 +670,27 @@ if GLUON_IMPORT_ERROR is None:
                     _gather_kv(phys, k_base, v_base, stride_kn, stride_vn, k_bufs, v_bufs, k_ready, v_ready, t,
                                HEAD_DIM, STAGES, LOAD_WARPS, GATHER_ROWS, INT32_OFFSETS)
                 else:
-                    _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t, True, b, hkv,
+                    _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tp, stride_tt, t, True, b, hkv,
                               STAGES)
+                if PERSISTENT:
+                    if t == g:
+                        # the block's first K/V tile went out as soon as the previous block freed its slot; Q waits
+                        # until both compute warpgroups have computed their last S of that block
+                        _issue_q(desc_q, q_smem, q_bar, q_empty, b, h, qblk, item_i, BLOCK_M)
+            if PERSISTENT:
+                if n_tiles == 0:
+                    _issue_q(desc_q, q_smem, q_bar, q_empty, b, h, qblk, item_i, BLOCK_M)
         _stamp(tl_row, 13, n_tiles, TIMELINE)
         if GATHER:  # no copy outlives the partition (the compute partitions also wait for every tile issued)
             async_copy.commit_group()
             async_copy.wait_group(0)
+
+    @gluon.jit
+    def _issue_q(desc_q, q_smem, q_bar, q_empty, b, h, qblk, item_i, BLOCK_M: gl.constexpr):
+        """A persistent CTA's Q for its ``item_i``-th block, once the previous block's last S has read Q."""
+        mbarrier.wait(q_empty, (item_i & 1) ^ 1)
+        mbarrier.expect(q_bar, desc_q.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_q, [b, h, qblk * BLOCK_M, 0], q_bar, q_smem)
 
     @gluon.constexpr_function
     def _gather_layout(HEAD_DIM, LOAD_WARPS, GATHER_ROWS):
@@ -666,36 +733,14 @@ if GLUON_IMPORT_ERROR is None:
         async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
 
     @gluon.jit
-    def _hopper_fwd_kernel(
-        desc_q, desc_k, desc_v, desc_o, Q, Out,
-        TileOffsets, TileCounts, MaskedCounts, KeyIndex, QueryIndex, Visited, Lse, Timeline,
-        qk_scale, pv_lambda, es_tau,
-        stride_qb, stride_qh, stride_qn,
-        stride_ob, stride_oh, stride_on,
-        stride_tb, stride_th, stride_tq, stride_tt,
-        stride_cb, stride_ch, stride_cq,
-        stride_mb, stride_mh, stride_mq,
-        stride_kib, stride_kih, stride_kip,
-        stride_qib, stride_qih, stride_qip,
-        stride_lb, stride_lh, stride_ln,
-        K, V, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-        H_Q, N_Q, N_K, KEY_LEN, N_QBLK, GQA, PLAN_DIV, QIDX_DIV,
-        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, HAS_QIDX: gl.constexpr,
-        EARLY_STOP: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr,
-        INT32_OFFSETS: gl.constexpr, LOAD_REGS: gl.constexpr, SKIP_MASKED: gl.constexpr, RESUME: gl.constexpr,
-        WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr, TIMELINE: gl.constexpr,
-    ):
-        gl.static_assert(not SPLIT or WARP_SPEC, "two compute partitions need the producer partition")
-        gl.static_assert(not GATHER or (SPLIT and HAS_KIDX), "gathered keys: a two-warpgroup variant and a key index")
-        gl.static_assert(not EARLY_STOP or SPLIT, "early stop: the two-warpgroup variants (ws2, ws2_ov)")
-        gl.static_assert(PINGPONG == 0 or (SPLIT and OVERLAP), "ping-pong: two overlapped compute warpgroups")
-        # -- (batch, query head, query block): the query heads of one KV head fastest, query blocks last-first
-        pid = gl.program_id(0)
+    def _plan_row(item, H_Q, GQA, N_QBLK, PLAN_DIV, TileOffsets, TileCounts, MaskedCounts,
+                  stride_tb, stride_th, stride_tq, stride_tt, stride_cb, stride_ch, stride_cq,
+                  stride_mb, stride_mh, stride_mq, SKIP_MASKED: gl.constexpr):
+        """Work item ``item`` (batch, query head, query block; the query heads of one KV head fastest, query
+        blocks last-first) and its plan row: (b, h, hkv, qblk, tile_ptr, n_tiles, n_masked)."""
         n_kv = H_Q // GQA
-        h_in = pid % GQA
-        rest = pid // GQA
+        h_in = item % GQA
+        rest = item // GQA
         qblk = N_QBLK - 1 - rest % N_QBLK
         bkv = rest // N_QBLK
         b = bkv // n_kv
@@ -711,6 +756,120 @@ if GLUON_IMPORT_ERROR is None:
             tile_ptr = tile_ptr + n_masked * stride_tt
             n_tiles = n_tiles - n_masked
             n_masked = gl.minimum(n_masked, 0)
+        return b, h, hkv, qblk, tile_ptr, n_tiles, n_masked
+
+    @gluon.jit
+    def _persistent_consumer(desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
+                             kv_empty, votes, vote_bar, turn, TileOffsets, TileCounts, MaskedCounts,
+                             stride_tb, stride_th, stride_tq, stride_tt, stride_cb, stride_ch, stride_cq,
+                             stride_mb, stride_mh, stride_mq, KeyIndex, stride_kib, stride_kih, stride_kip,
+                             Out, stride_ob, stride_oh, stride_on, Lse, stride_lb, stride_lh, stride_ln, Timeline,
+                             qk_scale, pv_lambda, es_tau, H_Q, N_Q, N_K, KEY_LEN, N_QBLK, GQA, PLAN_DIV, N_ITEMS,
+                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                             STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, ROW0: gl.constexpr,
+                             HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, VOTE_SLOTS: gl.constexpr,
+                             WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASKED: gl.constexpr,
+                             TIMELINE: gl.constexpr):
+        """A compute warpgroup of a persistent CTA: ``_consumer`` for work items pid, pid + grid, ... in turn (each
+        next item's plan row read while the current one runs)."""
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        b, h, hkv, qblk, tile_ptr, n_tiles, n_masked = _plan_row(
+            pid, H_Q, GQA, N_QBLK, PLAN_DIV, TileOffsets, TileCounts, MaskedCounts, stride_tb, stride_th, stride_tq,
+            stride_tt, stride_cb, stride_ch, stride_cq, stride_mb, stride_mh, stride_mq, SKIP_MASKED)
+        g = pid * 0
+        item_i = pid * 0
+        for item in range(pid, N_ITEMS, nprog):
+            tl_row = Timeline + item.to(gl.int64) * 16  # TIMELINE: one row per block, as without persistence
+            nb, nh, nhkv, nqblk, ntile_ptr, nn_tiles, nn_masked = _plan_row(
+                gl.minimum(item + nprog, N_ITEMS - 1), H_Q, GQA, N_QBLK, PLAN_DIV, TileOffsets, TileCounts,
+                MaskedCounts, stride_tb, stride_th, stride_tq, stride_tt, stride_cb, stride_ch, stride_cq,
+                stride_mb, stride_mh, stride_mq, SKIP_MASKED)
+            b64 = b.to(gl.int64)
+            kidx_base = KeyIndex + b64 * stride_kib + hkv.to(gl.int64) * stride_kih
+            o_base = Out + b64 * stride_ob + h.to(gl.int64) * stride_oh
+            lse_base = Lse + b64 * stride_lb + h.to(gl.int64) * stride_lh
+            # Q by TMA, no query index, no early stop, no resume: their pointers are never read (any will do)
+            _consumer(desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, votes,
+                      vote_bar, turn, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale, N_Q, N_K,
+                      pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip, o_base, stride_on, o_base, stride_on,
+                      TileCounts, 0, TileCounts, lse_base, stride_ln,
+                      HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, True, True, NUM_WARPS, ROWS, ROW0,
+                      HAS_KIDX, PV_SKIP, False, False, VOTE_SLOTS, False, WRITE_LSE, PINGPONG,
+                      tl_row, TIMELINE, g, item_i, q_empty, True)
+            g += n_tiles
+            item_i += 1
+            b, h, hkv, qblk, tile_ptr, n_tiles, n_masked = nb, nh, nhkv, nqblk, ntile_ptr, nn_tiles, nn_masked
+
+    @gluon.jit
+    def _persistent_producer(desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready, v_ready,
+                             kv_empty, votes, TileOffsets, TileCounts, MaskedCounts,
+                             stride_tb, stride_th, stride_tq, stride_tt, stride_cb, stride_ch, stride_cq,
+                             stride_mb, stride_mh, stride_mq, KeyIndex, stride_kib, stride_kih, stride_kip,
+                             K, V, Timeline, H_Q, KEY_LEN, N_QBLK, GQA, PLAN_DIV, N_ITEMS,
+                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                             STAGES: gl.constexpr, VOTE_SLOTS: gl.constexpr, GATHER_ROWS: gl.constexpr,
+                             SKIP_MASKED: gl.constexpr, TIMELINE: gl.constexpr):
+        """The load partition of a persistent CTA: ``_producer`` for its work items in turn (the ring and Q's
+        barriers run on across them)."""
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        b, h, hkv, qblk, tile_ptr, n_tiles, n_masked = _plan_row(
+            pid, H_Q, GQA, N_QBLK, PLAN_DIV, TileOffsets, TileCounts, MaskedCounts, stride_tb, stride_th, stride_tq,
+            stride_tt, stride_cb, stride_ch, stride_cq, stride_mb, stride_mh, stride_mq, SKIP_MASKED)
+        g = pid * 0
+        item_i = pid * 0
+        for item in range(pid, N_ITEMS, nprog):
+            tl_row = Timeline + item.to(gl.int64) * 16  # TIMELINE: one row per block, as without persistence
+            nb, nh, nhkv, nqblk, ntile_ptr, nn_tiles, nn_masked = _plan_row(
+                gl.minimum(item + nprog, N_ITEMS - 1), H_Q, GQA, N_QBLK, PLAN_DIV, TileOffsets, TileCounts,
+                MaskedCounts, stride_tb, stride_th, stride_tq, stride_tt, stride_cb, stride_ch, stride_cq,
+                stride_mb, stride_mh, stride_mq, SKIP_MASKED)
+            kidx_base = KeyIndex + b.to(gl.int64) * stride_kib + hkv.to(gl.int64) * stride_kih
+            _producer(desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, votes,
+                      tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, K, V, 0, 0, kidx_base, stride_kip,
+                      KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, False, False, VOTE_SLOTS, False, 1, GATHER_ROWS,
+                      True, tl_row, TIMELINE, g, item_i, q_empty, True)
+            g += n_tiles
+            item_i += 1
+            b, h, hkv, qblk, tile_ptr, n_tiles, n_masked = nb, nh, nhkv, nqblk, ntile_ptr, nn_tiles, nn_masked
+
+    @gluon.jit
+    def _hopper_fwd_kernel(
+        desc_q, desc_k, desc_v, desc_o, Q, Out,
+        TileOffsets, TileCounts, MaskedCounts, KeyIndex, QueryIndex, Visited, Lse, Timeline,
+        qk_scale, pv_lambda, es_tau,
+        stride_qb, stride_qh, stride_qn,
+        stride_ob, stride_oh, stride_on,
+        stride_tb, stride_th, stride_tq, stride_tt,
+        stride_cb, stride_ch, stride_cq,
+        stride_mb, stride_mh, stride_mq,
+        stride_kib, stride_kih, stride_kip,
+        stride_qib, stride_qih, stride_qip,
+        stride_lb, stride_lh, stride_ln,
+        K, V, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+        H_Q, N_Q, N_K, KEY_LEN, N_QBLK, GQA, PLAN_DIV, QIDX_DIV, N_ITEMS,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, HAS_QIDX: gl.constexpr,
+        EARLY_STOP: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr,
+        INT32_OFFSETS: gl.constexpr, LOAD_REGS: gl.constexpr, SKIP_MASKED: gl.constexpr, RESUME: gl.constexpr,
+        WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr, TIMELINE: gl.constexpr, PERSISTENT: gl.constexpr,
+    ):
+        gl.static_assert(not SPLIT or WARP_SPEC, "two compute partitions need the producer partition")
+        gl.static_assert(not GATHER or (SPLIT and HAS_KIDX), "gathered keys: a two-warpgroup variant and a key index")
+        gl.static_assert(not EARLY_STOP or SPLIT, "early stop: the two-warpgroup variants (ws2, ws2_ov)")
+        gl.static_assert(PINGPONG == 0 or (SPLIT and OVERLAP), "ping-pong: two overlapped compute warpgroups")
+        gl.static_assert(not PERSISTENT or (SPLIT and OVERLAP and not HAS_QIDX and not EARLY_STOP and not GATHER
+                                            and not RESUME and PINGPONG < 2 and BLOCK_N == BLOCK_M),
+                         "persistent CTAs: ws2_ov, Q by TMA, no early stop, gather or resume, at most staggered, "
+                         "square tiles (O leaves through a K buffer)")
+        # -- (batch, query head, query block); a persistent CTA (PERSISTENT) decodes its items in its partitions
+        pid = gl.program_id(0)
+        b, h, hkv, qblk, tile_ptr, n_tiles, n_masked = _plan_row(
+            pid, H_Q, GQA, N_QBLK, PLAN_DIV, TileOffsets, TileCounts, MaskedCounts, stride_tb, stride_th, stride_tq,
+            stride_tt, stride_cb, stride_ch, stride_cq, stride_mb, stride_mh, stride_mq, SKIP_MASKED)
+        b64 = b.to(gl.int64)
         # key positions of the permuted copy (an index with Hkv heads: one per KV head); read in masked tiles only
         kidx_base = KeyIndex + b64 * stride_kib + hkv.to(gl.int64) * stride_kih
         # permuted queries: rows gathered and scattered by pointer (read only with HAS_QIDX)
@@ -729,6 +888,7 @@ if GLUON_IMPORT_ERROR is None:
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # PERSISTENT: Q read
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -740,6 +900,7 @@ if GLUON_IMPORT_ERROR is None:
         vote_bar = gl.allocate_shared_memory(gl.int64, [VOTE_SLOTS, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG's issue order
         mbarrier.init(q_bar, count=1)
+        mbarrier.init(q_empty, count=2)  # one arrival per compute warpgroup
         # ready: one TMA arrival with its byte count, or one (copies-landed) arrival per thread that gathers
         READY_ARRIVALS: gl.constexpr = 32 * LOAD_WARPS if GATHER else 1
         for i in gl.static_range(STAGES):
@@ -754,7 +915,36 @@ if GLUON_IMPORT_ERROR is None:
 
         k_base = K + b64 * stride_kb + hkv.to(gl.int64) * stride_kh  # K/V read in place: only with GATHER
         v_base = V + b64 * stride_vb + hkv.to(gl.int64) * stride_vh
-        if SPLIT:
+        if PERSISTENT:
+            HALF_P: gl.constexpr = BLOCK_M // 2
+            gl.warp_specialize([
+                (_persistent_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready,
+                                        v_ready, kv_empty, votes, vote_bar, turn, TileOffsets, TileCounts,
+                                        MaskedCounts, stride_tb, stride_th, stride_tq, stride_tt, stride_cb,
+                                        stride_ch, stride_cq, stride_mb, stride_mh, stride_mq, KeyIndex, stride_kib,
+                                        stride_kih, stride_kip, Out, stride_ob, stride_oh, stride_on, Lse,
+                                        stride_lb, stride_lh, stride_ln, Timeline, qk_scale, pv_lambda, es_tau, H_Q,
+                                        N_Q, N_K, KEY_LEN, N_QBLK, GQA, PLAN_DIV, N_ITEMS,
+                                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, NUM_WARPS, HALF_P, 0, HAS_KIDX, PV_SKIP,
+                                        VOTE_SLOTS, WRITE_LSE, PINGPONG, SKIP_MASKED, TIMELINE)),
+                (_persistent_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready,
+                                        v_ready, kv_empty, votes, vote_bar, turn, TileOffsets, TileCounts,
+                                        MaskedCounts, stride_tb, stride_th, stride_tq, stride_tt, stride_cb,
+                                        stride_ch, stride_cq, stride_mb, stride_mh, stride_mq, KeyIndex, stride_kib,
+                                        stride_kih, stride_kip, Out, stride_ob, stride_oh, stride_on, Lse,
+                                        stride_lb, stride_lh, stride_ln, Timeline, qk_scale, pv_lambda, es_tau, H_Q,
+                                        N_Q, N_K, KEY_LEN, N_QBLK, GQA, PLAN_DIV, N_ITEMS,
+                                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, NUM_WARPS, HALF_P, HALF_P, HAS_KIDX,
+                                        PV_SKIP, VOTE_SLOTS, WRITE_LSE, PINGPONG, SKIP_MASKED, TIMELINE)),
+                (_persistent_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, q_empty, k_ready,
+                                        v_ready, kv_empty, votes, TileOffsets, TileCounts, MaskedCounts,
+                                        stride_tb, stride_th, stride_tq, stride_tt, stride_cb, stride_ch, stride_cq,
+                                        stride_mb, stride_mh, stride_mq, KeyIndex, stride_kib, stride_kih,
+                                        stride_kip, K, V, Timeline, H_Q, KEY_LEN, N_QBLK, GQA, PLAN_DIV, N_ITEMS,
+                                        BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, VOTE_SLOTS, GATHER_ROWS, SKIP_MASKED,
+                                        TIMELINE)),
+            ], [NUM_WARPS, 1], [CONSUMER_REGS, 24])
+        elif SPLIT:
             # FA3's layout: two compute warpgroups, each its own partition with 64 query rows, scheduled
             # independently by the hardware (one's softmax overlaps the other's MMAs), plus the load warp
             HALF: gl.constexpr = BLOCK_M // 2
@@ -766,7 +956,7 @@ if GLUON_IMPORT_ERROR is None:
                              lse_base, stride_ln,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, 0,
                              HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, PINGPONG,
-                             tl_row, TIMELINE)),
+                             tl_row, TIMELINE, 0, 0, q_empty, False)),
                 (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              votes, vote_bar, turn, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
                              N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
@@ -774,12 +964,12 @@ if GLUON_IMPORT_ERROR is None:
                              lse_base, stride_ln,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, HALF,
                              HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, PINGPONG,
-                             tl_row, TIMELINE)),
+                             tl_row, TIMELINE, 0, 0, q_empty, False)),
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
                              stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
                              STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, GATHER, LOAD_WARPS, GATHER_ROWS,
-                             INT32_OFFSETS, tl_row, TIMELINE)),
+                             INT32_OFFSETS, tl_row, TIMELINE, 0, 0, q_empty, False)),
             ], [NUM_WARPS, LOAD_WARPS if GATHER else 1], [CONSUMER_REGS, LOAD_REGS if GATHER else 24])
         elif WARP_SPEC:
             gl.warp_specialize([
@@ -790,12 +980,12 @@ if GLUON_IMPORT_ERROR is None:
                              lse_base, stride_ln,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
                              HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, 0,
-                             tl_row, TIMELINE)),
+                             tl_row, TIMELINE, 0, 0, q_empty, False)),
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                              votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
                              stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
                              STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, False, 1, GATHER_ROWS, INT32_OFFSETS, tl_row,
-                             TIMELINE)),
+                             TIMELINE, 0, 0, q_empty, False)),
             ], [1], [24])
         else:
             if not HAS_QIDX:
@@ -810,9 +1000,11 @@ if GLUON_IMPORT_ERROR is None:
                       q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                       lse_base, stride_ln,
                       HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
-                      HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, 0, tl_row, TIMELINE)
+                      HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, 0, tl_row, TIMELINE,
+                      0, 0, q_empty, False)
 
         mbarrier.invalidate(q_bar)
+        mbarrier.invalidate(q_empty)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_ready.index(i))
             mbarrier.invalidate(v_ready.index(i))
@@ -857,6 +1049,16 @@ PINGPONG = None
 #: tile count; 1-5 (compute warpgroup 0) and 6-10 (warpgroup 1) clock64 at its start, Q ready, first S landed, last
 #: P V landed, end; 11 / 13 the load partition's start / end. None: the stamps are compiled out
 TIMELINE_BUFFER = None
+#: persistent CTAs (module docstring) where the call allows them (ws2_ov, square tiles, Q by TMA, no early stop,
+#: gather or resume): True / False; None: ``persistent_by_default``. H100, one loop (NOTES_hopper.md part 13): S2O's
+#: window pass (at most 16 tiles per block) 0.78 / 0.78 / 0.75 of the dense kernel per tile at 16K / 32K / 64K,
+#: against 0.73 / 0.73 / 0.65 with a CTA per block; the dense kernel 0.97-0.98 (a fixed order over blocks of 1 to
+#: N/128 tiles leaves SMs 2.5-3% unbalanced; drawing items from an atomic counter balanced them but cost the window
+#: pass 3%)
+PERSISTENT = None
+PERSISTENT_MAX_TILES = 16
+#: enough blocks per CTA that the fixed order balances (blocks of 1-16 tiles: 1.5-3% at 16K-64K)
+PERSISTENT_MIN_BLOCKS_PER_SM = 8
 
 
 def _is_16b_aligned(x: torch.Tensor) -> bool:
@@ -871,7 +1073,7 @@ SHARED_MEMORY_LIMIT = 227 * 1024
 def shared_memory_bytes(head_dim: int, block_n: int, num_stages: int, element_size: int = 2) -> int:
     """Q (and the output staging in its buffer) plus ``num_stages`` K and V tiles, plus the ring's and the turn
     barriers and 1 KiB for the compiler's scratch (votes, layout conversions: 16-300 B in every compiled variant)."""
-    return element_size * head_dim * (BLOCK_M + 2 * num_stages * block_n) + 8 * (3 * num_stages + 3) + 1024
+    return element_size * head_dim * (BLOCK_M + 2 * num_stages * block_n) + 8 * (3 * num_stages + 4) + 1024
 
 
 #: K/V ring depths per (head dim, block_n) that differ from 3 when the caller names none. Empty: 3 is the most that
@@ -883,6 +1085,23 @@ MAX_STAGES = 6
 
 def default_stages(head_dim: int, block_n: int) -> int:
     return DEFAULT_STAGES.get((head_dim, block_n), 3)
+
+
+def persistent_by_default(tile_offsets, n_items: int) -> bool:
+    """Whether a call that allows persistent CTAs gets them when ``PERSISTENT`` is None: short lists (at most
+    ``PERSISTENT_MAX_TILES`` tiles per block, e.g. S2O's window pass), where a block's fixed costs weigh, and enough
+    blocks per SM (``PERSISTENT_MIN_BLOCKS_PER_SM``) that the fixed order pid, pid + grid, ... balances."""
+    return (tile_offsets.shape[-1] <= PERSISTENT_MAX_TILES
+            and n_items >= PERSISTENT_MIN_BLOCKS_PER_SM * _sm_count(tile_offsets.device))
+
+
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device]
 
 
 def gathers_by_default(key_index, num_keys: int) -> bool:
@@ -1052,7 +1271,12 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     desc_o = _desc(out, BLOCK_M // 2 if split else BLOCK_M, _LAYOUTS)  # each compute partition stores its rows
     desc_k = _desc(kk, block_n, _LAYOUTS)
     desc_v = _desc(vv, block_n, _LAYOUTS)
-    grid = (B * Hq * nqb,)
+    n_items = B * Hq * nqb
+    persistent = (split and overlap and query_index is None and early_stop == 0 and not key_gather and not resume
+                  and PINGPONG != 2 and block_n == BLOCK_M)
+    if persistent:
+        persistent = persistent_by_default(tile_offsets, n_items) if PERSISTENT is None else bool(PERSISTENT)
+    grid = (min(n_items, _sm_count(q.device)) if persistent else n_items,)
     kwargs = dict(num_warps=4 if split else NUM_WARPS)
     if warp_spec:
         # 8 compute warps + 1 load warp, allocated by warpgroup: 12 warps x 168 registers fit the 64K register
@@ -1070,7 +1294,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         *(lse.stride() if lse is not None else (0, 0, 0)),
         k, v, *k.stride()[:3], *v.stride()[:3],
         Hq, Nq, Nk, key_len, nqb, Hq // Hkv, Hq // tile_offsets.shape[1],
-        Hq // query_index.shape[1] if query_index is not None else 1,
+        Hq // query_index.shape[1] if query_index is not None else 1, n_items,
         HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=num_stages,
         WARP_SPEC=warp_spec, OVERLAP=overlap, NUM_WARPS=4 if split else NUM_WARPS, SPLIT=split,
         CONSUMER_REGS=CONSUMER_REGS, HAS_KIDX=key_index is not None, PV_SKIP=pv_skip is not None,
@@ -1079,7 +1303,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         INT32_OFFSETS=(Nk - 1) * max(k.stride(2), v.stride(2)) + D < 2**31,
         SKIP_MASKED=bool(skip_masked), RESUME=bool(resume), WRITE_LSE=lse is not None and not resume,
         PINGPONG=(PINGPONG if PINGPONG is not None else int(early_stop == 0)) if (split and overlap) else 0,
-        TIMELINE=TIMELINE_BUFFER is not None,
+        TIMELINE=TIMELINE_BUFFER is not None, PERSISTENT=persistent,
         **kwargs,
     )
     return (out, visited) if return_visited else out

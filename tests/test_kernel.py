@@ -1020,6 +1020,48 @@ def test_gpu_hopper_two_passes_equal_one_pass(keys):
 
 @gpu
 @hopper_gpu
+@pytest.mark.parametrize("D,bn,N,pingpong", [(128, 128, 5000, None), (64, 128, 3001, 0), (128, 128, 300, 1)])
+def test_gpu_hopper_persistent_ctas_are_bit_identical(D, bn, N, pingpong, monkeypatch):
+    """``PERSISTENT``: one CTA per SM walking work items in turn (the ring and Q's barriers run on across blocks,
+    O leaves from registers) computes what one CTA per block does, bit for bit: a causal plan with lse (S2O's
+    window pass), and a sparse plan over a permuted key copy with the P.V skip, some blocks with no tile at all
+    (they write zeros and lse -inf), GQA, batch 2, an odd length; with fewer blocks than SMs too (N=300)."""
+    H = importlib.import_module("sparse_compile.kernels.hopper")
+    monkeypatch.setattr(H, "PINGPONG", pingpong)
+    B, Hq, Hkv = 2, 8, 2
+    q, k, v = _sink_qkv(B, Hq, Hkv, N, N, D, torch.bfloat16, strength=1.0, device="cuda")
+    causal = causal_plan(B, Hq, N, N, 128, bn, device="cuda")
+    ki = _segment_permutation(B, Hkv, N)
+    plan = _gpu_sparse_plan(B, Hq, N, N, 128, bn, 0.5, key_index=ki)
+    counts = plan.tile_counts.clone()
+    counts[:, :, 1::3] = 0  # blocks with nothing to compute
+    masked = torch.minimum(plan.masked_counts, counts)
+
+    def run_all():
+        lse = torch.empty(B, Hq, N, dtype=torch.float32, device="cuda")
+        first = H.hopper_block_sparse_attention(q, k, v, causal.tile_offsets, causal.tile_counts,
+                                                causal.masked_counts, block_n=bn, lse=lse)
+        lse_sparse = torch.empty(B, Hq, N, dtype=torch.float32, device="cuda")
+        sparse = H.hopper_block_sparse_attention(q, k, v, plan.tile_offsets, counts, masked, block_n=bn,
+                                                 key_index=ki, pv_skip=-8.0, lse=lse_sparse)
+        return first, lse, sparse, lse_sparse
+
+    results = []
+    for persistent in (False, True):
+        monkeypatch.setattr(H, "PERSISTENT", persistent)
+        results.append(run_all())
+    assert torch.isfinite(results[0][0]).all() and torch.isfinite(results[0][2]).all()
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+    empty = (counts == 0).repeat_interleave(128, dim=-1)[..., :N]
+    assert (results[1][2].float().abs().sum(-1)[empty] == 0).all()
+    assert torch.isneginf(results[1][3][empty]).all()
+    _assert_close(results[1][0], dense_reference(q, k, v), torch.bfloat16)
+
+
+@gpu
+@hopper_gpu
 @pytest.mark.parametrize("early_stop", [0.0, 0.02])
 def test_gpu_hopper_issue_orders_are_bit_identical(early_stop, monkeypatch):
     """``PINGPONG`` orders the two compute warpgroups' MMA issues (free, staggered start, FA3's ping-pong): a
