@@ -777,7 +777,7 @@ if GLUON_IMPORT_ERROR is None:
         b, h, hkv, qblk, tile_ptr, n_tiles, n_masked = _plan_row(
             pid, H_Q, GQA, N_QBLK, PLAN_DIV, TileOffsets, TileCounts, MaskedCounts, stride_tb, stride_th, stride_tq,
             stride_tt, stride_cb, stride_ch, stride_cq, stride_mb, stride_mh, stride_mq, SKIP_MASKED)
-        g = pid * 0
+        g = pid * 0  # ring position and blocks done: loop-carried int32 tensors, not Python ints
         item_i = pid * 0
         for item in range(pid, N_ITEMS, nprog):
             tl_row = Timeline + item.to(gl.int64) * 16  # TIMELINE: one row per block, as without persistence
@@ -817,7 +817,7 @@ if GLUON_IMPORT_ERROR is None:
         b, h, hkv, qblk, tile_ptr, n_tiles, n_masked = _plan_row(
             pid, H_Q, GQA, N_QBLK, PLAN_DIV, TileOffsets, TileCounts, MaskedCounts, stride_tb, stride_th, stride_tq,
             stride_tt, stride_cb, stride_ch, stride_cq, stride_mb, stride_mh, stride_mq, SKIP_MASKED)
-        g = pid * 0
+        g = pid * 0  # ring position and blocks done: loop-carried int32 tensors, not Python ints
         item_i = pid * 0
         for item in range(pid, N_ITEMS, nprog):
             tl_row = Timeline + item.to(gl.int64) * 16  # TIMELINE: one row per block, as without persistence
