@@ -450,6 +450,8 @@ def main(argv=None) -> None:
                              "as in a forward pass); a value sets the sleep in GPU cycles (default 2M, ~1 ms)")
     parser.add_argument("--layout", choices=("model", "contiguous"), default="model",
                         help="--verify: q/k/v as a model passes them (B, N, H, D memory) or contiguous (B, H, N, D)")
+    parser.add_argument("--hopper-constant", action="append", default=[], metavar="NAME=VALUE",
+                        help="set a kernels.hopper module constant (an int, or None) for the whole run")
     parser.add_argument("--table", default=str(TABLE_FILE))
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default="breakeven")
@@ -457,6 +459,13 @@ def main(argv=None) -> None:
     args.methods = args.methods or list(registered_methods())
     if not torch.cuda.is_available():
         raise SystemExit("bench_breakeven.py needs a CUDA GPU")
+    for setting in args.hopper_constant:
+        from sparse_compile.kernels import hopper
+
+        name, _, value = setting.partition("=")
+        if not hasattr(hopper, name):
+            raise SystemExit(f"--hopper-constant: kernels.hopper has no constant {name!r}")
+        setattr(hopper, name, None if value == "None" else int(value))
     started = time.perf_counter()
     if args.measure:
         measure(args)
