@@ -29,10 +29,6 @@ CASES = {
     "walk": dict(HAS_KIDX=True, HAS_QIDX=True, EARLY_STOP=True, GATHER=True, SKIP_MASKED=True, RESUME=True),
     "static_walk": dict(HAS_KIDX=True, HAS_QIDX=True, GATHER=True, SKIP_MASKED=True, RESUME=True),
     "walk_copied": dict(HAS_KIDX=True, HAS_QIDX=True, EARLY_STOP=True, SKIP_MASKED=True, RESUME=True),
-    "walk_persistent": dict(HAS_KIDX=True, HAS_QIDX=True, EARLY_STOP=True, GATHER=True, SKIP_MASKED=True,
-                            RESUME=True, PERSISTENT_WALK=True),
-    "walk_persistent_d64": dict(HAS_KIDX=True, HAS_QIDX=True, EARLY_STOP=True, GATHER=True, SKIP_MASKED=True,
-                                RESUME=True, PERSISTENT_WALK=True, HEAD_DIM=64, BLOCK_N=64, PV_SKIP=True),
     "one_pass": dict(HAS_KIDX=True, HAS_QIDX=True, EARLY_STOP=True),
     "window": dict(WRITE_LSE=True),
     "window_free": dict(WRITE_LSE=True, PINGPONG=0),
@@ -96,7 +92,7 @@ def compile_case(name: str, extra: dict, ptxas: bool, keep: str = "") -> str:
                  EARLY_STOP=False, GATHER=False, LOAD_WARPS=hopper.GATHER_LOAD_WARPS,
                  GATHER_ROWS=hopper.GATHER_ROWS_PER_COPY, INT32_OFFSETS=True,
                  LOAD_REGS=hopper.GATHER_LOAD_REGS, SKIP_MASKED=False, RESUME=False, WRITE_LSE=False,
-                 TIMELINE=False, PERSISTENT=False, PERSISTENT_WALK=False)
+                 TIMELINE=False, PERSISTENT=False)
     const.update(extra)
     if "PINGPONG" not in extra:  # the wrapper's default (``hopper.PINGPONG = None``): staggered without early stop
         const["PINGPONG"] = 0 if const["EARLY_STOP"] else 1

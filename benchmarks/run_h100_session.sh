@@ -8,7 +8,6 @@
 #   bash benchmarks/run_h100_session.sh "$OUT" train     # train the retrieval model (~9.5 min)
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o       # Hopper kernel tests, per-tile costs, S2O's table (~8 min)
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o-parts # S2O's kernel tests, where its time goes, direct and queued
-#   bash benchmarks/run_h100_session.sh "$OUT" s2o-walk  # the persistent walk: GPU tests, blocks per CTA swept, parts
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o-table # S2O's break-even entry, --verify at defaults, peak memory
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o-profile  # Nsight Compute counters: S2O's walks vs dense, 64K
 #   bash benchmarks/run_h100_session.sh "$OUT" s2o-sweep  # a kernels.hopper constant's values (SWEEP_CONSTANT,
@@ -17,7 +16,7 @@
 #                                                        # --verify, retrieval at 16K-64K (SAMPLED_PARAMS: --method-params JSON)
 set -uo pipefail
 out=${1:?results folder}
-part=${2:?part: check, check-verify, e2e, e2e-long, table, train, s2o, s2o-parts, s2o-profile, s2o-sweep, s2o-walk, s2o-table or sampled}
+part=${2:?part: check, check-verify, e2e, e2e-long, table, train, s2o, s2o-parts, s2o-profile, s2o-sweep, s2o-table or sampled}
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 clock() { nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader | tee -a "$out/gpu.txt"; }
 clock
@@ -77,18 +76,6 @@ s2o-sweep)
     timeout 560 python benchmarks/profile_s2o.py --time ${SWEEP_VALUES:-0 1 2} --constant ${SWEEP_CONSTANT:-PINGPONG} \
         --lengths ${SWEEP_LENGTHS:-16384 32768 65536} --reps ${SWEEP_REPS:-7} --out "$out" 2>&1 \
         | tee "$out/sweep_log.txt" | tail -20 ;;
-s2o-walk)  # the persistent walk: its GPU tests, WALK_BLOCKS_PER_CTA swept, S2O's parts at WALK_BLOCKS (default 4)
-    timeout 200 python -m pytest -q -m gpu tests/test_kernel.py -p no:cacheprovider \
-        -k "persistent or two_passes or issue_orders" 2>&1 | tail -15 > "$out/gpu_tests_walk.txt"
-    tail -3 "$out/gpu_tests_walk.txt"
-    grep -q " passed" "$out/gpu_tests_walk.txt" && ! grep -qE "failed|error" "$out/gpu_tests_walk.txt" \
-        || { echo "GPU tests did not pass: no timing"; exit 1; }
-    timeout 240 python benchmarks/profile_s2o.py --time 1 ${WALK_VALUES:-4 8 0} --constant WALK_BLOCKS_PER_CTA \
-        --lengths ${SWEEP_LENGTHS:-16384 32768 65536 131072} --reps ${SWEEP_REPS:-7} --out "$out" 2>&1 \
-        | tee "$out/sweep_log.txt" | tail -6
-    timeout 150 python benchmarks/bench_breakeven.py --s2o-parts --lengths 16384 32768 65536 131072 --reps 7 \
-        --queue-ahead 10000000 --hopper-constant WALK_BLOCKS_PER_CTA=${WALK_BLOCKS:-4} --name s2o_walk \
-        --out "$out" 2>&1 | tee "$out/s2o_parts_log.txt" | grep -v "^{" | tail -8 ;;
 s2o-table)
     timeout 150 python benchmarks/bench_breakeven.py --measure --methods s2o --reps 5 --queue-ahead --name s2o \
         --out "$out" 2>&1 | tee "$out/breakeven_log.txt" | grep -v "^{" | tail -10

@@ -835,225 +835,6 @@ if GLUON_IMPORT_ERROR is None:
             b, h, hkv, qblk, tile_ptr, n_tiles, n_masked = nb, nh, nhkv, nqblk, ntile_ptr, nn_tiles, nn_masked
 
     @gluon.jit
-    def _item_range(N_ITEMS, ITEMS_PER_CTA):
-        """A persistent CTA's work items as ``range(first, stop, step)``: ``ITEMS_PER_CTA`` consecutive ones (the
-        query heads of one KV head and block come together: they walk the same key list), or with 0 every grid-th
-        one from the CTA's index."""
-        pid = gl.program_id(0)
-        first = pid
-        stop = pid * 0 + N_ITEMS
-        step = gl.num_programs(0) + pid * 0
-        if ITEMS_PER_CTA > 0:
-            first = pid * ITEMS_PER_CTA
-            stop = gl.minimum(first + ITEMS_PER_CTA, N_ITEMS)
-            step = pid * 0 + 1
-        return first, stop, step
-
-    @gluon.jit
-    def _walk_bases(b, h, qblk, Q, stride_qb, stride_qh, Out, stride_ob, stride_oh, QueryIndex, stride_qib,
-                    stride_qih, Lse, stride_lb, stride_lh, QIDX_DIV, BLOCK_M: gl.constexpr, ROW0: gl.constexpr):
-        """A walk block's first logical row and the bases of its head's Q, O, query index and lse."""
-        b64 = b.to(gl.int64)
-        h64 = h.to(gl.int64)
-        return (qblk * BLOCK_M + ROW0, Q + b64 * stride_qb + h64 * stride_qh, Out + b64 * stride_ob + h64 * stride_oh,
-                QueryIndex + b64 * stride_qib + (h // QIDX_DIV).to(gl.int64) * stride_qih,
-                Lse + b64 * stride_lb + h64 * stride_lh)
-
-    @gluon.jit
-    def _walk_row_loads(qidx_base, stride_qip, q_base, stride_qn, lse_base, stride_ln, row0, N_Q,
-                        HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, row_s: gl.constexpr, ld: gl.constexpr):
-        """What a resumed walk block needs before its first MMA: its rows' positions, Q rows and lse (issued a
-        block ahead by a persistent CTA, so their latency hides behind the previous block's end)."""
-        phys, row_ok = _row_index(qidx_base, stride_qip, row0, N_Q, ROWS, True, row_s)
-        phys_ld, ok_ld = _row_index(qidx_base, stride_qip, row0, N_Q, ROWS, True, gl.SliceLayout(1, ld))
-        q_rows = _read_query_rows(q_base, stride_qn, phys_ld, ok_ld, HEAD_DIM, ld)
-        lse0 = gl.load(lse_base + phys.to(gl.int64) * stride_ln, mask=row_ok, other=float("-inf"))
-        return phys, row_ok, q_rows, lse0
-
-    @gluon.jit
-    def _publish_stop(j, votes, vote_bar, WG: gl.constexpr, VOTE_SLOTS: gl.constexpr, vote_layout: gl.constexpr):
-        """A persistent walk's vote for ring position ``j`` that no tile cast (the list's last tile, tiles loaded
-        past a stop): every position completes its vote barrier once, so the phases run on across blocks."""
-        slot = j % VOTE_SLOTS
-        votes.index(2 * slot + WG).store(gl.full([1], 0, gl.int32, layout=vote_layout))
-        gl.thread_barrier()
-        mbarrier.arrive(vote_bar.index(slot), count=1)
-
-    @gluon.jit
-    def _persistent_walk_consumer(desc_k, desc_v, q_all, k_bufs, v_bufs, k_ready, v_ready, kv_empty, votes,
-                                  vote_bar, turn, TileOffsets, TileCounts, MaskedCounts,
-                                  stride_tb, stride_th, stride_tq, stride_tt, stride_cb, stride_ch, stride_cq,
-                                  stride_mb, stride_mh, stride_mq, Q, stride_qb, stride_qh, stride_qn,
-                                  Out, stride_ob, stride_oh, stride_on, QueryIndex, stride_qib, stride_qih, stride_qip,
-                                  Lse, stride_lb, stride_lh, stride_ln, Visited, qk_scale, pv_lambda, es_tau,
-                                  H_Q, N_Q, N_K, N_QBLK, GQA, PLAN_DIV, QIDX_DIV, N_ITEMS, ITEMS_PER_CTA,
-                                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                  STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, ROWS: gl.constexpr,
-                                  ROW0: gl.constexpr, PV_SKIP: gl.constexpr, VOTE_SLOTS: gl.constexpr):
-        """A compute warpgroup of a persistent walk (S2O's resumed early-stop walk over gathered keys and permuted
-        queries, ``_consumer``'s steps): its blocks in turn, the next block's row loads issued before this one's
-        last P V and epilogue. Ring positions and vote slots run on across blocks: a vote is cast (or
-        ``_publish_stop``) at every position the load partition filled, and the tiles loaded past a stop are
-        drained and released, so the next block starts at ``min(last + STAGES, end)``, where the load partition
-        stopped. A block with no tile leaves O as the first pass wrote it."""
-        WG: gl.constexpr = ROW0 // ROWS
-        dtype: gl.constexpr = q_all.dtype
-        q_smem = q_all.slice(ROW0, ROWS, dim=0)
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        vote_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
-                                                     warps_per_cta=[NUM_WARPS], order=[0])
-        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[256 // HEAD_DIM, HEAD_DIM // 8],
-                                            warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
-        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-
-        first, stop, step = _item_range(N_ITEMS, ITEMS_PER_CTA)
-        b, h, hkv, qblk, tile_ptr, n_tiles, n_masked = _plan_row(
-            first, H_Q, GQA, N_QBLK, PLAN_DIV, TileOffsets, TileCounts, MaskedCounts, stride_tb, stride_th, stride_tq,
-            stride_tt, stride_cb, stride_ch, stride_cq, stride_mb, stride_mh, stride_mq, True)
-        row0, q_base, o_base, qidx_base, lse_base = _walk_bases(
-            b, h, qblk, Q, stride_qb, stride_qh, Out, stride_ob, stride_oh, QueryIndex, stride_qib, stride_qih, Lse,
-            stride_lb, stride_lh, QIDX_DIV, BLOCK_M, ROW0)
-        phys, row_ok, q_rows, lse0 = _walk_row_loads(qidx_base, stride_qip, q_base, stride_qn, lse_base, stride_ln,
-                                                     row0, N_Q, HEAD_DIM, ROWS, row_s, ld)
-        g = first * 0  # the ring position of the block's first tile: a loop-carried int32 tensor
-        for item in range(first, stop, step):
-            nb, nh, nhkv, nqblk, ntile_ptr, nn_tiles, nn_masked = _plan_row(
-                gl.minimum(item + step, stop - 1), H_Q, GQA, N_QBLK, PLAN_DIV, TileOffsets, TileCounts,
-                MaskedCounts, stride_tb, stride_th, stride_tq, stride_tt, stride_cb, stride_ch, stride_cq,
-                stride_mb, stride_mh, stride_mq, True)
-            nrow0, nq_base, no_base, nqidx_base, nlse_base = _walk_bases(
-                nb, nh, nqblk, Q, stride_qb, stride_qh, Out, stride_ob, stride_oh, QueryIndex, stride_qib,
-                stride_qih, Lse, stride_lb, stride_lh, QIDX_DIV, BLOCK_M, ROW0)
-            visited_ptr = Visited + (b.to(gl.int64) * H_Q + h) * N_QBLK + qblk
-            if n_tiles > 0:
-                # the first pass's O (acc = O, m = lse, l = 1): its loads run while Q is stored and S(0) computed
-                phys_o, ok_o = _row_index(qidx_base, stride_qip, row0, N_Q, ROWS, True, row_o)
-                o_ptrs, o_mask = _output_rows(o_base, stride_on, phys_o, ok_o, HEAD_DIM, o_layout)
-                o_prev = gl.load(o_ptrs, mask=o_mask, other=0.0)
-                q_pos = gl.where(row_ok, phys + (N_K - N_Q), -1)
-                seen = lse0 != float("-inf")
-                m_i = gl.where(seen, lse0, -1.0e30)
-                l_i = gl.where(seen, 1.0, 0.0)
-                _store_query_rows(q_smem, q_rows)  # this warpgroup's rows: its own last S of the block before
-                end = g + n_tiles
-                tp = tile_ptr + (0 - g) * stride_tt  # plan entry t - g at tp + t * stride_tt
-                k_first = k_bufs.index(g % STAGES)
-                mbarrier.wait(k_ready.index(g % STAGES), (g // STAGES) & 1)
-                s_acc = warpgroup_mma(q_smem, k_first.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_first))
-                p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0,
-                                                                 False, PV_SKIP)
-                acc = o_prev.to(gl.float32) * gl.convert_layout(alpha, row_o)[:, None]
-                p16 = gl.convert_layout(p.to(dtype), p_layout)
-                # the vote on position t - 1 (absolute: no masked tiles after the first pass) runs while S(t)
-                # and P(t-1) V(t-1) are on the tensor cores, as in ``_consumer``
-                t = g + 1
-                go = t < end
-                pv_pending = True
-                while go:
-                    acc, m_i, l_i, p16, gain, l_prev, goes_on = _voting_step(
-                        t, 0, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tp, stride_tt,
-                        end, b, hkv, s_zero, acc, m_i, l_i, p16, gain, l_prev, row_ok, es_tau, votes, vote_bar,
-                        qk_scale, pv_lambda, q_pos, PV_SKIP, STAGES, True, WG, VOTE_SLOTS, row_o, p_layout,
-                        vote_layout, turn, 0)
-                    t = gl.where(goes_on, t + 1, t)
-                    pv_pending = goes_on
-                    go = goes_on & (t < end)
-                last = t - 1
-                # the next block's row loads, before this block's last P V and epilogue
-                phys, row_ok, q_rows, lse0 = _walk_row_loads(nqidx_base, stride_qip, nq_base, stride_qn,
-                                                             nlse_base, stride_ln, nrow0, N_Q, HEAD_DIM, ROWS,
-                                                             row_s, ld)
-                if pv_pending:
-                    # the list's end, not a stop: its last tile computed P V and cast no vote
-                    sl = last % STAGES
-                    v_last = v_bufs.index(sl)
-                    mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
-                    acc = warpgroup_mma(p16, v_last, acc, is_async=True)
-                    acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_last))
-                    _publish_stop(last, votes, vote_bar, WG, VOTE_SLOTS, vote_layout)
-                    _release(last, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tp, stride_tt, end,
-                             b, hkv, STAGES, True)
-                if ROW0 == 0:
-                    gl.store(visited_ptr, last + 1 - g)
-                l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-                out = acc / gl.convert_layout(l_safe, row_o)[:, None]
-                phys_o, ok_o = _row_index(qidx_base, stride_qip, row0, N_Q, ROWS, True, row_o)
-                o_ptrs, o_mask = _output_rows(o_base, stride_on, phys_o, ok_o, HEAD_DIM, o_layout)
-                gl.store(o_ptrs, out.to(dtype), mask=o_mask)
-                # tiles the load partition filled past the stop: landed, voted and released, so that the next
-                # block's ring positions start where the load partition stopped
-                filled = gl.minimum(last + STAGES, end)
-                for x in range(last + 1, filled):
-                    mbarrier.wait(k_ready.index(x % STAGES), (x // STAGES) & 1)
-                    mbarrier.wait(v_ready.index(x % STAGES), (x // STAGES) & 1)
-                    _publish_stop(x, votes, vote_bar, WG, VOTE_SLOTS, vote_layout)
-                    _release(x, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tp, stride_tt, end, b,
-                             hkv, STAGES, True)
-                g = filled
-            else:
-                # nothing to add to the first pass's rows: O stays as it wrote it
-                phys, row_ok, q_rows, lse0 = _walk_row_loads(nqidx_base, stride_qip, nq_base, stride_qn,
-                                                             nlse_base, stride_ln, nrow0, N_Q, HEAD_DIM, ROWS,
-                                                             row_s, ld)
-                if ROW0 == 0:
-                    gl.store(visited_ptr, n_tiles * 0)
-            b, h, hkv, qblk, tile_ptr, n_tiles = nb, nh, nhkv, nqblk, ntile_ptr, nn_tiles
-            row0, q_base, o_base, qidx_base, lse_base = nrow0, nq_base, no_base, nqidx_base, nlse_base
-
-    @gluon.jit
-    def _persistent_walk_producer(k_bufs, v_bufs, k_ready, v_ready, kv_empty, votes, TileOffsets, TileCounts,
-                                  MaskedCounts, stride_tb, stride_th, stride_tq, stride_tt, stride_cb, stride_ch,
-                                  stride_cq, stride_mb, stride_mh, stride_mq, KeyIndex, stride_kib, stride_kih,
-                                  stride_kip, K, V, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                                  H_Q, KEY_LEN, N_QBLK, GQA, PLAN_DIV, N_ITEMS, ITEMS_PER_CTA,
-                                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                                  VOTE_SLOTS: gl.constexpr, LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr,
-                                  INT32_OFFSETS: gl.constexpr):
-        """The load partition of a persistent walk: each block's tiles gathered into the ring from where the last
-        block's stopped, until the tile whose slot it would refill ended the walk (both votes at that position
-        said stop; the first STAGES tiles of a block are loaded without a vote)."""
-        vote_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
-                                                     warps_per_cta=[LOAD_WARPS], order=[0])
-        first, stop, step = _item_range(N_ITEMS, ITEMS_PER_CTA)
-        g = first * 0
-        for item in range(first, stop, step):
-            b, h, hkv, qblk, tile_ptr, n_tiles, n_masked = _plan_row(
-                item, H_Q, GQA, N_QBLK, PLAN_DIV, TileOffsets, TileCounts, MaskedCounts, stride_tb, stride_th,
-                stride_tq, stride_tt, stride_cb, stride_ch, stride_cq, stride_mb, stride_mh, stride_mq, True)
-            b64 = b.to(gl.int64)
-            hkv64 = hkv.to(gl.int64)
-            kidx_base = KeyIndex + b64 * stride_kib + hkv64 * stride_kih
-            k_base = K + b64 * stride_kb + hkv64 * stride_kh
-            v_base = V + b64 * stride_vb + hkv64 * stride_vh
-            tp = tile_ptr + (0 - g) * stride_tt
-            end = g + n_tiles
-            t = g
-            go = t < end
-            while go:
-                phys = _gather_rows(kidx_base, stride_kip, KEY_LEN, tp, stride_tt, t, BLOCK_N, HEAD_DIM, LOAD_WARPS,
-                                    GATHER_ROWS)
-                mbarrier.wait(kv_empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
-                slot = gl.maximum(t - STAGES, 0) % VOTE_SLOTS
-                v0 = gl.max(votes.index(2 * slot).load(vote_layout), axis=0)
-                v1 = gl.max(votes.index(2 * slot + 1).load(vote_layout), axis=0)
-                load = (t - STAGES < g) | (v0 != 0) | (v1 != 0)
-                if load:
-                    _gather_kv(phys, k_base, v_base, stride_kn, stride_vn, k_bufs, v_bufs, k_ready, v_ready, t,
-                               HEAD_DIM, STAGES, LOAD_WARPS, GATHER_ROWS, INT32_OFFSETS)
-                t = gl.where(load, t + 1, t)
-                go = (t < end) & load
-            g = t
-        async_copy.commit_group()
-        async_copy.wait_group(0)
-
-    @gluon.jit
     def _hopper_fwd_kernel(
         desc_q, desc_k, desc_v, desc_o, Q, Out,
         TileOffsets, TileCounts, MaskedCounts, KeyIndex, QueryIndex, Visited, Lse, Timeline,
@@ -1067,14 +848,13 @@ if GLUON_IMPORT_ERROR is None:
         stride_qib, stride_qih, stride_qip,
         stride_lb, stride_lh, stride_ln,
         K, V, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-        H_Q, N_Q, N_K, KEY_LEN, N_QBLK, GQA, PLAN_DIV, QIDX_DIV, N_ITEMS, ITEMS_PER_CTA,
+        H_Q, N_Q, N_K, KEY_LEN, N_QBLK, GQA, PLAN_DIV, QIDX_DIV, N_ITEMS,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, HAS_QIDX: gl.constexpr,
         EARLY_STOP: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr,
         INT32_OFFSETS: gl.constexpr, LOAD_REGS: gl.constexpr, SKIP_MASKED: gl.constexpr, RESUME: gl.constexpr,
         WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr, TIMELINE: gl.constexpr, PERSISTENT: gl.constexpr,
-        PERSISTENT_WALK: gl.constexpr,
     ):
         gl.static_assert(not SPLIT or WARP_SPEC, "two compute partitions need the producer partition")
         gl.static_assert(not GATHER or (SPLIT and HAS_KIDX), "gathered keys: a two-warpgroup variant and a key index")
@@ -1084,11 +864,6 @@ if GLUON_IMPORT_ERROR is None:
                                             and not RESUME and PINGPONG < 2 and BLOCK_N == BLOCK_M),
                          "persistent CTAs: ws2_ov, Q by TMA, no early stop, gather or resume, at most staggered, "
                          "square tiles (O leaves through a K buffer)")
-        gl.static_assert(not PERSISTENT_WALK or (SPLIT and OVERLAP and HAS_QIDX and EARLY_STOP and GATHER and RESUME
-                                                 and SKIP_MASKED and PINGPONG == 0 and not TIMELINE
-                                                 and not PERSISTENT),
-                         "persistent walk: S2O's resumed early-stop walk (ws2_ov, permuted queries, gathered keys, "
-                         "skip_masked, free issue order, no timeline)")
         # -- (batch, query head, query block); a persistent CTA (PERSISTENT) decodes its items in its partitions
         pid = gl.program_id(0)
         b, h, hkv, qblk, tile_ptr, n_tiles, n_masked = _plan_row(
@@ -1169,35 +944,6 @@ if GLUON_IMPORT_ERROR is None:
                                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, VOTE_SLOTS, GATHER_ROWS, SKIP_MASKED,
                                         TIMELINE)),
             ], [NUM_WARPS, 1], [CONSUMER_REGS, 24])
-        elif PERSISTENT_WALK:
-            HALF_W: gl.constexpr = BLOCK_M // 2
-            gl.warp_specialize([
-                (_persistent_walk_consumer, (desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                                             votes, vote_bar, turn, TileOffsets, TileCounts, MaskedCounts,
-                                             stride_tb, stride_th, stride_tq, stride_tt, stride_cb, stride_ch,
-                                             stride_cq, stride_mb, stride_mh, stride_mq, Q, stride_qb, stride_qh,
-                                             stride_qn, Out, stride_ob, stride_oh, stride_on, QueryIndex, stride_qib,
-                                             stride_qih, stride_qip, Lse, stride_lb, stride_lh, stride_ln, Visited,
-                                             qk_scale, pv_lambda, es_tau, H_Q, N_Q, N_K, N_QBLK, GQA, PLAN_DIV,
-                                             QIDX_DIV, N_ITEMS, ITEMS_PER_CTA, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                             NUM_WARPS, HALF_W, 0, PV_SKIP, VOTE_SLOTS)),
-                (_persistent_walk_consumer, (desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                                             votes, vote_bar, turn, TileOffsets, TileCounts, MaskedCounts,
-                                             stride_tb, stride_th, stride_tq, stride_tt, stride_cb, stride_ch,
-                                             stride_cq, stride_mb, stride_mh, stride_mq, Q, stride_qb, stride_qh,
-                                             stride_qn, Out, stride_ob, stride_oh, stride_on, QueryIndex, stride_qib,
-                                             stride_qih, stride_qip, Lse, stride_lb, stride_lh, stride_ln, Visited,
-                                             qk_scale, pv_lambda, es_tau, H_Q, N_Q, N_K, N_QBLK, GQA, PLAN_DIV,
-                                             QIDX_DIV, N_ITEMS, ITEMS_PER_CTA, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                                             NUM_WARPS, HALF_W, HALF_W, PV_SKIP, VOTE_SLOTS)),
-                (_persistent_walk_producer, (k_bufs, v_bufs, k_ready, v_ready, kv_empty, votes, TileOffsets,
-                                             TileCounts, MaskedCounts, stride_tb, stride_th, stride_tq, stride_tt,
-                                             stride_cb, stride_ch, stride_cq, stride_mb, stride_mh, stride_mq,
-                                             KeyIndex, stride_kib, stride_kih, stride_kip, K, V, stride_kb,
-                                             stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, H_Q, KEY_LEN,
-                                             N_QBLK, GQA, PLAN_DIV, N_ITEMS, ITEMS_PER_CTA, BLOCK_N, HEAD_DIM,
-                                             STAGES, VOTE_SLOTS, LOAD_WARPS, GATHER_ROWS, INT32_OFFSETS)),
-            ], [NUM_WARPS, LOAD_WARPS], [CONSUMER_REGS, LOAD_REGS])
         elif SPLIT:
             # FA3's layout: two compute warpgroups, each its own partition with 64 query rows, scheduled
             # independently by the hardware (one's softmax overlaps the other's MMAs), plus the load warp
@@ -1311,11 +1057,6 @@ TIMELINE_BUFFER = None
 #: pass 3%)
 PERSISTENT = None
 PERSISTENT_MAX_TILES = 16
-#: S2O's resumed early-stop walk (permuted queries, keys gathered in place, ``skip_masked``): blocks per CTA, taken
-#: in turn (``_persistent_walk_consumer``: the next block's row loads and first K/V tiles are issued while the
-#: current one ends; no launch between them). 1: one CTA per block; 0: one CTA per SM taking every grid-th block.
-#: Consecutive blocks are the query heads of one KV head: they walk the same key list
-WALK_BLOCKS_PER_CTA = 1
 #: enough blocks per CTA that the fixed order balances (blocks of 1-16 tiles: 1.5-3% at 16K-64K)
 PERSISTENT_MIN_BLOCKS_PER_SM = 8
 
@@ -1535,15 +1276,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
                   and PINGPONG != 2 and block_n == BLOCK_M)
     if persistent:
         persistent = persistent_by_default(tile_offsets, n_items) if PERSISTENT is None else bool(PERSISTENT)
-    walk_blocks = WALK_BLOCKS_PER_CTA if (split and overlap and early_stop > 0 and query_index is not None
-                                          and key_gather and resume and skip_masked and TIMELINE_BUFFER is None
-                                          and not PINGPONG) else 1
-    if persistent:
-        grid = (min(n_items, _sm_count(q.device)),)
-    elif walk_blocks != 1:
-        grid = (cdiv(n_items, walk_blocks) if walk_blocks > 0 else min(n_items, _sm_count(q.device)),)
-    else:
-        grid = (n_items,)
+    grid = (min(n_items, _sm_count(q.device)) if persistent else n_items,)
     kwargs = dict(num_warps=4 if split else NUM_WARPS)
     if warp_spec:
         # 8 compute warps + 1 load warp, allocated by warpgroup: 12 warps x 168 registers fit the 64K register
@@ -1561,7 +1294,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         *(lse.stride() if lse is not None else (0, 0, 0)),
         k, v, *k.stride()[:3], *v.stride()[:3],
         Hq, Nq, Nk, key_len, nqb, Hq // Hkv, Hq // tile_offsets.shape[1],
-        Hq // query_index.shape[1] if query_index is not None else 1, n_items, max(walk_blocks, 0),
+        Hq // query_index.shape[1] if query_index is not None else 1, n_items,
         HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=num_stages,
         WARP_SPEC=warp_spec, OVERLAP=overlap, NUM_WARPS=4 if split else NUM_WARPS, SPLIT=split,
         CONSUMER_REGS=CONSUMER_REGS, HAS_KIDX=key_index is not None, PV_SKIP=pv_skip is not None,
@@ -1570,7 +1303,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         INT32_OFFSETS=(Nk - 1) * max(k.stride(2), v.stride(2)) + D < 2**31,
         SKIP_MASKED=bool(skip_masked), RESUME=bool(resume), WRITE_LSE=lse is not None and not resume,
         PINGPONG=(PINGPONG if PINGPONG is not None else int(early_stop == 0)) if (split and overlap) else 0,
-        TIMELINE=TIMELINE_BUFFER is not None, PERSISTENT=persistent, PERSISTENT_WALK=walk_blocks != 1,
+        TIMELINE=TIMELINE_BUFFER is not None, PERSISTENT=persistent,
         **kwargs,
     )
     return (out, visited) if return_visited else out

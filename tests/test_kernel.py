@@ -1062,51 +1062,6 @@ def test_gpu_hopper_persistent_ctas_are_bit_identical(D, bn, N, pingpong, monkey
 
 @gpu
 @hopper_gpu
-@pytest.mark.parametrize("D,bn,N", [(128, 128, 3000), (64, 128, 1111), (128, 64, 2500)])
-def test_gpu_hopper_persistent_walk_is_bit_identical(D, bn, N, monkeypatch):
-    """``WALK_BLOCKS_PER_CTA``: S2O's resumed early-stop walk (permuted queries, gathered keys) with several blocks
-    per CTA in turn (ring positions and vote slots run on across blocks, tiles loaded past a stop drained) or one
-    CTA per SM taking every grid-th block computes what one CTA per block does, bit for bit: outputs and how far
-    each block walked. Blocks with no tile of their own (O left as the first pass wrote it), lists shorter than
-    the ring, stops, GQA, batch 2, odd lengths, a group size that does not divide the blocks."""
-    H = importlib.import_module("sparse_compile.kernels.hopper")
-    B, Hq, Hkv = 2, 8, 2
-    q, k, v = _sink_qkv(B, Hq, Hkv, N, N, D, torch.bfloat16, strength=1.0, device="cuda")
-    qi = _segment_permutation(B, Hq, N)
-    ki = _segment_permutation(B, Hkv, N)
-    plan = _gpu_sparse_plan(B, Hq, N, N, 128, bn, 0.5, query_index=qi, key_index=ki, early_stop=0.02)
-    masked = torch.minimum(plan.masked_counts, plan.tile_counts)
-    counts = plan.tile_counts.clone()
-    counts[:, :, 2::5] = masked[:, :, 2::5]  # more blocks with nothing to walk
-    options = dict(block_n=bn, key_index=ki, query_index=qi, key_gather=True)
-    lse = torch.empty(B, Hq, N, dtype=torch.float32, device="cuda")
-    first = H.hopper_block_sparse_attention(q, k, v, plan.tile_offsets, masked, plan.masked_counts, lse=lse,
-                                            **options)
-    results = []
-    for blocks in (1, 4, 3, 0):
-        monkeypatch.setattr(H, "WALK_BLOCKS_PER_CTA", blocks)
-        out = first.clone()
-        two, visited = H.hopper_block_sparse_attention(q, k, v, plan.tile_offsets, counts, plan.masked_counts,
-                                                       out=out, lse=lse, resume=True, skip_masked=True,
-                                                       early_stop=plan.early_stop, return_visited=True, **options)
-        results.append((two, visited))
-    assert torch.isfinite(results[0][0]).all()
-    walked = counts - masked
-    assert int(results[0][1].sum()) < int(walked.sum())  # some walks stopped early
-    assert bool((walked == 0).any()) and bool((walked > 0).any())
-    for two, visited in results[1:]:
-        assert torch.equal(visited, results[0][1])
-        assert torch.equal(two, results[0][0])
-    for b in range(B):  # a block with nothing to walk keeps its rows (through the query index) as they were
-        for h in range(Hq):
-            blocks = (walked[b, h] == 0).nonzero().flatten().tolist()
-            for blk in blocks[:3]:
-                phys = qi[b, h, blk * 128:(blk + 1) * 128].long()
-                assert torch.equal(results[-1][0][b, h, phys], first[b, h, phys])
-
-
-@gpu
-@hopper_gpu
 @pytest.mark.parametrize("early_stop", [0.0, 0.02])
 def test_gpu_hopper_issue_orders_are_bit_identical(early_stop, monkeypatch):
     """``PINGPONG`` orders the two compute warpgroups' MMA issues (free, staggered start, FA3's ping-pong): a
