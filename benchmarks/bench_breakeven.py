@@ -178,6 +178,40 @@ def verify(args) -> None:
                                  "listed_density", "rel_l1_sparse", "last_reason"]))
 
 
+def dense_path(args) -> None:
+    """Whether a site's dense path costs more than cuDNN's call (item 5): ``sparse_attention`` at each method's
+    defaults on random inputs, where every timed call runs cuDNN, against cuDNN alternately. Variants: a fresh site
+    (``default``), one that never plans again (``no_probe``), one warmed by 40 untimed calls (``warmed``)."""
+    rows = []
+    for n in args.lengths:
+        q, k, v = in_model_layout(*random_inputs(n))
+        for method in args.methods:
+            for variant in ("default", "no_probe", "warmed"):
+                HISTORY.clear()
+                if variant == "no_probe":
+                    HISTORY.should_probe = lambda key: False
+                config = SparseConfig(method=method, min_seq_len=4096)
+                run = lambda: sparse_compile.sparse_attention(q, k, v, config=config)  # noqa: E731
+                if variant == "warmed":
+                    for _ in range(40):
+                        run()
+                    if q.is_cuda:
+                        torch.cuda.synchronize()
+                try:
+                    ms = alternate({"cudnn": lambda: cudnn(q, k, v), "sparse": run}, args.reps, calls=args.calls,
+                                   queue_ahead=args.queue_ahead)
+                finally:
+                    HISTORY.__dict__.pop("should_probe", None)
+                row = {"N": n, "method": method, "variant": variant, "ratio": ms["sparse"] / ms["cudnn"],
+                       "paired": ms["sparse_paired"], "ratio_of_means": ms["sparse_mean"] / ms["cudnn_mean"],
+                       "last_path": sparse_compile.runtime_stats()["sparse_attention"].last_path}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+    print(write_results(f"{args.name}_dense_path", rows, out_dir=args.out))
+
+
 def tiles(args) -> None:
     """Each method's own plans at its defaults against our dense kernel, per computed tile (issue 11, item 2).
 
@@ -432,6 +466,8 @@ def main(argv=None) -> None:
     parser.add_argument("--verify", action="store_true")
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--tiles", action="store_true")
+    parser.add_argument("--dense-path", action="store_true",
+                        help="GPU: the dense path of a fresh, a never re-planning and a warmed site against cuDNN")
     parser.add_argument("--s2o-parts", action="store_true",
                         help="GPU: where S2O's time per visited tile goes (its window pass and resumed walk, "
                              "one pass, the early-stop vote, masks, the plan without the query sort)")
@@ -473,6 +509,8 @@ def main(argv=None) -> None:
         verify(args)
     if args.tiles:
         tiles(args)
+    if args.dense_path:
+        dense_path(args)
     if args.s2o_parts:
         s2o_parts(args)
     if args.memory:
