@@ -188,20 +188,17 @@ def dense_path(args) -> None:
         for method in args.methods:
             for variant in ("default", "no_probe", "warmed"):
                 HISTORY.clear()
-                if variant == "no_probe":
-                    HISTORY.should_probe = lambda key: False
                 config = SparseConfig(method=method, min_seq_len=4096)
                 run = lambda: sparse_compile.sparse_attention(q, k, v, config=config)  # noqa: E731
+                if variant == "no_probe":
+                    run = _with_module_value(HISTORY, "should_probe", lambda key: False, run)
                 if variant == "warmed":
                     for _ in range(40):
                         run()
                     if q.is_cuda:
                         torch.cuda.synchronize()
-                try:
-                    ms = alternate({"cudnn": lambda: cudnn(q, k, v), "sparse": run}, args.reps, calls=args.calls,
-                                   queue_ahead=args.queue_ahead)
-                finally:
-                    HISTORY.__dict__.pop("should_probe", None)
+                ms = alternate({"cudnn": lambda: cudnn(q, k, v), "sparse": run}, args.reps, calls=args.calls,
+                               queue_ahead=args.queue_ahead)
                 row = {"N": n, "method": method, "variant": variant, "ratio": ms["sparse"] / ms["cudnn"],
                        "paired": ms["sparse_paired"], "ratio_of_means": ms["sparse_mean"] / ms["cudnn_mean"],
                        "last_path": sparse_compile.runtime_stats()["sparse_attention"].last_path}
