@@ -291,7 +291,7 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 def causal_attention(
     q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], enable_gqa: bool, site: str, config: str,
     key_padding: Optional[Tensor] = None, query_positions: Optional[Tensor] = None, from_mask: bool = False,
-    binary_padding: bool = False,
+    binary_padding: bool = False, heads_inner: bool = True,
 ) -> Tensor:
     """Drop-in for the attention call the rewrite replaced.
 
@@ -300,26 +300,28 @@ def causal_attention(
     the last positions, AND the key padding ``key_padding`` (batch, kv_len; nonzero = valid) when given;
     ``query_positions`` is the ``cache_position`` input the mask read, held to ``arange(kv_len - q_len, kv_len)``.
     ``binary_padding``: the mask was proven for 0/1 padding values only; other values are an error.
+    ``heads_inner``: the output's memory layout, the one the replaced call returned (see ``output_layout``).
     """
     validate_qkv(q, k, v, who=f"sparse_compile.causal_attention ({site})")
     # sequence parallelism (parallel.sequence_parallel): q/k/v are this rank's chunk of one sequence; the Ulysses
     # all-to-all runs _causal_attention on whole sequences for this rank's share of the heads
     group = active_sequence_group()
     if group is not None:
-        return run_sequence_parallel(_causal_attention, group, q, k, v, key_padding, query_positions, scale=scale,
-                                     enable_gqa=enable_gqa, site=site, config=config, from_mask=from_mask,
-                                     binary_padding=binary_padding)
-    return _causal_attention(q, k, v, scale, enable_gqa, site, config, key_padding, query_positions, from_mask,
-                             binary_padding)
+        out = run_sequence_parallel(_causal_attention, group, q, k, v, key_padding, query_positions, scale=scale,
+                                    enable_gqa=enable_gqa, site=site, config=config, from_mask=from_mask,
+                                    binary_padding=binary_padding)
+    else:
+        out = _causal_attention(q, k, v, scale, enable_gqa, site, config, key_padding, query_positions, from_mask,
+                                binary_padding)
+    return in_output_layout(out, heads_inner)
 
 
 def _causal_attention(q, k, v, scale, enable_gqa, site, config, key_padding=None, query_positions=None,
                       from_mask=False, binary_padding=False):
     config_in_force = resolve(config_from_json(config)).for_site(site)
     if not from_mask:
-        out = dispatch(q, k, v, scale, config_in_force, site,
-                       lambda: dense_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa))
-        return _in_output_layout(out)
+        return dispatch(q, k, v, scale, config_in_force, site,
+                        lambda: dense_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa))
     if query_positions is not None:
         check_query_positions(query_positions, q.shape[-2], k.shape[-2])
     layout = None if key_padding is None else padding_layout(key_padding, k.shape[-2])
@@ -333,31 +335,53 @@ def _causal_attention(q, k, v, scale, enable_gqa, site, config, key_padding=None
                        lambda: dense_causal_attention(q, k, v, scale=scale), chunked_allowed=True)
     else:
         out = padded_dispatch(q, k, v, scale, config_in_force, site, layout)
-    return _in_output_layout(out)
+    return out
 
 
-def _output_strides(shape) -> tuple[int, ...]:
+def output_layout(example: Tensor) -> bool:
+    """``heads_inner`` for the op that replaces an attention call whose (fake) output is ``example``: True when its
+    memory is (B, N, H, D) (what SDPA's fused GPU kernels return, and what CPU SDPA returns for the usual
+    transposed projections), False for contiguous (B, H, N, D). The op returns the replaced call's layout, so a
+    program that views the output (``o.view(B, H * N, D)``) keeps working; strides are compared only where they
+    are known without a guard (symbolic lengths: contiguous (B, H, N, D) has stride(1) = N * D)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if example.dim() != 4 or example.shape[1] == 1:
+        return True
+    return bool(statically_known_true(example.stride(1) < example.stride(2)))
+
+
+def _output_strides(shape, heads_inner: bool) -> tuple[int, ...]:
     batch, heads, length, dim = shape
-    return length * heads * dim, dim, heads * dim, 1
+    if heads_inner:
+        return length * heads * dim, dim, heads * dim, 1
+    return heads * length * dim, length * dim, dim, 1
 
 
-def _in_output_layout(out: Tensor) -> Tensor:
-    """(B, H, N, D) with (B, N, H, D) memory, whatever the path returned, as the fake below promises.
+def in_output_layout(out: Tensor, heads_inner: bool = True) -> Tensor:
+    """``out`` (B, H, N, D) in the memory layout the fake below promises, whatever the path returned.
 
-    One fixed layout, so Inductor's stride assumptions hold however it lays q out; and the layout attention
-    outputs are read in next (``out.transpose(1, 2).reshape(B, N, H * D)``), so that step copies nothing. SDPA's
-    fused kernels and the sparse kernel (which mirrors q's projection layout) already return it: no copy then.
+    A fixed layout per site, so Inductor's stride assumptions hold however it lays q out. The usual one is
+    heads-inner ((B, N, H, D) memory): what attention outputs are read in next (``out.transpose(1, 2).reshape(B,
+    N, H * D)``), so that step copies nothing; SDPA's fused kernels and the sparse kernel (which mirrors q's
+    projection layout) already return it: no copy then. Sizes of 1 carry no layout: any stride passes there.
     """
-    if out.stride() == _output_strides(out.shape):
+    expected = _output_strides(out.shape, heads_inner)
+    if all(size == 1 or stride == want for size, stride, want in zip(out.shape, out.stride(), expected)):
         return out
-    fixed = out.new_empty((out.shape[0], out.shape[2], out.shape[1], out.shape[3])).transpose(1, 2)
+    if heads_inner:
+        fixed = out.new_empty((out.shape[0], out.shape[2], out.shape[1], out.shape[3])).transpose(1, 2)
+    else:
+        fixed = out.new_empty(out.shape)
     return fixed.copy_(out)
 
 
 @causal_attention.register_fake
 def _causal_attention_fake(q, k, v, scale, enable_gqa, site, config, key_padding=None, query_positions=None,
-                           from_mask=False, binary_padding=False):
-    return q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1])).transpose(1, 2)
+                           from_mask=False, binary_padding=False, heads_inner=True):
+    if heads_inner:
+        return q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1])).transpose(1, 2)
+    return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[-1]))
 
 
 # -- eager entry point ----------------------------------------------------------------------------------------

@@ -294,7 +294,7 @@ def _head_shards(spec) -> int:
 
 
 def _causal_attention_sharding(q, k, v, scale, enable_gqa, site, config, key_padding=None, query_positions=None,
-                               from_mask=False, binary_padding=False):
+                               from_mask=False, binary_padding=False, heads_inner=True):
     """Acceptable (output, inputs) placements per mesh dim; DTensor picks the one that moves the least data."""
     from torch.distributed.tensor import Replicate, Shard
 
@@ -306,7 +306,7 @@ def _causal_attention_sharding(q, k, v, scale, enable_gqa, site, config, key_pad
     def strategy(qkv, padding):
         inputs = [qkv, qkv, qkv, None, None, None, None,
                   padding if key_padding is not None else None,
-                  Replicate() if query_positions is not None else None, None, None]
+                  Replicate() if query_positions is not None else None, None, None, None]
         return [qkv], inputs
 
     # replicated first: DTensor keeps the first of equally cheap strategies, so replicated inputs stay replicated

@@ -158,6 +158,14 @@ def _native_kv(call: SdpaCall) -> tuple[Any, Any, bool, tuple]:
     return key, value, gqa, ()
 
 
+def _heads_inner(call: SdpaCall) -> bool:
+    """The replaced call's output layout (``ops.output_layout``); heads-inner when the graph has no example."""
+    from .ops import output_layout
+
+    example = call.node.meta.get("example_value", call.node.meta.get("val"))
+    return output_layout(example) if isinstance(example, torch.Tensor) else True
+
+
 def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
     """Rewrite eligible SDPA calls in place; returns one record per call site."""
     from .ops import config_to_json  # importing ops registers torch.ops.sparse_compile.causal_attention
@@ -192,7 +200,8 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
             new = gm.graph.call_function(
                 torch.ops.sparse_compile.causal_attention.default,
                 (call.args["query"], key, value, call.args["scale"], gqa, call.site, config_json, padding, positions,
-                 mask is not None, isinstance(mask, MaskMatch) and mask.binary_padding),
+                 mask is not None, isinstance(mask, MaskMatch) and mask.binary_padding,
+                 _heads_inner(call)),
             )
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)

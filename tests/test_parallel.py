@@ -40,6 +40,21 @@ EXACT = 1e-5  # max abs difference from one process (float32)
 
 
 # -- the worker: runs in each of the WORLD processes -------------------------------------------------------------
+def _compile_as_users_do(model, config, **kwargs):
+    """``torch.compile(model, backend="sparse_prefill", options=config)``: the registered backend, rewrite then
+    Inductor, as users run it. Returns the compiled model and the list the rewrite's site records land in."""
+    import sparse_compile.backend
+
+    records = []
+    compiled = torch.compile(model, backend="sparse_prefill", options=config.to_dict(), **kwargs)
+
+    def call(*args, **kw):
+        with sparse_compile.backend.on_rewrite(lambda rows, diff: records.extend(rows)):
+            return compiled(*args, **kw)
+
+    return call, records
+
+
 class Recorder:
     """A backend that runs the real rewrite and then ``after`` (default: the rewritten graph as it is, no
     Inductor: fast)."""
@@ -95,8 +110,7 @@ def _scenario_tensor_parallel_local(rank, mesh):
             plan[f"model.layers.{layer}.{name}"] = RowwiseParallel()
     parallelize_module(model, mesh, plan)
     sparse_compile.reset_runtime_stats()
-    backend = Recorder(SparseConfig(method="pbs", **SMALL).keep_all())
-    compiled = torch.compile(model, backend=backend)
+    compiled, records = _compile_as_users_do(model, SparseConfig(method="pbs", **SMALL).keep_all())
     registered_before = sparse_compile.parallel._REGISTERED
     with torch.no_grad():
         plain = compiled(ids).logits
@@ -105,7 +119,7 @@ def _scenario_tensor_parallel_local(rank, mesh):
     return dict(registered_by_rewrite=(registered_before, sparse_compile.parallel._REGISTERED),
                 plain=(plain - ref_plain).abs().max().item(),
                 padded=(padded[valid] - ref_padded[valid]).abs().max().item(),
-                rewritten=[r.rewritten for r in backend.records if r.q_shape[2] > 1],
+                rewritten=[r.rewritten for r in records if r.q_shape[2] > 1],
                 sparse_calls=_sparse_calls(),
                 local_shapes=sorted({entry.last_shape for entry in sparse_compile.runtime_stats().values()}))
 
@@ -194,8 +208,7 @@ def _scenario_sequence_parallel(rank, mesh):
         ref_plain = model(ids, position_ids=positions).logits
         ref_padded = model(ids, attention_mask=mask, position_ids=positions).logits
     sparse_compile.reset_runtime_stats()
-    backend = Recorder(SparseConfig(method="s2o", **SMALL).keep_all())
-    compiled = torch.compile(model, backend=backend, dynamic=True)
+    compiled, records = _compile_as_users_do(model, SparseConfig(method="s2o", **SMALL).keep_all(), dynamic=True)
     result = {}
     with torch.no_grad(), sparse_compile.sequence_parallel():
         for name, lengths, attention_mask, ref in (("plain", (35, 35), None, ref_plain),
@@ -205,7 +218,7 @@ def _scenario_sequence_parallel(rank, mesh):
             out = compiled(_chunk(ids, lengths, rank), position_ids=_chunk(positions, lengths, rank), **extra).logits
             valid = _chunk(mask if attention_mask is not None else torch.ones_like(ids), lengths, rank).bool()
             result[name] = (out[valid] - _chunk(ref, lengths, rank)[valid]).abs().max().item()
-    result["rewritten"] = [r.rewritten for r in backend.records]
+    result["rewritten"] = [r.rewritten for r in records]
     result["sparse_calls"] = _sparse_calls()
     result["full_shapes"] = sorted({entry.last_shape for entry in sparse_compile.runtime_stats().values()})
     return result
