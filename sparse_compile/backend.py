@@ -78,6 +78,10 @@ def sparse_prefill(
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
+    if any(r.rewritten for r in records):
+        from .ops import precompile_kernels
+
+        precompile_kernels(gm, config)
     patches = list_mode_options(mode) if mode else None
     compiled = compile_fx(gm, example_inputs, config_patches=patches)
     left_as_sdpa = [r for r in records if not r.rewritten]

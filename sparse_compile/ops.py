@@ -384,6 +384,42 @@ def _causal_attention_fake(q, k, v, scale, enable_gqa, site, config, key_padding
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[-1]))
 
 
+# -- kernels compiled with the graph, not at the first long prompt ---------------------------------------------
+_PRECOMPILED: set = set()
+PRECOMPILE_LENGTH = 4096  # past every method's default block and segment: each kernel of the plan's path runs
+
+
+def precompile_kernels(gm: torch.fx.GraphModule, config: SparseConfig) -> list:
+    """Run the configured method once on a short random problem of each rewritten site's dtype, head dims and GQA
+    group, on its GPU. At 512K-1M tokens a user's first prompt is often the only one; its Triton/Gluon kernels
+    are then compiled with the graph (reported as compile time) instead of inside that prompt's attention. The
+    kernels take lengths as run-time arguments, so a short problem compiles what the long ones run. Once per
+    process and specialisation; CPU graphs are left alone (the reference path compiles nothing). Returns the
+    specialisations compiled now."""
+    done = []
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.sparse_compile.causal_attention.default):
+        q, k, v = (_example(arg) for arg in node.args[:3])
+        if not all(isinstance(t, Tensor) and t.device.type == "cuda" for t in (q, k, v)):
+            continue
+        dims = [d for t in (q, k, v) for d in (t.shape[1], t.shape[-1])]
+        if not all(isinstance(d, int) for d in dims) or q.dtype not in (torch.float16, torch.bfloat16):
+            continue
+        key = (q.device, q.dtype, *dims, config_to_json(config))
+        if key in _PRECOMPILED:
+            continue
+        _PRECOMPILED.add(key)
+        generator = torch.Generator(device=q.device).manual_seed(0)
+        qs, ks, vs = (torch.randn((1, t.shape[1], PRECOMPILE_LENGTH, t.shape[-1]), generator=generator,
+                                  device=q.device, dtype=q.dtype) for t in (q, k, v))
+        run_sparse(qs, ks, vs, None, config)
+        done.append(key)
+    return done
+
+
+def _example(node):
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else node
+
+
 # -- eager entry point ----------------------------------------------------------------------------------------
 def sparse_attention(
     q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None, config: Optional[SparseConfig] = None

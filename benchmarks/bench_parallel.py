@@ -1,0 +1,279 @@
+"""Time to first token on one or several GPUs: Ulysses sequence parallelism, dense against sparse.
+
+    torchrun --nproc-per-node 4 benchmarks/bench_parallel.py --lengths 524288 1048576 \
+        --settings pbs@0.1 pbs@0.05 sampled dense --out results/
+    python benchmarks/bench_parallel.py --lengths 131072 --settings dense pbs@0.1      # one GPU
+    torchrun --nproc-per-node 2 benchmarks/bench_parallel.py --smoke                  # CPU, gloo: tests the script
+
+The Llama-3.1-8B-shaped model of ``bench_e2e.py`` (random bf16 weights), compiled whole with
+``backend="sparse_prefill"`` (``dynamic=True``), batch 1, logits of the last position. With several processes
+each rank calls the model on its chunk of the prompt inside ``sparse_compile.sequence_parallel()``; attention runs
+whole sequences for ``H/P`` heads between two all-to-alls. Settings, each timed on the same prompt:
+
+* ``dense``: the same compiled model with sparsity off (cuDNN attention, Ulysses all-to-alls included);
+* ``<method>``: a method at its defaults (the break-even dispatch may send its calls to cuDNN);
+* ``<method>@<density>``: the method's density knob calibrated on this length's layer-1 queries and keys
+  (rank 0's heads) so that its plan keeps about that share of the causal tiles;
+* ``floor`` (always measured, first): attention doing nothing, the all-to-alls kept: everything but attention.
+
+Per setting and length: the first call (compile of the graph reported apart: Dynamo's and Inductor's time from
+``torch._dynamo.utils.compilation_time_metrics``), ``--reps`` timed calls (TTFT: the slowest rank), sparse
+attention calls per rank in every timed call, peak memory per rank, and with ``--balance`` each rank's time inside
+attention. Rows are appended to ``<out>/parallel.jsonl`` (device, versions, commit, command, one row per
+measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import sparse_compile  # noqa: E402
+from bench_e2e import build_model, calibrate  # noqa: E402
+from harness import env_info, sm_clock_mhz  # noqa: E402
+
+CAPTURE_LAYER = 1
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def _compile_seconds() -> float:
+    """Dynamo's and Inductor's compile time so far (seconds), from torch's own compile metrics."""
+    metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", {})
+    total = 0.0
+    for name, values in metrics.items():
+        if "entire_frame_compile" in name or name.endswith("compile_inner"):
+            total += sum(values)
+            break
+    return total
+
+
+class Runner:
+    """One rank's model, its chunk of each prompt, and the timing of one call across ranks."""
+
+    def __init__(self, args):
+        self.args = args
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        cuda = torch.cuda.is_available() and not args.smoke
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        dtype = torch.bfloat16 if cuda else torch.float32
+        torch.manual_seed(0)  # the same weights on every rank
+        self.model = build_model(args.smoke, self.device, dtype, num_layers=args.layers)
+        self.layers = self.model.config.num_hidden_layers
+        if args.smoke:
+            self.base = sparse_compile.SparseConfig(min_seq_len=64, pbs={"block_size": 32, "segment_size": 64},
+                                                    sampled={"block_size": 32})
+        else:
+            self.base = sparse_compile.SparseConfig(min_seq_len=16384)
+        backend = functools.partial(sparse_compile.sparse_prefill, options=self.base.to_dict())
+        self.compiled = torch.compile(self.model, backend=backend, dynamic=True)
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def prompt(self, n: int):
+        generator = torch.Generator().manual_seed(n)
+        ids = torch.randint(0, self.model.config.vocab_size, (1, n), generator=generator)
+        positions = torch.arange(n)[None]
+        if self.world > 1:
+            ids = ids.tensor_split(self.world, dim=1)[self.rank]
+            positions = positions.tensor_split(self.world, dim=1)[self.rank]
+        return ids.contiguous().to(self.device), positions.contiguous().to(self.device)
+
+    def max_over_ranks(self, value: float) -> list:
+        """Every rank's value (a list in rank order)."""
+        if self.world == 1:
+            return [value]
+        out = [None] * self.world
+        dist.all_gather_object(out, value)
+        return out
+
+    def call(self, prompt, region: dict):
+        ids, positions = prompt
+        parallel = sparse_compile.sequence_parallel() if self.world > 1 else contextlib.nullcontext()
+        with torch.no_grad(), parallel, sparse_compile.sparsity(**region):
+            return self.compiled(ids, position_ids=positions, logits_to_keep=1)
+
+    def timed(self, prompt, region: dict) -> dict:
+        """One call on every rank: wall seconds (slowest rank), sparse calls per rank, compile seconds inside."""
+        sparse_compile.reset_runtime_stats()
+        compiled_before = _compile_seconds()
+        if self.world > 1:
+            dist.barrier()
+        self.sync()
+        started = time.perf_counter()
+        self.call(prompt, region)
+        self.sync()
+        seconds = time.perf_counter() - started
+        stats = sparse_compile.runtime_stats()
+        sparse = sum(n for s in stats.values() for (path, _), n in s.calls.items() if path == "sparse")
+        dense_reasons = sorted({reason.split(" (")[0] for s in stats.values()
+                                for (path, reason), n in s.calls.items() if path == "dense"})
+        per_rank = self.max_over_ranks((seconds, sparse, _compile_seconds() - compiled_before, dense_reasons))
+        return dict(seconds=max(r[0] for r in per_rank), seconds_per_rank=[round(r[0], 3) for r in per_rank],
+                    sparse_calls_per_rank=[r[1] for r in per_rank],
+                    graph_compile_s=max(r[2] for r in per_rank), dense_reasons=per_rank[0][3])
+
+
+@contextlib.contextmanager
+def attention_replaced(fn):
+    """The op's attention (``ops.dispatch``: after the Ulysses all-to-all, on whole sequences) replaced by ``fn``."""
+    from sparse_compile import ops
+
+    real = ops.dispatch
+    ops.dispatch = functools.partial(fn, real)
+    try:
+        yield
+    finally:
+        ops.dispatch = real
+
+
+def floor_and_capture(runner: Runner, prompt) -> tuple[dict, tuple]:
+    """The floor (attention doing nothing) timed, and layer ``CAPTURE_LAYER``'s whole-sequence q, k on this rank."""
+    captured = {}
+
+    def noop(real, q, k, v, scale, config, site, dense, **kwargs):
+        if f"layers.{CAPTURE_LAYER}." in site and "qk" not in captured:
+            captured["qk"] = (q.detach().clone(), k.detach().clone())
+        return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+    with attention_replaced(noop):
+        first = runner.timed(prompt, {})  # the first call at this length: Dynamo and Inductor compile here if needed
+        row = runner.timed(prompt, {})
+    row.update(first_seconds=first["seconds"], graph_compile_s=first["graph_compile_s"])
+    return row, captured.get("qk")
+
+
+def attention_seconds(runner: Runner, prompt, region: dict) -> list:
+    """Each rank's seconds inside attention in one call (CUDA events around every op call)."""
+    events = []
+
+    def timed(real, *args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = real(*args, **kwargs)
+        end.record()
+        events.append((start, end))
+        return out
+
+    with attention_replaced(timed):
+        runner.call(prompt, region)
+    runner.sync()
+    return runner.max_over_ranks(sum(s.elapsed_time(e) for s, e in events) / 1e3)
+
+
+def parse_setting(text: str) -> tuple[str, float | None]:
+    method, _, density = text.partition("@")
+    if method != "dense" and method not in sparse_compile.registry.registered_methods():
+        raise SystemExit(f"unknown setting {text!r}: dense, a method ({list(sparse_compile.registry.registered_methods())})"
+                         " or method@density")
+    return method, float(density) if density else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144])
+    parser.add_argument("--settings", nargs="+", default=["dense", "pbs@0.1", "pbs@0.05", "sampled"])
+    parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's 32)")
+    parser.add_argument("--balance", nargs="*", default=[], help="settings whose per-rank attention time is measured")
+    parser.add_argument("--dense-max", type=int, default=1 << 30, help="longest length at which dense is timed")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU (gloo under torchrun)")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--tag", default="", help="free text stored with every row")
+    args = parser.parse_args()
+    settings = [parse_setting(s) for s in args.settings]
+
+    if "WORLD_SIZE" in os.environ:
+        cuda = torch.cuda.is_available() and not args.smoke
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if args.smoke:
+        args.lengths = [n for n in args.lengths if n <= 512] or [256]
+    runner = Runner(args)
+    meta = dict(env_info(), commit=_commit(), command=" ".join(sys.argv), gpus=runner.world, tag=args.tag,
+                model="Llama-3.1-8B shape" if not args.smoke else "tiny", layers=runner.layers,
+                transformers=__import__("transformers").__version__)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    store = out / "parallel.jsonl"
+
+    def emit(row: dict) -> None:
+        row = dict(meta, **row)
+        if runner.rank == 0:
+            with store.open("a") as f:
+                f.write(json.dumps(row, default=str) + "\n")
+            brief = {k: row.get(k) for k in ("N", "setting", "ttft_s", "first_call_s", "graph_compile_s",
+                                              "density", "sparse_calls_per_rank", "peak_gib_per_rank",
+                                              "attention_s_per_rank")}
+            print(json.dumps(brief, default=str), flush=True)
+
+    for n in args.lengths:
+        prompt = runner.prompt(n)
+        if runner.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        floor, qk = floor_and_capture(runner, prompt)
+        emit(dict(N=n, setting="floor", ttft_s=round(floor["seconds"], 3), seconds_per_rank=floor["seconds_per_rank"],
+                  first_call_s=round(floor["first_seconds"], 3), graph_compile_s=round(floor["graph_compile_s"], 2)))
+        for method, density in settings:
+            name = method if density is None else f"{method}@{density}"
+            if method == "dense" and n > args.dense_max:
+                continue
+            region: dict = {"enabled": False} if method == "dense" else {"method": method}
+            achieved = None
+            if density is not None:
+                params, achieved = (calibrate(method, density, [qk], runner.base) if runner.rank == 0 else ({}, None))
+                if runner.world > 1:
+                    box = [(params, achieved)]
+                    dist.broadcast_object_list(box, src=0)
+                    params, achieved = box[0]
+                region.update(params)
+            if runner.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            first = runner.timed(prompt, region)
+            times = [runner.timed(prompt, region) for _ in range(args.reps)]
+            times.sort(key=lambda r: r["seconds"])
+            steady = times[len(times) // 2]
+            peak = torch.cuda.max_memory_allocated() / 2**30 if runner.device.type == "cuda" else 0.0
+            row = dict(N=n, setting=name, ttft_s=round(steady["seconds"], 3),
+                       seconds_per_rank=steady["seconds_per_rank"], first_call_s=round(first["seconds"], 3),
+                       graph_compile_s=round(first["graph_compile_s"], 2),
+                       first_call_op_overhead=round((first["seconds"] - first["graph_compile_s"]) / steady["seconds"],
+                                                    3),
+                       density=achieved, params={k: v for k, v in region.items() if k != "method"},
+                       sparse_calls_per_rank=[r["sparse_calls_per_rank"] for r in times],
+                       dense_reasons=steady["dense_reasons"], floor_s=floor["seconds"],
+                       peak_gib_per_rank=runner.max_over_ranks(round(peak, 2)), sm_clock_mhz=sm_clock_mhz())
+            if name in args.balance and runner.device.type == "cuda":
+                per_rank = attention_seconds(runner, prompt, region)
+                row["attention_s_per_rank"] = [round(s, 3) for s in per_rank]
+                row["attention_spread"] = round((max(per_rank) - min(per_rank)) / (sum(per_rank) / len(per_rank)), 4)
+            emit(row)
+        del qk
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The multi-GPU time-to-first-token table (bench_parallel.py) on one host with 4 GPUs, in two parts of under
+# 10 minutes each; rows land in <out>/g1a, g1b, g2, g4 (parallel.jsonl each) with one log per run.
+#   bash benchmarks/run_parallel.sh OUT short   # 1 GPU and 2 GPUs side by side (128K-512K), then 4 GPUs at 256K
+#   bash benchmarks/run_parallel.sh OUT long    # 4 GPUs at 512K and 1M
+set -u
+out=${1:?results folder}
+part=${2:-short}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1 || cat "$out/install.log"
+bench=benchmarks/bench_parallel.py
+core="pbs@0.1 pbs@0.05 sampled dense"
+nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader
+case $part in
+short)
+    mkdir -p "$out/g1a" "$out/g1b" "$out/g2" "$out/g4"
+    CUDA_VISIBLE_DEVICES=0 timeout 380 python3 $bench --lengths 131072 262144 --settings $core \
+        --out "$out/g1a" > "$out/g1a/log.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=3 timeout 380 python3 $bench --lengths 131072 --settings pbs sparge bfla s2o sampled \
+        --out "$out/g1b" > "$out/g1b/log.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1,2 timeout 380 torchrun --nproc-per-node 2 --master-port 29512 $bench \
+        --lengths 131072 262144 524288 --dense-max 262144 --settings $core --balance pbs@0.1 \
+        --out "$out/g2" > "$out/g2/log.txt" 2>&1 &
+    wait
+    timeout 190 torchrun --nproc-per-node 4 --master-port 29514 $bench --lengths 262144 --settings $core \
+        --balance pbs@0.1 --out "$out/g4" > "$out/g4/log.txt" 2>&1
+    ;;
+long)
+    mkdir -p "$out/g4"
+    timeout 560 torchrun --nproc-per-node 4 --master-port 29514 $bench --lengths 524288 1048576 \
+        --dense-max 524288 --settings $core --balance pbs@0.1 --out "$out/g4" > "$out/g4/log.txt" 2>&1
+    ;;
+esac
+for f in "$out"/g*/log.txt; do echo "== $f"; grep -E '^\{|Error|error|Traceback' "$f" | tail -30; done
