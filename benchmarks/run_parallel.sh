@@ -14,15 +14,15 @@ nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader
 case $part in
 short)
     mkdir -p "$out/g1a" "$out/g1b" "$out/g2" "$out/g4"
-    CUDA_VISIBLE_DEVICES=0 timeout 380 python3 $bench --lengths 131072 262144 --settings $core \
+    CUDA_VISIBLE_DEVICES=0 timeout 400 python3 $bench --lengths 131072 262144 --settings $core \
         --out "$out/g1a" > "$out/g1a/log.txt" 2>&1 &
-    CUDA_VISIBLE_DEVICES=3 timeout 380 python3 $bench --lengths 131072 --settings pbs sparge bfla s2o sampled \
+    CUDA_VISIBLE_DEVICES=3 timeout 400 python3 $bench --lengths 131072 --settings pbs sparge bfla s2o sampled \
         --out "$out/g1b" > "$out/g1b/log.txt" 2>&1 &
-    CUDA_VISIBLE_DEVICES=1,2 timeout 380 torchrun --nproc-per-node 2 --master-port 29512 $bench \
+    CUDA_VISIBLE_DEVICES=1,2 timeout 400 torchrun --nproc-per-node 2 --master-port 29512 $bench \
         --lengths 131072 262144 524288 --dense-max 262144 --settings $core --balance pbs@0.1 \
         --out "$out/g2" > "$out/g2/log.txt" 2>&1 &
     wait
-    timeout 190 torchrun --nproc-per-node 4 --master-port 29514 $bench --lengths 262144 --settings $core \
+    timeout 165 torchrun --nproc-per-node 4 --master-port 29514 $bench --lengths 262144 --settings $core \
         --balance pbs@0.1 --out "$out/g4" > "$out/g4/log.txt" 2>&1
     ;;
 long)
