@@ -182,6 +182,40 @@ def attention_seconds(runner: Runner, prompt, region: dict) -> list:
     return runner.max_over_ranks(sum(s.elapsed_time(e) for s, e in events) / 1e3)
 
 
+@contextlib.contextmanager
+def first_call_probe():
+    """Where a first call's extra time goes: host seconds inside the op (synchronised around each call) and the
+    Triton kernels compiled or loaded from the disk cache during it (Triton's JIT hook, where this Triton has one)."""
+    from sparse_compile import ops
+
+    found = {"op_s": 0.0, "kernels": 0}
+
+    def count(*args, **kwargs):
+        found["kernels"] += 1
+        return False
+
+    knobs = getattr(__import__("triton"), "knobs", None)
+    runtime = getattr(knobs, "runtime", None)
+    previous = getattr(runtime, "jit_cache_hook", None) if runtime is not None else None
+    if runtime is not None and hasattr(runtime, "jit_cache_hook"):
+        runtime.jit_cache_hook = count
+
+    def timed(real, *args, **kwargs):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        out = real(*args, **kwargs)
+        torch.cuda.synchronize()
+        found["op_s"] += time.perf_counter() - started
+        return out
+
+    try:
+        with attention_replaced(timed):
+            yield found
+    finally:
+        if runtime is not None and hasattr(runtime, "jit_cache_hook"):
+            runtime.jit_cache_hook = previous
+
+
 def parse_setting(text: str) -> tuple[str, float | None]:
     method, _, density = text.partition("@")
     if method != "dense" and method not in sparse_compile.registry.registered_methods():
@@ -225,6 +259,8 @@ def main() -> None:
             with store.open("a") as f:
                 f.write(json.dumps(row, default=str) + "\n")
             brief = {k: row.get(k) for k in ("N", "setting", "ttft_s", "first_call_s", "graph_compile_s",
+                                              "first_call_per_rank", "first_call_op_s_per_rank",
+                                              "first_call_kernels_per_rank",
                                               "density", "sparse_calls_per_rank", "peak_gib_per_rank",
                                               "attention_s_per_rank")}
             print(json.dumps(brief, default=str), flush=True)
@@ -251,7 +287,13 @@ def main() -> None:
                 region.update(params)
             if runner.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            first = runner.timed(prompt, region)
+            if runner.device.type == "cuda":
+                with first_call_probe() as probe:
+                    first = runner.timed(prompt, region)
+                first["op_s_per_rank"] = runner.max_over_ranks(round(probe["op_s"], 3))
+                first["kernels_per_rank"] = runner.max_over_ranks(probe["kernels"])
+            else:
+                first = runner.timed(prompt, region)
             times = [runner.timed(prompt, region) for _ in range(args.reps)]
             times.sort(key=lambda r: r["seconds"])
             steady = times[len(times) // 2]
@@ -261,6 +303,9 @@ def main() -> None:
                        graph_compile_s=round(first["graph_compile_s"], 2),
                        first_call_op_overhead=round((first["seconds"] - first["graph_compile_s"]) / steady["seconds"],
                                                     3),
+                       first_call_per_rank=first["seconds_per_rank"],
+                       first_call_op_s_per_rank=first.get("op_s_per_rank"),
+                       first_call_kernels_per_rank=first.get("kernels_per_rank"),
                        density=achieved, params={k: v for k, v in region.items() if k != "method"},
                        sparse_calls_per_rank=[r["sparse_calls_per_rank"] for r in times],
                        dense_reasons=steady["dense_reasons"], floor_s=floor["seconds"],

@@ -43,7 +43,7 @@ from .config import MethodParams, SparseConfig  # noqa: E402
 from .context import sparsity  # noqa: E402
 from .calibrate import Calibration, SiteCalibration, calibrate  # noqa: E402
 from .explain import ExplainReport, explain  # noqa: E402
-from .ops import sparse_attention  # noqa: E402
+from .ops import precompile, sparse_attention  # noqa: E402
 from .plan import BlockPlan, execute_plan  # noqa: E402
 from .registry import DensityKnob, Method, register_method  # noqa: E402
 from .parallel import sequence_parallel, ulysses_attention  # noqa: E402
@@ -71,6 +71,7 @@ __all__ = [
     "explain",
     "ExplainReport",
     "sparse_attention",
+    "precompile",
     "sequence_parallel",
     "ulysses_attention",
     "runtime_stats",

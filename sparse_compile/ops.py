@@ -30,7 +30,7 @@ from .registry import method_spec
 from .rules import RUNTIME_RULES, SUPPORTED_DTYPES, CallInfo, first_failure, validate_qkv
 from .parallel import active_sequence_group, is_dtensor, register_dtensor_sharding, run_sequence_parallel
 
-__all__ = ["causal_attention", "sparse_attention", "config_to_json", "config_from_json", "decide", "capturing"]
+__all__ = ["causal_attention", "sparse_attention", "precompile", "config_to_json", "config_from_json", "decide", "capturing"]
 
 log = logging.getLogger("sparse_compile")
 
@@ -384,36 +384,72 @@ def _causal_attention_fake(q, k, v, scale, enable_gqa, site, config, key_padding
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[-1]))
 
 
-# -- kernels compiled with the graph, not at the first long prompt ---------------------------------------------
+# -- kernels compiled ahead of the first long prompt ---------------------------------------------------------------
 _PRECOMPILED: set = set()
 PRECOMPILE_LENGTH = 4096  # past every method's default block and segment: each kernel of the plan's path runs
 
 
-def precompile_kernels(gm: torch.fx.GraphModule, config: SparseConfig) -> list:
+def _run_once(device, dtype, heads: int, kv_heads: int, head_dim: int, value_dim: int, length: int,
+              config: SparseConfig) -> bool:
+    """Run ``config``'s method once on random inputs of this specialisation (once per process); True if it ran."""
+    key = (str(device), dtype, heads, kv_heads, head_dim, value_dim, length, config_to_json(config))
+    if key in _PRECOMPILED:
+        return False
+    _PRECOMPILED.add(key)
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn((1, h, length, d), generator=generator, device=device, dtype=dtype)
+               for h, d in ((heads, head_dim), (kv_heads, head_dim), (kv_heads, value_dim)))
+    with torch.no_grad():
+        run_sparse(q, k, v, None, config)
+    return True
+
+
+def precompile_kernels(gm: torch.fx.GraphModule, config: SparseConfig) -> int:
     """Run the configured method once on a short random problem of each rewritten site's dtype, head dims and GQA
-    group, on its GPU. At 512K-1M tokens a user's first prompt is often the only one; its Triton/Gluon kernels
-    are then compiled with the graph (reported as compile time) instead of inside that prompt's attention. The
-    kernels take lengths as run-time arguments, so a short problem compiles what the long ones run. Once per
-    process and specialisation; CPU graphs are left alone (the reference path compiles nothing). Returns the
-    specialisations compiled now."""
-    done = []
+    group, on its GPU (the backend calls this after the rewrite). Kernels whose specialisation does not depend
+    on the length are then compiled with the graph, reported as compile time, instead of inside the first
+    prompt's attention. CPU graphs are left alone (the reference path compiles nothing). Returns how many ran."""
+    ran = 0
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.sparse_compile.causal_attention.default):
         q, k, v = (_example(arg) for arg in node.args[:3])
         if not all(isinstance(t, Tensor) and t.device.type == "cuda" for t in (q, k, v)):
             continue
-        dims = [d for t in (q, k, v) for d in (t.shape[1], t.shape[-1])]
-        if not all(isinstance(d, int) for d in dims) or q.dtype not in (torch.float16, torch.bfloat16):
-            continue
-        key = (q.device, q.dtype, *dims, config_to_json(config))
-        if key in _PRECOMPILED:
-            continue
-        _PRECOMPILED.add(key)
-        generator = torch.Generator(device=q.device).manual_seed(0)
-        qs, ks, vs = (torch.randn((1, t.shape[1], PRECOMPILE_LENGTH, t.shape[-1]), generator=generator,
-                                  device=q.device, dtype=q.dtype) for t in (q, k, v))
-        run_sparse(qs, ks, vs, None, config)
-        done.append(key)
-    return done
+        dims = (q.shape[1], k.shape[1], q.shape[-1], v.shape[-1])
+        if all(isinstance(d, int) for d in dims) and q.dtype in (torch.float16, torch.bfloat16):
+            ran += _run_once(q.device, q.dtype, *dims, PRECOMPILE_LENGTH, config)
+    return ran
+
+
+def precompile(max_len: int, *, methods=None, head_dim: int = 128, group: int = 4,
+               dtype: torch.dtype = torch.bfloat16, device=None, config: Optional[SparseConfig] = None) -> float:
+    """Compile every kernel a prompt of up to ``max_len`` tokens runs, ahead of time; returns the seconds it took.
+
+    The planning kernels are specialised by the power of two of the key tiles a row sees, so each doubling of the
+    length compiles new variants; on a first prompt of 512K-1M tokens that compile would land inside the call.
+    This runs each method (default: the configuration's) on one GQA group (``group`` query heads, one key/value
+    head) at every power-of-two length from 4096 to ``max_len``. Triton keeps compiled kernels in its on-disk
+    cache, so later processes on the machine load them instead of compiling: run it once per machine (and Triton
+    or package version), e.g. ``python -c "import sparse_compile; sparse_compile.precompile(1 << 20)"``.
+    """
+    import time
+
+    if not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"precompile: max_len must be a positive int, got {max_len!r}")
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    if device.type != "cuda":
+        raise ValueError(f"precompile: kernels are compiled for a CUDA device, got {device}")
+    base = resolve(config or SparseConfig())
+    names = (base.method,) if methods is None else tuple(methods)
+    started = time.perf_counter()
+    length = PRECOMPILE_LENGTH
+    while True:
+        for name in names:
+            _run_once(device, dtype, group, 1, head_dim, head_dim, min(length, max_len), base.replace(method=name))
+        if length >= max_len:
+            break
+        length *= 2
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - started
 
 
 def _example(node):
