@@ -216,6 +216,86 @@ def first_call_probe():
             runtime.jit_cache_hook = previous
 
 
+def _tokens(n: int) -> str:
+    return f"{n >> 20}M" if n % (1 << 20) == 0 else f"{n >> 10}K"
+
+
+def report(store: Path, out: Path) -> str:
+    """The table (markdown) and the plot (TTFT against length, one line per setting and GPU count) from a store.
+
+    Dense at lengths it was not timed at is extrapolated from the longest timed length on the same GPU count,
+    as the floor (measured, linear in N) plus dense attention scaled by N^2; such cells are marked "fit"."""
+    rows = [json.loads(line) for line in store.read_text().splitlines() if line.strip()]
+    latest: dict = {}
+    for row in rows:  # the last measurement of each (gpus, N, setting)
+        latest[(row["gpus"], row["N"], row["setting"])] = row
+    single = {n: r["ttft_s"] for (g, n, s), r in latest.items() if g == 1 and s == "dense"}
+    lines = ["| GPUs | N | setting | density | TTFT s | vs dense | first call / steady | sparse calls per rank "
+             "| peak GiB per GPU | attention spread across ranks | scaling vs 1 GPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    dense_at: dict = {}
+    for gpus in sorted({g for g, _, _ in latest}):
+        timed = sorted((n, r) for (g, n, s), r in latest.items() if g == gpus and s == "dense")
+        floors = {n: r["ttft_s"] for (g, n, s), r in latest.items() if g == gpus and s == "floor"}
+        for n in sorted({n for g, n, _ in latest if g == gpus}):
+            measured = [r for m, r in timed if m == n]
+            if measured:
+                dense_at[(gpus, n)] = (measured[0]["ttft_s"], False)
+            elif timed and n in floors:
+                m, r = timed[-1]
+                attention = r["ttft_s"] - floors[m]
+                dense_at[(gpus, n)] = (floors[n] + attention * (n / m) ** 2, True)
+    for (gpus, n, setting), row in sorted(latest.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "dense")):
+        if setting == "floor":
+            continue
+        dense, fitted = dense_at.get((gpus, n), (None, False))
+        ratio = f"{dense / row['ttft_s']:.2f}x" + (" (fit)" if fitted else "") if dense else "-"
+        first = row.get("first_call_ratio") or (row["first_call_s"] / row["ttft_s"] if row.get("first_call_s") else None)
+        calls = row.get("sparse_calls_per_rank") or []
+        peak = max(row.get("peak_gib_per_rank") or [0])
+        spread = row.get("attention_spread")
+        scaling = "-"
+        if gpus > 1 and (1, n, setting) in latest:
+            scaling = f"{latest[(1, n, setting)]['ttft_s'] / (gpus * row['ttft_s']):.0%}"
+        density = row.get("density")
+        lines.append(f"| {gpus} | {_tokens(n)} | {setting} | {density:.3f} |" if density else
+                     f"| {gpus} | {_tokens(n)} | {setting} | - |")
+        lines[-1] += (f" {row['ttft_s']:.2f} | {ratio} | {f'{first:.2f}' if first else '-'} | "
+                      f"{', '.join(str(c) for c in calls[0]) if calls else '-'} | {peak:.1f} | "
+                      f"{f'{spread:.1%}' if spread is not None else '-'} | {scaling} |")
+    for (gpus, n), (seconds, fitted) in sorted(dense_at.items()):
+        if fitted:
+            lines.append(f"| {gpus} | {_tokens(n)} | dense (fit) | - | {seconds:.1f} | 1.00x | - | - | - | - | - |")
+    table = "\n".join(lines)
+    (out / "parallel.md").write_text(table + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return table
+    figure, axis = plt.subplots(figsize=(8.5, 4.5))
+    settings = sorted({s for _, _, s in latest if s != "floor"}, key=lambda s: (s != "dense", s))
+    colors = {s: f"C{i}" for i, s in enumerate(settings)}
+    styles = {1: ":", 2: "--", 4: "-"}
+    for gpus in sorted({g for g, _, _ in latest}):
+        for setting in settings:
+            points = sorted((n, r["ttft_s"]) for (g, n, s), r in latest.items() if g == gpus and s == setting)
+            if len(points) > 1:
+                axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=colors[setting],
+                          linestyle=styles.get(gpus, "-."), label=f"{setting}, {gpus} GPU")
+    axis.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="time to first token (s)",
+             title="Llama-3.1-8B shape, Ulysses over 1 / 2 / 4 H200s")
+    axis.minorticks_off()
+    axis.set_xticks([1 << 17, 1 << 18, 1 << 19, 1 << 20], ["128K", "256K", "512K", "1M"])
+    axis.set_yticks([2, 5, 10, 20, 50, 100], ["2", "5", "10", "20", "50", "100"])
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.tight_layout()
+    figure.savefig(out / "parallel.png", dpi=110)
+    return table
+
+
 def parse_setting(text: str) -> tuple[str, float | None]:
     method, _, density = text.partition("@")
     if method != "dense" and method not in sparse_compile.registry.registered_methods():
@@ -235,7 +315,11 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU (gloo under torchrun)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--tag", default="", help="free text stored with every row")
+    parser.add_argument("--report", action="store_true", help="only write the table and plot from <out>/parallel.jsonl")
     args = parser.parse_args()
+    if args.report:
+        print(report(Path(args.out) / "parallel.jsonl", Path(args.out)))
+        return
     settings = [parse_setting(s) for s in args.settings]
 
     if "WORLD_SIZE" in os.environ:
