@@ -103,7 +103,7 @@ class _RegisteringLoader(importlib.abc.Loader):
             _register_loaded()
         except Exception:  # a transformers layout this module does not know: nothing registered, nothing broken
             pass
-        _HOOK.done(module.__name__)
+        _HOOK.done(module.__name__, stop=not _supported(_installed_version()))
 
     def __getattr__(self, name):  # get_source, get_filename, ...: the real loader's
         return getattr(self._loader, name)
@@ -130,9 +130,11 @@ class _ImportHook(importlib.abc.MetaPathFinder):
                 return spec
         return None
 
-    def done(self, name: str) -> None:
+    def done(self, name: str, stop: bool = False) -> None:
         with self._lock:
             self._waiting.discard(name)
+            if stop:  # a transformers too old for the interface: nothing will be registered
+                self._waiting.clear()
             if not self._waiting and self in sys.meta_path:
                 sys.meta_path.remove(self)
 
@@ -145,7 +147,7 @@ def install_import_hook() -> None:
     Costs one string comparison per later import; imports nothing."""
     for name in (_ATTENTION_MODULE, _MASK_MODULE):
         if name in sys.modules:
-            _HOOK.done(name)
+            _HOOK.done(name, stop=not _supported(_installed_version()))
     _register_loaded()
     if _HOOK._waiting and _HOOK not in sys.meta_path:
         sys.meta_path.insert(0, _HOOK)
