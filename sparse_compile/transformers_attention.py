@@ -74,18 +74,30 @@ def _supported(version: Optional[str]) -> bool:
     return version is not None and _version_tuple(version) >= MIN_TRANSFORMERS
 
 
+_ENTRIES: dict = {}
+
+
+def _entry(function):
+    """``function`` as registered: under torch.compile it runs eagerly (a graph break), so its run-time decisions
+    and the notes on mask tensors see real tensors. transformers has imported Dynamo by then: no import cost."""
+    entry = _ENTRIES.get(function)
+    if entry is None:
+        entry = _ENTRIES[function] = torch.compiler.disable(function)
+    return entry
+
+
 def _register_loaded() -> None:
     """Register with whichever of transformers' two interfaces is loaded (on a version that has both)."""
     if not _supported(_installed_version()):
         return
     attention = sys.modules.get(_ATTENTION_MODULE)
     interface = getattr(attention, "AttentionInterface", None)
-    if interface is not None and interface._global_mapping.get(NAME) is not attention_forward:
-        interface.register(NAME, attention_forward)
+    if interface is not None and interface._global_mapping.get(NAME) is not _entry(attention_forward):
+        interface.register(NAME, _entry(attention_forward))
     masking = sys.modules.get(_MASK_MODULE)
     mask_interface = getattr(masking, "AttentionMaskInterface", None)
-    if mask_interface is not None and mask_interface._global_mapping.get(NAME) is not mask_forward:
-        mask_interface.register(NAME, mask_forward)
+    if mask_interface is not None and mask_interface._global_mapping.get(NAME) is not _entry(mask_forward):
+        mask_interface.register(NAME, _entry(mask_forward))
 
 
 class _RegisteringLoader(importlib.abc.Loader):
@@ -366,13 +378,13 @@ def mask_forward(batch_size: int, cache_position: Optional[Tensor] = None, kv_le
     if positions is None:
         return dense("query positions (cache_position) are not consecutive")
     first, q_len = positions
+    why = _causal_pattern(masking, mask_function, local_size, first + q_len - 1, kv_offset)
+    if why is not None:
+        return dense(why)
     keys = first + q_len - kv_offset  # keys [kv_offset, first + q_len) can be seen; later cache slots cannot
     if not (q_len >= 1 and q_len <= keys <= kv_length):
         return dense(f"query positions [{first}, {first + q_len}) do not fit the {kv_length} keys at offset "
                      f"{kv_offset}")
-    why = _causal_pattern(masking, mask_function, local_size, first + q_len - 1, kv_offset)
-    if why is not None:
-        return dense(why)
     if attention_mask is None:
         if keys == q_len == kv_length:
             return None  # a causal prefill without padding: no mask at all
