@@ -197,6 +197,28 @@ def test_static_cache_generate():
     assert calls("sparse") == {site: 1 for site in attention_sites(model)}
 
 
+@needs_interface
+def test_beam_search_and_sampling_same_tokens():
+    model = tiny("qwen3")
+    ids = torch.randint(1, 128, (2, 40))
+    mask = left_padded(ids)
+    styles = (dict(num_beams=2), dict(do_sample=True, top_k=20))
+
+    def run():
+        out = []
+        for style in styles:
+            torch.manual_seed(0)
+            out.append(model.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, **style))
+        return out
+
+    with torch.no_grad():
+        ref = run()
+        sparse_compile.enable_transformers_attention(model, SparseConfig(**SMALL).keep_all())
+        out = run()
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    assert calls("sparse") == {site: 2 for site in attention_sites(model)}
+
+
 # -- what stays dense, and says why -------------------------------------------------------------------------------
 @needs_interface
 def test_sliding_window_shorter_than_the_prompt_stays_dense():
@@ -283,6 +305,21 @@ def _registered() -> tuple[bool, bool]:
     attention, masking = (sys.modules.get(f"transformers.{name}") for name in ("modeling_utils", "masking_utils"))
     return (front.NAME in getattr(getattr(attention, "AttentionInterface", None), "_global_mapping", {}),
             front.NAME in getattr(getattr(masking, "AttentionMaskInterface", None), "_global_mapping", {}))
+
+
+def test_attention_function_called_directly_gqa_layout_and_layer_site():
+    """As a model's attention layer calls it: (B, Nq, Hq, D) out, as transformers' SDPA function returns; k/v keep
+    their Hkv heads; a layer outside any model is named by its ``layer_idx``."""
+    layer = torch.nn.Module()
+    layer.layer_idx, layer.is_causal = 3, True
+    q, k, v = torch.randn(2, 4, 40, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    config = SparseConfig(**SMALL).keep_all()
+    front._CONFIGS[layer] = config
+    out, weights = front.attention_forward(layer, q, k, v, None, scaling=0.3)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    assert weights is None and out.shape == (2, 40, 4, 16) and out.is_contiguous()
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    assert calls("sparse") == {"layers.3": 1}
 
 
 def test_import_does_not_import_transformers_and_registers_when_it_loads():
