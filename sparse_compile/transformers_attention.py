@@ -214,6 +214,11 @@ def enable_transformers_attention(model=None, config: Optional[SparseConfig] = N
         for module in model.modules():
             if hasattr(module, "config") and hasattr(module.config, "_attn_implementation"):
                 module.config._attn_implementation = NAME
+    current = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if current != NAME:  # transformers declined (a model that does not call attention through its interface)
+        raise ValueError(f"enable_transformers_attention: {type(model).__name__} kept attn_implementation "
+                         f"{current!r}: it does not dispatch attention through transformers' AttentionInterface. "
+                         f"Use torch.compile(model, backend={NAME!r}) for it.")
     _name_modules(model)
     if config is not None:
         for module in model.modules():
