@@ -20,7 +20,8 @@ transformers' modules are loaded (an import hook: importing ``sparse_compile`` n
   with the reason.
 
 A 2-D mask means "causal + padding" only when this module built it: each mask it returns is noted (by identity,
-weakly), so a mask from anywhere else is never mistaken for one.
+weakly), so a mask from anywhere else is never mistaken for one. Under ``torch.compile`` both functions run
+eagerly (a graph break per call); a compiled model runs sparse through ``backend="sparse_prefill"`` instead.
 """
 
 from __future__ import annotations
@@ -402,7 +403,7 @@ def mask_forward(batch_size: int, cache_position: Optional[Tensor] = None, kv_le
 
 
 # -- the attention function ---------------------------------------------------------------------------------------
-def _unsupported(module, dropout, kwargs) -> tuple[Optional[str], bool]:
+def _unsupported(dropout, kwargs) -> tuple[Optional[str], bool]:
     """(why this call needs the dense delegate, whether SDPA cannot serve it: the model's eager function must)."""
     if kwargs.get("softcap") is not None:
         return f"attention logit soft-capping ({kwargs['softcap']})", True
@@ -449,7 +450,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     (GQA kept, never repeated); returns ``((B, Nq, Hq, D), None)`` as transformers' SDPA function does."""
     site = _site_of(module)
     q_len, kv_len = query.shape[-2], key.shape[-2]
-    feature, eager = _unsupported(module, dropout, kwargs)
+    feature, eager = _unsupported(dropout, kwargs)
     note = _note_of(attention_mask) if isinstance(attention_mask, Tensor) else None
 
     if attention_mask is None:
