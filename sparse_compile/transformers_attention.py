@@ -1,0 +1,500 @@
+"""transformers without torch.compile: the ``"sparse_prefill"`` attention implementation.
+
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sparse_prefill")
+    model.set_attn_implementation("sparse_prefill")           # or switch a loaded model
+    sparse_compile.enable_transformers_attention(model, SparseConfig(method="pbs"))   # and give it a configuration
+
+``import sparse_compile`` registers two functions under that name with transformers' own extension points, once
+transformers' modules are loaded (an import hook: importing ``sparse_compile`` never imports transformers):
+
+* a mask function (``AttentionMaskInterface``). For the plain causal mask, and for a sliding window that does not
+  bind at this length, it builds no ``q_len x kv_len`` mask: it returns ``None`` (a causal prefill, no padding) or
+  the 2-D key-padding mask over the keys the queries can see (the queries are the last positions of those keys).
+  Every other pattern (a window that binds, chunked or bidirectional attention, packed sequences, image-token
+  overlays) gets transformers' own 4-D SDPA mask and a note saying why it runs dense.
+* an attention function (``AttentionInterface``). Causal calls go through the same run-time decision as the
+  compiled op (``ops.dispatch`` / ``ops.padded_dispatch``): the same rules, ``min_seq_len``, break-even, padded
+  batches, ``sparsity(...)`` regions and ``runtime_stats()`` records; decode steps run dense. Calls it cannot prove
+  causal, or that need what the sparse path lacks (dropout, soft-capping, attention sinks, a position bias), run
+  transformers' SDPA function (the model's eager function where SDPA cannot serve them) and are recorded dense,
+  with the reason.
+
+A 2-D mask means "causal + padding" only when this module built it: each mask it returns is noted (by identity,
+weakly), so a mask from anywhere else is never mistaken for one. Under ``torch.compile`` both functions run
+eagerly (a graph break per call); a compiled model runs sparse through ``backend="sparse_prefill"`` instead.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import re
+import sys
+import threading
+import types
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import report
+from .config import SparseConfig
+from .context import resolve
+from .dense import dense_causal_attention
+from .ops import DENSE, _in_output_layout, dispatch, padded_dispatch
+from .padding import padding_layout
+
+__all__ = ["NAME", "MIN_TRANSFORMERS", "enable_transformers_attention", "attention_forward", "mask_forward",
+           "install_import_hook"]
+
+NAME = "sparse_prefill"
+MIN_TRANSFORMERS = (4, 53)  # AttentionInterface came in 4.51, AttentionMaskInterface (masking_utils) in 4.53
+_ATTENTION_MODULE = "transformers.modeling_utils"
+_MASK_MODULE = "transformers.masking_utils"
+
+
+# -- versions and registration --------------------------------------------------------------------------------
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:3]:
+        match = re.match(r"\d+", piece)
+        if match is None:
+            break
+        parts.append(int(match.group()))
+    return tuple(parts)
+
+
+def _installed_version() -> Optional[str]:
+    module = sys.modules.get("transformers")
+    return getattr(module, "__version__", None) if module is not None else None
+
+
+def _supported(version: Optional[str]) -> bool:
+    return version is not None and _version_tuple(version) >= MIN_TRANSFORMERS
+
+
+_ENTRIES: dict = {}
+
+
+def _entry(function):
+    """``function`` as registered: under torch.compile it runs eagerly (a graph break), so its run-time decisions
+    and the notes on mask tensors see real tensors. transformers has imported Dynamo by then: no import cost."""
+    entry = _ENTRIES.get(function)
+    if entry is None:
+        entry = _ENTRIES[function] = torch.compiler.disable(function)
+    return entry
+
+
+def _register_loaded() -> None:
+    """Register with whichever of transformers' two interfaces is loaded (on a version that has both)."""
+    if not _supported(_installed_version()):
+        return
+    attention = sys.modules.get(_ATTENTION_MODULE)
+    interface = getattr(attention, "AttentionInterface", None)
+    if interface is not None and interface._global_mapping.get(NAME) is not _entry(attention_forward):
+        interface.register(NAME, _entry(attention_forward))
+    masking = sys.modules.get(_MASK_MODULE)
+    mask_interface = getattr(masking, "AttentionMaskInterface", None)
+    if mask_interface is not None and mask_interface._global_mapping.get(NAME) is not _entry(mask_forward):
+        mask_interface.register(NAME, _entry(mask_forward))
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    """The real loader of one of transformers' two modules, then the registration (never failing the import)."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        try:
+            _register_loaded()
+        except Exception:  # a transformers layout this module does not know: nothing registered, nothing broken
+            pass
+        _HOOK.done(module.__name__, stop=not _supported(_installed_version()))
+
+    def __getattr__(self, name):  # get_source, get_filename, ...: the real loader's
+        return getattr(self._loader, name)
+
+
+class _ImportHook(importlib.abc.MetaPathFinder):
+    """Registers when ``transformers.modeling_utils`` / ``transformers.masking_utils`` finish loading, so neither
+    the import order nor a late ``import transformers`` matters; removes itself once both have loaded."""
+
+    def __init__(self):
+        self._waiting = {_ATTENTION_MODULE, _MASK_MODULE}
+        self._lock = threading.Lock()
+
+    def find_spec(self, name, path, target=None):
+        if name not in self._waiting:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _RegisteringLoader(spec.loader)
+                return spec
+        return None
+
+    def done(self, name: str, stop: bool = False) -> None:
+        with self._lock:
+            self._waiting.discard(name)
+            if stop:  # a transformers too old for the interface: nothing will be registered
+                self._waiting.clear()
+            if not self._waiting and self in sys.meta_path:
+                sys.meta_path.remove(self)
+
+
+_HOOK = _ImportHook()
+
+
+def install_import_hook() -> None:
+    """Called by ``import sparse_compile``: register now what transformers has loaded, and the rest when it loads.
+    Costs one string comparison per later import; imports nothing."""
+    for name in (_ATTENTION_MODULE, _MASK_MODULE):
+        if name in sys.modules:
+            _HOOK.done(name, stop=not _supported(_installed_version()))
+    _register_loaded()
+    if _HOOK._waiting and _HOOK not in sys.meta_path:
+        sys.meta_path.insert(0, _HOOK)
+
+
+def _require_transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError("sparse_compile.enable_transformers_attention: transformers is not installed") from exc
+    if not _supported(transformers.__version__):
+        need = ".".join(map(str, MIN_TRANSFORMERS))
+        raise RuntimeError(
+            f"sparse_compile: the {NAME!r} attention implementation needs transformers >= {need} (its "
+            f"AttentionInterface and AttentionMaskInterface); transformers {transformers.__version__} is installed. "
+            f"Upgrade transformers, or use torch.compile(model, backend={NAME!r}), which supports this version."
+        )
+    import transformers.masking_utils  # noqa: F401  (loading them registers)
+    import transformers.modeling_utils  # noqa: F401
+    _register_loaded()
+    return transformers
+
+
+# -- per-model configuration and site names -------------------------------------------------------------------
+_DEFAULT: list[SparseConfig] = [SparseConfig()]
+_CONFIGS: "weakref.WeakKeyDictionary[torch.nn.Module, SparseConfig]" = weakref.WeakKeyDictionary()
+_SITES: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
+def enable_transformers_attention(model=None, config: Optional[SparseConfig] = None):
+    """Register ``"sparse_prefill"`` with transformers (``import sparse_compile`` already does, where transformers
+    is recent enough) and, given a model, switch it (and its sub-models) to it.
+
+    ``config``: the ``SparseConfig`` its attention runs with (with a model: that model's; without: the default of
+    every model that has none). ``sparsity(...)`` blocks apply on top, as for compiled models. Returns the model.
+    Raises a ``RuntimeError`` naming the version needed on transformers older than 4.53.
+    """
+    _require_transformers()
+    if config is not None and not isinstance(config, SparseConfig):
+        raise TypeError(f"enable_transformers_attention(config=...): must be a SparseConfig, got "
+                        f"{type(config).__name__}")
+    if model is None:
+        if config is not None:
+            _DEFAULT[0] = config
+        return None
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"enable_transformers_attention(model=...): must be a transformers model (a "
+                        f"torch.nn.Module), got {type(model).__name__}")
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(NAME)
+    else:
+        for module in model.modules():
+            if hasattr(module, "config") and hasattr(module.config, "_attn_implementation"):
+                module.config._attn_implementation = NAME
+    current = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if current != NAME:  # transformers declined (a model that does not call attention through its interface)
+        raise ValueError(f"enable_transformers_attention: {type(model).__name__} kept attn_implementation "
+                         f"{current!r}: it does not dispatch attention through transformers' AttentionInterface. "
+                         f"Use torch.compile(model, backend={NAME!r}) for it.")
+    _name_modules(model)
+    if config is not None:
+        for module in model.modules():
+            _CONFIGS[module] = config
+    return model
+
+
+def _name_modules(root: torch.nn.Module) -> None:
+    for name, module in root.named_modules():
+        _SITES[module] = name
+
+
+def _site_of(module: torch.nn.Module) -> str:
+    """The attention layer's module path in the model the user called (as the compiled path names sites), found
+    once per model from the calling frames; else ``layers.N`` from its ``layer_idx`` (``skip_layers`` reads the
+    first integer between dots)."""
+    site = _SITES.get(module)
+    if site is not None:
+        return site
+    owners = []
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and owner is not module and owner not in owners:
+            owners.append(owner)
+        frame = frame.f_back
+    for owner in reversed(owners):  # the outermost module holding this one: the model the user called
+        if any(m is module for m in owner.modules()):
+            _name_modules(owner)
+            site = _SITES.get(module)
+            if site:
+                return site
+    index = getattr(module, "layer_idx", None)
+    site = f"layers.{index}" if isinstance(index, int) else type(module).__name__
+    _SITES[module] = site
+    return site
+
+
+def _config_of(module: torch.nn.Module) -> SparseConfig:
+    return _CONFIGS.get(module, _DEFAULT[0])
+
+
+# -- notes on the masks this module returns ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Causal:
+    """A 2-D (batch, keys) key-padding mask: causal attention over those keys, queries at the last positions."""
+
+    all_valid: bool  # known without reading the mask (built here as all ones)
+
+
+@dataclass(frozen=True)
+class _Dense:
+    """transformers' 4-D SDPA mask for a pattern the sparse path does not run."""
+
+    reason: str
+
+
+_NOTES: dict[int, tuple[weakref.ref, Any]] = {}
+
+
+def _noted(tensor: Tensor, note) -> Tensor:
+    key = id(tensor)
+
+    def forget(ref, key=key):
+        entry = _NOTES.get(key)
+        if entry is not None and entry[0] is ref:
+            _NOTES.pop(key, None)
+
+    _NOTES[key] = (weakref.ref(tensor, forget), note)
+    return tensor
+
+
+def _note_of(tensor: Tensor):
+    entry = _NOTES.get(id(tensor))
+    if entry is None or entry[0]() is not tensor:
+        return None
+    return entry[1]
+
+
+# -- the mask function --------------------------------------------------------------------------------------------
+def _same_function(a, b, depth: int = 0) -> bool:
+    """Built by the same factory with the same arguments: same code, equal closure contents (recursively)."""
+    if a is b:
+        return True
+    if depth > 6:
+        return False
+    if isinstance(a, types.FunctionType) and isinstance(b, types.FunctionType):
+        if a.__code__ is not b.__code__:
+            return False
+        cells_a, cells_b = a.__closure__ or (), b.__closure__ or ()
+        try:
+            return len(cells_a) == len(cells_b) and all(
+                _same_function(x.cell_contents, y.cell_contents, depth + 1) for x, y in zip(cells_a, cells_b))
+        except ValueError:  # an empty cell
+            return False
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same_function(x, y, depth + 1) for x, y in zip(a, b))
+    if isinstance(a, (int, float, str)) and type(a) is type(b):
+        return a == b
+    return False
+
+
+def _causal_pattern(masking, mask_function, local_size, q_last: int, kv_first: int) -> Optional[str]:
+    """None when ``mask_function`` is causal for every query here, else why not."""
+    if mask_function is masking.causal_mask_function:
+        return None
+    factory = getattr(masking, "sliding_window_causal_mask_function", None)
+    if isinstance(local_size, int) and factory is not None and _same_function(mask_function, factory(local_size)):
+        # the window keeps keys closer than local_size: it binds when the farthest causal pair is outside it
+        if q_last - kv_first < local_size:
+            return None
+        return (f"sliding window {local_size} shorter than the {q_last - kv_first + 1} keys: not causal prefill "
+                "(the window drops keys)")
+    if mask_function is getattr(masking, "bidirectional_mask_function", None) or (
+            getattr(mask_function, "__name__", "") == "bidirectional_mask_function"):
+        return "bidirectional mask (encoder or bidirectional attention): not causal"
+    if isinstance(local_size, int):
+        return f"local attention pattern (size {local_size}): not causal prefill"
+    return (f"mask pattern {getattr(mask_function, '__qualname__', mask_function)!r} is not plain causal "
+            "(packed sequences, chunked attention or an overlay)")
+
+
+def _query_positions(cache_position: Tensor) -> Optional[tuple[int, int]]:
+    """(first, length) when ``cache_position`` is ``arange(first, first + length)``; one small host read."""
+    n = cache_position.numel()
+    if n == 0:
+        return None
+    flat = cache_position.reshape(-1)
+    expected = torch.arange(n, device=flat.device, dtype=flat.dtype) + flat[0]
+    first, contiguous = torch.stack([flat[0].to(torch.int64), (flat == expected).all().to(torch.int64)]).tolist()
+    return (first, n) if contiguous else None
+
+
+def mask_forward(batch_size: int, cache_position: Optional[Tensor] = None, kv_length: int = 0, kv_offset: int = 0,
+                 mask_function=None, attention_mask: Optional[Tensor] = None, local_size: Optional[int] = None,
+                 q_length: Optional[int] = None, q_offset=0, **kwargs):
+    """transformers' mask interface for ``"sparse_prefill"`` (both signatures: ``cache_position`` before 5.0,
+    ``q_length`` / ``q_offset`` since)."""
+    masking = sys.modules[_MASK_MODULE]
+    if mask_function is None:
+        mask_function = masking.causal_mask_function
+    everything = dict(batch_size=batch_size, kv_length=kv_length, kv_offset=kv_offset, mask_function=mask_function,
+                      attention_mask=attention_mask, local_size=local_size, **kwargs)
+    if q_length is not None:
+        everything.update(q_length=q_length, q_offset=q_offset)
+        if isinstance(q_offset, Tensor):  # a static cache's offset: one host read
+            q_offset = int(q_offset.reshape(-1)[0])
+        positions = (int(q_offset), int(q_length))
+    else:
+        everything.update(cache_position=cache_position)
+        positions = _query_positions(cache_position) if cache_position is not None else None
+
+    def dense(reason: str):
+        built = masking.sdpa_mask(**{**everything, "allow_is_causal_skip": False,
+                                     "allow_is_bidirectional_skip": False})
+        if built is None:  # only a bidirectional pattern without padding is skipped: every key is visible
+            q_len = positions[1] if positions is not None else cache_position.numel()
+            built = torch.ones(batch_size, 1, q_len, kv_length, dtype=torch.bool,
+                               device=kwargs.get("device", "cpu") if cache_position is None else cache_position.device)
+        return _noted(built, _Dense(reason))
+
+    if positions is None:
+        return dense("query positions (cache_position) are not consecutive")
+    first, q_len = positions
+    why = _causal_pattern(masking, mask_function, local_size, first + q_len - 1, kv_offset)
+    if why is not None:
+        return dense(why)
+    keys = first + q_len - kv_offset  # keys [kv_offset, first + q_len) can be seen; later cache slots cannot
+    if not (q_len >= 1 and q_len <= keys <= kv_length):
+        return dense(f"query positions [{first}, {first + q_len}) do not fit the {kv_length} keys at offset "
+                     f"{kv_offset}")
+    if attention_mask is None:
+        if keys == q_len == kv_length:
+            return None  # a causal prefill without padding: no mask at all
+        device = cache_position.device if cache_position is not None else kwargs.get("device", "cpu")
+        return _noted(torch.ones(batch_size, keys, dtype=torch.bool, device=device), _Causal(True))
+    padding = attention_mask.to(torch.bool)
+    if padding.shape[-1] < kv_offset + keys:  # a static cache's slots past the tokens seen: padding
+        padding = F.pad(padding, (0, kv_offset + keys - padding.shape[-1]))
+    return _noted(padding[:, kv_offset:kv_offset + keys], _Causal(False))
+
+
+# -- the attention function ---------------------------------------------------------------------------------------
+def _unsupported(dropout, kwargs) -> tuple[Optional[str], bool]:
+    """(why this call needs the dense delegate, whether SDPA cannot serve it: the model's eager function must)."""
+    if kwargs.get("softcap") is not None:
+        return f"attention logit soft-capping ({kwargs['softcap']})", True
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        return "attention sinks", True
+    if kwargs.get("position_bias") is not None:
+        return "a position bias added to the scores", False
+    if dropout:
+        return f"dropout {dropout} (training)", False
+    return None, False
+
+
+def _full_mask(mask: Tensor, q_len: int, kv_len: int) -> Tensor:
+    """The 4-D boolean mask a noted 2-D mask stands for, over all ``kv_len`` keys (for the dense delegate)."""
+    keys = mask.shape[-1]
+    query_pos = torch.arange(keys - q_len, keys, device=mask.device)
+    key_pos = torch.arange(kv_len, device=mask.device)
+    causal = key_pos[None, :] <= query_pos[:, None]
+    padding = F.pad(mask, (0, kv_len - keys)) if kv_len > keys else mask
+    return causal[None, None] & padding[:, None, None, :]
+
+
+def _delegate(module, query, key, value, mask, dropout, scaling, is_causal, kwargs, site, reason, eager):
+    """transformers' own path, recorded dense with the reason. ``mask`` is already what SDPA takes (or None)."""
+    report.record_call(site, DENSE, reason, tuple(query.shape))
+    function = None
+    if eager:
+        function = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if function is not None:
+        if mask is not None and mask.dtype == torch.bool:
+            mask = torch.where(mask, torch.zeros((), dtype=query.dtype, device=mask.device),
+                               torch.finfo(query.dtype).min)
+        return function(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                      attention_mask: Optional[Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                      is_causal: Optional[bool] = None, **kwargs):
+    """transformers' attention interface for ``"sparse_prefill"``: q ``(B, Hq, Nq, D)``, k and v ``(B, Hkv, Nk, D)``
+    (GQA kept, never repeated); returns ``((B, Nq, Hq, D), None)`` as transformers' SDPA function does."""
+    site = _site_of(module)
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    feature, eager = _unsupported(dropout, kwargs)
+    note = _note_of(attention_mask) if isinstance(attention_mask, Tensor) else None
+
+    if attention_mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if not causal:
+            return _delegate(module, query, key, value, None, dropout, scaling, is_causal, kwargs, site,
+                             "not causal (is_causal=False): encoder, bidirectional or cross-attention", eager)
+        if 1 < q_len != kv_len:  # not a mask this module returns: SDPA's own reading of it decides
+            return _delegate(module, query, key, value, None, dropout, scaling, is_causal, kwargs, site,
+                             f"no mask and q_len {q_len} != kv_len {kv_len}: query positions unknown", eager)
+        keys, padding = kv_len, None
+    elif isinstance(note, _Causal):
+        keys, padding = attention_mask.shape[-1], (None if note.all_valid else attention_mask)
+        if keys > kv_len or keys < q_len or attention_mask.shape[0] != query.shape[0]:
+            raise ValueError(f"sparse_compile ({site}): a {tuple(attention_mask.shape)} padding mask does not fit "
+                             f"q {tuple(query.shape)} and k {tuple(key.shape)}")
+    else:
+        reason = note.reason if isinstance(note, _Dense) else (
+            f"a {attention_mask.dim()}-D attention_mask not built by the {NAME!r} mask function (e.g. one the caller "
+            "passed): its pattern is unknown")
+        return _delegate(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs, site,
+                         reason, eager)
+
+    window = kwargs.get("sliding_window")
+    if feature is None and isinstance(window, int) and keys > window:
+        feature = f"sliding window {window} shorter than the {keys} keys: not causal prefill (the window drops keys)"
+    if feature is not None:
+        mask = None if padding is None and keys == kv_len == q_len else _full_mask(
+            attention_mask if padding is not None else query.new_ones(query.shape[0], keys, dtype=torch.bool),
+            q_len, kv_len)
+        return _delegate(module, query, key, value, mask, dropout, scaling, is_causal if mask is None else False,
+                         kwargs, site, feature, eager)
+
+    config = resolve(_config_of(module)).for_site(site)
+    k, v = (key, value) if keys == kv_len else (key[:, :, :keys], value[:, :, :keys])
+    gqa = query.shape[1] != k.shape[1]
+    if padding is not None and q_len == 1:  # decode: one query sees every valid key; a (B, 1, 1, N) mask
+        out = dispatch(query, k, v, scaling, config, site, lambda: F.scaled_dot_product_attention(
+            query, k, v, attn_mask=padding[:, None, None, :], scale=scaling, enable_gqa=gqa))
+    else:
+        layout = None if padding is None else padding_layout(padding, keys)
+        if layout is None or layout.all_valid:
+            out = dispatch(query, k, v, scaling, config, site,
+                           lambda: dense_causal_attention(query, k, v, scale=scaling), chunked_allowed=True)
+        else:
+            out = padded_dispatch(query, k, v, scaling, config, site, layout)
+    return _in_output_layout(out).transpose(1, 2), None

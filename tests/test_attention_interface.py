@@ -1,0 +1,356 @@
+"""The transformers front door without torch.compile: ``attn_implementation="sparse_prefill"``.
+
+Tiny random models built from configs, called as users call them (forward, a left-padded batch, ``generate()``,
+chunked prefill with a cache, a static cache). With every method's keep-everything setting the logits equal
+transformers' SDPA implementation and the generated tokens are identical; ``runtime_stats()`` counts one sparse
+call per layer for a prefill and dense calls (with the reason) for decode steps and for what must stay dense.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import sparse_compile
+from sparse_compile import SparseConfig
+from sparse_compile import transformers_attention as front
+
+transformers = pytest.importorskip("transformers")
+
+SUPPORTED = front._supported(transformers.__version__)
+needs_interface = pytest.mark.skipif(
+    not SUPPORTED, reason=f"transformers {transformers.__version__} has no AttentionMaskInterface (needs >= 4.53)")
+
+SMALL = dict(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32},
+             s2o={"segment_size": 32, "block_size_q": 16, "block_size_kv": 16})
+SIZES = dict(vocab_size=128, max_position_embeddings=1024, intermediate_size=128, num_hidden_layers=2)
+HEADS = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+
+
+def tiny(name: str, implementation: str = "sdpa", **extra):
+    T = transformers
+    build = {
+        "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(**HEADS, **SIZES, **extra)),
+        "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**HEADS, **SIZES, **extra)),
+        "qwen3": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**HEADS, head_dim=16, **SIZES, **extra)),
+        "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**HEADS, **SIZES, **extra)),
+        # query_pre_attn_scalar: a softmax scale other than 1/sqrt(head_dim) reaches the function as `scaling`
+        "gemma3": lambda: T.Gemma3ForCausalLM(T.Gemma3TextConfig(**{**HEADS, "num_key_value_heads": 1}, head_dim=16,
+                                                                   query_pre_attn_scalar=20, **SIZES, **extra)),
+        "phi3": lambda: T.Phi3ForCausalLM(T.Phi3Config(**HEADS, pad_token_id=0, **SIZES, **extra)),
+        "gemma2": lambda: T.Gemma2ForCausalLM(T.Gemma2Config(**{**HEADS, "num_key_value_heads": 1}, head_dim=16,
+                                                             **SIZES, **extra)),
+    }[name]
+    model = build().eval()
+    model.set_attn_implementation(implementation)
+    return model
+
+
+def attention_sites(model) -> list[str]:
+    return [name for name, module in model.named_modules() if name.endswith("self_attn")]
+
+
+def calls(path: str) -> dict:
+    """site -> number of calls that took ``path``."""
+    return {site: sum(n for (p, _), n in s.calls.items() if p == path)
+            for site, s in sparse_compile.runtime_stats().items()}
+
+
+def reasons(path: str) -> dict:
+    return {site: {r for (p, r), n in s.calls.items() if p == path}
+            for site, s in sparse_compile.runtime_stats().items()}
+
+
+def left_padded(ids: torch.Tensor) -> torch.Tensor:
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    return mask
+
+
+@pytest.fixture(autouse=True)
+def _fresh_stats():
+    sparse_compile.reset_runtime_stats()
+    yield
+
+
+MODELS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3")
+
+
+@needs_interface
+@pytest.mark.parametrize("name", MODELS)
+def test_prefill_sparse_decode_dense_same_logits_and_tokens(name):
+    model = tiny(name)
+    ids = torch.randint(1, 128, (2, 70))
+    mask = left_padded(ids)
+    with torch.no_grad():
+        ref = model(ids).logits
+        ref_padded = model(ids, attention_mask=mask).logits
+        ref_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        method = "s2o" if name in ("qwen2", "phi3") else "pbs"  # s2o: the permuting method with the strictest plans
+        sparse_compile.enable_transformers_attention(model, SparseConfig(method=method, **SMALL).keep_all())
+        assert model.config._attn_implementation == "sparse_prefill"
+        sites = attention_sites(model)
+
+        out = model(ids).logits
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert calls("sparse") == {site: 1 for site in sites}, sparse_compile.runtime_stats()
+
+        out = model(ids, attention_mask=mask).logits
+        valid = mask.bool()
+        torch.testing.assert_close(out[valid], ref_padded[valid], rtol=1e-5, atol=1e-5)
+        assert calls("sparse") == {site: 2 for site in sites}
+        assert all("padded batch" in sparse_compile.runtime_stats()[site].last_reason for site in sites)
+
+        sparse_compile.reset_runtime_stats()
+        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens, ref_tokens)
+    assert calls("sparse") == {site: 1 for site in sites}  # the prefill
+    assert calls("dense") == {site: 4 for site in sites}  # the decode steps
+    assert reasons("dense") == {site: {"decode step (q_len == 1)"} for site in sites}
+
+
+@needs_interface
+def test_from_pretrained_attn_implementation_and_regions(tmp_path):
+    tiny("llama").save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sparse_prefill").eval()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    assert model.config._attn_implementation == "sparse_prefill"
+    ids = torch.randint(1, 128, (1, 64))
+    sites = attention_sites(model)
+    with torch.no_grad():
+        ref = reference(ids).logits
+        out = model(ids).logits  # the default configuration: 64 tokens are below its min_seq_len
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert calls("sparse") == {site: 0 for site in sites}
+        assert all(r == {"q_len 64 < min_seq_len 16384"} for r in reasons("dense").values()), reasons("dense")
+        with sparse_compile.sparsity(min_seq_len=2, threshold=1.0, block_size=16, segment_size=32):
+            out = model(ids).logits  # a region applies as it does to compiled models
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert calls("sparse") == {site: 1 for site in sites}
+        with sparse_compile.sparsity(enabled=False):
+            model(ids)
+    assert all("sparsity disabled in this region" in r for r in reasons("dense").values())
+
+
+@needs_interface
+def test_set_attn_implementation_skip_layers_by_module_path():
+    model = tiny("llama")
+    model.set_attn_implementation("sparse_prefill")
+    sparse_compile.enable_transformers_attention(model, SparseConfig(skip_layers=[1], **SMALL).keep_all())
+    ids = torch.randint(1, 128, (1, 40))
+    with torch.no_grad():
+        model(ids)
+    assert calls("sparse") == {"model.layers.0.self_attn": 1, "model.layers.1.self_attn": 0}
+    assert reasons("dense")["model.layers.1.self_attn"] == {"layer 1 is in skip_layers"}
+
+
+@needs_interface
+def test_site_names_found_without_enable():
+    """``set_attn_implementation`` alone: sites are named by module path, found from the model being called."""
+    model = tiny("qwen2")
+    model.set_attn_implementation("sparse_prefill")
+    with torch.no_grad():
+        model(torch.randint(1, 128, (1, 24)))
+    assert set(sparse_compile.runtime_stats()) == set(attention_sites(model))
+
+
+@needs_interface
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_chunked_prefill_with_cache_and_padding():
+    """A second chunk of the prompt (q_len < kv_len, queries at the last positions) runs sparse."""
+    model = tiny("llama")
+    ids = torch.randint(1, 128, (2, 70))
+    mask = left_padded(ids)
+
+    def chunks():
+        cache = transformers.DynamicCache()
+        first = model(ids[:, :40], attention_mask=mask[:, :40], past_key_values=cache, use_cache=True)
+        second = model(ids[:, 40:], attention_mask=mask, past_key_values=first.past_key_values, use_cache=True)
+        return torch.cat([first.logits, second.logits], 1)
+
+    with torch.no_grad():
+        ref = chunks()
+        sparse_compile.enable_transformers_attention(model, SparseConfig(**SMALL).keep_all())
+        out = chunks()
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-5, atol=1e-5)
+    stats = sparse_compile.runtime_stats()["model.layers.0.self_attn"]
+    assert calls("sparse") == {site: 2 for site in attention_sites(model)}
+    assert stats.last_shape == (2, 4, 30, 16)
+
+
+@needs_interface
+def test_static_cache_generate():
+    model = tiny("llama")
+    ids = torch.randint(1, 128, (2, 48))
+    mask = left_padded(ids)
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                  cache_implementation="static")
+    with torch.no_grad():
+        ref = model.generate(ids, **kwargs)
+        sparse_compile.enable_transformers_attention(model, SparseConfig(**SMALL).keep_all())
+        out = model.generate(ids, **kwargs)
+    assert torch.equal(out, ref)
+    assert calls("sparse") == {site: 1 for site in attention_sites(model)}
+
+
+@needs_interface
+def test_beam_search_and_sampling_same_tokens():
+    model = tiny("qwen3")
+    ids = torch.randint(1, 128, (2, 40))
+    mask = left_padded(ids)
+    styles = (dict(num_beams=2), dict(do_sample=True, top_k=20))
+
+    def run():
+        out = []
+        for style in styles:
+            torch.manual_seed(0)
+            out.append(model.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, **style))
+        return out
+
+    with torch.no_grad():
+        ref = run()
+        sparse_compile.enable_transformers_attention(model, SparseConfig(**SMALL).keep_all())
+        out = run()
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    assert calls("sparse") == {site: 2 for site in attention_sites(model)}
+
+
+# -- what stays dense, and says why -------------------------------------------------------------------------------
+@needs_interface
+def test_sliding_window_shorter_than_the_prompt_stays_dense():
+    model = tiny("mistral", sliding_window=24)
+    ids = torch.randint(1, 128, (1, 70))
+    with torch.no_grad():
+        ref = model(ids).logits
+        sparse_compile.enable_transformers_attention(model, SparseConfig(**SMALL).keep_all())
+        out = model(ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert calls("sparse") == {site: 0 for site in attention_sites(model)}
+    assert all(any("sliding window 24 shorter than the 70 keys" in r for r in rs) for rs in reasons("dense").values())
+
+
+@needs_interface
+def test_gemma3_global_layers_sparse_sliding_layers_dense():
+    model = tiny("gemma3", sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    ids = torch.randint(1, 128, (2, 64))
+    mask = left_padded(ids)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        sparse_compile.enable_transformers_attention(model, SparseConfig(**SMALL).keep_all())
+        out = model(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-5, atol=1e-5)
+    assert calls("sparse") == {"model.layers.0.self_attn": 0, "model.layers.1.self_attn": 1}
+    assert any("sliding window 16" in r for r in reasons("dense")["model.layers.0.self_attn"])
+
+
+@needs_interface
+def test_soft_capping_runs_the_models_eager_attention():
+    model = tiny("gemma2", "eager", attn_logit_softcapping=20.0)
+    ids = torch.randint(1, 128, (2, 40))
+    mask = left_padded(ids)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        sparse_compile.enable_transformers_attention(model, SparseConfig(**SMALL).keep_all())
+        out = model(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-5, atol=1e-5)
+    assert calls("sparse") == {site: 0 for site in attention_sites(model)}
+    assert all(rs == {"attention logit soft-capping (20.0)"} for rs in reasons("dense").values()), reasons("dense")
+
+
+@needs_interface
+def test_dropout_and_a_callers_4d_mask_stay_dense():
+    model = tiny("llama", attention_dropout=0.5)
+    sparse_compile.enable_transformers_attention(model, SparseConfig(**SMALL).keep_all())
+    ids = torch.randint(1, 128, (1, 32))
+    model.train()
+    model(ids)
+    assert all(rs == {"dropout 0.5 (training)"} for rs in reasons("dense").values())
+    model.eval()
+    sparse_compile.reset_runtime_stats()
+    causal = torch.ones(32, 32, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        out = model(ids, attention_mask=causal).logits
+        model.set_attn_implementation("sdpa")
+        ref = model(ids, attention_mask=causal).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert all(any("not built by the 'sparse_prefill' mask function" in r for r in rs)
+               for rs in reasons("dense").values())
+
+
+@needs_interface
+def test_mask_function_builds_no_quadratic_mask():
+    """Plain causal: None without padding, else the (batch, keys) padding mask; both signatures of the interface."""
+    import transformers.masking_utils as masking
+
+    padding = torch.ones(2, 50, dtype=torch.bool)
+    padding[0, :3] = False
+    if "q_length" in masking.sdpa_mask.__code__.co_varnames:
+        plain = front.mask_forward(batch_size=2, q_length=50, kv_length=50, q_offset=0)
+        chunk = front.mask_forward(batch_size=2, q_length=20, kv_length=50, q_offset=30, attention_mask=padding)
+    else:
+        plain = front.mask_forward(batch_size=2, cache_position=torch.arange(50), kv_length=50)
+        chunk = front.mask_forward(batch_size=2, cache_position=torch.arange(30, 50), kv_length=50,
+                                   attention_mask=padding)
+    assert plain is None
+    assert chunk.shape == (2, 50) and isinstance(front._note_of(chunk), front._Causal)
+
+
+def _registered() -> tuple[bool, bool]:
+    attention, masking = (sys.modules.get(f"transformers.{name}") for name in ("modeling_utils", "masking_utils"))
+    return (front.NAME in getattr(getattr(attention, "AttentionInterface", None), "_global_mapping", {}),
+            front.NAME in getattr(getattr(masking, "AttentionMaskInterface", None), "_global_mapping", {}))
+
+
+def test_attention_function_called_directly_gqa_layout_and_layer_site():
+    """As a model's attention layer calls it: (B, Nq, Hq, D) out, as transformers' SDPA function returns; k/v keep
+    their Hkv heads; a layer outside any model is named by its ``layer_idx``."""
+    layer = torch.nn.Module()
+    layer.layer_idx, layer.is_causal = 3, True
+    q, k, v = torch.randn(2, 4, 40, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    config = SparseConfig(**SMALL).keep_all()
+    front._CONFIGS[layer] = config
+    out, weights = front.attention_forward(layer, q, k, v, None, scaling=0.3)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    assert weights is None and out.shape == (2, 40, 4, 16) and out.is_contiguous()
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    assert calls("sparse") == {"layers.3": 1}
+
+
+def test_import_does_not_import_transformers_and_registers_when_it_loads():
+    code = ("import sys, sparse_compile; assert 'transformers' not in sys.modules; "
+            "import transformers.modeling_utils; from transformers import AutoModelForCausalLM; "
+            "from sparse_compile import transformers_attention as f; ok = f._supported(transformers.__version__); "
+            "ok and __import__('transformers.masking_utils'); "
+            "u, m = sys.modules['transformers.modeling_utils'], sys.modules.get('transformers.masking_utils'); "
+            "got = (f.NAME in getattr(getattr(u, 'AttentionInterface', None), '_global_mapping', {}), "
+            "f.NAME in getattr(getattr(m, 'AttentionMaskInterface', None), '_global_mapping', {})); "
+            "assert got == (ok, ok), got; assert f._HOOK not in sys.meta_path")
+    root = str(Path(sparse_compile.__file__).resolve().parent.parent)  # this checkout's package, not another
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@needs_interface
+def test_registers_at_import_when_transformers_is_already_loaded(monkeypatch):
+    import transformers.masking_utils as masking
+    import transformers.modeling_utils as modeling
+
+    monkeypatch.delitem(modeling.AttentionInterface._global_mapping, front.NAME)
+    monkeypatch.delitem(masking.AttentionMaskInterface._global_mapping, front.NAME)
+    assert _registered() == (False, False)
+    front.install_import_hook()
+    assert _registered() == (True, True) and front._HOOK not in sys.meta_path
+
+
+def test_older_transformers_get_a_clear_error(monkeypatch):
+    if SUPPORTED:  # the module object `import transformers` gives now (loading models may replace it)
+        monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.46.3")
+    with pytest.raises(RuntimeError, match=r"needs transformers >= 4\.53"):
+        sparse_compile.enable_transformers_attention()
