@@ -200,7 +200,8 @@ def main(argv=None) -> None:
     meta = {"checkpoint": None if args.smoke else args.checkpoint, "per_task": args.per_task, "block": args.block,
             "style": "vkey"}
     print(write_results("retrieval_oracle_smoke" if args.smoke else "retrieval_oracle", rows, meta=meta,
-                        out_dir=args.out, columns=["N", "policy", "exact", *rt.TASKS, "values", "seconds"]))
+                        out_dir=args.out, columns=["N", "policy", "exact", *rt.TASKS, "values", "seconds"],
+                        store=None if args.smoke and not args.out else "retrieval_oracle", params=("N",), extra={"block": args.block, "per_task": args.per_task}))
 
 
 if __name__ == "__main__":
