@@ -215,7 +215,7 @@ def main() -> None:
     table = write_results(args.name, rows, meta={"model": f"Llama-3.1-8B shape, {args.layers} layers",
                                                  "dtype": str(dtype), "device": device},
                           columns=["N", "part", "method", "ms", "density", "detail"], out_dir=args.out,
-                          store=None if args.smoke and not args.out else "profile_layer", params=("N",))
+                          store=None if args.smoke and not args.out else "bench_profile_layer", params=("N",))
     print(table)
 
 
