@@ -73,13 +73,23 @@ def test_readme_is_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300
 
 
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+            for heading in re.findall(r"^#+ (.+)$", markdown, flags=re.MULTILINE)}
+
+
 def test_links_in_readme_and_docs_resolve():
     link = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
     missing = []
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for target in link.findall(doc.read_text()):
-            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            if re.match(r"[a-z]+:", target):
                 continue
-            if not (doc.parent / target.split("#")[0]).exists():
+            path, _, anchor = target.partition("#")
+            file = doc.parent / path if path else doc
+            if not file.exists():
                 missing.append(f"{doc.relative_to(ROOT)} -> {target}")
+            elif anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text()):
+                missing.append(f"{doc.relative_to(ROOT)} -> {target} (no such heading)")
     assert not missing, "broken links:\n" + "\n".join(missing)
