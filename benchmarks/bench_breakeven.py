@@ -16,7 +16,8 @@ structured (``bench_methods.structured_inputs``), alternately timed, medians, af
 site its density history: the ratio, the path taken and why. The target is <= 1.02x cuDNN everywhere.
 
 ``--memory``: peak memory above the inputs for cuDNN and each method at its defaults.
-Shape: bf16, B=1, 32 query / 8 KV heads, head dim 128 (Llama-3.1-8B attention). Results: ``results/breakeven.*``.
+Shape: bf16, B=1, 32 query / 8 KV heads, head dim 128 (Llama-3.1-8B attention). Each mode appends its rows to the
+store ``benchmarks/results/bench_breakeven.jsonl`` (tagged ``mode``); the run's tables go to ``--out``.
 """
 
 from __future__ import annotations

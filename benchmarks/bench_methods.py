@@ -30,7 +30,7 @@ Per KV head we build Q and K from orthonormal directions plus Gaussian noise:
   no q.k changes; they make blocks of tokens more or less self-similar, which SpargeAttn's judge looks at.
 V is N(0, 1). The generator is deterministic (``--seed``).
 
-    python benchmarks/bench_methods.py                       # the sweep; JSON + table in benchmarks/results/
+    python benchmarks/bench_methods.py                       # the sweep; rows to benchmarks/results/bench_methods.jsonl
     python benchmarks/bench_methods.py --profile --n 131072   # torch.profiler per-op CUDA time of the fast path
 """
 

@@ -25,7 +25,7 @@ bits per byte on held-out code windows against dense, and for every missed value
 was listed for the query block that reads it: as a share of layers x heads, and for the lookup head, the one whose
 attention row puts the most mass on the needle, the byte it reads; and over every row that predicts a byte of the
 value, the share whose reading head's plan lists the byte it reads (for S2O a listed tile may still be cut by early
-stop). Results: ``results/retrieval.{json,md,png}``.
+stop). Rows: ``results/bench_retrieval.jsonl``; the run's table and plot: ``--out`` (default ``results/runs/``).
 """
 
 from __future__ import annotations
@@ -384,7 +384,8 @@ def main(argv=None) -> None:
     rows = run(args)
     columns = ["N", "contender", "density", "exact", "chars", *rt.TASKS, "delta_bpb", "missed_needle_listed",
                "missed_lookup_head_listed", "missed_value_rows_listed", "params"]
-    print(write_results(args.name, rows, out_dir=args.out, columns=columns, store=None if args.smoke and not args.out else "bench_retrieval",
+    print(write_results(args.name, rows, out_dir=args.out, columns=columns,
+                        store=None if args.smoke and not args.out else "bench_retrieval",
                         params=("N",),
                         meta={"checkpoint": None if args.smoke else str(args.checkpoint), "per_task": args.per_task}))
     out_dir = Path(args.out) if args.out else RUNS_DIR

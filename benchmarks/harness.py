@@ -343,7 +343,8 @@ def append_store(bench: str, rows: Iterable[dict], *, params: Sequence[str] = ()
                  out_dir: Optional[os.PathLike] = None, command: Optional[Sequence[str]] = None) -> Path:
     """Append ``rows`` in long format (``long_rows``) with their provenance to ``<out_dir or
     benchmarks/results>/<bench>.jsonl``; return the path. A run on another machine with ``--out $OUT`` writes
-    its own store there: append it to the repository's with ``cat $OUT/<bench>.jsonl >> benchmarks/results/``."""
+    its own store there; append it to the repository's:
+    ``cat $OUT/<bench>.jsonl >> benchmarks/results/<bench>.jsonl``."""
     out = Path(out_dir) if out_dir is not None else RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{bench}.jsonl"

@@ -20,7 +20,7 @@ query block of ``--block`` rows), to the key tiles a policy picks:
 
 Query block i keeps max(1, ⌈ρ(i+1)⌉) of its i+1 causal tiles, its diagonal tile always among them; the softmax runs
 over the kept keys only, in float32. Scores are built one chunk of query rows at a time (no N x N matrix).
-Results: ``results/retrieval_oracle.{json,md}``.
+Rows: ``results/retrieval_oracle.jsonl``; the run's table: ``--out`` (default ``results/runs/``).
 """
 
 from __future__ import annotations

@@ -75,8 +75,9 @@ def test_readme_is_short():
 
 def _anchors(markdown: str) -> set[str]:
     """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    prose = re.sub(r"^```.*?^```", "", markdown, flags=re.MULTILINE | re.DOTALL)  # comments in code are no headings
     return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-            for heading in re.findall(r"^#+ (.+)$", markdown, flags=re.MULTILINE)}
+            for heading in re.findall(r"^#+ (.+)$", prose, flags=re.MULTILINE)}
 
 
 def test_links_in_readme_and_docs_resolve():
