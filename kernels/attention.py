@@ -470,7 +470,7 @@ def default_config(block_m: int, block_n: int, *, head_dim_pad: int, dtype: torc
     kernel_bm = bm if (exact or bm <= 128) else bm // 2
     kernel_bn = bn if (exact or bn <= 128) else 128
     # two warpgroups of 64 rows each for 128-row blocks (wgmma is m64 per warpgroup). Measured on the H100
-    # (kernel_h100_tune.md): 128x128, 8 warps, 3 stages (3-deep K/V, 224 KiB) was the fastest of 10 configs at
+    # (docs/kernels.md): 128x128, 8 warps, 3 stages (3-deep K/V, 224 KiB) was the fastest of 10 configs at
     # 32K and 128K, rho 1 and 0.1; 2 stages +5-13%, 128x64 +18-71%, 64x64 with two programs per SM +7-19%.
     return KernelConfig(kernel_bm, kernel_bn, num_warps=8 if kernel_bm >= 128 else 4, num_stages=3)
 
