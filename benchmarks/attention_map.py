@@ -135,7 +135,7 @@ def coverage(mass: torch.Tensor, selected: torch.Tensor) -> float:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, default=tsl.DEFAULT_CHECKPOINT)
-    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS_DIR)
+    parser.add_argument("--out-dir", type=Path, default=harness.RUNS_DIR)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--device", default=None)
     parser.add_argument("--length", type=int, default=None, help="input bytes (default 8192; smoke 512)")
@@ -144,7 +144,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--kernel", choices=("auto", "triton", "reference"), default="auto")
     parser.add_argument("--no-verify", action="store_true")
     parser.add_argument("--local-heldout", action="store_true",
-                        help="use THIS machine's held-out split (CPU trials of a checkpoint trained elsewhere)")
+                        help="use the local held-out split (CPU trials of a checkpoint trained elsewhere)")
     args = parser.parse_args(argv)
 
     t0 = time.time()

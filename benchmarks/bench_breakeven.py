@@ -16,7 +16,8 @@ structured (``bench_methods.structured_inputs``), alternately timed, medians, af
 site its density history: the ratio, the path taken and why. The target is <= 1.02x cuDNN everywhere.
 
 ``--memory``: peak memory above the inputs for cuDNN and each method at its defaults.
-Shape: bf16, B=1, 32 query / 8 KV heads, head dim 128 (Llama-3.1-8B attention). Results: ``results/breakeven.*``.
+Shape: bf16, B=1, 32 query / 8 KV heads, head dim 128 (Llama-3.1-8B attention). Each mode appends its rows to the
+store ``benchmarks/results/bench_breakeven.jsonl`` (tagged ``mode``); the run's tables go to ``--out``.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def measure(args) -> None:
         del q, k, v
         torch.cuda.empty_cache()
     Path(args.table).write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    print(write_results(f"{args.name}_table", rows, out_dir=args.out,
+    print(write_results(f"{args.name}_table", rows, out_dir=args.out, **_store("table"),
                         columns=["N", "method", "shape", "cudnn_ms", "kernel", "select", "break_even",
                                  "sm_clock_mhz"]))
 
@@ -172,7 +173,7 @@ def verify(args) -> None:
                 print(json.dumps(row), flush=True)
             del q, k, v
             torch.cuda.empty_cache()
-    print(write_results(f"{args.name}_verify", rows, out_dir=args.out,
+    print(write_results(f"{args.name}_verify", rows, out_dir=args.out, **_store("verify"),
                         columns=["N", "inputs", "method", "cudnn_ms", "sparse_attention_ms", "ratio", "ratio_of_means",
                                  "op_ratio", "op_ratio_of_means", "paired_ratio", "op_paired_ratio", "last_path",
                                  "listed_density", "rel_l1_sparse", "last_reason"]))
@@ -206,11 +207,11 @@ def dense_path(args) -> None:
                 print(json.dumps(row), flush=True)
         del q, k, v
         torch.cuda.empty_cache()
-    print(write_results(f"{args.name}_dense_path", rows, out_dir=args.out))
+    print(write_results(f"{args.name}_dense_path", rows, out_dir=args.out, **_store("dense_path")))
 
 
 def tiles(args) -> None:
-    """Each method's own plans at its defaults against our dense kernel, per computed tile (issue 11, item 2).
+    """Each method's own plans at its defaults against our dense kernel, per computed tile.
 
     Structured inputs, contenders timed alternately: cuDNN, our dense kernel (``causal_plan`` through
     ``execute_plan``: the Hopper kernel on an H100) and the method's executor on its defaults' plan (S2O: segment
@@ -285,7 +286,7 @@ def tiles(args) -> None:
             del plan, visited
         del q, k, v
         torch.cuda.empty_cache()
-    print(write_results(f"{args.name}_tiles", rows, out_dir=args.out,
+    print(write_results(f"{args.name}_tiles", rows, out_dir=args.out, **_store("tiles"),
                         columns=["N", "method", "shape", "backend", "listed_density", "visited_density", "dense_ms",
                                  "method_ms", "efficiency_vs_dense", "triton_efficiency_vs_dense",
                                  *[f"efficiency_stages{x}" for x in args.hopper_stages], "efficiency_without_pv_skip",
@@ -340,7 +341,7 @@ def _with_module_value(module, name: str, value, run):
 
 
 def s2o_parts(args) -> None:
-    """Where S2O's time per visited tile goes (issue 11, item 2): structured inputs, S2O's defaults, contenders
+    """Where S2O's time per visited tile goes: structured inputs, S2O's defaults, contenders
     timed alternately: our dense kernel; the method as it runs (``s2o``: the intra-segment window pass, then the
     ranked walk resumed from it); the same in one pass (``s2o_one_pass``: the masked squares of the sorted queries
     in the walk, as before ``WINDOW_PASS``); the window pass alone and the resumed walk alone (also with its keys
@@ -425,7 +426,12 @@ def s2o_parts(args) -> None:
         print(json.dumps(row), flush=True)
         del q, k, v, plan, static, state
         torch.cuda.empty_cache()
-    print(write_results(f"{args.name}_s2o_parts", rows, out_dir=args.out))
+    print(write_results(f"{args.name}_s2o_parts", rows, out_dir=args.out, **_store("s2o_parts")))
+
+
+def _store(mode: str) -> dict:
+    """write_results' arguments that append a run's rows to the benchmark's store, tagged with its mode."""
+    return {"store": "bench_breakeven", "params": ("N", "calls_per_sample"), "extra": {"mode": mode}}
 
 
 def memory(args) -> None:
@@ -454,7 +460,7 @@ def memory(args) -> None:
             print(json.dumps(row), flush=True)
         del q, k, v
         torch.cuda.empty_cache()
-    print(write_results(f"{args.name}_memory", rows, out_dir=args.out))
+    print(write_results(f"{args.name}_memory", rows, out_dir=args.out, **_store("memory")))
 
 
 def main(argv=None) -> None:

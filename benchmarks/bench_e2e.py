@@ -2,7 +2,7 @@
 
     python benchmarks/bench_e2e.py                                  # H100: 8K..128K, every method (> 10 min)
     python benchmarks/bench_e2e.py --lengths 65536 131072 --budget-lengths 65536 131072 --budgets-only
-    python benchmarks/bench_e2e.py --from-jsonl results/e2e.jsonl   # table + plot from (merged) rows
+    python benchmarks/bench_e2e.py --from-jsonl results/runs/e2e.jsonl   # table + plot from (merged) rows
     python benchmarks/bench_e2e.py --smoke                          # CPU: tiny model, seconds
 
 A ``transformers`` ``LlamaForCausalLM`` built from a config (random bf16 weights, no download), batch 1, logits of
@@ -32,7 +32,8 @@ number of layers), and end-to-end efficiency ``(t_floor + ρ·t_attn) / TTFT`` w
 ``t_attn = TTFT_inductor − t_floor``: the share of the possible gain the system delivers at its density.
 The meta block records each compiled contender's first call (compile included). ``--mask-overhead`` times, at
 the op, one layer's worth of calls per model layer with a tokenizer's all-ones ``attention_mask`` against none.
-Writes ``benchmarks/results/e2e.json``/``.md`` (or ``--out``) and a PNG plot when matplotlib is present.
+Writes the run's ``e2e.json``/``.md``/``.jsonl`` and a PNG plot (when matplotlib is present) under ``--out``
+(default ``benchmarks/results/runs/``) and appends its rows to the store ``benchmarks/results/bench_e2e.jsonl``.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparse_compile  # noqa: E402
-from harness import alternating_rounds, sm_clock_mhz, write_results  # noqa: E402
+from harness import RUNS_DIR, alternating_rounds, sm_clock_mhz, write_results  # noqa: E402
 
 METHODS = tuple(sparse_compile.registry.registered_methods())  # the four papers' and the sampled selector
 # parameters held fixed while calibrating, so that the target densities are reachable on random weights:
@@ -298,7 +299,11 @@ def summarize(rows: list, args, meta: dict) -> None:
             row["ttft_ms"] = t * 1e3
     columns = ["N", "contender", "ttft_ms", "speedup", "density", "efficiency", "best_possible_speedup",
                "sparse_calls", "dispatch", "sm_clock_mhz", "params"]
-    table = write_results(args.name, rows, meta=meta, columns=columns, out_dir=args.out)
+    # a smoke run leaves the repository's store alone; --from-jsonl re-renders rows a run stored already
+    skip_store = (args.smoke and not args.out) or (args.from_jsonl and not args.store)
+    table = write_results(args.name, rows, meta=meta, columns=columns, out_dir=args.out,
+                          store=None if skip_store else "bench_e2e",
+                          params=("N",))
     print(table)
     plot(rows, args)
 
@@ -325,10 +330,13 @@ def main() -> None:
     parser.add_argument("--mask-overhead", action="store_true",
                         help="also time the op with an all-ones attention_mask against none (no model compile)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, for testing the script")
-    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    parser.add_argument("--out", default=None, help="this run's files and its store rows (default: the run's files in "
+                        "benchmarks/results/runs, the rows in benchmarks/results/bench_e2e.jsonl)")
     parser.add_argument("--name", default="e2e")
     parser.add_argument("--from-jsonl", default=None,
                         help="render the table and plot from the rows a (possibly cut short) run wrote")
+    parser.add_argument("--store", action="store_true",
+                        help="with --from-jsonl: also append the rows to the store (a run cut short before it did)")
     args = parser.parse_args()
     if args.from_jsonl:
         rows = [json.loads(line) for line in Path(args.from_jsonl).read_text().splitlines() if line.strip()]
@@ -378,7 +386,7 @@ def main() -> None:
     def floor_compiled(ids):
         return compiled_floor(ids, logits_to_keep=1)
 
-    partial = (Path(args.out) if args.out else Path(__file__).resolve().parent / "results") / f"{args.name}.jsonl"
+    partial = (Path(args.out) if args.out else RUNS_DIR) / f"{args.name}.jsonl"
     partial.parent.mkdir(parents=True, exist_ok=True)
     partial.write_text("")
     rows: list = []
@@ -547,9 +555,7 @@ def plot(rows, args) -> None:
     except ImportError:
         print("matplotlib not installed: no plot")
         return
-    from harness import RESULTS_DIR
-
-    out = Path(args.out) if args.out else RESULTS_DIR
+    out = Path(args.out) if args.out else RUNS_DIR
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     contenders = [c for c in dict.fromkeys(r["contender"] for r in rows) if "@" not in c]
     for c in contenders:

@@ -1,6 +1,6 @@
 """Block-sparse attention core vs cuDNN SDPA (dense) and FlexAttention (same blocks), on one GPU.
 
-Setup (issue 3): bf16, B=1, Hq=32, Hkv=8, D=128, causal self-attention prefill, N in 8K..128K, 128x128 blocks.
+Setup: bf16, B=1, Hq=32, Hkv=8, D=128, causal self-attention prefill, N in 8K..128K, 128x128 blocks.
 Block lists at density rho of the causal blocks: per (head, query block) the diagonal block, the first block and
 random others; the SAME lists for every sparse contender. Contenders:
 
@@ -19,13 +19,13 @@ Reported per cell: ms (median of alternating rounds: cuDNN and every contender t
 ``benchmarks.harness.alternating_ms``, with the SM clock read before each cell), TFLOP/s on the computed blocks (visible pairs of
 the kept tiles), and efficiency = rho * t_sdpa / t (1.0 = perfectly proportional to the dense time).
 
-    python benchmarks/bench_kernel.py                     # the sweep; JSON + table in benchmarks/results/
+    python benchmarks/bench_kernel.py                     # the sweep; rows appended to results/bench_kernel.jsonl
     python benchmarks/bench_kernel.py --mode tune --n 32768   # launch-config sweep of the kernel
     ncu ... python benchmarks/bench_kernel.py --mode once --n 32768 --rho 1 0.1 --configs 128,128,8,3  # profile
 
 The kernel ships one path: the v1 launch order and tile-offset schedules ("heads" order, "inloop" and
-"causal_walk" offsets) that the v2 ablations compared are no longer in it; their measurements are in
-NOTES_kernel.md and results/kernel_h100_tune.md.
+"causal_walk" offsets) that the ablations compared are no longer in it; their measurements are summarised in
+docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -305,7 +305,8 @@ def sweep(args) -> None:
     meta = dict(B=B, Hq=HQ, Hkv=HKV, D=D, dtype=str(DTYPE), block=BLOCK, segment=SEGMENT, seed=args.seed,
                 config=args.config or "default_config", time_scale=args.time_scale,
                 note="efficiency = rho * t_sdpa / t; TFLOP/s over visible pairs of computed tiles")
-    table = write_results(args.name, rows, meta=meta, columns=cols, out_dir=args.out)
+    table = write_results(args.name, rows, meta=meta, columns=cols, out_dir=args.out, store="bench_kernel",
+                          params=("N",), extra={"mode": "kernel", **{k: v for k, v in meta.items() if k != "note"}})
     errs = sorted({c for r in rows for c in r if "_err_" in c})
     print(table)
     if errs:
@@ -370,7 +371,8 @@ def tune(args) -> None:
                 log("  " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
         del sets, ref
         torch.cuda.empty_cache()
-    table = write_results(args.name, rows, meta={"mode": "tune"}, out_dir=args.out, digits=4)
+    table = write_results(args.name, rows, meta={"mode": "tune"}, out_dir=args.out, digits=4, store="bench_kernel",
+                          params=("N",), extra={"mode": "tune"})
     print(table)
 
 

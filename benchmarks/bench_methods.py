@@ -1,6 +1,6 @@
 """The four methods end to end on one GPU: selection + permutation time, sparse attention time, density, error.
 
-Setup (issue 4): bf16, B=1, Hq=32, Hkv=8, D=128, causal self-attention prefill, N in 8K..128K, each method's
+Setup: bf16, B=1, Hq=32, Hkv=8, D=128, causal self-attention prefill, N in 8K..128K, each method's
 paper defaults (``SparseConfig(method=...)``). Per (N, method):
 
 * ``sel_fast_ms``: ``build_plan(..., implementation="fast")`` (reorder + select on the GPU), and
@@ -30,7 +30,7 @@ Per KV head we build Q and K from orthonormal directions plus Gaussian noise:
   no q.k changes; they make blocks of tokens more or less self-similar, which SpargeAttn's judge looks at.
 V is N(0, 1). The generator is deterministic (``--seed``).
 
-    python benchmarks/bench_methods.py                       # the sweep; JSON + table in benchmarks/results/
+    python benchmarks/bench_methods.py                       # the sweep; rows to benchmarks/results/bench_methods.jsonl
     python benchmarks/bench_methods.py --profile --n 131072   # torch.profiler per-op CUDA time of the fast path
 """
 
@@ -49,7 +49,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import alternating_ms, guarded, time_ms, write_results  # noqa: E402
+from harness import RUNS_DIR, alternating_ms, guarded, time_ms, write_results  # noqa: E402
 from sparse_compile.config import SparseConfig  # noqa: E402
 from sparse_compile.methods import build_plan  # noqa: E402
 from sparse_compile.plan import execute_plan  # noqa: E402
@@ -253,7 +253,7 @@ def main() -> None:
         raise SystemExit("bench_methods.py needs a CUDA GPU")
     if args.profile:
         prof = profile(args)
-        path = Path(args.out_dir or Path(__file__).resolve().parent / "results") / "methods_profile.json"
+        path = Path(args.out_dir or RUNS_DIR) / "methods_profile.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(prof, indent=1))
         return
@@ -262,7 +262,8 @@ def main() -> None:
             "key_mode", "total_ms", "speedup", "density", "listed", "rel_l1", "mse"]
     meta = dict(batch=B, heads_q=HQ, heads_kv=HKV, head_dim=D, dtype=str(DTYPE), seed=args.seed,
                 inputs="structured: sinks + RoPE-like local windows + vertical lines (bench_methods.py docstring)")
-    table = write_results("methods", rows, meta=meta, columns=cols, out_dir=args.out_dir, digits=4)
+    table = write_results("methods", rows, meta=meta, columns=cols, out_dir=args.out_dir, digits=4,
+                          store="bench_methods", params=("N",))
     print(table)
 
 

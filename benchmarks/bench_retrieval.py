@@ -25,7 +25,7 @@ bits per byte on held-out code windows against dense, and for every missed value
 was listed for the query block that reads it: as a share of layers x heads, and for the lookup head, the one whose
 attention row puts the most mass on the needle, the byte it reads; and over every row that predicts a byte of the
 value, the share whose reading head's plan lists the byte it reads (for S2O a listed tile may still be cut by early
-stop). Results: ``results/retrieval.{json,md,png}``.
+stop). Rows: ``results/bench_retrieval.jsonl``; the run's table and plot: ``--out`` (default ``results/runs/``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import sparse_compile  # noqa: E402
 import retrieval_tasks as rt  # noqa: E402
 import train_small_lm as tsl  # noqa: E402
 from bench_e2e import calibrate  # noqa: E402
-from harness import write_results  # noqa: E402
+from harness import RUNS_DIR, write_results  # noqa: E402
 
 # bisection steps of a density knob: on a model with concentrated attention, mass thresholds must come within 1e-4
 # of 1 (and S2O's early stop within 1e-5 of 0) before ρ 0.2-0.3 is kept; 10 steps end at 0.999 / 0.0005
@@ -216,7 +216,7 @@ def run(args) -> list[dict]:
         manifest = json.loads(Path(args.checkpoint).with_suffix(".json").read_text())["manifest"]
     corpus = tsl.build_corpus(1 << 20)
     if manifest is not None and corpus.manifest["heldout"]["bytes"] != manifest["heldout"]["bytes"]:
-        print("warning: this machine's held-out corpus differs from the one the checkpoint was trained next to",
+        print("warning: the local held-out corpus differs from the one the checkpoint was trained next to",
               file=sys.stderr)
     base = base_config(args.smoke)
     base = base.replace(**{m: base.params_of(m).updated(v) for m, v in args.method_params.items()})
@@ -385,8 +385,10 @@ def main(argv=None) -> None:
     columns = ["N", "contender", "density", "exact", "chars", *rt.TASKS, "delta_bpb", "missed_needle_listed",
                "missed_lookup_head_listed", "missed_value_rows_listed", "params"]
     print(write_results(args.name, rows, out_dir=args.out, columns=columns,
+                        store=None if args.smoke and not args.out else "bench_retrieval",
+                        params=("N",),
                         meta={"checkpoint": None if args.smoke else str(args.checkpoint), "per_task": args.per_task}))
-    out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results"
+    out_dir = Path(args.out) if args.out else RUNS_DIR
     plot(rows, out_dir / f"{args.name}.png")
 
 

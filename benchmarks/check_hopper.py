@@ -1,4 +1,4 @@
-"""Check and time the Gluon Hopper block-sparse attention kernel (kernels/hopper.py) on an H100 (issue 13).
+"""Check and time the Gluon Hopper block-sparse attention kernel (kernels/hopper.py) on an H100.
 
     python benchmarks/check_hopper.py --out $OUT/hopper.json          # from the repo root, ~2-3 minutes warm
     python benchmarks/check_hopper.py --all-variants --out ...        # every variant at 2 and 3 stages (longer)
@@ -442,7 +442,8 @@ def screen_variants(variants, timeout: float) -> tuple[list, dict]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="hopper.json")
+    ap.add_argument("--out", default=None, help="the report's JSON (default benchmarks/results/runs/hopper.json); the "
+                    "timing rows are appended to benchmarks/results/check_hopper.jsonl, or next to --out if given")
     ap.add_argument("--variants", nargs="+", default=["ws2_ov"])
     ap.add_argument("--stages", nargs="+", type=int, default=[3])
     ap.add_argument("--all-variants", action="store_true", help="every variant at 2 and 3 stages")
@@ -475,7 +476,10 @@ def main(argv=None) -> None:
                gluon_error=getattr(H, "GLUON_IMPORT_ERROR", None) if H is not None else None)
     log(f"env: {env}")
     report = dict(env=env, check=[], bench=[])
-    out_path = Path(args.out)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import harness
+
+    out_path = Path(args.out) if args.out else harness.RUNS_DIR / "hopper.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
     def save():
@@ -510,6 +514,9 @@ def main(argv=None) -> None:
     if not args.skip_bench:
         stage("bench", bench)
         print_table(report["bench"])
+        harness.append_store("check_hopper", report["bench"], params=("N", "rho_target", "B", "Hq", "Hkv", "D"),
+                             extra={"calls": args.calls, "queue_ahead": args.queue_ahead, "reps": args.reps},
+                             out_dir=out_path.parent if args.out else None)
     save()
     log(f"wrote {out_path}")
 

@@ -9,8 +9,13 @@ Every benchmark in ``benchmarks/`` uses these pieces so that numbers are compara
   computed tile, and ``tflops`` turns FLOPs and ms into TFLOP/s (4 FLOPs per visible (query, key) pair per
   head-dim element: QK^T and PV).
 * ``guarded`` runs a contender and turns out-of-memory (and optionally any other failure) into a cell marker.
-* ``write_results`` writes ``benchmarks/results/<name>.json`` (rows, metadata, environment) and returns the
-  table as text (``tabulate``) for printing.
+* ``write_results`` writes one run's ``<name>.json`` (rows, metadata, environment) and ``.md`` table under
+  ``--out`` (default ``benchmarks/results/runs/``, not tracked) and returns the table as text (``tabulate``).
+  Given ``store=``, it also appends the rows to that benchmark's store (``append_store``).
+* ``append_store`` appends long-format rows to ``<out or benchmarks/results>/<bench>.jsonl``, the one tracked
+  record of each maintained benchmark: one row per (parameters, metric) with ``metric`` and ``value``, the
+  benchmark's parameters, and where it ran (``device``, ``torch``, ``triton``, ``cuda``, ``commit``, ``date``,
+  ``command``). ``read_store`` reads it back.
 
 Run-time and size choices (warmup/rep) are the caller's: long runs should use modest ``rep``.
 """
@@ -41,12 +46,16 @@ __all__ = [
     "env_info",
     "format_table",
     "write_results",
+    "append_store",
+    "read_store",
+    "RUNS_DIR",
     "rotation_count",
     "alternating_ms",
     "alternating_samples",
 ]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RUNS_DIR = RESULTS_DIR / "runs"  # one run's readable tables; git ignores it (the stores are the record)
 OOM = "OOM"
 
 
@@ -241,12 +250,115 @@ def format_table(rows: Iterable[dict], columns: Optional[Sequence[str]] = None, 
 
 
 def write_results(name: str, rows: list, *, meta: Optional[dict] = None, columns: Optional[Sequence[str]] = None,
-                  out_dir: Optional[os.PathLike] = None, digits: int = 3) -> str:
-    """Write ``<out_dir or benchmarks/results>/<name>.json`` and ``.md``; return the table text."""
-    out = Path(out_dir) if out_dir is not None else RESULTS_DIR
+                  out_dir: Optional[os.PathLike] = None, digits: int = 3, store: Optional[str] = None,
+                  params: Sequence[str] = (), extra: Optional[dict] = None) -> str:
+    """Write ``<out_dir or benchmarks/results/runs>/<name>.json`` and ``.md``; return the table text. With ``store``
+    (the benchmark's name), the rows are also appended to its store (``append_store``, same ``out_dir``)."""
+    out = Path(out_dir) if out_dir is not None else RUNS_DIR
     out.mkdir(parents=True, exist_ok=True)
     table = format_table(rows, columns, digits=digits)
     doc = {"name": name, "meta": meta or {}, "env": env_info(), "rows": rows}
     (out / f"{name}.json").write_text(json.dumps(doc, indent=1, default=str))
     (out / f"{name}.md").write_text(f"# {name}\n\n{json.dumps(meta or {}, default=str)}\n\n{table}\n")
+    if store:
+        append_store(store, rows, params=params, extra=extra, out_dir=out_dir)
     return table
+
+
+def _commit() -> str:
+    """The checkout's commit (``+dirty`` with uncommitted changes to tracked files); ``unknown`` outside git."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=root, capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def provenance(command: Optional[Sequence[str]] = None) -> dict:
+    """Where and how a result was measured: device, versions, commit, date (UTC) and the command line."""
+    import shlex
+    import sys
+
+    info = env_info()
+    out = {"device": info.get("gpu", "cpu"), "torch": info["torch"], "triton": info.get("triton"),
+           "cuda": info.get("cuda"), "python": info["python"]}
+    if "transformers" in sys.modules:  # only when the benchmark used it (importing it costs seconds)
+        out["transformers"] = getattr(sys.modules["transformers"], "__version__", None)
+    if command is None:
+        argv0 = Path(sys.argv[0])
+        try:
+            argv0 = argv0.resolve().relative_to(Path(__file__).resolve().parents[1])
+        except ValueError:
+            pass
+        command = [str(argv0), *sys.argv[1:]]
+    out.update(commit=_commit(), date=info["date"], command=shlex.join(["python", *map(str, command)]))
+    return out
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def long_rows(rows: Iterable[dict], *, params: Sequence[str] = (), extra: Optional[dict] = None,
+              prov: Optional[dict] = None) -> list:
+    """Wide rows -> long rows: every numeric field not named in ``params`` becomes a (metric, value) row carrying
+    the row's other fields (its parameters: the strings, booleans and ``params``); a dict of numbers becomes the
+    metrics ``field.key``; other dicts and lists become JSON text parameters. None values are dropped. A field
+    named like a column of the long format (``metric``, ``value``, the provenance's) is kept as ``param_<field>``."""
+    reserved = {"metric", "value", *(prov or {})}
+    out = []
+    for row in rows:
+        fixed, metrics = dict(extra or {}), {}
+        for key, value in row.items():
+            if key in reserved:
+                key = f"param_{key}"
+            if key in params or key.removeprefix("param_") in params or (
+                    not _is_number(value) and not isinstance(value, dict)):
+                if isinstance(value, (dict, list, tuple)):
+                    value = json.dumps(value, sort_keys=True, default=str)
+                if value is not None:
+                    fixed[key] = value
+            elif isinstance(value, dict):
+                if all(_is_number(v) or v is None for v in value.values()):
+                    metrics.update({f"{key}.{k}": v for k, v in value.items()})
+                else:
+                    fixed[key] = json.dumps(value, sort_keys=True, default=str)
+            else:
+                metrics[key] = value
+        for metric, value in metrics.items():
+            if value is not None and not (isinstance(value, float) and math.isnan(value)):
+                out.append({"metric": metric, "value": value, **fixed, **(prov or {})})
+    return out
+
+
+def append_store(bench: str, rows: Iterable[dict], *, params: Sequence[str] = (), extra: Optional[dict] = None,
+                 out_dir: Optional[os.PathLike] = None, command: Optional[Sequence[str]] = None) -> Path:
+    """Append ``rows`` in long format (``long_rows``) with their provenance to ``<out_dir or
+    benchmarks/results>/<bench>.jsonl``; return the path. A run on another machine with ``--out $OUT`` writes
+    its own store there; append it to the repository's:
+    ``cat $OUT/<bench>.jsonl >> benchmarks/results/<bench>.jsonl``."""
+    out = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{bench}.jsonl"
+    lines = [json.dumps(r, default=str) for r in long_rows(rows, params=params, extra=extra,
+                                                             prov=provenance(command))]
+    with path.open("a") as f:
+        f.writelines(line + "\n" for line in lines)
+    return path
+
+
+def read_store(bench: str, *, out_dir: Optional[os.PathLike] = None, **where) -> list:
+    """The rows of a store, optionally only those whose fields equal ``where`` (e.g. ``metric="speedup"``)."""
+    path = (Path(out_dir) if out_dir is not None else RESULTS_DIR) / f"{bench}.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if all(r.get(k) == v for k, v in where.items())]

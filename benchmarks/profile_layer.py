@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparse_compile  # noqa: E402
 from bench_e2e import (METHODS, build_model, capture_qkv, compile_contenders,  # noqa: E402
                        sync, ttft)
-from harness import time_ms, write_results  # noqa: E402
+from harness import RUNS_DIR, time_ms, write_results  # noqa: E402
 
 
 def profile_table(fn, ids) -> str:
@@ -122,7 +122,7 @@ def main() -> None:
     else:
         base = sparse_compile.SparseConfig(min_seq_len=4096)
     options = {f: getattr(base, f) for f in ("min_seq_len", "pbs", "sparge", "bfla", "s2o")}
-    out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results"
+    out_dir = Path(args.out) if args.out else RUNS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = out_dir / f"{args.name}.jsonl"
     partial.write_text("")
@@ -214,7 +214,8 @@ def main() -> None:
 
     table = write_results(args.name, rows, meta={"model": f"Llama-3.1-8B shape, {args.layers} layers",
                                                  "dtype": str(dtype), "device": device},
-                          columns=["N", "part", "method", "ms", "density", "detail"], out_dir=args.out)
+                          columns=["N", "part", "method", "ms", "density", "detail"], out_dir=args.out,
+                          store=None if args.smoke and not args.out else "bench_profile_layer", params=("N",))
     print(table)
 
 

@@ -19,7 +19,7 @@ Writes ``quality.json`` (everything, per layer too), ``quality.md`` (the tables)
 is installed) under ``--out-dir`` (default ``benchmarks/results``). A global ``--time-budget`` bounds the run: a
 setting that would start after its section's deadline is skipped and listed as such.
 
-The held-out documents are the long held-out files listed in the checkpoint's manifest, re-read from this machine
+The held-out documents are the long held-out files listed in the checkpoint's manifest, re-read from the local disk
 and checked against their recorded sha1: run this on the machine image the model was trained on.
 
 This file is the command line and the report (tables, plot); ``quality_data.py`` reads the documents and captures
@@ -184,7 +184,9 @@ def plot(result: dict, path: Path) -> Optional[str]:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, default=tsl.DEFAULT_CHECKPOINT)
-    parser.add_argument("--out-dir", type=Path, default=harness.RESULTS_DIR)
+    parser.add_argument("--out-dir", type=Path, default=harness.RUNS_DIR,
+                        help="this run's JSON, table and plot (default benchmarks/results/runs); the rows are "
+                             "appended to benchmarks/results/quality.jsonl, or to quality.jsonl here if given")
     parser.add_argument("--name", default="quality")
     parser.add_argument("--smoke", action="store_true", help="CPU-sized: short prompts, small blocks, two values")
     parser.add_argument("--device", default=None)
@@ -202,7 +204,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--ppl-share", type=float, default=0.5, help="share of the budget (a) may use")
     parser.add_argument("--no-verify", action="store_true", help="skip missing/changed held-out files")
     parser.add_argument("--local-heldout", action="store_true",
-                        help="use THIS machine's held-out split (CPU trials of a checkpoint trained elsewhere)")
+                        help="use the local held-out split (CPU trials of a checkpoint trained elsewhere)")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -234,7 +236,7 @@ def main(argv=None) -> dict:
     model, ckpt = tsl.load_checkpoint(args.checkpoint, device, dtype)
     manifest = tsl.build_corpus(0).manifest if args.local_heldout else ckpt_manifest(args.checkpoint)
     if args.local_heldout:
-        notes.append("held-out documents from this machine's split (--local-heldout), not the recorded manifest")
+        notes.append("held-out documents from the local split (--local-heldout), not the recorded manifest")
     # per method, as the package resolves it per call ("auto": the Triton kernel on CUDA, the reference otherwise)
     kernels = {m: args.kernel for m in METHODS}
     for n in notes:
@@ -270,6 +272,15 @@ def main(argv=None) -> dict:
               f"device {result['env'].get('gpu', 'cpu')}, {dtype}; kernels {kernels}; {result['seconds']} s\n\n"
               + "".join(f"- {n}\n" for n in notes))
     (args.out_dir / f"{args.name}.md").write_text(header + "\n" + text + "\n")
+    store_rows = [{"section": "ppl", **{k: v for k, v in r.items() if k != "per_doc_bpb"}}
+                  for r in result.get("ppl", {}).get("rows", [])]
+    store_rows += [{"section": "operator", "length": int(length), "curve": label,
+                    **{k: v for k, v in p.items() if k != "layers"}}
+                   for length, op in result.get("operator", {}).items() for label, points in op["curves"].items()
+                   for p in points]
+    if args.out_dir != harness.RUNS_DIR or not args.smoke:  # a smoke run leaves the store alone
+        harness.append_store("quality", store_rows, params=("length", "value"), extra={"name": args.name},
+                             out_dir=None if args.out_dir == harness.RUNS_DIR else args.out_dir)
     print(text)
     return result
 

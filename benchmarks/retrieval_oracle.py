@@ -20,7 +20,7 @@ query block of ``--block`` rows), to the key tiles a policy picks:
 
 Query block i keeps max(1, ⌈ρ(i+1)⌉) of its i+1 causal tiles, its diagonal tile always among them; the softmax runs
 over the kept keys only, in float32. Scores are built one chunk of query rows at a time (no N x N matrix).
-Results: ``results/retrieval_oracle.{json,md}``.
+Rows: ``results/retrieval_oracle.jsonl``; the run's table: ``--out`` (default ``results/runs/``).
 """
 
 from __future__ import annotations
@@ -200,7 +200,8 @@ def main(argv=None) -> None:
     meta = {"checkpoint": None if args.smoke else args.checkpoint, "per_task": args.per_task, "block": args.block,
             "style": "vkey"}
     print(write_results("retrieval_oracle_smoke" if args.smoke else "retrieval_oracle", rows, meta=meta,
-                        out_dir=args.out, columns=["N", "policy", "exact", *rt.TASKS, "values", "seconds"]))
+                        out_dir=args.out, columns=["N", "policy", "exact", *rt.TASKS, "values", "seconds"],
+                        store=None if args.smoke and not args.out else "retrieval_oracle", params=("N",), extra={"block": args.block, "per_task": args.per_task}))
 
 
 if __name__ == "__main__":

@@ -276,7 +276,7 @@ SMOKE_MODEL = dict(vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1,
                    rope_base=100000.0)
 # --retrieval: the attention geometry of production models (head dim 128, GQA 4:1, RoPE) in a model whose bf16
 # checkpoint stays under 16 MB; RoPE's base is raised for 64K contexts (``--conv-width 4`` adds a short causal
-# convolution before each attention: not better on 32 instances per task, results/retrieval_lm_experiments.md)
+# convolution before each attention: not better on 32 instances per task, docs/results.md)
 RETRIEVAL_MODEL = dict(vocab_size=256, dim=512, n_layers=4, n_heads=4, n_kv_heads=1, intermediate_size=768,
                        rope_base=500000.0)
 RETRIEVAL_SMOKE_MODEL = dict(vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=256,
@@ -717,6 +717,27 @@ def main(argv=None) -> dict:
                       t_start)
 
 
+def _store_rows(final: Optional[dict], retrieval: Optional[dict]) -> list:
+    """The record's numbers as rows for the benchmark's store: per context length, its losses and each task's
+    retrieval (the flattened dicts become metrics such as ``passkey.exact``)."""
+    rows = []
+    for length, losses in (final or {}).items():
+        rows.append({"section": "loss", "N": int(length), **losses})
+    for length, tasks in (retrieval or {}).items():
+        rows.append({"section": "retrieval", "N": int(length), **tasks})
+    return rows
+
+
+def _append_store(args, rows: list, **extra) -> None:
+    """Append to the store next to the results (``--out-dir`` itself when it is not the checkpoints folder)."""
+    import harness
+
+    out_dir = None if Path(args.out_dir).resolve() == DEFAULT_CHECKPOINT.parent.resolve() else args.out_dir
+    if out_dir is None and args.smoke:  # a smoke run leaves the store alone
+        return
+    harness.append_store("train_small_lm", rows, params=("N",), extra={"name": args.name, **extra}, out_dir=out_dir)
+
+
 def _evaluate_checkpoint(args, device, smoke, amp) -> dict:
     """Dense retrieval accuracy of a saved checkpoint on more held-out instances than training's own evaluation
     (the same held-out text and seed space; 8-16 instances per task move a task's score by 6-12 points each)."""
@@ -730,6 +751,8 @@ def _evaluate_checkpoint(args, device, smoke, amp) -> dict:
               "model_args": ckpt["model_args"], "retrieval": result}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.name}_eval.json").write_text(json.dumps(record, indent=1) + "\n")
+    _append_store(args, _store_rows(None, result), mode="evaluate", checkpoint=Path(args.evaluate).name,
+                  instances_per_task=instances, seed=args.seed + 9)
     return record
 
 
@@ -909,6 +932,10 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     record["checkpoint_bytes"] = size
     record["training"]["total_seconds"] = round(time.time() - t_start, 1)
     (out_dir / f"{args.name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    _append_store(args, _store_rows(final, retrieval) + [{"section": "training", "steps": total_steps,
+                                                          "train_seconds": round(train_seconds, 1),
+                                                          "checkpoint_bytes": size}],
+                  mode="train", seed=args.seed)
     print(f"saved {ckpt_path} ({size / 1e6:.2f} MB) and {args.name}.json; train {train_seconds:.1f} s, "
           f"total {record['training']['total_seconds']} s")
     _plot_loss(record, out_dir / f"{args.name}_loss.png")

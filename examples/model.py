@@ -27,7 +27,7 @@ class ModelArgs:
     # > 0: a depthwise causal convolution over the last ``conv_width`` positions mixes each attention input with
     # its predecessors (0: none), so a byte-level key such as ``_vkey_402913 = "`` can reach attention as one
     # vector; attention's shapes are unchanged. Tried for the retrieval model: not better at its training budget
-    # (benchmarks/results/retrieval_lm_experiments.md, runs 4-5).
+    # (docs/results.md, the retrieval model).
     conv_width: int = 0
     # > 0: long-context attention temperature (Llama 4's): queries at position t are scaled by
     # 1 + attn_temperature_scale * ln(floor((t + 1) / attn_temperature_floor) + 1), so a lookup's logits grow with the

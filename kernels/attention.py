@@ -25,7 +25,7 @@ in base 2 with the softmax scale folded into the exponent. Programs run the quer
 query blocks together (their K/V stays in L2), query blocks last-first (in a causal plan later blocks carry more
 tiles: heavy work first, short tail). Each tile's offset is loaded one trip ahead of its K/V load, so the
 software pipeline keeps num_stages K/V buffers in flight. Measurements behind these choices, and the ablations
-that were removed from this kernel: ``benchmarks/NOTES_kernel.md``.
+that were removed from this kernel: ``docs/kernels.md``.
 
 Supported configurations
 ------------------------
@@ -196,7 +196,7 @@ def _fwd_tile(
     if PV_SKIP:
         # per row: a row whose tile maximum is far below its running maximum drops its P.V share (its
         # denominator keeps the gain). A select, not a branch: a block-wide decision needs a cross-warp reduction
-        # and a branch around the MMA, which together cost a quarter of the loop (NOTES_kernel.md); a NaN
+        # and a branch around the MMA, which together cost a quarter of the loop (docs/kernels.md); a NaN
         # compares false and drops too, but its l is already NaN
         p = tl.where((tile_max - m_new >= pv_lambda)[:, None], p, 0.0)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
@@ -241,7 +241,7 @@ def _fwd_inner(
     else:
         # the next tile's offset is loaded one trip ahead (loop-carried), not in front of its own K/V load: an
         # in-loop load that feeds the TMA coordinate is pipelined as a stage of its own, which costs one K/V
-        # buffer (NOTES_kernel.md, v2)
+        # buffer (docs/kernels.md)
         j_begin = t_begin * TILE_SPLIT
         j_end = t_end * TILE_SPLIT
         nxt = _tile_start(tile_ptr, j_begin, j_end, stride_tt, TILE_SPLIT, BLOCK_N)
@@ -450,7 +450,7 @@ class KernelConfig:
 
 def default_config(block_m: int, block_n: int, *, head_dim_pad: int, dtype: torch.dtype, device: torch.device,
                    exact: bool) -> KernelConfig:
-    """Launch parameters for tiles of ``block_m`` x ``block_n``, a head dim and dtype (see benchmarks/NOTES_kernel.md).
+    """Launch parameters for tiles of ``block_m`` x ``block_n``, a head dim and dtype (see docs/kernels.md).
 
     ``exact``: early stop or P.V skip is on, whose decisions are per table tile: no sub-tiles then.
     Shared memory was checked for each branch by compiling for sm_90a (Triton 3.6): every choice fits 227 KiB.
@@ -470,7 +470,7 @@ def default_config(block_m: int, block_n: int, *, head_dim_pad: int, dtype: torc
     kernel_bm = bm if (exact or bm <= 128) else bm // 2
     kernel_bn = bn if (exact or bn <= 128) else 128
     # two warpgroups of 64 rows each for 128-row blocks (wgmma is m64 per warpgroup). Measured on the H100
-    # (kernel_h100_tune.md): 128x128, 8 warps, 3 stages (3-deep K/V, 224 KiB) was the fastest of 10 configs at
+    # (docs/kernels.md): 128x128, 8 warps, 3 stages (3-deep K/V, 224 KiB) was the fastest of 10 configs at
     # 32K and 128K, rho 1 and 0.1; 2 stages +5-13%, 128x64 +18-71%, 64x64 with two programs per SM +7-19%.
     return KernelConfig(kernel_bm, kernel_bn, num_warps=8 if kernel_bm >= 128 else 4, num_stages=3)
 
@@ -614,7 +614,7 @@ def _key_layout(k, v, key_index, key_mode: str, head_dim_pad: int):
     if key_mode == "copy" and not copyable:
         _fail(f"key_mode='copy' needs a key_index with Hkv={num_kv_heads} heads, got {key_index.shape[1]}")
     # "auto" copies whenever it can: one pass over K/V, amortised over every query head and tile (gathered loads
-    # were 11-29% slower in every measured cell, NOTES_kernel.md)
+    # were 11-29% slower in every measured cell, docs/kernels.md)
     if key_mode == "gather" or not copyable:
         return k, v, True
     kp, vp = _permute_keys(k, v, key_index, head_dim_pad)

@@ -1,4 +1,4 @@
-"""Block-sparse FlashAttention forward for Hopper (sm_90a) in Gluon: TMA, mbarriers, async wgmma (issue 13).
+"""Block-sparse FlashAttention forward for Hopper (sm_90a) in Gluon: TMA, mbarriers, async wgmma.
 
 The same plan contract as the Triton kernel in ``kernels/attention.py`` (``sparse_compile/plan.py`` documents it),
 for a subset of it: query block ``i`` visits ``tile_offsets[b, h, i, t]`` for ``t < tile_counts[b, h, i]``; the first
@@ -51,7 +51,7 @@ per SM takes work items pid, pid + grid, ... in turn. The ring's positions and t
 items; the load partition issues the next block's first K/V tiles as soon as slots free and its Q as soon as both
 compute warpgroups have computed their last S (``q_empty``); O leaves by TMA through the last tile's K buffer (Q's
 buffer already holds the next rows), which is released once the store has read it. No CTA launch, Q wait or first
-tile latency between blocks (benchmarks/NOTES_hopper.md part 13).
+tile latency between blocks (docs/kernels.md).
 
 Variants (``variant=``), one kernel specialised by two constexprs:
 
@@ -65,7 +65,7 @@ Variants (``variant=``), one kernel specialised by two constexprs:
 * ``"ws2"`` / ``"ws2_ov"``: as "ws" / "ws_ov" but with two 4-warp compute partitions of 64 query rows each (FA3's
   two consumer warpgroups, scheduled independently; a ring slot is free once both have arrived on its empty bar).
 
-Default: ``"ws2_ov"`` with 3 stages, the fastest on the H100 (benchmarks/NOTES_hopper.md: 1.08-1.18x cuDNN's
+Default: ``"ws2_ov"`` with 3 stages, the fastest on the H100 (docs/kernels.md: 1.08-1.18x cuDNN's
 speed at rho=1, 16K-64K, D=128); with 2 stages the overlap variants wait on the slot they have not yet released.
 
 Masked tiles (listed first; usually only the diagonal) go through the same overlapped step as the others in the
@@ -1028,29 +1028,29 @@ NUM_WARPS = 8  # two consumer warpgroups of 64 rows
 CONSUMER_REGS = 240  # registers per thread of the second compute partition (split variants)
 # gathered keys (``key_gather``): the load partition's warps and registers, and the list length (x Nk) above
 # which "auto" gathers rather than copying (a gathered tile costs about 9% more than one TMA reads from the copy,
-# benchmarks/NOTES_hopper.md part 11; the copy costs a pass over the whole list)
+# docs/kernels.md; the copy costs a pass over the whole list)
 GATHER_LOAD_WARPS = 4
 GATHER_LOAD_REGS = 56  # the compute partitions keep 208 (default) and 240: 504 of 512 per lane
 #: rows per warp instruction of the gathers' cp.async (32 threads x 16 bytes). 4 at D=128: each row half is one
 #: 128-byte line (four lines per instruction) and each thread copies two pieces of each of 8 rows (one address per
 #: row). H100, S2O's walk at 64K / 128K: 0.87 / 0.89 of the dense kernel per tile against 0.79 / 0.86 with 2
 #: (whole rows, an address per piece) and 0.79 / 0.77 with 8; 16 (32-byte requests) ran 25% slower
-#: (benchmarks/NOTES_hopper.md part 11)
+#: (docs/kernels.md)
 GATHER_ROWS_PER_COPY = 4
 #: H100 (4-row gathers): S2O's walk gathered beats copy + TMA by 3% at 16K (list 5 x Nk) and 4.5% at 32K (9 x Nk)
 GATHER_LIST_RATIO = 4
 #: the two compute warpgroups' issue order (ws2_ov): 0 free, 1 warpgroup 1's first MMAs after warpgroup 0's
 #: (staggered: its S = Q K^T runs during warpgroup 0's first softmax instead of beside it), 2 FA3's ping-pong, every
-#: step alternating (``_wait_turn``); None: 1 without early stop, else 0. H100, one loop (NOTES_hopper.md part 12):
+#: step alternating (``_wait_turn``); None: 1 without early stop, else 0. H100, one loop (docs/kernels.md):
 #: 1 runs S2O's window pass 3-4% faster at 16K-64K and the dense kernel within 1%; 2 slows the dense kernel by 1-4%
 #: and the walk by 1-8%; the early-stop walk was not faster with 1
 PINGPONG = None
-#: debug (``benchmarks/timeline_s2o.py``): an int64 (grid, 16) tensor; each CTA writes its row: 0 the SM, 14 its
+#: debug: an int64 (grid, 16) tensor; each CTA writes its row: 0 the SM, 14 its
 #: tile count; 1-5 (compute warpgroup 0) and 6-10 (warpgroup 1) clock64 at its start, Q ready, first S landed, last
 #: P V landed, end; 11 / 13 the load partition's start / end. None: the stamps are compiled out
 TIMELINE_BUFFER = None
 #: persistent CTAs (module docstring) where the call allows them (ws2_ov, square tiles, Q by TMA, no early stop,
-#: gather or resume): True / False; None: ``persistent_by_default``. H100, one loop (NOTES_hopper.md part 13): S2O's
+#: gather or resume): True / False; None: ``persistent_by_default``. H100, one loop (docs/kernels.md): S2O's
 #: window pass (at most 16 tiles per block) 0.78 / 0.78 / 0.75 of the dense kernel per tile at 16K / 32K / 64K,
 #: against 0.73 / 0.73 / 0.65 with a CTA per block; the dense kernel 0.97-0.98 (a fixed order over blocks of 1 to
 #: N/128 tiles leaves SMs 2.5-3% unbalanced; drawing items from an atomic counter balanced them but cost the window
@@ -1077,7 +1077,7 @@ def shared_memory_bytes(head_dim: int, block_n: int, num_stages: int, element_si
 
 
 #: K/V ring depths per (head dim, block_n) that differ from 3 when the caller names none. Empty: 3 is the most that
-#: fits at D=128 / block_n=128, and 4-6 stages did not help elsewhere (benchmarks/NOTES_hopper.md, part 5);
+#: fits at D=128 / block_n=128, and 4-6 stages did not help elsewhere (docs/kernels.md);
 #: ``bench_breakeven.py --tiles --hopper-stages`` sets entries to time other depths.
 DEFAULT_STAGES: dict = {}
 MAX_STAGES = 6

@@ -195,7 +195,7 @@ def block_pool(x: torch.Tensor, block: int, *, key_index: Optional[torch.Tensor]
         per_program = max(1, min(pow2(nb), budget // (chunk * d_pad)))
     elif block >= LONG_BLOCK:
         # long blocks (S2O's segments), read in a loop: row sums per row slot across chunks, and the launch shape
-        # measured fastest on the H100 (results/s2o_selection_launch_shapes.md): with few programs (S2O's guide key, one
+        # measured fastest on the H100 (docs/kernels.md): with few programs (S2O's guide key, one
         # per KV head) 16 warps reading 64 rows at D = 128, with many (its query pass, one per head and segment)
         # 4 warps reading 32
         if not interpreting():

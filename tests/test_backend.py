@@ -171,7 +171,7 @@ def test_sparsity_nests_and_restores_exactly():
         assert resolve(base).enabled is False
         with sparsity(method="bfla", mass_threshold=0.5, min_seq_len=64):
             cfg = resolve(base)
-            # what a region leaves unspecified is inherited: still disabled (issue 10, surprise 2)
+            # what a region leaves unspecified is inherited: still disabled
             assert not cfg.enabled and cfg.method == "bfla" and cfg.bfla.mass_threshold == 0.5 and cfg.min_seq_len == 64
             with sparsity(enabled=True):
                 assert resolve(base).enabled and resolve(base).bfla.mass_threshold == 0.5

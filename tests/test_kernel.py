@@ -342,7 +342,7 @@ def test_early_stop_visits_like_reference(permuted):
     off, _ = _ref(q, k, v, plan.with_options(early_stop=0.0))
     # stopping early changes little when the sink tile comes first (keys in order: at most 3e-4 in 300 seeds); a
     # random key order scatters the sink keys, so a stop can drop more (up to 0.18 in 300 seeds, 7% of them above
-    # 0.05 before and after issue 10): bounded loosely there
+    # 0.05): bounded loosely there
     assert rel_error(out, off) < (0.5 if permuted else 0.05)
 
 

@@ -12,7 +12,7 @@ Stage 1, coarse blocks of b tokens (logical order), groups of g tokens, G = b/g 
    logit of its best group pair (``block_softmax_scale``). The paper writes alpha = 1/sqrt(C); with it a flatten-g
    score (a sum of g token products) gives a nearly one-hot block softmax, whose top block on real models is the
    query block's own diagonal block (already in the local band), so gamma does nothing and the selection is just
-   band + sink + stride rescue (``benchmarks/results/bfla_defaults_cpu.md``). ``score_scale=1/math.sqrt(C)``
+   band + sink + stride rescue (``docs/methods.md``). ``score_scale=1/math.sqrt(C)``
    (the attention's scale) restores the paper's alpha.
 5. Keep the fewest top-A blocks with cumulative mass >= gamma (Eq. 10-12; ``top_mass``); gamma >= 1 keeps all.
 6. GQA: the mass mask is computed per query head and OR-ed over the group: the paper's final tile mask (Eq. 14,
@@ -79,7 +79,7 @@ class BFLAParams(MethodParams):
     the retrieval model's plans keep 0.49 / 0.43 of the tiles at 8K / 16K with relative L1 error 0.018 / 0.017,
     PBS's error at its own defaults (0.019 / 0.016 at density 0.40 / 0.31), and random inputs (no structure to
     exploit) keep every tile
-    (``benchmarks/results/bfla_defaults_cpu.md``, ``benchmarks/bfla_defaults_study.py``).
+    (``docs/methods.md``).
     """
 
     coarse_block_size: int = 256

@@ -271,7 +271,7 @@ def reorder_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> 
     pool = block_pool(q, S, guide=guide, sort_guide=True, finite_rows_mean=True)
     query_index = pool.guide_order if params.sort_queries else None
     # the GQA group's mean of the segment means, once (averaging inside the ranking kernel re-read every head's
-    # means in every program: 0.41 -> 0.58 ms at 128K, NOTES_selection.md)
+    # means in every program: 0.41 -> 0.58 ms at 128K, docs/kernels.md)
     q_mean = pool.mean.view(batch, heads_kv, heads_q // heads_kv, g, dim).mean(2)
     ranking = s2o_rank_keys(k, q_mean, S)
     key_index = s2o_assemble(ranking, batch, heads_kv, n, S, bn, layout.length)
