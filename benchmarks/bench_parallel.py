@@ -19,8 +19,8 @@ whole sequences for ``H/P`` heads between two all-to-alls. Settings, each timed 
 Per setting and length: the first call (compile of the graph reported apart: Dynamo's and Inductor's time from
 ``torch._dynamo.utils.compilation_time_metrics``), ``--reps`` timed calls (TTFT: the slowest rank), sparse
 attention calls per rank in every timed call, peak memory per rank, and with ``--balance`` each rank's time inside
-attention. Rows are appended to ``<out>/parallel.jsonl`` (device, versions, commit, command, one row per
-measurement).
+attention. Rows are appended in long format to ``<out>/bench_parallel.jsonl`` (``harness.append_store``: one row
+per metric, with device, versions, commit, date and command); ``--report`` writes the table and the plot from it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import contextlib
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,17 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparse_compile  # noqa: E402
 from bench_e2e import build_model, calibrate  # noqa: E402
-from harness import env_info, sm_clock_mhz  # noqa: E402
+from harness import append_store, env_info, sm_clock_mhz  # noqa: E402
 
 CAPTURE_LAYER = 1
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "?"
 
 
 def _compile_seconds() -> float:
@@ -225,10 +216,20 @@ def report(store: Path, out: Path) -> str:
 
     Dense at lengths it was not timed at is extrapolated from the longest timed length on the same GPU count,
     as the floor (measured, linear in N) plus dense attention scaled by N^2; such cells are marked "fit"."""
-    rows = [json.loads(line) for line in store.read_text().splitlines() if line.strip()]
+    runs: dict = {}  # long rows -> one wide row per measurement (a run's command and date, GPUs, N, setting)
+    for line in store.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        wide = runs.setdefault((row["date"], row["command"], row["gpus"], row["N"], row["setting"]), {
+            key: value for key, value in row.items() if key not in ("metric", "value")})
+        wide[row["metric"]] = row["value"]
     latest: dict = {}
-    for row in rows:  # the last measurement of each (gpus, N, setting)
-        latest[(row["gpus"], row["N"], row["setting"])] = row
+    for wide in runs.values():  # the last measurement of each (gpus, N, setting)
+        for key, value in wide.items():
+            if isinstance(value, str) and value[:1] == "[":
+                wide[key] = json.loads(value)
+        latest[(wide["gpus"], wide["N"], wide["setting"])] = wide
     single = {n: r["ttft_s"] for (g, n, s), r in latest.items() if g == 1 and s == "dense"}
     lines = ["| GPUs | N | setting | density | TTFT s | vs dense | first call / steady | sparse calls per rank "
              "| peak GiB per GPU | attention spread across ranks | scaling vs 1 GPU |",
@@ -267,7 +268,7 @@ def report(store: Path, out: Path) -> str:
         if fitted:
             lines.append(f"| {gpus} | {_tokens(n)} | dense (fit) | - | {seconds:.1f} | 1.00x | - | - | - | - | - |")
     table = "\n".join(lines)
-    (out / "parallel.md").write_text(table + "\n")
+    (out / "bench_parallel.md").write_text(table + "\n")
     try:
         import matplotlib
 
@@ -292,7 +293,7 @@ def report(store: Path, out: Path) -> str:
     axis.set_yticks([2, 5, 10, 20, 50, 100], ["2", "5", "10", "20", "50", "100"])
     axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
-    figure.savefig(out / "parallel.png", dpi=110)
+    figure.savefig(out / "bench_parallel.png", dpi=110)
     return table
 
 
@@ -315,10 +316,11 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU (gloo under torchrun)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--tag", default="", help="free text stored with every row")
-    parser.add_argument("--report", action="store_true", help="only write the table and plot from <out>/parallel.jsonl")
+    parser.add_argument("--report", action="store_true",
+                        help="only write the table and plot from <out>/bench_parallel.jsonl")
     args = parser.parse_args()
     if args.report:
-        print(report(Path(args.out) / "parallel.jsonl", Path(args.out)))
+        print(report(Path(args.out) / "bench_parallel.jsonl", Path(args.out)))
         return
     settings = [parse_setting(s) for s in args.settings]
 
@@ -330,18 +332,13 @@ def main() -> None:
     if args.smoke:
         args.lengths = [n for n in args.lengths if n <= 512] or [256]
     runner = Runner(args)
-    meta = dict(env_info(), commit=_commit(), command=" ".join(sys.argv), gpus=runner.world, tag=args.tag,
-                model="Llama-3.1-8B shape" if not args.smoke else "tiny", layers=runner.layers,
-                transformers=__import__("transformers").__version__)
+    meta = dict(gpus=runner.world, tag=args.tag, layers=runner.layers)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    store = out / "parallel.jsonl"
 
     def emit(row: dict) -> None:
         row = dict(meta, **row)
         if runner.rank == 0:
-            with store.open("a") as f:
-                f.write(json.dumps(row, default=str) + "\n")
+            append_store("bench_parallel", [row], params=("N", "gpus", "layers"), out_dir=out)
             brief = {k: row.get(k) for k in ("N", "setting", "ttft_s", "first_call_s", "graph_compile_s",
                                               "first_call_per_rank", "first_call_op_s_per_rank",
                                               "first_call_kernels_per_rank",

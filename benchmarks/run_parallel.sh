@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The multi-GPU time-to-first-token table (bench_parallel.py) on one host with 4 GPUs, in two parts of under
-# 10 minutes each; rows land in <out>/g1a, g1b, g2, g4 (parallel.jsonl each) with one log per run.
+# 10 minutes each. Rows land in <out>/g1a, g1b, g2, g4 (a bench_parallel.jsonl and a log each); append them to
+# benchmarks/results/bench_parallel.jsonl, then `python benchmarks/bench_parallel.py --report` (table and plot).
 #   bash benchmarks/run_parallel.sh OUT short   # 1 GPU and 2 GPUs side by side (128K-512K), then 4 GPUs at 256K
 #   bash benchmarks/run_parallel.sh OUT long    # 4 GPUs at 512K and 1M
 set -u
