@@ -8,9 +8,12 @@ import logging
 import os
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
+import torch
 import torch.fx as fx
+from torch.autograd import forward_ad
 
 from .config import SparseConfig
+from .padding import per_forward
 from .report import SiteRecord
 from .rewrite import rewrite_graph
 
@@ -70,6 +73,7 @@ def sparse_prefill(
     _maybe_enable_logging()
     want_diff = bool(_LISTENERS) or log.isEnabledFor(logging.INFO)
     before = gm.code if want_diff else ""
+    original = _graph_copy(gm)
     records = rewrite_graph(gm, config)
     diff = graph_diff(before, gm.code) if want_diff else ""
     _log_records(records, diff)
@@ -89,7 +93,39 @@ def sparse_prefill(
         from .parallel import refuse_under_sequence_parallel
 
         compiled = refuse_under_sequence_parallel(compiled, left_as_sdpa)
+    if any(r.rewritten for r in records):
+        compiled = _eager_under_transforms(per_forward(compiled), original)
     return compiled
+
+
+def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """The graph as Dynamo traced it (sharing gm's parameters and buffers), before any rewrite."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+def _under_forward_transform() -> bool:
+    """Forward-mode AD (a dual level is open) or a torch.func transform is active: the rewritten op has no forward
+    derivative nor batching rule (PyTorch's custom ops would drop the tangent silently)."""
+    return forward_ad._current_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def _eager_under_transforms(compiled: Callable, original: fx.GraphModule) -> Callable:
+    """``compiled``, except that a call under forward AD or a torch.func transform runs the graph as traced (plain
+    SDPA, eagerly): what the model does uncompiled, tangents included."""
+    boxed = getattr(compiled, "_boxed_call", False)
+
+    def guarded(*args, **kwargs):
+        if _under_forward_transform():
+            log.debug("forward-mode AD or a torch.func transform is active: running the traced graph eagerly")
+            # a boxed call passes one list of inputs (graph inputs are never lists themselves)
+            unboxed = args[0] if boxed and len(args) == 1 and isinstance(args[0], list) else args
+            return original(*unboxed, **kwargs)
+        return compiled(*args, **kwargs)
+
+    guarded._boxed_call = boxed  # Dynamo's calling convention, passed through
+    return guarded
 
 
 def _log_records(records: list[SiteRecord], diff: str) -> None:

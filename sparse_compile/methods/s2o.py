@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from ..config import MethodParams, check_block, check_fraction, check_int, fail
+from ..config import MethodParams, block_field, fail, fraction_field, int_field
 from ..kernels.host import segmented_argsort_desc
 from ..kernels.validate import cdiv
 from ..plan import BlockPlan, execute_plan, runs_on_kernels
@@ -62,15 +63,13 @@ class S2OParams(MethodParams):
     block_size_kv: int = 128
     sort_queries: bool = True
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_block("S2OParams", "block_size_q", self.block_size_q)
-        check_block("S2OParams", "block_size_kv", self.block_size_kv)
-        check_int("S2OParams", "segment_size", self.segment_size, low=1)
+    field_checks: ClassVar[dict] = {"segment_size": int_field(low=16), "early_stop": fraction_field(),
+                                    "block_size_q": block_field(), "block_size_kv": block_field()}
+
+    def check_fields(self) -> None:
         for name in ("block_size_q", "block_size_kv"):
             if self.segment_size % getattr(self, name):
                 fail("S2OParams", "segment_size", f"must be a multiple of {name}={getattr(self, name)}")
-        check_fraction("S2OParams", "early_stop", self.early_stop)
 
 
 @dataclass(frozen=True)
