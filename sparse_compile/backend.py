@@ -44,16 +44,40 @@ def graph_diff(before: str, after: str, name: str = "graph") -> str:
     return "".join(lines)
 
 
+_LOG_LEVELS = {"": None, "0": None, "false": None, "no": None, "off": None,
+               "1": logging.INFO, "true": logging.INFO, "yes": logging.INFO, "on": logging.INFO,
+               "info": logging.INFO, "debug": logging.DEBUG}
+
+
+def log_level() -> Optional[int]:
+    """``SPARSE_COMPILE_LOG`` as users write it (case-insensitive): unset, 0/false/no/off: no log; 1/true/yes/on/info:
+    INFO; debug: DEBUG. Any other value is an error naming the valid ones."""
+    value = os.environ.get(LOG_ENV_VAR, "").strip().lower()
+    if value not in _LOG_LEVELS:
+        raise ValueError(f"{LOG_ENV_VAR}={os.environ[LOG_ENV_VAR]!r}: unknown value; valid (any case): 1, true, yes, "
+                         "on, info, debug to log; 0, false, no, off (or unset) not to")
+    return _LOG_LEVELS[value]
+
+
+def _check_environment() -> None:
+    """Every SPARSE_COMPILE_ variable is read when the backend compiles, so a typo fails there, named."""
+    try:
+        from .kernels.attention import env_backend
+    except ImportError:  # no Triton: the variable selects nothing
+        return
+    env_backend()
+
+
 def _maybe_enable_logging() -> None:
-    level = os.environ.get(LOG_ENV_VAR, "")
-    if not level or level == "0":
+    level = log_level()
+    if level is None:
         return
     if not any(getattr(h, "_sparse_compile", False) for h in log.handlers):
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[sparse_compile] %(message)s"))
         handler._sparse_compile = True  # type: ignore[attr-defined]
         log.addHandler(handler)
-    log.setLevel(logging.DEBUG if level.lower() == "debug" else logging.INFO)
+    log.setLevel(level)
 
 
 def sparse_prefill(
@@ -70,6 +94,7 @@ def sparse_prefill(
     rewritten graph, is compiled by Inductor (``compile_fx``) with ``mode``'s Inductor options.
     """
     config = SparseConfig.from_options(options)
+    _check_environment()
     _maybe_enable_logging()
     want_diff = bool(_LISTENERS) or log.isEnabledFor(logging.INFO)
     before = gm.code if want_diff else ""

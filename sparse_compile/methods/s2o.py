@@ -387,7 +387,8 @@ def _ranked_walk(q, k, v, plan: BlockPlan, scale, params, kernel: str, return_vi
     layout = s2o_layout(n, params.segment_size, plan.block_n)
     segments = len(layout.seg_len)
     ends = list(layout.base[1:]) + [layout.length]
-    row_bytes = q.shape[0] * k.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size()  # one list entry's copy
+    # one list entry's copy (at least one byte: an empty batch copies nothing)
+    row_bytes = max(1, q.shape[0] * k.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size())
     budget = max(LIST_BUDGET * n, COPY_BYTES_FLOOR // row_bytes)
     chunks, start = [], 0
     for last in range(segments):
