@@ -291,7 +291,7 @@ class SparseConfig:
         for name in ("enabled", "record_density", "dense_when_faster"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SparseConfig.{name}: must be True or False, got {getattr(self, name)!r}")
-        check_int("SparseConfig", "min_seq_len", self.min_seq_len, low=2)
+        check_int("SparseConfig", "min_seq_len", self.min_seq_len, low=2, high=2**63 - 1)  # compared, never launched
         if self.kernel not in KERNEL_NAMES:
             raise ValueError(f"SparseConfig.kernel: unknown kernel {self.kernel!r}; valid: {list(KERNEL_NAMES)}")
         if self.planner not in PLANNER_NAMES:

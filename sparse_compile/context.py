@@ -28,7 +28,12 @@ class RegionState:
     def apply(self, config: SparseConfig) -> SparseConfig:
         if self.method is None and not self.params and self.enabled is None:
             return config
-        out = config.with_overrides(self.method, dict(self.params))
+        try:
+            out = config.with_overrides(self.method, dict(self.params))
+        except ValueError as exc:  # each value was valid alone (checked on entry); together with this config not
+            given = ", ".join(f"{k}={v!r}" for k, v in self.params)
+            raise ValueError(f"the sparsity region in force (method={self.method!r}, {given}) does not fit the "
+                             f"compiled configuration (method {config.method!r}): {exc}") from None
         if self.enabled is not None and out.enabled != self.enabled:
             out = out.with_overrides(None, {"enabled": self.enabled})
         return out
