@@ -334,16 +334,26 @@ def test_unknown_environment_values_are_refused_naming_the_variable(monkeypatch,
             torch.compile(_causal, backend="sparse_prefill")(q, q, q)
 
 
-def test_log_false_adds_no_handler(monkeypatch):
+@pytest.mark.parametrize("value", ["false", "off", "no"])
+def test_log_off_values_log_nothing(monkeypatch, value):
     import logging
 
     logger = logging.getLogger("sparse_compile")
-    handlers = list(logger.handlers)
-    monkeypatch.setenv("SPARSE_COMPILE_LOG", "false")
+    handlers, level = list(logger.handlers), logger.level
+    records = []
+    capture = logging.Handler()
+    capture.emit = records.append
+    monkeypatch.setenv("SPARSE_COMPILE_LOG", value)
+    logger.handlers[:] = [capture]
+    logger.setLevel(logging.WARNING)
     q = torch.randn(1, 2, 8, 16)
-    with torch.no_grad():
-        torch.compile(_causal, backend="sparse_prefill")(q, q, q)
-    assert logger.handlers == handlers
+    try:
+        with torch.no_grad():
+            torch.compile(_causal, backend="sparse_prefill")(q, q, q)
+        assert logger.level == logging.WARNING and not records, [r.getMessage() for r in records]
+    finally:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
 
 
 # -- the Hopper kernel's errors --------------------------------------------------------------------------------
