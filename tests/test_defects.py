@@ -32,6 +32,9 @@ SMALL = dict(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32},
              sampled={"block_size": 16, "sample_every": 4})
 
 
+BUILT_IN = ("pbs", "sparge", "bfla", "s2o", "sampled")
+
+
 def _compile(fn, **options):
     return torch.compile(fn, backend="sparse_prefill", options={**SMALL, **options})
 
@@ -177,7 +180,7 @@ def test_calibrate_skips_a_dense_site_by_its_whole_path():
 
 
 # -- empty inputs ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("method", list(registered_methods()))
+@pytest.mark.parametrize("method", BUILT_IN)
 @pytest.mark.parametrize("shape", [(0, 2, 32, 16), (1, 0, 32, 16), (1, 2, 0, 16), (1, 2, 32, 0)])
 def test_empty_input_gives_an_empty_result_for_every_method(method, shape):
     q = torch.randn(*shape)
@@ -231,6 +234,8 @@ def test_method_parameters_out_of_range_are_refused_naming_the_field(params, fie
 
 def test_every_numeric_parameter_of_every_method_refuses_nan_inf_and_huge_values():
     for name, spec in registered_methods().items():
+        if name not in BUILT_IN:
+            continue
         hints = typing.get_type_hints(spec.params)
         for f in dataclasses.fields(spec.params):
             kind = hints[f.name]
