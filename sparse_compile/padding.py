@@ -14,20 +14,23 @@ may have changed the mask through an alias that PyTorch does not see (``mask.num
 DLPack), so no version counter or pointer can vouch for a summary made before. Inside one call no user code runs
 between the graph's attention calls, so the cache is sound there. Cost: one read per mask tensor per call of a
 compiled graph (one per forward pass of a model compiled whole; one per graph when the model has graph breaks),
-and one per op call outside any compiled graph (direct calls of the op, ``calibrate``'s capture run).
+one per forward pass for a mask sparse_compile builds itself for that pass (``owned_mask``: the transformers
+attention interface), and one per op call otherwise (direct calls of the op).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["RowGroup", "PaddingLayout", "padding_layout", "check_query_positions", "forward_scope", "per_forward"]
+__all__ = ["RowGroup", "PaddingLayout", "padding_layout", "check_query_positions", "forward_scope", "per_forward",
+           "owned_mask"]
 
 
 @dataclass(frozen=True)
@@ -88,10 +91,25 @@ def per_forward(compiled: Callable) -> Callable:
     return scoped
 
 
+_OWNED: dict[int, tuple] = {}  # id -> (weakref, that mask's cache)
+
+
+def owned_mask(mask: Tensor) -> Tensor:
+    """Mark ``mask`` as built by sparse_compile for one forward pass (a fresh tensor object each pass, that every
+    layer of the pass receives): its summary is then read once and kept for the object's lifetime, as inside a
+    ``forward_scope``. Returns ``mask``."""
+    key = id(mask)
+    _OWNED[key] = (weakref.ref(mask, lambda _, key=key: _OWNED.pop(key, None)), {})
+    return mask
+
+
 def _cached(tensor: Tensor, tag: tuple, compute):
     cache = _SCOPE.get()
-    if cache is None:  # outside a compiled graph's call: nothing vouches for an earlier read
-        return compute()
+    if cache is None:
+        owned = _OWNED.get(id(tensor))
+        if owned is None or owned[0]() is not tensor:
+            return compute()  # outside a compiled graph's call: nothing vouches for an earlier read
+        cache = owned[1]
     key = (id(tensor), tag)
     entry = cache.get(key)
     # the entry holds the tensor, so its id is not reused inside the scope; version and pointer catch a tracked

@@ -76,6 +76,35 @@ def test_padding_mask_changed_through_an_alias_is_read_again_once_per_forward(al
     torch.testing.assert_close(out.transpose(1, 2)[valid], ref.transpose(1, 2)[valid], rtol=1e-4, atol=1e-5)
 
 
+def test_transformers_front_door_reads_a_padding_mask_once_per_forward_and_again_after_an_alias_change(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from sparse_compile import padding
+    from sparse_compile import transformers_attention as front
+
+    if not front._supported(transformers.__version__):
+        pytest.skip("transformers without AttentionMaskInterface")
+    reads = []
+    real = padding._layout
+    monkeypatch.setattr(padding, "_layout", lambda m: reads.append(1) or real(m))
+    config = transformers.LlamaConfig(vocab_size=128, max_position_embeddings=256, intermediate_size=64,
+                                      num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(1, 128, (2, 40))
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[0, :3] = False
+    with torch.no_grad():
+        model.set_attn_implementation("sparse_prefill")
+        sparse_compile.enable_transformers_attention(model, SparseConfig(**SMALL).keep_all())
+        model(ids, attention_mask=mask)
+        assert len(reads) == 1  # two layers, one read
+        mask.numpy()[0, :9] = False  # unseen by PyTorch's version counter
+        out = model(ids, attention_mask=mask).logits
+        assert len(reads) == 2
+        model.set_attn_implementation("sdpa")
+        ref = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(out[mask], ref[mask], rtol=1e-4, atol=1e-4)
+
+
 # -- forward-mode AD and torch.func ----------------------------------------------------------------------------
 def _causal(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
