@@ -1,6 +1,6 @@
-"""Wrong results and late failures found by probing the public API and the backend with unusual inputs: each test
-holds one class of them closed (a stale cached mask, a dropped tangent, a skip entry that matched too much, an
-empty batch, a value refused at every call instead of where it was given, an environment variable misread, an
+"""Unusual and hostile inputs through the public API and the backend: each test holds one class of silent wrong
+result or late failure closed (a stale cached mask, a dropped tangent, a skip entry that matches too much, an
+empty batch, a value refused at every call instead of where it is given, an environment variable misread, an
 error of the device taken for a compile failure)."""
 
 import dataclasses
