@@ -52,7 +52,8 @@ Gluon Hopper API (written against Triton 3.6), and the call is in its subset: bf
 ``block_m == 128``, ``block_n`` 64 or 128, a ``key_index`` only with Hkv heads
 (read through a permuted copy, or in place with ``key_mode="gather"``), 16-byte aligned strides. Everything else,
 the CPU interpreter (``TRITON_INTERPRET=1``) and other GPUs run this Triton kernel. A failure to import or compile
-the Hopper path logs one warning and sends such calls here from then on. ``backend="triton"`` (or the environment
+the Hopper path (``is_compile_failure``) logs one warning and sends such calls here from then on; other errors
+(out of memory included) propagate. ``backend="triton"`` (or the environment
 variable ``SPARSE_COMPILE_ATTENTION_BACKEND=triton``) forces this kernel, ``backend="hopper"`` the other one (ValueError
 naming why when it cannot serve the call). ``last_backend`` / ``BACKEND_CALLS`` record which kernel ran.
 
@@ -631,6 +632,37 @@ _HOPPER_FAILED: dict = {}
 _HOPPER_IMPORT: list = []  # [None] once kernels.hopper imported, [reason] if it failed
 
 
+_ENV_BACKENDS = ("auto", "triton")
+
+
+def env_backend() -> str:
+    """``SPARSE_COMPILE_ATTENTION_BACKEND``: "auto" (unset or empty) or "triton"; any other value is an error
+    naming the valid ones (a typo must not silently keep the Hopper kernel on)."""
+    value = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if not value:
+        return "auto"
+    if value not in _ENV_BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={os.environ[BACKEND_ENV]!r}: unknown value; valid: "
+                         f"{', '.join(_ENV_BACKENDS)} (or unset)")
+    return value
+
+
+try:  # what a failing Triton/Gluon compile raises (CompilationError, OutOfResources, PTXASError)
+    from triton.errors import TritonError as _TritonError
+except ImportError:  # pragma: no cover - older Triton
+    from triton.compiler.errors import CompilationError as _TritonError
+
+
+def is_compile_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is what a missing or failing compile of the Gluon Hopper kernel raises: an import error,
+    NotImplementedError, Triton's compile errors, an MLIR pass failure. Out of memory is not: it propagates."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return False
+    if isinstance(exc, (ImportError, NotImplementedError, _TritonError)):
+        return True
+    return isinstance(exc, RuntimeError) and "PassManager" in str(exc)  # MLIR's pass pipeline failed
+
+
 def _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, query_index, early_stop, pv_skip,
                         key_mode, config) -> Optional[str]:
     """Why the Gluon Hopper kernel does not serve this call (a sentence), or None when it does. No host sync."""
@@ -678,7 +710,7 @@ def reads_keys_in_place(q, k, v, tile_offsets, *, block_m: int, block_n: int, ke
     through ``key_index`` in place (lists much longer than Nk: ``hopper.gathers_by_default``). No permuted K/V
     copy is then made, so a caller with such a list (S2O) need not cut it into chunks to bound the copy's memory.
     No host sync."""
-    if key_index is None or os.environ.get(BACKEND_ENV, "auto").strip().lower() == "triton":
+    if key_index is None or env_backend() == "triton":
         return False
     from . import hopper
 
@@ -752,7 +784,7 @@ def block_sparse_attention(
         _fail(f"backend must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r}")
     if key_mode not in ("auto", "gather", "copy"):
         _fail(f"key_mode must be 'auto', 'gather' or 'copy', got {key_mode!r}")
-    if backend == "auto" and os.environ.get(BACKEND_ENV, "auto").strip().lower() == "triton":
+    if backend == "auto" and env_backend() == "triton":
         backend = "triton"
     if backend != "triton":
         why = _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, query_index, early_stop,
@@ -773,8 +805,10 @@ def block_sparse_attention(
                         pv_skip=pv_skip, return_visited=return_visited,
                         key_gather={"gather": True, "copy": False}.get(key_mode), out=out, lse=lse,
                         resume=resume, skip_masked=skip_masked)
-                except Exception as exc:  # a compile or launch problem of the Gluon path: the Triton kernel
-                    if backend == "hopper":
+                except Exception as exc:
+                    # a compile that fails (or a Gluon API this Triton lacks): the Triton kernel serves such calls.
+                    # Anything else (out of memory, a device fault, a bug) is not the Hopper path's to hide
+                    if backend == "hopper" or not is_compile_failure(exc):
                         raise
                     _HOPPER_FAILED[spec] = f"{type(exc).__name__}: {exc}"
                     log.warning("block_sparse_attention: the Hopper kernel failed for %s (%s: %s); using the "

@@ -22,8 +22,20 @@ from .validate import cdiv
 __all__ = ["interpreting", "pow2", "dot_precision", "launchable", "TileGrid", "PlanTables", "empty_plan_tables",
            "plan_buckets", "rows_per_program", "row_warps"]
 
+
+
+def _read_interpret() -> bool:
+    """TRITON_INTERPRET as Triton itself reads it ("1", "true", "on", "yes", any case; "false" or "2" are off)."""
+    try:
+        from triton._C.libtriton import getenv_bool
+
+        return bool(getenv_bool("TRITON_INTERPRET", False))
+    except (ImportError, AttributeError):  # pragma: no cover - another Triton layout
+        return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes", "y")
+
+
 # read once, like @triton.jit itself reads it when the kernels are defined (and it is on the host hot path)
-_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRETING = _read_interpret()
 
 
 def interpreting() -> bool:

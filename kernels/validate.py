@@ -40,11 +40,14 @@ def validate_passes(q, out, lse, resume: bool, *, who: str) -> None:
         raise ValueError(f"{who}: resume=True continues from a first pass: it needs that pass's out and lse")
 
 
-def validate_qkv(q, k, v, *, who: str, dtypes: tuple = SUPPORTED_DTYPES) -> None:
+def validate_qkv(q, k, v, *, who: str, dtypes: tuple = SUPPORTED_DTYPES, empty_ok: bool = False,
+                 longer_queries_ok: bool = False) -> None:
     """ValueError (TypeError for non-tensors) naming the first problem of an attention call's q, k, v.
 
     q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Hq a multiple of Hkv, 1 <= Nq <= Nk (queries are the last Nq
-    positions), one device, one dtype among ``dtypes``.
+    positions), one device, one dtype among ``dtypes``. Entry points that fall back to dense attention pass
+    ``empty_ok`` (zero-size dimensions: SDPA returns an empty result) and ``longer_queries_ok`` (``is_causal``
+    SDPA aligns top-left, so Nq > Nk is a valid call there).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -67,13 +70,13 @@ def validate_qkv(q, k, v, *, who: str, dtypes: tuple = SUPPORTED_DTYPES) -> None
         raise ValueError(f"{who}: batch sizes differ: q {batch}, k {k.shape[0]}")
     if dim_k != dim:
         raise ValueError(f"{who}: head dims differ: q {dim}, k {dim_k}")
-    if dim == 0 or heads_q == 0 or heads_kv == 0:
+    if (dim == 0 or heads_q == 0 or heads_kv == 0) and not empty_ok:
         raise ValueError(f"{who}: empty head dimension: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if heads_q % heads_kv:
+    if heads_kv and heads_q % heads_kv or (heads_q and not heads_kv):
         raise ValueError(f"{who}: query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
-    if num_queries > num_keys:
+    if num_queries > num_keys and not longer_queries_ok:
         raise ValueError(f"{who}: q_len {num_queries} > kv_len {num_keys}; queries are the last q_len positions")
-    if num_queries == 0:
+    if num_queries == 0 and not empty_ok:
         raise ValueError(f"{who}: q_len must be at least 1")
 
 

@@ -25,7 +25,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import Tensor
@@ -34,6 +34,7 @@ from .config import SparseConfig
 from .context import sparsity
 from .dense import dense_causal_attention
 from .registry import DensityKnob, method_spec, registered_methods
+from .rules import excluded
 
 __all__ = ["calibrate", "Calibration", "SiteCalibration", "METRICS", "operator_error"]
 
@@ -95,18 +96,22 @@ class SiteCalibration:
     note: str = ""
 
     def __post_init__(self) -> None:
-        def number(name, value):
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise ValueError(f"SiteCalibration.{name}: must be a number, got {value!r}")
+        def number(name, value, low=-math.inf, high=math.inf, what="a finite number"):
+            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                    or not low <= value <= high):
+                raise ValueError(f"SiteCalibration.{name} (site {self.site!r}): must be {what}, got {value!r}")
 
         if not isinstance(self.site, str) or not self.site:
             raise ValueError(f"SiteCalibration.site: must be a module path, got {self.site!r}")
         if self.value is not None:
             number("value", self.value)
-        number("density", self.density)
-        number("error", self.error)
+        number("density", self.density, 0.0, what="a finite number >= 0")  # tiles visited / causal tiles: may pass 1
+        number("error", self.error, 0.0, what="a finite number >= 0")
         if not isinstance(self.calls, int) or isinstance(self.calls, bool) or self.calls < 1:
-            raise ValueError(f"SiteCalibration.calls: must be an integer >= 1, got {self.calls!r}")
+            raise ValueError(f"SiteCalibration.calls (site {self.site!r}): must be an integer >= 1, got "
+                             f"{self.calls!r}")
+        if not isinstance(self.note, str):
+            raise ValueError(f"SiteCalibration.note (site {self.site!r}): must be a str, got {self.note!r}")
 
     @property
     def dense(self) -> bool:
@@ -136,16 +141,36 @@ class Calibration:
         if not isinstance(self.config, SparseConfig):
             raise ValueError(f"Calibration.config: must be a SparseConfig, got {type(self.config).__name__}")
         _check_target(self.target_error, "Calibration.target_error")
-        if self.metric not in METRICS:
+        if not isinstance(self.metric, str) or self.metric not in METRICS:
             raise ValueError(f"Calibration.metric: unknown metric {self.metric!r}; valid: {list(METRICS)}")
+        if isinstance(self.sites, (str, bytes, Mapping)) or not isinstance(self.sites, Iterable):
+            raise ValueError(f"Calibration.sites: must be a list of SiteCalibration entries, got {self.sites!r}")
         object.__setattr__(self, "sites", tuple(self.sites))
         per_site = dict(self.config.site_params)
+        knob = method_spec(self.config.select_stage).density
+        seen = set()
         for entry in self.sites:
             if not isinstance(entry, SiteCalibration):
                 raise ValueError(f"Calibration.sites: must hold SiteCalibration entries, got {entry!r}")
-            if entry.value is not None and dict(per_site.get(entry.site, ())).get(self.knob) != entry.value:
+            if entry.site in seen:
+                raise ValueError(f"Calibration.sites: site {entry.site!r} appears twice")
+            seen.add(entry.site)
+            skipped = excluded(entry.site, self.config.skip_layers)
+            if entry.value is None:
+                # a dense site that skip_layers does not name would run sparse at the method's defaults
+                if skipped is None:
+                    raise ValueError(f"Calibration: site {entry.site!r} is marked dense but config.skip_layers "
+                                     f"{list(self.config.skip_layers)} does not skip it")
+                continue
+            if not knob.low <= entry.value <= knob.high:
+                raise ValueError(f"Calibration: site {entry.site!r}: {self.knob}={entry.value} is outside the "
+                                 f"knob's range [{knob.low}, {knob.high}]")
+            if dict(per_site.get(entry.site, ())).get(self.knob) != entry.value:
                 raise ValueError(f"Calibration: site {entry.site!r} was calibrated to {self.knob}={entry.value} "
                                  f"but config.site_params has {dict(per_site.get(entry.site, ()))}")
+            if skipped is not None:  # its calibrated value would never be used
+                raise ValueError(f"Calibration: site {entry.site!r} was calibrated to {self.knob}={entry.value} "
+                                 f"but config.skip_layers skips it ({skipped})")
 
     @property
     def method(self) -> str:
@@ -195,17 +220,21 @@ class Calibration:
         missing = sorted({"target_error", "metric", "config", "sites"} - set(data))
         if missing:
             raise ValueError(f"{source}: missing key(s) {missing}")
+        if not isinstance(data["config"], dict):
+            raise ValueError(f"{source}: config must be a JSON object of SparseConfig fields, got {data['config']!r}")
         try:
             config = SparseConfig(**data["config"])
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{source}: config: {exc}") from None
+        if not isinstance(data["sites"], list):
+            raise ValueError(f"{source}: sites must be a JSON list of site entries, got {data['sites']!r}")
         names = [f.name for f in dataclasses.fields(SiteCalibration)]
-        sites = []
-        for entry in data["sites"]:
-            if not isinstance(entry, dict) or sorted(set(entry) - {"note"}) != sorted(set(names) - {"note"}):
-                raise ValueError(f"{source}: each site entry needs the keys {names}, got {entry!r}")
-            sites.append(SiteCalibration(**entry))
         try:
+            sites = []
+            for entry in data["sites"]:
+                if not isinstance(entry, dict) or sorted(set(entry) - {"note"}) != sorted(set(names) - {"note"}):
+                    raise ValueError(f"each site entry needs the keys {names}, got {entry!r}")
+                sites.append(SiteCalibration(**entry))
             return cls(config, data["target_error"], data["metric"], tuple(sites))
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None
@@ -274,7 +303,7 @@ def _capture(model: Callable, example_inputs: Any, config: SparseConfig, offload
     calls: dict[str, list[_Call]] = {}
 
     def record(site, q, k, v, scale, chunked_allowed):
-        if decide(q, k, v, eligible, site, chunked_allowed=chunked_allowed)[0] == DENSE:
+        if decide(q, k, v, eligible, site, chunked_allowed=chunked_allowed, scale=scale)[0] == DENSE:
             return  # a decode step, a skipped layer, an unsupported head dim: the op never runs the method there
         device = q.device
         if offload:
@@ -297,8 +326,10 @@ def _capture_backend(gm, example_inputs):
     The configuration compiled in does not matter: the run is dense, and ``record`` applies the rules."""
     from .rewrite import rewrite_graph
 
+    from .padding import per_forward
+
     rewrite_graph(gm, SparseConfig())
-    return gm.forward
+    return per_forward(gm.forward)
 
 
 def _evaluate(inputs: list[tuple], references: list[Tensor], config: SparseConfig, metric: str):
@@ -401,7 +432,9 @@ def calibrate(model: Callable, example_inputs: Any, *, method: str, target_error
             results.append(_search(site, calls, base, knob, float(target_error), metric, steps))
             captured[site] = []  # free this site's inputs before the next
     site_params = {r.site: {knob.name: r.value} for r in results if not r.dense}
-    skip = tuple(base.skip_layers) + tuple(r.site for r in results if r.dense and r.site not in base.skip_layers)
+    # a dense site is skipped by its whole path (skip_layers entries match whole path components)
+    skip = tuple(base.skip_layers) + tuple(r.site for r in results
+                                           if r.dense and excluded(r.site, base.skip_layers) is None)
     final = SparseConfig(method=method) if config is None else config
     if final.method != method:
         final = final.with_overrides(method)

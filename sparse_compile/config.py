@@ -11,26 +11,36 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional
 
 from .registry import NO_REORDER, check_stage_pair, method_spec, registered_methods
 
-__all__ = ["SparseConfig", "MethodParams", "KERNEL_NAMES", "PLANNER_NAMES", "check_block", "check_fraction",
-           "check_int", "fail", "normalize_site_params"]
+__all__ = ["SparseConfig", "MethodParams", "KERNEL_NAMES", "PLANNER_NAMES", "MAX_BLOCK", "MAX_INT", "check_block",
+           "check_fraction", "check_int", "check_finite", "fail", "normalize_site_params", "block_field",
+           "fraction_field", "int_field", "finite_field", "optional_field", "check_skip_layers"]
 
 KERNEL_NAMES = ("auto", "triton", "reference")
 PLANNER_NAMES = ("auto", "fast", "reference")
+
+
+#: the largest block / tile the attention kernel takes (``kernels/attention.py``: powers of two in [16, 256])
+MAX_BLOCK = 256
+#: integer parameters reach the kernels as 32-bit integers
+MAX_INT = 2**31 - 1
 
 
 def fail(owner: str, name: str, problem: str) -> None:
     raise ValueError(f"{owner}.{name}: {problem}")
 
 
-def check_block(owner: str, name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 16 or value & (value - 1):
-        fail(owner, name, f"must be a power of two >= 16, got {value!r}")
+def check_block(owner: str, name: str, value: Any, *, high: Optional[int] = MAX_BLOCK) -> None:
+    if (not isinstance(value, int) or isinstance(value, bool) or value < 16 or value & (value - 1)
+            or (high is not None and value > high)):
+        where = f"in [16, {high}]" if high is not None else ">= 16"
+        fail(owner, name, f"must be a power of two {where}, got {value!r}")
 
 
 def check_fraction(owner: str, name: str, value: Any, *, low: float = 0.0, high: float = 1.0) -> None:
@@ -38,36 +48,101 @@ def check_fraction(owner: str, name: str, value: Any, *, low: float = 0.0, high:
         fail(owner, name, f"must be a number in [{low}, {high}], got {value!r}")
 
 
-def check_int(owner: str, name: str, value: Any, *, low: int = 0) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        fail(owner, name, f"must be an integer >= {low}, got {value!r}")
+def check_int(owner: str, name: str, value: Any, *, low: int = 0, high: int = MAX_INT) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not (low <= value <= high):
+        fail(owner, name, f"must be an integer in [{low}, {high}], got {value!r}")
 
 
-def _check_annotated_types(obj: Any) -> None:
-    """Every field holds a value of its annotated kind (``bool`` is no number, ``'no'`` is no bool)."""
+def check_finite(owner: str, name: str, value: Any, *, sign: int = 0) -> None:
+    """A finite number; ``sign`` 1: > 0, -1: < 0."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and sign:
+        ok = value * sign > 0
+    if not ok:
+        what = {1: "a positive finite number", -1: "a negative finite number", 0: "a finite number"}[sign]
+        fail(owner, name, f"must be {what}, got {value!r}")
+
+
+# field checks for ``MethodParams.field_checks``: each is ``check(owner, name, value)``
+def block_field(high: Optional[int] = MAX_BLOCK) -> Callable:
+    return functools.partial(check_block, high=high)
+
+
+def fraction_field(low: float = 0.0, high: float = 1.0) -> Callable:
+    return functools.partial(check_fraction, low=low, high=high)
+
+
+def int_field(low: int = 0, high: int = MAX_INT) -> Callable:
+    return functools.partial(check_int, low=low, high=high)
+
+
+def finite_field(sign: int = 0) -> Callable:
+    return functools.partial(check_finite, sign=sign)
+
+
+def optional_field(check: Callable) -> Callable:
+    def checked(owner: str, name: str, value: Any) -> None:
+        if value is not None:
+            check(owner, name, value)
+
+    return checked
+
+
+def _check_field_type(owner: str, f: dataclasses.Field, value: Any, *, limits: bool = True) -> None:
+    """``value`` is of ``f``'s annotated kind (``bool`` is no number, ``'no'`` is no bool); with ``limits`` (a field
+    without its own range check) numbers are finite and integers fit the kernels' 32 bits."""
+    kinds = [k.strip() for k in str(f.type).replace("Optional[", "").rstrip("]").split("|")]
+    if value is None and ("None" in kinds or "Optional" in str(f.type)):
+        return
+    if "bool" in kinds:
+        if not isinstance(value, bool):
+            fail(owner, f.name, f"must be True or False, got {value!r}")
+    elif "int" in kinds and "float" not in kinds:
+        if not isinstance(value, int) or isinstance(value, bool):
+            fail(owner, f.name, f"must be an integer, got {value!r}")
+        if limits and abs(value) > MAX_INT:
+            fail(owner, f.name, f"must be an integer in [-{MAX_INT}, {MAX_INT}], got {value!r}")
+    elif "float" in kinds:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            fail(owner, f.name, f"must be a number, got {value!r}")
+        if limits and not math.isfinite(value):
+            fail(owner, f.name, f"must be a finite number, got {value!r}")
+
+
+def _check_annotated_types(obj: Any, checked: Mapping[str, Any] = {}) -> None:
     owner = type(obj).__name__
     for f in fields(obj):
-        value = getattr(obj, f.name)
-        kinds = [k.strip() for k in str(f.type).replace("Optional[", "").rstrip("]").split("|")]
-        if value is None and ("None" in kinds or "Optional" in str(f.type)):
-            continue
-        if "bool" in kinds:
-            if not isinstance(value, bool):
-                fail(owner, f.name, f"must be True or False, got {value!r}")
-        elif "int" in kinds and "float" not in kinds:
-            if not isinstance(value, int) or isinstance(value, bool):
-                fail(owner, f.name, f"must be an integer, got {value!r}")
-        elif "float" in kinds:
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                fail(owner, f.name, f"must be a number, got {value!r}")
+        _check_field_type(owner, f, getattr(obj, f.name), limits=f.name not in checked)
 
 
 class MethodParams:
-    """Base of a method's parameter dataclass: field types checked, construction from a mapping with a clear
-    error for unknown keys. Subclasses add their own range checks in ``__post_init__`` (call ``super()``)."""
+    """Base of a method's parameter dataclass: field types checked (numbers finite), each field's own range
+    (``field_checks``), construction from a mapping with a clear error for unknown keys. Subclasses put rules that
+    relate fields in ``check_fields`` (or their own ``__post_init__``, calling ``super()``)."""
+
+    #: field name -> ``check(owner, name, value)`` of that field alone (its range). Run on construction, and by
+    #: ``check_value`` for a value given before the other fields are known (a ``sparsity`` region's parameter).
+    field_checks: ClassVar[Mapping[str, Callable]] = {}
 
     def __post_init__(self) -> None:
-        _check_annotated_types(self)
+        _check_annotated_types(self, self.field_checks)
+        for name, check in self.field_checks.items():
+            check(type(self).__name__, name, getattr(self, name))
+        self.check_fields()
+
+    def check_fields(self) -> None:
+        """Rules between fields (after every field passed its own checks)."""
+
+    @classmethod
+    def check_value(cls, name: str, value: Any) -> None:
+        """ValueError naming the field and its valid range when ``value`` is not valid for field ``name`` alone."""
+        by_name = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+        if name not in by_name:
+            raise ValueError(f"{cls.__name__}: unknown parameter {name!r}; valid: {list(by_name)}")
+        check = cls.field_checks.get(name)
+        _check_field_type(cls.__name__, by_name[name], value, limits=check is None)
+        if check is not None:
+            check(cls.__name__, name, value)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -80,6 +155,24 @@ class MethodParams:
                 f"{type(self).__name__}: unknown parameter(s) {unknown}; valid: {list(self.field_names())}"
             )
         return dataclasses.replace(self, **dict(overrides))  # type: ignore[type-var]
+
+
+def check_skip_layers(skip_layers: Any, owner: str = "SparseConfig.skip_layers") -> tuple:
+    """``skip_layers`` as a tuple, or ValueError: layer indices (int >= 0) and module paths (str) naming whole
+    components (``"layers.1"`` matches ``model.layers.1.self_attn``, not ``model.layers.10.self_attn``)."""
+    if isinstance(skip_layers, (str, int)) or not all(
+        isinstance(x, (int, str)) and not isinstance(x, bool) for x in skip_layers
+    ):
+        raise ValueError(f"{owner}: must be a sequence of layer indices (int) or module paths (str), got "
+                         f"{skip_layers!r}")
+    for item in skip_layers:
+        if isinstance(item, int) and not 0 <= item <= MAX_INT:
+            raise ValueError(f"{owner}: layer indices must be >= 0 and <= {MAX_INT}, got {item!r} (a site's layer "
+                             "index is the first integer in its module path)")
+        if isinstance(item, str) and (not item.strip(".") or ".." in item or item != item.strip()):
+            raise ValueError(f"{owner}: a module path must name whole components of a site's path (e.g. "
+                             f"'layers.1' or 'model.layers.1.self_attn'), got {item!r}")
+    return tuple(skip_layers)
 
 
 def _method_params(name: str, value: Any) -> MethodParams:
@@ -134,9 +227,9 @@ class SparseConfig:
                     permutation; the valid pairs come from the registry).
     enabled         False runs exact dense attention everywhere.
     min_seq_len     shorter query lengths run exact dense attention (no speedup regression on short prompts).
-    skip_layers     attention sites left dense (a compile-time choice): an int is a layer index (the first integer
-                    in the module path, e.g. ``model.layers.3.self_attn`` is layer 3), a str is a substring of the
-                    module path.
+    skip_layers     attention sites left dense: an int is a layer index (the first integer in the module path,
+                    e.g. ``model.layers.3.self_attn`` is layer 3), a str names whole components of the module path
+                    (``"layers.1"`` skips ``model.layers.1.self_attn``, not ``model.layers.10.self_attn``).
     kernel          "triton" (GPU), "reference" (PyTorch, any device) or "auto" (Triton on CUDA, else reference).
     planner         the reorder/select stages that build the plan: "fast" (Triton kernels, CUDA or the interpreter),
                     "reference" (PyTorch) or "auto" (fast on CUDA when Triton is there, else reference).
@@ -187,17 +280,7 @@ class SparseConfig:
                             ("record_density", record_density), ("dense_when_faster", dense_when_faster),
                             ("params", tuple(resolved.items()))):
             object.__setattr__(self, name, value)
-        if isinstance(skip_layers, (str, int)) or not all(
-            isinstance(x, (int, str)) and not isinstance(x, bool) for x in skip_layers
-        ):
-            raise ValueError(
-                f"SparseConfig.skip_layers: must be a sequence of layer indices (int) or module-path substrings "
-                f"(str), got {skip_layers!r}"
-            )
-        if any(isinstance(x, int) and x < 0 for x in skip_layers):
-            raise ValueError(f"SparseConfig.skip_layers: layer indices must be >= 0, got {skip_layers!r} (a site's "
-                             "layer index is the first integer in its module path)")
-        object.__setattr__(self, "skip_layers", tuple(skip_layers))
+        object.__setattr__(self, "skip_layers", check_skip_layers(skip_layers))
         for reserved in (reorder, select):
             if reserved is not None and not isinstance(reserved, str):
                 raise ValueError(f"SparseConfig.reorder/select: must be a stage name or None, got {reserved!r}")
@@ -208,7 +291,7 @@ class SparseConfig:
         for name in ("enabled", "record_density", "dense_when_faster"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SparseConfig.{name}: must be True or False, got {getattr(self, name)!r}")
-        check_int("SparseConfig", "min_seq_len", self.min_seq_len, low=2)
+        check_int("SparseConfig", "min_seq_len", self.min_seq_len, low=2, high=2**63 - 1)  # compared, never launched
         if self.kernel not in KERNEL_NAMES:
             raise ValueError(f"SparseConfig.kernel: unknown kernel {self.kernel!r}; valid: {list(KERNEL_NAMES)}")
         if self.planner not in PLANNER_NAMES:

@@ -28,7 +28,12 @@ class RegionState:
     def apply(self, config: SparseConfig) -> SparseConfig:
         if self.method is None and not self.params and self.enabled is None:
             return config
-        out = config.with_overrides(self.method, dict(self.params))
+        try:
+            out = config.with_overrides(self.method, dict(self.params))
+        except ValueError as exc:  # each value was valid alone (checked on entry); together with this config not
+            given = ", ".join(f"{k}={v!r}" for k, v in self.params)
+            raise ValueError(f"the sparsity region in force (method={self.method!r}, {given}) does not fit the "
+                             f"compiled configuration (method {config.method!r}): {exc}") from None
         if self.enabled is not None and out.enabled != self.enabled:
             out = out.with_overrides(None, {"enabled": self.enabled})
         return out
@@ -74,8 +79,8 @@ class sparsity:
         if method is not None:
             # fail here, not inside compiled code, when a parameter does not belong to the named method
             SparseConfig(method=method).with_overrides(None, params)
-        else:  # and when a value is invalid (checked against every method that has the parameter)
-            _check_values(params)
+        # and when a value is invalid (each method parameter against every method that has it)
+        _check_values(params)
         self._enabled = enabled
         self._method = method
         # hashable values: the resolved configuration is cached per region
@@ -122,18 +127,34 @@ class sparsity:
         return f"sparsity(enabled={self._enabled}, method={self._method!r}{extra})"
 
 
+def _check_method_value(owner: str, key: str, value: Any) -> None:
+    """``value`` alone is valid for parameter ``key`` of every method that has it (its range, NaN refused): a bad
+    value fails where it is given, not at every call inside the region. Rules between parameters (a segment a
+    multiple of the block) are checked when the region meets its configuration."""
+    for spec in registered_methods().values():
+        if key in spec.params.field_names():
+            try:
+                spec.params.check_value(key, value)
+            except ValueError as exc:
+                raise ValueError(f"{owner}: {exc}") from None
+
+
 def _check_values(params: dict) -> None:
-    # the backend's own fields are checked now; a method's parameters when the region meets its method
     own = {k: v for k, v in params.items() if k in SparseConfig.field_names() and k != "site_params"}
     if own:
         SparseConfig().with_overrides(None, own)
-    # per-site parameters: each must belong to some method now, their values are checked against the method
+    for key, value in params.items():
+        if key not in SparseConfig.field_names():
+            _check_method_value(f"sparsity({key}=...)", key, value)
+    # per-site parameters: each must belong to some method, and its value be valid there
     valid = _valid_param_names() - set(SparseConfig.field_names())
     for site, overrides in normalize_site_params(params.get("site_params"), "sparsity(site_params=...)"):
         unknown = sorted(set(dict(overrides)) - valid)
         if unknown:
             raise ValueError(f"sparsity(site_params=...)[{site!r}]: unknown parameter(s) {unknown}; valid: "
                              f"{sorted(valid)}")
+        for key, value in overrides:
+            _check_method_value(f"sparsity(site_params=...)[{site!r}]", key, value)
 
 
 @functools.lru_cache(maxsize=256)

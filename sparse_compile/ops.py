@@ -18,6 +18,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from . import report
 from .config import SparseConfig
@@ -81,9 +82,9 @@ def capturing(callback: Callable) -> Iterator[None]:
 
 # -- the run-time decision: ``rules.RUNTIME_RULES``, the first that fails sends the call to dense attention ------
 def decide(q: Tensor, k: Tensor, v: Tensor, config: SparseConfig, site: str = "", *,
-           chunked_allowed: bool = False) -> tuple[str, str]:
+           chunked_allowed: bool = False, scale: Optional[float] = None) -> tuple[str, str]:
     """(path, reason) of one call."""
-    info = CallInfo(q, k, v, config, site, chunked_allowed)
+    info = CallInfo(q, k, v, config, site, chunked_allowed, scale)
     failed = first_failure(RUNTIME_RULES, info)
     if failed is not None:
         return DENSE, failed.reason(info)
@@ -217,7 +218,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseC
     capture = _CAPTURE.get()
     if capture is not None:
         capture(site, q, k, v, scale, chunked_allowed)
-    path, reason = decide(q, k, v, config, site, chunked_allowed=chunked_allowed)
+    path, reason = decide(q, k, v, config, site, chunked_allowed=chunked_allowed, scale=scale)
     out = density = None
     if path == SPARSE:
         slower, history_key, replan = _break_even(q, k, config, site)
@@ -302,7 +303,17 @@ def causal_attention(
     ``binary_padding``: the mask was proven for 0/1 padding values only; other values are an error.
     ``heads_inner``: the output's memory layout, the one the replaced call returned (see ``output_layout``).
     """
-    validate_qkv(q, k, v, who=f"sparse_compile.causal_attention ({site})")
+    # an empty call, or (is_causal, top-left) more queries than keys: valid SDPA calls, run dense (RUNTIME_RULES)
+    validate_qkv(q, k, v, who=f"sparse_compile.causal_attention ({site})", empty_ok=True,
+                 longer_queries_ok=not from_mask)
+    if forward_ad._current_level >= 0:
+        # PyTorch's custom ops drop forward-mode tangents silently: refuse rather than return a tangent-less result
+        # (the backend runs a graph called under forward AD without this op, and sparse_attention goes dense)
+        raise RuntimeError(
+            f"sparse_compile.causal_attention ({site}): called under forward-mode AD (forward_ad.dual_level); this "
+            "op has no forward derivative. Call the compiled model or sparse_attention instead: they run such "
+            "calls through dense attention."
+        )
     # sequence parallelism (parallel.sequence_parallel): q/k/v are this rank's chunk of one sequence; the Ulysses
     # all-to-all runs _causal_attention on whole sequences for this rank's share of the heads
     group = active_sequence_group()
@@ -467,7 +478,7 @@ def sparse_attention(
     steps and anything the method cannot do run exact dense attention, as under the compiled backend; a
     ``sparsity(...)`` block in force applies here too.
     """
-    validate_qkv(q, k, v, who="sparse_attention", dtypes=SUPPORTED_DTYPES + (torch.float64,))
+    validate_qkv(q, k, v, who="sparse_attention", dtypes=SUPPORTED_DTYPES + (torch.float64,), empty_ok=True)
     if config is not None and not isinstance(config, SparseConfig):
         raise TypeError(f"sparse_attention: config must be a SparseConfig, got {type(config).__name__}")
     if is_dtensor(q):  # tensor parallelism: the op's DTensor sharding rule runs each rank's heads (parallel.py)

@@ -7,22 +7,30 @@ tokens. So a padded batch runs as groups of rows with the same valid range (left
 copy; a row with holes is gathered), each group through the method as an ordinary causal prefill, and the outputs
 of padded query rows are zeros (every implementation leaves them undefined).
 
-Summarising the mask needs its values on the host: one small device-to-host read per distinct mask tensor. Every
-layer of a forward pass receives the same tensor object, so the summary is cached on it (checked against the
-tensor's version counter): one read per forward, however many layers. An all-ones mask then costs nothing more.
+Summarising the mask needs its values on the host: one small device-to-host read. Every layer of a forward pass
+receives the same tensor object, so the summary is cached, but only for the duration of one call of a compiled
+graph (``forward_scope``, which the backend wraps around every graph it compiles): between two calls the caller
+may have changed the mask through an alias that PyTorch does not see (``mask.numpy()[...] = 0``, ``mask.data``,
+DLPack), so no version counter or pointer can vouch for a summary made before. Inside one call no user code runs
+between the graph's attention calls, so the cache is sound there. Cost: one read per mask tensor per call of a
+compiled graph (one per forward pass of a model compiled whole; one per graph when the model has graph breaks),
+one per forward pass for a mask sparse_compile builds itself for that pass (``owned_mask``: the transformers
+attention interface), and one per op call otherwise (direct calls of the op).
 """
 
 from __future__ import annotations
 
-import threading
+import contextlib
+import contextvars
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["RowGroup", "PaddingLayout", "padding_layout", "check_query_positions"]
+__all__ = ["RowGroup", "PaddingLayout", "padding_layout", "check_query_positions", "forward_scope", "per_forward",
+           "owned_mask"]
 
 
 @dataclass(frozen=True)
@@ -58,30 +66,64 @@ class PaddingLayout:
         return "; ".join(kinds)
 
 
-_LOCK = threading.Lock()
-_CACHE: dict[int, tuple] = {}  # id(tensor) -> (weakref, version, data_ptr, shape, value)
-_CACHE_SIZE = 16
+_SCOPE: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("sparse_compile_padding_scope",
+                                                                         default=None)
+
+
+@contextlib.contextmanager
+def forward_scope() -> Iterator[None]:
+    """Inside the block, a mask tensor's summary is read once and reused (one call of a compiled graph)."""
+    token = _SCOPE.set({})
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def per_forward(compiled: Callable) -> Callable:
+    """``compiled`` (a compiled graph's callable) with every call in its own ``forward_scope``."""
+
+    def scoped(*args, **kwargs):
+        with forward_scope():
+            return compiled(*args, **kwargs)
+
+    scoped._boxed_call = getattr(compiled, "_boxed_call", False)  # Dynamo's calling convention, passed through
+    return scoped
+
+
+_OWNED: dict[int, tuple] = {}  # id -> (weakref, that mask's cache)
+
+
+def owned_mask(mask: Tensor) -> Tensor:
+    """Mark ``mask`` as built by sparse_compile for one forward pass (a fresh tensor object each pass, that every
+    layer of the pass receives): its summary is then read once and kept for the object's lifetime, as inside a
+    ``forward_scope``. Returns ``mask``."""
+    key = id(mask)
+    _OWNED[key] = (weakref.ref(mask, lambda _, key=key: _OWNED.pop(key, None)), {})
+    return mask
 
 
 def _cached(tensor: Tensor, tag: tuple, compute):
-    key = id(tensor)
-    version = tensor._version
-    with _LOCK:
-        entry = _CACHE.get(key)
-        if entry is not None:
-            ref, ver, ptr, meta, value = entry
-            if ref() is tensor and ver == version and ptr == tensor.data_ptr() and meta == tag:
-                return value
+    cache = _SCOPE.get()
+    if cache is None:
+        owned = _OWNED.get(id(tensor))
+        if owned is None or owned[0]() is not tensor:
+            return compute()  # outside a compiled graph's call: nothing vouches for an earlier read
+        cache = owned[1]
+    key = (id(tensor), tag)
+    entry = cache.get(key)
+    # the entry holds the tensor, so its id is not reused inside the scope; version and pointer catch a tracked
+    # in-place change or a swapped storage
+    if entry is not None and entry[0] is tensor and entry[1] == (tensor._version, tensor.data_ptr()):
+        return entry[2]
     value = compute()
-    with _LOCK:
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = (weakref.ref(tensor), version, tensor.data_ptr(), tag, value)
+    cache[key] = (tensor, (tensor._version, tensor.data_ptr()), value)
     return value
 
 
 def padding_layout(key_padding: Tensor, num_keys: int) -> PaddingLayout:
-    """Row groups of a ``(batch, num_keys)`` padding mask (nonzero = valid key). One host read, then cached."""
+    """Row groups of a ``(batch, num_keys)`` padding mask (nonzero = valid key). One host read per
+    ``forward_scope`` (module docstring)."""
     if key_padding.dim() != 2 or key_padding.shape[1] != num_keys:
         raise ValueError(f"key padding mask: expected shape (batch, {num_keys}), got {tuple(key_padding.shape)}")
     return _cached(key_padding, ("layout", tuple(key_padding.shape)), lambda: _layout(key_padding))
@@ -90,6 +132,8 @@ def padding_layout(key_padding: Tensor, num_keys: int) -> PaddingLayout:
 def _layout(key_padding: Tensor) -> PaddingLayout:
     valid = key_padding != 0
     batch, n = valid.shape
+    if batch == 0 or n == 0:  # nothing to summarise (an empty call runs dense attention)
+        return PaddingLayout(True, (RowGroup(tuple(range(batch)), 0, n),) if batch else (), True)
     as_int = valid.to(torch.int32)
     count = as_int.sum(1)
     first = as_int.argmax(1)

@@ -12,6 +12,7 @@ The q/k/v checks that every entry point shares come from the bottom layer (``ker
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Optional, Sequence, TypeVar
@@ -19,11 +20,12 @@ from typing import Any, Callable, Generic, Optional, Sequence, TypeVar
 import torch
 import torch.fx as fx
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from .kernels.validate import MAX_HEAD_DIM, SUPPORTED_DTYPES, validate_qkv
 
 __all__ = ["Rule", "first_failure", "REWRITE_RULES", "RUNTIME_RULES", "CallInfo", "validate_qkv",
-           "SUPPORTED_DTYPES", "MIN_HEAD_DIM", "MAX_HEAD_DIM", "head_dim_supported", "layer_index", "excluded"]
+           "SUPPORTED_DTYPES", "MIN_HEAD_DIM", "MAX_HEAD_DIM", "head_dim_supported", "layer_index", "excluded", "path_matches", "scale_problem"]
 
 Subject = TypeVar("Subject")
 
@@ -64,14 +66,46 @@ def layer_index(path: str) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
+def path_matches(site: str, entry: str) -> bool:
+    """Whether ``entry`` names whole components of the module path ``site``: ``"layers.1"`` matches
+    ``model.layers.1.self_attn`` but not ``model.layers.10.self_attn`` (leading/trailing dots are ignored)."""
+    entry = entry.strip(".")
+    return bool(entry) and f".{entry}." in f".{site}."
+
+
 def excluded(site: str, skip_layers: Sequence) -> Optional[str]:
-    """Why ``site`` is skipped by ``skip_layers`` (an int: layer index; a str: module-path substring), or None."""
+    """Why ``site`` is skipped by ``skip_layers`` (an int: layer index; a str: whole components of the module
+    path, ``path_matches``), or None."""
     index = layer_index(site)
     for item in skip_layers:
         if isinstance(item, int) and index == item:
             return f"layer {index} is in skip_layers"
-        if isinstance(item, str) and item in site:
+        if isinstance(item, str) and path_matches(site, item):
             return f"module path matches skip_layers entry {item!r}"
+    return None
+
+
+def scale_problem(scale: Any) -> Optional[str]:
+    """Why the sparse kernels cannot take SDPA's ``scale`` (they need a positive finite one), or None. SDPA itself
+    accepts any scale, so such a call stays dense rather than failing."""
+    if scale is None or isinstance(scale, (torch.SymFloat, torch.SymInt, fx.Node)):
+        return None  # the default 1/sqrt(D), or known only at run time (the run-time rule checks it)
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        return f"scale {scale!r} is not a number"
+    if not (value > 0 and math.isfinite(value)):
+        return f"scale {value!r}: the sparse kernels need a positive finite softmax scale; left dense"
+    return None
+
+
+def _forward_transform(q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
+    """Why the call is under forward-mode AD or a functorch transform (the sparse path has no forward derivative
+    and no batching rule; dense attention has both), or None. Cheap when no such transform is active."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return "inside a torch.func transform (vmap, jvp, grad): dense attention supports it, the sparse path not"
+    if forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(t).tangent is not None for t in (q, k, v)):
+        return "inputs carry forward-mode AD tangents: the sparse path has no forward derivative, dense attention has"
     return None
 
 
@@ -136,6 +170,7 @@ REWRITE_RULES: tuple[Rule, ...] = (
          lambda c: f"q_len {c.q.shape[-2]} != kv_len {c.k.shape[-2]} (cross-attention or cached prefill)"),
     Rule("inference", lambda c: not (c.q.requires_grad or c.k.requires_grad or c.v.requires_grad),
          lambda c: "inputs require grad: the sparse path is forward-only (inference)"),
+    Rule("scale", lambda c: scale_problem(c.args["scale"]) is None, lambda c: scale_problem(c.args["scale"]) or ""),
     Rule("layer_selected", lambda c: excluded(c.site, c.config.skip_layers) is None,
          lambda c: excluded(c.site, c.config.skip_layers) or ""),
     # last: the only rule that evaluates anything (the mask's slice at small sizes)
@@ -152,6 +187,7 @@ class CallInfo:
     config: Any  # the SparseConfig in force
     site: str
     chunked_allowed: bool  # queries at the last positions (eager API, traced masks): q_len < kv_len is fine
+    scale: Optional[float] = None  # SDPA's scale (None: 1/sqrt(D))
 
 
 RUNTIME_RULES: tuple[Rule, ...] = (
@@ -159,6 +195,11 @@ RUNTIME_RULES: tuple[Rule, ...] = (
     Rule("layer_selected", lambda c: excluded(c.site, c.config.skip_layers) is None,
          lambda c: excluded(c.site, c.config.skip_layers) or ""),
     Rule("real_tensors", lambda c: c.q.device.type != "meta", lambda c: "meta tensors: shapes only"),
+    Rule("not_empty", lambda c: c.q.numel() > 0 and c.k.numel() > 0,
+         lambda c: f"empty input (q {tuple(c.q.shape)}, k {tuple(c.k.shape)}): nothing to select"),
+    Rule("no_forward_transform", lambda c: _forward_transform(c.q, c.k, c.v) is None,
+         lambda c: _forward_transform(c.q, c.k, c.v) or ""),
+    Rule("scale", lambda c: scale_problem(c.scale) is None, lambda c: scale_problem(c.scale) or ""),
     Rule("not_decode", lambda c: c.q.shape[-2] > 1, lambda c: "decode step (q_len == 1)"),
     Rule("self_attention_lengths",
          lambda c: c.q.shape[-2] == c.k.shape[-2] or (c.chunked_allowed and c.q.shape[-2] < c.k.shape[-2]),

@@ -44,7 +44,7 @@ from .config import SparseConfig
 from .context import resolve
 from .dense import dense_causal_attention
 from .ops import DENSE, dispatch, in_output_layout, padded_dispatch
-from .padding import padding_layout
+from .padding import owned_mask, padding_layout
 
 __all__ = ["NAME", "MIN_TRANSFORMERS", "enable_transformers_attention", "attention_forward", "mask_forward",
            "install_import_hook"]
@@ -399,7 +399,8 @@ def mask_forward(batch_size: int, cache_position: Optional[Tensor] = None, kv_le
     padding = attention_mask.to(torch.bool)
     if padding.shape[-1] < kv_offset + keys:  # a static cache's slots past the tokens seen: padding
         padding = F.pad(padding, (0, kv_offset + keys - padding.shape[-1]))
-    return _noted(padding[:, kv_offset:kv_offset + keys], _Causal(False))
+    # a fresh view per forward pass, which every layer receives: its padding summary is read once (padding.py)
+    return _noted(owned_mask(padding[:, kv_offset:kv_offset + keys]), _Causal(False))
 
 
 # -- the attention function ---------------------------------------------------------------------------------------

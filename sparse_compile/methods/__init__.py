@@ -52,8 +52,8 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor) -> None:
     if not (q.is_floating_point() and k.is_floating_point()):
         raise Unsupported(f"floating-point inputs only, got {q.dtype} and {k.dtype}")
     nq, nk = q.shape[2], k.shape[2]
-    if nq == 0 or nk == 0:
-        raise Unsupported("empty sequence")
+    if q.numel() == 0 or k.numel() == 0:
+        raise Unsupported(f"empty input (q {tuple(q.shape)}, k {tuple(k.shape)})")
     if nq > nk:
         raise Unsupported(f"more queries than keys (Nq={nq} > Nk={nk}): not a causal prefill")
 

@@ -45,10 +45,11 @@ unchanged). A NaN in V is read only where its tile is selected (no selector read
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from ..config import MethodParams, check_block, check_fraction, check_int, fail
+from ..config import MethodParams, block_field, fail, finite_field, fraction_field, int_field, optional_field
 from ..kernels.host import hash32
 from ..kernels.validate import cdiv, expand_heads
 from ..plan import VISIBLE_NONE, BlockPlan
@@ -94,28 +95,21 @@ class BFLAParams(MethodParams):
     seed: int = 0
     score_scale: float | None = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_block("BFLAParams", "coarse_block_size", self.coarse_block_size)
-        check_int("BFLAParams", "group_size", self.group_size, low=1)
+    field_checks: ClassVar[dict] = {
+        # the coarse block is a selection granularity, not a kernel tile: no 256 cap
+        "coarse_block_size": block_field(high=1 << 20), "group_size": int_field(low=1, high=1 << 20),
+        "mass_threshold": fraction_field(), "tile_size_q": block_field(), "tile_size_kv": block_field(),
+        "local_tiles": int_field(), "sink_tiles": int_field(), "stride": int_field(),
+        "random_rescue": fraction_field(), "seed": int_field(),
+        "score_scale": optional_field(finite_field(sign=1)),
+    }
+
+    def check_fields(self) -> None:
         if self.coarse_block_size % self.group_size:
             fail("BFLAParams", "group_size", f"must divide coarse_block_size={self.coarse_block_size}")
-        check_fraction("BFLAParams", "mass_threshold", self.mass_threshold)
-        check_block("BFLAParams", "tile_size_q", self.tile_size_q)
-        check_block("BFLAParams", "tile_size_kv", self.tile_size_kv)
         for name in ("tile_size_q", "tile_size_kv"):
             if self.coarse_block_size % getattr(self, name):
                 fail("BFLAParams", name, f"must divide coarse_block_size={self.coarse_block_size}")
-        check_int("BFLAParams", "local_tiles", self.local_tiles)
-        check_int("BFLAParams", "sink_tiles", self.sink_tiles)
-        check_int("BFLAParams", "stride", self.stride)
-        check_fraction("BFLAParams", "random_rescue", self.random_rescue)
-        check_int("BFLAParams", "seed", self.seed)
-        if self.score_scale is not None and (
-            not isinstance(self.score_scale, (int, float)) or isinstance(self.score_scale, bool)
-            or not self.score_scale > 0
-        ):
-            fail("BFLAParams", "score_scale", f"must be a positive number or None, got {self.score_scale!r}")
 
 
 def block_softmax_scale(params: BFLAParams, scale: float) -> float:

@@ -33,10 +33,11 @@ NaN in V is read only where its tile is selected (no selector reads V).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from ..config import MethodParams, check_block, check_fraction, check_int, fail
+from ..config import MethodParams, block_field, fail, fraction_field, int_field
 from ..kernels.host import segmented_argsort_desc
 from ..plan import VISIBLE_NONE, BlockPlan
 from ..registry import DensityKnob, Method, register_method
@@ -59,13 +60,12 @@ class PBSParams(MethodParams):
     threshold: float = 0.9
     keep_first_block: bool = True
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_block("PBSParams", "block_size", self.block_size)
-        check_int("PBSParams", "segment_size", self.segment_size, low=1)
+    field_checks: ClassVar[dict] = {"block_size": block_field(), "segment_size": int_field(low=16),
+                                    "threshold": fraction_field()}
+
+    def check_fields(self) -> None:
         if self.segment_size % self.block_size:
             fail("PBSParams", "segment_size", f"must be a multiple of block_size={self.block_size}")
-        check_fraction("PBSParams", "threshold", self.threshold)
 
 
 def pbs_key_importance(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int) -> torch.Tensor:

@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from ..config import MethodParams, check_block, check_fraction, check_int, fail
+from ..config import MethodParams, block_field, fail, fraction_field, int_field
 from ..kernels.host import segmented_argsort_desc
 from ..kernels.validate import cdiv
 from ..plan import BlockPlan, execute_plan, runs_on_kernels
@@ -62,15 +63,13 @@ class S2OParams(MethodParams):
     block_size_kv: int = 128
     sort_queries: bool = True
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_block("S2OParams", "block_size_q", self.block_size_q)
-        check_block("S2OParams", "block_size_kv", self.block_size_kv)
-        check_int("S2OParams", "segment_size", self.segment_size, low=1)
+    field_checks: ClassVar[dict] = {"segment_size": int_field(low=16), "early_stop": fraction_field(),
+                                    "block_size_q": block_field(), "block_size_kv": block_field()}
+
+    def check_fields(self) -> None:
         for name in ("block_size_q", "block_size_kv"):
             if self.segment_size % getattr(self, name):
                 fail("S2OParams", "segment_size", f"must be a multiple of {name}={getattr(self, name)}")
-        check_fraction("S2OParams", "early_stop", self.early_stop)
 
 
 @dataclass(frozen=True)
@@ -388,7 +387,8 @@ def _ranked_walk(q, k, v, plan: BlockPlan, scale, params, kernel: str, return_vi
     layout = s2o_layout(n, params.segment_size, plan.block_n)
     segments = len(layout.seg_len)
     ends = list(layout.base[1:]) + [layout.length]
-    row_bytes = q.shape[0] * k.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size()  # one list entry's copy
+    # one list entry's copy (at least one byte: an empty batch copies nothing)
+    row_bytes = max(1, q.shape[0] * k.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size())
     budget = max(LIST_BUDGET * n, COPY_BYTES_FLOOR // row_bytes)
     chunks, start = [], 0
     for last in range(segments):

@@ -42,11 +42,11 @@ attention. The kernel needs no per-score test for this: such a score turns its r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
-from ..config import MethodParams, check_block, check_int, fail
+from ..config import MAX_BLOCK, MethodParams, block_field, check_int, fail
 from ..plan import VISIBLE_NONE, BlockPlan
 from ..registry import DensityKnob, Method, register_method
 from ._blocks import diagonal_tiles, finish_plan, first_key_tile, visibility
@@ -56,6 +56,17 @@ __all__ = ["SampledParams", "sampled_rows", "sampled_tile_logits", "select_sampl
 
 #: added to a tile's mass before the log (= ``kernels.sampled.TINY``): a tile with no mass keeps a finite score
 TINY = 1e-30
+
+
+def _sample_every(owner: str, name: str, value) -> None:
+    check_int(owner, name, value, low=1, high=MAX_BLOCK)
+    if value & (value - 1):
+        fail(owner, name, f"must be a power of two in [1, {MAX_BLOCK}] (and <= block_size), got {value!r}")
+
+
+def _budget(owner: str, name: str, value) -> None:
+    if not 0.0 < value <= 1.0:
+        fail(owner, name, f"must be a number in (0, 1], got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -73,15 +84,13 @@ class SampledParams(MethodParams):
     budget: float = 0.1
     keep_first_block: bool = True
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_block("SampledParams", "block_size", self.block_size)
-        check_int("SampledParams", "sample_every", self.sample_every, low=1)
-        if self.sample_every & (self.sample_every - 1) or self.sample_every > self.block_size:
+    field_checks: ClassVar[dict] = {"block_size": block_field(), "sample_every": _sample_every,
+                                    "budget": _budget}
+
+    def check_fields(self) -> None:
+        if self.sample_every > self.block_size:
             fail("SampledParams", "sample_every",
                  f"must be a power of two <= block_size={self.block_size}, got {self.sample_every}")
-        if not 0.0 < self.budget <= 1.0:
-            fail("SampledParams", "budget", f"must be in (0, 1], got {self.budget!r}")
 
 
 def sampled_rows(num_queries: int, block: int, every: int, device=None) -> torch.Tensor:

@@ -31,10 +31,11 @@ skip). What stays inexact: a NaN in V is read only where its tile is selected (n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from ..config import MethodParams, check_block, check_fraction, fail
+from ..config import MethodParams, block_field, finite_field, fraction_field, optional_field
 from ..kernels.validate import expand_heads
 from ..plan import VISIBLE_NONE, BlockPlan
 from ..registry import DensityKnob, Method, register_method
@@ -61,16 +62,9 @@ class SpargeParams(MethodParams):
     similarity_threshold: float = 0.6
     pv_threshold: float | None = -20.0
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_block("SpargeParams", "block_size_q", self.block_size_q)
-        check_block("SpargeParams", "block_size_kv", self.block_size_kv)
-        check_fraction("SpargeParams", "cdf_threshold", self.cdf_threshold)
-        check_fraction("SpargeParams", "similarity_threshold", self.similarity_threshold, low=-1.0)
-        if self.pv_threshold is not None and (
-            not isinstance(self.pv_threshold, (int, float)) or not self.pv_threshold < 0
-        ):
-            fail("SpargeParams", "pv_threshold", f"must be a negative number or None, got {self.pv_threshold!r}")
+    field_checks: ClassVar[dict] = {"block_size_q": block_field(), "block_size_kv": block_field(),
+                                    "cdf_threshold": fraction_field(), "similarity_threshold": fraction_field(low=-1.0),
+                                    "pv_threshold": optional_field(finite_field(sign=-1))}
 
 
 def select_sparge(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
