@@ -174,6 +174,7 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
     records = []
     dropped: set = set()  # mask slices and repeat_kv chains the rewritten sites no longer read
     for call in find_sdpa_calls(gm, config):
+        call.args = _normalize(call.node)  # an earlier site's rewrite may have replaced one of its inputs
         failed = first_failure(REWRITE_RULES, call)
         q = call.q
         record = dict(
