@@ -1259,9 +1259,9 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     elif key_index is not None:
         # the Triton kernel's "copy" key mode: K/V rows in key_index order, contiguous; TMA reads the copy like
         # ordinary keys (boxes past its end read zeros: those logical keys are padding, masked by position)
-        from .attention import _permute_keys
+        from .permute import permute_keys
 
-        kk, vv = _permute_keys(k, v, key_index, D)
+        kk, vv = permute_keys(k, v, key_index, D)
         key_len = key_index.shape[-1]
         kidx, ki_strides = key_index, tuple(key_index.stride())
     else:

@@ -668,12 +668,12 @@ def test_gpu_bf16_permuted_queries_and_early_stop():
 @pytest.mark.gpu
 def test_gpu_permuted_copy_of_a_key_list_longer_than_grid_axis_limit():
     # S2O's per-segment key lists reach millions of entries at 128K: more row blocks than grid axis 1 allows
-    module = importlib.import_module("sparse_compile.kernels.attention")
+    module = importlib.import_module("sparse_compile.kernels.permute")
     length = 65535 * 64 + 1000
     k = torch.randn(1, 1, 4096, 64, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     key_index = torch.randint(-1, 4096, (1, 1, length), device="cuda", dtype=torch.int32)
-    kp, vp = module._permute_keys(k, v, key_index, 64)
+    kp, vp = module.permute_keys(k, v, key_index, 64)
     rows = key_index[0, 0].long().clamp(min=0)
     valid = key_index[0, 0] >= 0
     assert torch.equal(kp[0, 0][valid], k[0, 0][rows][valid]) and torch.equal(vp[0, 0][valid], v[0, 0][rows][valid])

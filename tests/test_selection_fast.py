@@ -605,7 +605,7 @@ try:
     from triton.compiler import ASTSource
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
-from sparse_compile.kernels import pooling, mass, sorting, pbs, bfla, s2o, sampled, attention
+from sparse_compile.kernels import pooling, mass, sorting, pbs, bfla, s2o, sampled, permute
 
 def compile_kernel(fn, pointers, floats, const, warps=4):
     sig = {}
@@ -666,7 +666,7 @@ compile_kernel(s2o._s2o_assemble_kernel, dict(by_score_ptr="i64", by_segment_ptr
 for qidx in (True, False):
     compile_kernel(s2o._s2o_select_kernel, dict(qidx_ptr="i32", offs_ptr="i32", cnt_ptr="i32", msk_ptr="i32"),
                    set(), dict(BLOCK_M=128, BLOCK_N=128, W=1024, ROWS=4, HAS_QUERY_INDEX=qidx))
-compile_kernel(attention._permute_rows_kernel, dict(K="bf16", V="bf16", KP="bf16", VP="bf16", KeyIndex="i32"),
+compile_kernel(permute._permute_rows_kernel, dict(K="bf16", V="bf16", KP="bf16", VP="bf16", KeyIndex="i32"),
                set(), dict(HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK=64))
 print("ALL OK")
 """
