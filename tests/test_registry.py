@@ -1,9 +1,6 @@
 """The method registry: a method defined outside the package, in one file, registered in one line, runs through
 the compiled backend, ``sparsity`` and ``sparse_attention`` without touching any package file."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,10 +9,8 @@ import sparse_compile
 from sparse_compile import SparseConfig, registry, sparsity
 
 from helpers import random_qkv
+from models import ModelArgs, Transformer
 from window_method import WINDOW, WindowParams
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from model import ModelArgs, Transformer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
