@@ -11,7 +11,7 @@ Subset served (anything else raises ``NotImplementedError`` naming it, so that a
 ``kernels.attention.block_sparse_attention`` dispatches here automatically on sm_90 GPUs):
 bf16 / fp16; head dim 64 or 128; ``block_m == 128``; ``block_n`` 64 or 128; ``query_index`` (the compute
 warpgroups gather their Q rows with ordinary loads and scatter O from registers: TMA cannot gather rows on Hopper);
-early stop with the two-warpgroup variants (below); the P.V skip (per row, branch-free, as the Triton kernel:
+early stop (below); the P.V skip (per row, branch-free, as the Triton kernel:
 after a tile's denominator update, a row whose tile maximum is below its running maximum by more than |lambda|
 zeroes its P for the P.V MMA); ``key_index`` with Hkv
 heads (PBS-style permuted keys: the Triton kernel's "copy" key mode, a permuted contiguous K/V copy that TMA reads
@@ -43,10 +43,10 @@ a store past it is clipped: no row masks anywhere. K/V tiles go through a ``num_
 guarded by mbarriers (ready: the TMA landed; empty: both MMAs that read the slot completed). Two warpgroups
 (8 warps) compute, 64 query rows each: S = Q K^T by ``warpgroup_mma`` from shared memory, the softmax in
 registers, O += P V with P from registers (dot-operand layout) and V from shared memory. Without early stop,
-warpgroup 1 issues its first MMAs after warpgroup 0's (``PINGPONG``): both wait for the same Q and K(0) and would
+warpgroup 1 issues its first MMAs after warpgroup 0's (``PINGPONG``, ``issue_order``): both wait for the same Q and K(0) and would
 otherwise start every block in lockstep, their first softmaxes together with the tensor cores idle.
 
-Persistent CTAs (``PERSISTENT``; by default for short lists, ``persistent_by_default``: S2O's window pass): one CTA
+Persistent CTAs (``PERSISTENT``; ``persistent=``, by default for short lists, ``persistent_by_default``: S2O's window pass): one CTA
 per SM takes work items pid, pid + grid, ... in turn. The ring's positions and the barriers' phases run on across
 items; the load partition issues the next block's first K/V tiles as soon as slots free and its Q as soon as both
 compute warpgroups have computed their last S (``q_empty``); O leaves by TMA through the last tile's K buffer (Q's
@@ -84,10 +84,8 @@ import torch
 
 from .validate import cdiv, validate_passes, validate_qkv
 
-__all__ = ["hopper_block_sparse_attention", "HOPPER_VARIANTS", "hopper_unsupported", "gathers_by_default",
-           "GLUON_IMPORT_ERROR"]
+__all__ = ["hopper_block_sparse_attention", "hopper_unsupported", "gathers_by_default", "GLUON_IMPORT_ERROR"]
 
-HOPPER_VARIANTS = ("tma", "tma_ov", "ws", "ws_ov", "ws2", "ws2_ov")
 _LOG2E = 1.4426950408889634
 
 GLUON_IMPORT_ERROR: Optional[str] = None
@@ -1020,11 +1018,9 @@ if GLUON_IMPORT_ERROR is None:
 # ---------------------------------------------------------------------------------------------------------------
 
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# variant -> (warp-specialised, intra-warpgroup overlap, one compute partition per warpgroup)
-_VARIANT_FLAGS = {"tma": (False, False, False), "tma_ov": (False, True, False), "ws": (True, False, False),
-                  "ws_ov": (True, True, False), "ws2": (True, False, True), "ws2_ov": (True, True, True)}
 BLOCK_M = 128
-NUM_WARPS = 8  # two consumer warpgroups of 64 rows
+#: warps of each of the two compute partitions (a warpgroup of 64 query rows each); the kernel's ``NUM_WARPS``
+PARTITION_WARPS = 4
 CONSUMER_REGS = 240  # registers per thread of the second compute partition (split variants)
 # gathered keys (``key_gather``): the load partition's warps and registers, and the list length (x Nk) above
 # which "auto" gathers rather than copying (a gathered tile costs about 9% more than one TMA reads from the copy,
@@ -1039,23 +1035,20 @@ GATHER_LOAD_REGS = 56  # the compute partitions keep 208 (default) and 240: 504 
 GATHER_ROWS_PER_COPY = 4
 #: H100 (4-row gathers): S2O's walk gathered beats copy + TMA by 3% at 16K (list 5 x Nk) and 4.5% at 32K (9 x Nk)
 GATHER_LIST_RATIO = 4
-#: the two compute warpgroups' issue order (ws2_ov): 0 free, 1 warpgroup 1's first MMAs after warpgroup 0's
-#: (staggered: its S = Q K^T runs during warpgroup 0's first softmax instead of beside it), 2 FA3's ping-pong, every
-#: step alternating (``_wait_turn``); None: 1 without early stop, else 0. H100, one loop (NOTES_hopper.md part 12):
-#: 1 runs S2O's window pass 3-4% faster at 16K-64K and the dense kernel within 1%; 2 slows the dense kernel by 1-4%
-#: and the walk by 1-8%; the early-stop walk was not faster with 1
-PINGPONG = None
-#: debug (``benchmarks/timeline_s2o.py``): an int64 (grid, 16) tensor; each CTA writes its row: 0 the SM, 14 its
-#: tile count; 1-5 (compute warpgroup 0) and 6-10 (warpgroup 1) clock64 at its start, Q ready, first S landed, last
-#: P V landed, end; 11 / 13 the load partition's start / end. None: the stamps are compiled out
-TIMELINE_BUFFER = None
-#: persistent CTAs (module docstring) where the call allows them (ws2_ov, square tiles, Q by TMA, no early stop,
-#: gather or resume): True / False; None: ``persistent_by_default``. H100, one loop (NOTES_hopper.md part 13): S2O's
-#: window pass (at most 16 tiles per block) 0.78 / 0.78 / 0.75 of the dense kernel per tile at 16K / 32K / 64K,
-#: against 0.73 / 0.73 / 0.65 with a CTA per block; the dense kernel 0.97-0.98 (a fixed order over blocks of 1 to
-#: N/128 tiles leaves SMs 2.5-3% unbalanced; drawing items from an atomic counter balanced them but cost the window
-#: pass 3%)
-PERSISTENT = None
+def issue_order(early_stop: float) -> int:
+    """The two compute warpgroups' issue order, the kernel's ``PINGPONG``: without early stop warpgroup 1 issues
+    its first MMAs after warpgroup 0's (1: its S = Q K^T runs during warpgroup 0's first softmax instead of beside
+    it), with early stop they run free (0). H100, one loop: 1 runs S2O's window pass 3-4% faster at 16K-64K and the
+    dense kernel within 1%; the early-stop walk was not faster with it. (FA3's ping-pong on every step, the
+    kernel's 2, slowed the dense kernel by 1-4% and the walk by 1-8%.)"""
+    return int(early_stop == 0)
+
+
+#: persistent CTAs (module docstring) where the call allows them (square tiles, Q by TMA, no early stop, gather or
+#: resume), chosen by ``persistent_by_default``. H100, one loop: S2O's window pass (at most 16 tiles per block)
+#: 0.78 / 0.78 / 0.75 of the dense kernel per tile at 16K / 32K / 64K, against 0.73 / 0.73 / 0.65 with a CTA per
+#: block; the dense kernel 0.97-0.98 (a fixed order over blocks of 1 to N/128 tiles leaves SMs 2.5-3% unbalanced;
+#: drawing items from an atomic counter balanced them but cost the window pass 3%)
 PERSISTENT_MAX_TILES = 16
 #: enough blocks per CTA that the fixed order balances (blocks of 1-16 tiles: 1.5-3% at 16K-64K)
 PERSISTENT_MIN_BLOCKS_PER_SM = 8
@@ -1076,19 +1069,14 @@ def shared_memory_bytes(head_dim: int, block_n: int, num_stages: int, element_si
     return element_size * head_dim * (BLOCK_M + 2 * num_stages * block_n) + 8 * (3 * num_stages + 4) + 1024
 
 
-#: K/V ring depths per (head dim, block_n) that differ from 3 when the caller names none. Empty: 3 is the most that
-#: fits at D=128 / block_n=128, and 4-6 stages did not help elsewhere (benchmarks/NOTES_hopper.md, part 5);
-#: ``bench_breakeven.py --tiles --hopper-stages`` sets entries to time other depths.
-DEFAULT_STAGES: dict = {}
+#: the K/V ring depth when the caller names none: 3 is the most that fits at D=128 / block_n=128, and 4-6 stages
+#: did not help elsewhere (H100)
+DEFAULT_NUM_STAGES = 3
 MAX_STAGES = 6
 
 
-def default_stages(head_dim: int, block_n: int) -> int:
-    return DEFAULT_STAGES.get((head_dim, block_n), 3)
-
-
 def persistent_by_default(tile_offsets, n_items: int) -> bool:
-    """Whether a call that allows persistent CTAs gets them when ``PERSISTENT`` is None: short lists (at most
+    """Whether a call that allows persistent CTAs gets them when ``persistent`` is None: short lists (at most
     ``PERSISTENT_MAX_TILES`` tiles per block, e.g. S2O's window pass), where a block's fixed costs weigh, and enough
     blocks per SM (``PERSISTENT_MIN_BLOCKS_PER_SM``) that the fixed order pid, pid + grid, ... balances."""
     return (tile_offsets.shape[-1] <= PERSISTENT_MAX_TILES
@@ -1112,13 +1100,10 @@ def gathers_by_default(key_index, num_keys: int) -> bool:
 
 def hopper_unsupported(q, k, v, tile_offsets=None, *, block_m: int = 128, block_n: int = 128,
                        key_index=None, query_index=None, early_stop: float = 0.0, pv_skip=None,
-                       num_stages: Optional[int] = None, variant: str = "ws2_ov",
-                       key_gather: Optional[bool] = None) -> Optional[str]:
+                       num_stages: Optional[int] = None, key_gather: Optional[bool] = None) -> Optional[str]:
     """Why the Hopper kernel cannot run this call (a sentence), or None when it can. Checks no plan values."""
     if GLUON_IMPORT_ERROR is not None:
         return f"Gluon (triton.experimental.gluon, Triton 3.6 API) unavailable: {GLUON_IMPORT_ERROR}"
-    if variant not in _VARIANT_FLAGS:
-        return f"variant {variant!r} unknown (one of {', '.join(HOPPER_VARIANTS)})"
     if key_index is not None:
         if key_index.dim() != 3 or key_index.shape[1] != k.shape[1]:
             return (f"key_index with {key_index.shape[1] if key_index.dim() == 3 else '?'} heads: the permuted copy "
@@ -1127,10 +1112,8 @@ def hopper_unsupported(q, k, v, tile_offsets=None, *, block_m: int = 128, block_
             return "an empty key_index"
     if query_index is not None and (query_index.dim() != 3 or q.shape[1] % max(query_index.shape[1], 1)):
         return f"query_index of shape {tuple(query_index.shape)}: needs (B, H, Nq) with H dividing Hq={q.shape[1]}"
-    if key_gather and not (key_index is not None and _VARIANT_FLAGS[variant][2]):
-        return f"gathered keys need a key_index and a two-warpgroup variant (ws2, ws2_ov), not {variant!r}"
-    if early_stop and early_stop > 0 and not _VARIANT_FLAGS[variant][2]:
-        return f"early stop needs a two-warpgroup variant (ws2, ws2_ov), not {variant!r}"
+    if key_gather and key_index is None:
+        return "gathered keys need a key_index"
     if pv_skip is not None and not (pv_skip < 0 and math.isfinite(pv_skip)):
         return f"pv_skip={pv_skip!r} is not supported (a finite negative number)"
     if not q.is_cuda:
@@ -1147,7 +1130,7 @@ def hopper_unsupported(q, k, v, tile_offsets=None, *, block_m: int = 128, block_
     if block_n not in (64, 128):
         return f"block_n={block_n} is not supported (64 or 128)"
     if num_stages is None:
-        num_stages = default_stages(D, block_n)
+        num_stages = DEFAULT_NUM_STAGES
     if not 2 <= num_stages <= MAX_STAGES:
         return f"num_stages={num_stages} is not supported (2 to {MAX_STAGES})"
     smem = shared_memory_bytes(D, block_n, num_stages, q.element_size())
@@ -1176,15 +1159,15 @@ _LAYOUTS: dict = {}
 
 def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_counts, *, block_n: int,
                                   scale: Optional[float] = None, num_stages: Optional[int] = None,
-                                  variant: str = "ws2_ov",
                                   block_m: int = 128, key_index=None, query_index=None, early_stop: float = 0.0,
                                   pv_skip=None, return_visited: bool = False, key_gather: Optional[bool] = None,
-                                  out=None, lse=None, resume: bool = False, skip_masked: bool = False):
+                                  out=None, lse=None, resume: bool = False, skip_masked: bool = False,
+                                  persistent: Optional[bool] = None, timeline: Optional[torch.Tensor] = None):
     """Block-sparse causal attention over tile lists (the plan contract, module docstring) on an H100.
 
     q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D) -> out (B, Hq, Nq, D) in q's dtype, stored as (B, Nq, Hq, D) memory.
-    ``num_stages``: K/V ring depth, 2 to ``MAX_STAGES`` where shared memory allows (None: ``default_stages``; at
-    D=128, block_n=128 that is 3, 224 KiB, the most that fits).
+    ``num_stages``: K/V ring depth, 2 to ``MAX_STAGES`` where shared memory allows (None: ``DEFAULT_NUM_STAGES``,
+    3; at D=128, block_n=128 that is 224 KiB, the most that fits).
     ``pv_skip`` lambda < 0 (natural-log units) drops a row's P.V share of a tile as the Triton kernel does;
     ``key_index`` (Hkv heads) is served by a permuted contiguous K/V copy read by TMA, the index itself read in
     masked tiles for positions; ``key_gather=True`` reads the keys in place through the index instead (a 4-warp
@@ -1193,14 +1176,18 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     the int32 (B, Hq, n_query_blocks) tiles each block computed (without early stop, its tile count).
     ``out`` / ``lse`` / ``resume`` / ``skip_masked``: two passes over one softmax, as
     ``kernels.attention.block_sparse_attention`` documents them (``out`` needs TMA-compatible strides).
+    ``persistent``: persistent CTAs where the call allows them (True / False; None: ``persistent_by_default``).
+    ``timeline`` (debugging): an int64 (grid, 16) tensor; each CTA writes its row: 0 the SM, 14 its tile count;
+    1-5 (compute warpgroup 0) and 6-10 (warpgroup 1) clock64 at its start, Q ready, first S landed, last P V
+    landed, end; 11 / 13 the load partition's start / end. None: the stamps are compiled out.
     Raises NotImplementedError naming the first unsupported feature (the caller falls back to the Triton kernel)
-    and ValueError for malformed inputs. ``variant``: one of HOPPER_VARIANTS (module docstring).
+    and ValueError for malformed inputs.
     """
     if num_stages is None:
-        num_stages = default_stages(q.shape[-1], block_n)
+        num_stages = DEFAULT_NUM_STAGES
     why = hopper_unsupported(q, k, v, tile_offsets, block_m=block_m, block_n=block_n, key_index=key_index,
                              query_index=query_index, early_stop=early_stop, pv_skip=pv_skip, num_stages=num_stages,
-                             variant=variant, key_gather=key_gather)
+                             key_gather=key_gather)
     if why is not None:
         raise NotImplementedError(f"hopper_block_sparse_attention: {why}")
     validate_qkv(q, k, v, who="hopper_block_sparse_attention")
@@ -1250,9 +1237,8 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         visited = counts[:, :, None, :].expand(B, tile_counts.shape[1], g, nqb).reshape(B, Hq, nqb).clone()
     if out.numel() == 0:
         return (out, visited) if return_visited else out
-    warp_spec, overlap, split = _VARIANT_FLAGS[variant]
     if key_gather is None:
-        key_gather = gathers_by_default(key_index, Nk) and split
+        key_gather = gathers_by_default(key_index, Nk)
     if key_gather:
         kk, vv, key_len = k, v, key_index.shape[-1]  # the descriptors below go unused: keys are gathered
         kidx, ki_strides = key_index, tuple(key_index.stride())
@@ -1268,26 +1254,22 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         kk, vv, key_len = k, v, Nk
         kidx, ki_strides = tile_counts, (0, 0, 0)  # any int32 tensor: never read without HAS_KIDX
     desc_q = _desc(q, BLOCK_M, _LAYOUTS)
-    desc_o = _desc(out, BLOCK_M // 2 if split else BLOCK_M, _LAYOUTS)  # each compute partition stores its rows
+    desc_o = _desc(out, BLOCK_M // 2, _LAYOUTS)  # each compute partition stores its rows
     desc_k = _desc(kk, block_n, _LAYOUTS)
     desc_v = _desc(vv, block_n, _LAYOUTS)
     n_items = B * Hq * nqb
-    persistent = (split and overlap and query_index is None and early_stop == 0 and not key_gather and not resume
-                  and PINGPONG != 2 and block_n == BLOCK_M)
-    if persistent:
-        persistent = persistent_by_default(tile_offsets, n_items) if PERSISTENT is None else bool(PERSISTENT)
+    allowed = query_index is None and early_stop == 0 and not key_gather and not resume and block_n == BLOCK_M
+    if allowed:
+        persistent = persistent_by_default(tile_offsets, n_items) if persistent is None else bool(persistent)
+    else:
+        persistent = False
     grid = (min(n_items, _sm_count(q.device)) if persistent else n_items,)
-    kwargs = dict(num_warps=4 if split else NUM_WARPS)
-    if warp_spec:
-        # 8 compute warps + 1 load warp, allocated by warpgroup: 12 warps x 168 registers fit the 64K register
-        # file; the load warp's group gives up all but 24 and the compute warps take the rest
-        kwargs["maxnreg"] = 168
     qidx = query_index if query_index is not None else tile_counts  # any int32 tensor: never read without it
     qi_strides = tuple(query_index.stride()) if query_index is not None else (0, 0, 0)
     _hopper_fwd_kernel[grid](
         desc_q, desc_k, desc_v, desc_o, q, out,
         tile_offsets, tile_counts, masked_counts, kidx, qidx, visited if visited is not None else tile_counts,
-        lse if lse is not None else tile_counts, TIMELINE_BUFFER if TIMELINE_BUFFER is not None else tile_counts,
+        lse if lse is not None else tile_counts, timeline if timeline is not None else tile_counts,
         scale * _LOG2E, float(pv_skip if pv_skip is not None else 0.0) * _LOG2E, early_stop,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *tile_offsets.stride(), *tile_counts.stride(), *masked_counts.stride(), *ki_strides, *qi_strides,
@@ -1296,14 +1278,16 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         Hq, Nq, Nk, key_len, nqb, Hq // Hkv, Hq // tile_offsets.shape[1],
         Hq // query_index.shape[1] if query_index is not None else 1, n_items,
         HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=num_stages,
-        WARP_SPEC=warp_spec, OVERLAP=overlap, NUM_WARPS=4 if split else NUM_WARPS, SPLIT=split,
+        # one kernel shape: warp-specialised (a load partition), two compute warpgroups, overlapped steps
+        WARP_SPEC=True, OVERLAP=True, NUM_WARPS=PARTITION_WARPS, SPLIT=True,
         CONSUMER_REGS=CONSUMER_REGS, HAS_KIDX=key_index is not None, PV_SKIP=pv_skip is not None,
         HAS_QIDX=query_index is not None, EARLY_STOP=early_stop > 0, GATHER=bool(key_gather),
         LOAD_WARPS=GATHER_LOAD_WARPS, GATHER_ROWS=GATHER_ROWS_PER_COPY, LOAD_REGS=GATHER_LOAD_REGS,
         INT32_OFFSETS=(Nk - 1) * max(k.stride(2), v.stride(2)) + D < 2**31,
         SKIP_MASKED=bool(skip_masked), RESUME=bool(resume), WRITE_LSE=lse is not None and not resume,
-        PINGPONG=(PINGPONG if PINGPONG is not None else int(early_stop == 0)) if (split and overlap) else 0,
-        TIMELINE=TIMELINE_BUFFER is not None, PERSISTENT=persistent,
-        **kwargs,
+        PINGPONG=issue_order(early_stop), TIMELINE=timeline is not None, PERSISTENT=persistent,
+        # 8 compute warps + 1 load warp, allocated by warpgroup: 12 warps x 168 registers fit the 64K register
+        # file; the load warp's group gives up all but 24 and the compute warps take the rest
+        num_warps=PARTITION_WARPS, maxnreg=168,
     )
     return (out, visited) if return_visited else out
