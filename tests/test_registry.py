@@ -40,7 +40,7 @@ def test_sixth_method_through_the_compiled_backend(window_method):
     assert torch.isfinite(windowed).all() and not torch.allclose(windowed, ref, atol=1e-3)
     stats = sparse_compile.runtime_stats()
     assert all(s.calls[("sparse", "method window (reference)")] == 3 for s in stats.values()), stats
-    assert SparseConfig(method="window").keep_all().window.window_blocks == 0
+    assert SparseConfig(method="window").keep_all().params_of(WindowParams).window_blocks == 0
 
 
 def test_sixth_method_through_sparse_attention(window_method):
@@ -69,3 +69,21 @@ def test_registry_derives_the_rest():
     with pytest.raises(ValueError, match="SparseConfig field name"):
         sparse_compile.register_method(sparse_compile.Method(
             name="enabled", params=WindowParams, select=WINDOW.select, density=WINDOW.density, keep_all={}))
+
+
+def test_method_parameters_are_typed_and_read_without_getattr():
+    """The paper methods' parameters are typed properties; any method's, ``params_of`` by name or by class (typed
+    as that class); a name that is neither a field nor a property is an ordinary AttributeError."""
+    from sparse_compile import PBSParams, SampledParams
+
+    config = SparseConfig(method="sampled", sampled={"budget": 0.2}, pbs=PBSParams(threshold=0.5))
+    assert isinstance(config.pbs, PBSParams) and config.pbs.threshold == 0.5
+    assert config.params_of(SampledParams).budget == 0.2 and config.params_of("sampled") is config.params_of(
+        SampledParams)
+    assert SparseConfig.pbs.fget.__annotations__["return"] == "PBSParams"  # what type checkers and IDEs read
+    assert "__getattr__" not in vars(SparseConfig)
+    with pytest.raises(AttributeError):
+        config.sampled  # noqa: B018
+    with pytest.raises(ValueError, match="unknown method"):
+        config.params_of("nope")
+    assert SparseConfig(**config.to_dict()) == config

@@ -196,7 +196,7 @@ def reference_bounds(select, q, k, scale, r, config):
         maybe = torch.where(rows_amb, visible, maybe | forced)
         return sure & visible, maybe & visible
     elif select == "sampled":  # a fixed share per block: a tile's rank is known up to near-equal masses
-        p = config.sampled
+        p = config.params_of(SampledParams)
         bs = p.block_size
         vis = visibility(Nq, Nk, bs, bs, r, B, Hq, q.device)
         visible = vis != VISIBLE_NONE
@@ -807,7 +807,7 @@ def _confinement(method, cfg, batch, head, row, heads_q, heads_kv):
     group = heads_q // heads_kv
     group_heads = slice(head // group * group, head // group * group + group)
     if method in ("pbs", "sampled"):  # its query block, in its head
-        size = cfg.pbs.block_size if method == "pbs" else cfg.sampled.block_size
+        size = cfg.pbs.block_size if method == "pbs" else cfg.params_of(SampledParams).block_size
         region[batch, head, row // size * size: row // size * size + size] = True
     elif method == "sparge":
         size = cfg.sparge.block_size_q
@@ -838,7 +838,8 @@ def test_nan_query_row_stays_confined(method, planner):
     torch.testing.assert_close(out[outside], clean[outside], rtol=1e-5, atol=1e-6)
     # the selectors: a query block with non-finite pooled statistics keeps every visible tile (the sampled
     # selector: when the row is one it scores; an unsampled NaN row leaves the plan as it was)
-    sampled_row = (row % cfg.sampled.block_size) % cfg.sampled.sample_every == cfg.sampled.sample_every - 1
+    sampled = cfg.params_of(SampledParams)
+    sampled_row = (row % sampled.block_size) % sampled.sample_every == sampled.sample_every - 1
     if method != "s2o" and (method != "sampled" or sampled_row):
         vis = block_visibility(NAN_N, NAN_N, plan.block_m, plan.block_n, key_index=plan.key_index, batch=2,
                                heads=plan.tile_counts.shape[1])

@@ -1,7 +1,8 @@
 """The package's layering, read from the source: no import cycles, and ``kernels/`` below ``sparse_compile``.
 
-Every ``import`` counts, also one inside a function (a lazy import still ties two modules together). The graph
-is built from the files with ``ast``, without importing anything, so the check is fast and sees what tools see.
+Every ``import`` counts, also one inside a function (a lazy import still ties two modules together); only imports
+under ``if TYPE_CHECKING:`` (annotations, never run) do not. The graph is built from the files with ``ast``,
+without importing anything, so the check is fast and sees what tools see.
 ``kernels/`` is installed as ``sparse_compile.kernels`` and is named so here.
 """
 
@@ -37,6 +38,16 @@ def _resolve(module: str, is_package: bool, level: int, target: str | None) -> s
     return ".".join(base + ([target] if target else []))
 
 
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes inside ``if TYPE_CHECKING:`` blocks."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for inner in node.body:
+                skipped.update(id(n) for n in ast.walk(inner))
+    return skipped
+
+
 def import_graph() -> dict[str, set[str]]:
     """Module -> the package modules it imports (anywhere in its file). ``from X import name`` is an edge to
     ``X.name`` when that is a module, else to ``X``."""
@@ -44,7 +55,11 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        skipped = _type_checking_only(tree)
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
             targets = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -105,6 +120,7 @@ def test_the_import_graph_sees_lazy_imports():
     assert "sparse_compile.kernels.block_sparse_attention" not in graph  # names resolve to their modules
     assert "sparse_compile.plan" in graph["sparse_compile.methods._blocks"]
     assert "sparse_compile.kernels.hopper" in graph["sparse_compile.kernels.attention"]  # a function-level import
+    assert "sparse_compile.methods.pbs" not in graph["sparse_compile.config"]  # annotations only
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -121,3 +137,44 @@ def test_kernels_import_nothing_from_the_package():
     upward = {name: sorted(t for t in targets if not t.startswith(KERNELS))
               for name, targets in graph.items() if name.startswith(KERNELS)}
     assert {name: t for name, t in upward.items() if t} == {}
+
+
+def _code_mentions(path: Path, word: str) -> list[int]:
+    """Lines where ``word`` occurs in code (names, attributes, strings that are not docstrings, imports)."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    lines = []
+    for node in ast.walk(tree):
+        text = None
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            text = node.value
+        elif isinstance(node, ast.Name):
+            text = node.id
+        elif isinstance(node, ast.Attribute):
+            text = node.attr
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            text = " ".join([getattr(node, "module", None) or ""] + [a.name for a in node.names])
+        if text is not None and word.lower() in text.lower():
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_a_method_with_kernels_is_its_own_files_and_one_line():
+    """``sampled`` (a method with fast stages and kernels of its own) is named in code only by its two files, its
+    registration line in ``methods/__init__.py`` and the package's public name of its parameters."""
+    own = {ROOT / "sparse_compile" / "methods" / "sampled.py", ROOT / "kernels" / "sampled.py"}
+    found = {}
+    for path in _modules().values():
+        if path not in own and (lines := _code_mentions(path, "sampled")):
+            found[str(path.relative_to(ROOT))] = lines
+    init = (ROOT / "sparse_compile" / "__init__.py").read_text().splitlines()
+    public = found.pop("sparse_compile/__init__.py", [])  # ``from .methods.sampled import SampledParams``, __all__
+    assert public and all("SampledParams" in init[n - 1] for n in public), public
+    registration = found.pop("sparse_compile/methods/__init__.py", [])
+    assert len(registration) == 1, registration
+    assert found == {}, f"code outside the method's files that names it: {found}"
