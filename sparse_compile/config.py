@@ -180,10 +180,10 @@ class SparseConfig:
     def __init__(self, method: str = "pbs", reorder: Optional[str] = None, select: Optional[str] = None,
                  enabled: bool = True, min_seq_len: int = 16384, skip_layers=(), kernel: str = "auto",
                  planner: str = "auto", record_density: bool = False, dense_when_faster: bool = True,
-                 site_params=None, params=None, pbs: Union["PBSParams", Mapping[str, Any], None] = None,
-                 sparge: Union["SpargeParams", Mapping[str, Any], None] = None,
-                 bfla: Union["BFLAParams", Mapping[str, Any], None] = None,
-                 s2o: Union["S2OParams", Mapping[str, Any], None] = None,
+                 site_params=None, params=None, pbs: Union[PBSParams, Mapping[str, Any], None] = None,
+                 sparge: Union[SpargeParams, Mapping[str, Any], None] = None,
+                 bfla: Union[BFLAParams, Mapping[str, Any], None] = None,
+                 s2o: Union[S2OParams, Mapping[str, Any], None] = None,
                  **method_params: Union[MethodParams, Mapping[str, Any]]) -> None:
         # the paper methods' keywords are spelled out for type checkers; any registered method's name is a keyword
         method_params.update({name: value for name, value in (("pbs", pbs), ("sparge", sparge), ("bfla", bfla),
@@ -275,19 +275,19 @@ class SparseConfig:
 
     # typed access to the paper methods' parameters (any method: ``params_of``)
     @property
-    def pbs(self) -> "PBSParams":
+    def pbs(self) -> PBSParams:
         return self.params_of("pbs")  # type: ignore[return-value]
 
     @property
-    def sparge(self) -> "SpargeParams":
+    def sparge(self) -> SpargeParams:
         return self.params_of("sparge")  # type: ignore[return-value]
 
     @property
-    def bfla(self) -> "BFLAParams":
+    def bfla(self) -> BFLAParams:
         return self.params_of("bfla")  # type: ignore[return-value]
 
     @property
-    def s2o(self) -> "S2OParams":
+    def s2o(self) -> S2OParams:
         return self.params_of("s2o")  # type: ignore[return-value]
 
     @classmethod
