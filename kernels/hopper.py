@@ -53,23 +53,16 @@ compute warpgroups have computed their last S (``q_empty``); O leaves by TMA thr
 buffer already holds the next rows), which is released once the store has read it. No CTA launch, Q wait or first
 tile latency between blocks (benchmarks/NOTES_hopper.md part 13).
 
-Variants (``variant=``), one kernel specialised by two constexprs:
+One shape (FA3's): warp-specialised (``gl.warp_specialize``), a load partition (1 warp, 24 registers; 4 warps
+when it gathers keys) issues every load and waits on the ring's empty barriers; two 4-warp compute partitions of
+64 query rows each, scheduled independently (a ring slot is free once both have arrived on its empty barrier),
+each with FA3's intra-warpgroup overlap: S(t+1) = Q K(t+1)^T and O += P(t) V(t) are issued back to back, and the
+softmax of tile t+1 runs while P(t) V(t) is in flight. With 3 stages it ran at 1.08-1.18x cuDNN's speed at rho=1,
+16K-64K, D=128 (H100), the fastest of the shapes measured (one compute partition of 8 warps, no load partition,
+no overlap: each slower); with 2 stages the overlapped steps wait on the slot they have not yet released.
 
-* ``"tma"``: no warp specialisation; the compute warps issue the TMA loads themselves, ``num_stages`` tiles
-  ahead (a tile's slot is refilled as soon as its P.V has completed);
-* ``"tma_ov"``: as "tma", with FA3's intra-warpgroup overlap in the loop over unmasked tiles: S(t+1) = Q K(t+1)^T
-  and O += P(t) V(t) are issued back to back, and the softmax of tile t+1 runs while P(t) V(t) is in flight;
-* ``"ws"``: warp-specialised (``gl.warp_specialize``): a 1-warp producer partition (24 registers) issues every
-  TMA load and waits on the ring's empty barriers; the 8 compute warps only wait, compute and release;
-* ``"ws_ov"``: "ws" with the intra-warpgroup overlap;
-* ``"ws2"`` / ``"ws2_ov"``: as "ws" / "ws_ov" but with two 4-warp compute partitions of 64 query rows each (FA3's
-  two consumer warpgroups, scheduled independently; a ring slot is free once both have arrived on its empty bar).
-
-Default: ``"ws2_ov"`` with 3 stages, the fastest on the H100 (benchmarks/NOTES_hopper.md: 1.08-1.18x cuDNN's
-speed at rho=1, 16K-64K, D=128); with 2 stages the overlap variants wait on the slot they have not yet released.
-
-Masked tiles (listed first; usually only the diagonal) go through the same overlapped step as the others in the
-overlap variants (they were one at a time before: S2O's intra-segment squares are a fifth of its tiles).
+Masked tiles (listed first; usually only the diagonal) go through the same overlapped step as the others (S2O's
+intra-segment squares are a fifth of its tiles).
 
 Written against the Gluon API of Triton 3.6 (``triton.experimental.gluon``); other versions may differ in it (the
 module imports without Gluon and the wrapper then raises NotImplementedError).
@@ -125,18 +118,12 @@ if GLUON_IMPORT_ERROR is None:
         tma.async_copy_global_to_shared(desc_v, [b, hkv, start, 0], v_ready.index(s), v_bufs.index(s), pred=pred)
 
     @gluon.jit
-    def _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt, n_tiles, b, hkv,
-                 STAGES: gl.constexpr, WARP_SPEC: gl.constexpr):
-        """Plan tile ``t``'s slot is no longer read (both its MMAs completed in every warpgroup of this partition):
-        hand it to the producer partition, or (no producer) refill it with tile ``t + STAGES`` ourselves."""
-        # thread 0 signals / issues for the whole partition: every warpgroup must have retired its MMAs first
+    def _release(t, kv_empty, STAGES: gl.constexpr):
+        """Plan tile ``t``'s slot is no longer read (both its MMAs completed in every warp of this partition): hand
+        it to the load partition."""
+        # thread 0 signals for the whole partition: every warp must have retired its MMAs first
         gl.thread_barrier()
-        if WARP_SPEC:
-            mbarrier.arrive(kv_empty.index(t % STAGES), count=1)
-        else:
-            _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t + STAGES,
-                      t + STAGES < n_tiles, b,
-                      hkv, STAGES)
+        mbarrier.arrive(kv_empty.index(t % STAGES), count=1)
 
     @gluon.jit
     def _key_positions(start, N_K, KEY_LEN, kidx_base, stride_kip, HAS_KIDX: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -174,28 +161,6 @@ if GLUON_IMPORT_ERROR is None:
             # maximum drops its P.V share; its denominator keeps the gain
             p = gl.where((tile_max - m_new >= pv_lambda)[:, None], p, 0.0)
         return p, alpha, m_new, l_new, gain, l_prev
-
-    @gluon.jit
-    def _attend_tile(t, key_pos, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, m_i, l_i, qk_scale,
-                     pv_lambda, q_pos, MASKED: gl.constexpr, PV_SKIP: gl.constexpr, STAGES: gl.constexpr,
-                     row_o: gl.constexpr, p_layout: gl.constexpr):
-        """Plan tile ``t`` (ring slot ``t % STAGES``; masked: keys at ``key_pos``) without overlap: S = Q K^T,
-        softmax, O += P V. Returns (acc, m_i, l_i, gain, l_prev); the caller releases the slot."""
-        s = t % STAGES
-        ph = (t // STAGES) & 1
-        k_buf = k_bufs.index(s)
-        v_buf = v_bufs.index(s)
-        mbarrier.wait(k_ready.index(s), ph)
-        s_acc = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_buf))
-        p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, key_pos, MASKED,
-                                                         PV_SKIP)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        mbarrier.wait(v_ready.index(s), ph)
-        acc = warpgroup_mma(p16, v_buf, acc, is_async=True)
-        acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_buf))
-        return acc, m_i, l_i, gain, l_prev
 
     @gluon.jit
     def _publish_vote(gain, l_prev, row_ok, es_tau, j, votes, vote_bar, WG: gl.constexpr,
@@ -269,17 +234,16 @@ if GLUON_IMPORT_ERROR is None:
                   pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                   q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr, lse_base, stride_ln,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr,
-                  ROWS: gl.constexpr, ROW0: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr,
+                  NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, ROW0: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr,
                   HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr, VOTE_SLOTS: gl.constexpr,
                   RESUME: gl.constexpr, WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr, tl_row,
                   TIMELINE: gl.constexpr, g, item_i, q_empty, PERSISTENT: gl.constexpr):
-        """Compute partition: query rows [ROW0, ROW0 + ROWS) of the block (all 128, or one warpgroup's 64).
+        """Compute partition: one warpgroup, query rows [ROW0, ROW0 + ROWS) of the block.
 
         ``g``: the ring position of the block's first tile (a persistent CTA's earlier blocks used the ring before
         it; 0 otherwise), ``item_i``: how many blocks this CTA computed before (the parity of Q's barriers)."""
-        gl.static_assert(not PERSISTENT or (OVERLAP and not HAS_QIDX and not EARLY_STOP and not RESUME),
-                         "persistent CTAs: the overlapped two-warpgroup walk, Q by TMA, no early stop, no resume")
+        gl.static_assert(not PERSISTENT or (not HAS_QIDX and not EARLY_STOP and not RESUME),
+                         "persistent CTAs: Q by TMA, no early stop, no resume")
         gl.static_assert(ROWS == 16 * NUM_WARPS, "one m16 wgmma atom row per warp: rows = 16 * warps")
         gl.static_assert(not EARLY_STOP or ROWS * 2 == BLOCK_M, "early stop votes between two compute warpgroups")
         WG: gl.constexpr = ROW0 // ROWS
@@ -291,10 +255,7 @@ if GLUON_IMPORT_ERROR is None:
                                                  is_pure=False, pack=1)
                 gl.store(tl_row, smid.to(gl.int64))
                 gl.store(tl_row + 14, n_tiles.to(gl.int64))
-        if ROWS == BLOCK_M:
-            q_smem = q_all
-        else:
-            q_smem = q_all.slice(ROW0, ROWS, dim=0)
+        q_smem = q_all.slice(ROW0, ROWS, dim=0)
         # wgmma: m16 atoms over the warps along M (two warpgroups x 64 rows), the whole tile width in one instr
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -352,124 +313,85 @@ if GLUON_IMPORT_ERROR is None:
         end = g + n_tiles
         masked_end = g + n_masked
         last = end - 1
-        if OVERLAP:
-            # every tile, masked ones included, through the overlapped step: S(t) is issued before O += P(t-1) V(t-1)
-            if n_tiles > 0:
-                # the first tile's key positions (read only if it is masked) before its S is waited for
-                key_pos = _key_positions(gl.load(tile_ptr), N_K, KEY_LEN, kidx_base, stride_kip, HAS_KIDX, BLOCK_N,
-                                         s_layout)
-                k_first = k_bufs.index(g % STAGES)
-                mbarrier.wait(k_ready.index(g % STAGES), (g // STAGES) & 1)
-                if PINGPONG > 0:
-                    if WG == 1:
-                        mbarrier.wait(turn.index(1), item_i & 1)
-                s_acc = warpgroup_mma(q_smem, k_first.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                if PINGPONG == 2:
-                    mbarrier.arrive(turn.index(1 - WG), count=1)
-                elif PINGPONG == 1:
-                    if WG == 0:
-                        mbarrier.arrive(turn.index(1), count=1)
-                s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_first))
-                _stamp(tl_row, 3 + 5 * WG, n_tiles, TIMELINE)
-                if n_masked > 0:
-                    p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos,
-                                                                     key_pos, True, PV_SKIP)
-                else:
-                    p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0,
-                                                                     False, PV_SKIP)
-                if RESUME:
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                # (otherwise acc is still zero: no rescale)
-                p16 = gl.convert_layout(p.to(dtype), p_layout)
-                # each masked tile's start is read one step ahead: its latency would otherwise stall the issue of
-                # the tile's key-position load, which itself must land before the softmax
-                start = gl.load(tile_ptr + stride_tt, mask=n_masked > 1, other=0)
-                for t in range(g + 1, masked_end):
-                    key_pos = _key_positions(start, N_K, KEY_LEN, kidx_base, stride_kip, HAS_KIDX, BLOCK_N, s_layout)
-                    start = gl.load(tp + (t + 1) * stride_tt, mask=t + 1 < masked_end, other=0)
-                    acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
-                        t, key_pos, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tp,
-                        stride_tt, end, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, True,
-                        PV_SKIP, STAGES, WARP_SPEC, row_o, p_layout, turn, WG, PINGPONG)
-                t1 = gl.maximum(masked_end, g + 1)  # the first unmasked tile not yet computed
-                if EARLY_STOP:
-                    # the vote on tile t-1 runs while S(t) and P(t-1) V(t-1) are on the tensor cores (S(t) is
-                    # computed before the walk knows it goes on; a stop discards it). Only unmasked tiles vote
-                    t = t1
-                    go = t1 < end
-                    pv_pending = True  # P(last) V(last) not yet issued
-                    while go:
-                        acc, m_i, l_i, p16, gain, l_prev, goes_on = _voting_step(
-                            t, masked_end, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                            tp, stride_tt, end, b, hkv, s_zero, acc, m_i, l_i, p16, gain, l_prev, row_ok,
-                            es_tau, votes, vote_bar, qk_scale, pv_lambda, q_pos, PV_SKIP, STAGES, WARP_SPEC, WG,
-                            VOTE_SLOTS, row_o, p_layout, vote_layout, turn, PINGPONG)
-                        t = gl.where(goes_on, t + 1, t)
-                        pv_pending = goes_on
-                        go = goes_on & (t < end)
-                    last = t - 1
-                else:
-                    for t in range(t1, end):
-                        acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
-                            t, 0, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tp,
-                            stride_tt, end, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, False,
-                            PV_SKIP, STAGES, WARP_SPEC, row_o, p_layout, turn, WG, PINGPONG)
-                if PERSISTENT:
-                    # the block's last S = Q K^T has landed: the load partition may bring the next block's Q while
-                    # this one finishes (its O leaves from registers, not through Q's buffer)
-                    gl.thread_barrier()
-                    mbarrier.arrive(q_empty, count=1)
-                if not EARLY_STOP or pv_pending:
-                    sl = last % STAGES
-                    v_last = v_bufs.index(sl)
-                    mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
-                    acc = warpgroup_mma(p16, v_last, acc, is_async=True)
-                    acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_last))
-                    _stamp(tl_row, 4 + 5 * WG, n_tiles, TIMELINE)
-                    if not PERSISTENT:  # (persistent: after O has gone out through its K buffer)
-                        _release(last, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tp, stride_tt,
-                                 end, b, hkv, STAGES, WARP_SPEC)
-            elif PERSISTENT:
-                # no tile: Q is released at once, and the stagger's barrier keeps its parity (one phase per block)
-                if PINGPONG == 1:
-                    if WG == 0:
-                        mbarrier.arrive(turn.index(1), count=1)
-                    else:
-                        mbarrier.wait(turn.index(1), item_i & 1)
-                gl.thread_barrier()
-                mbarrier.arrive(q_empty, count=1)
-        else:
-            # one tile at a time: the masked tiles, then the unmasked walk
-            for t in range(0, n_masked):
-                key_pos = _key_positions(gl.load(tile_ptr + t * stride_tt), N_K, KEY_LEN, kidx_base, stride_kip,
-                                         HAS_KIDX, BLOCK_N, s_layout)
-                acc, m_i, l_i, gain, l_prev = _attend_tile(t, key_pos, q_smem, k_bufs, v_bufs, k_ready, v_ready,
-                                                           s_zero, acc, m_i, l_i, qk_scale, pv_lambda, q_pos, True,
-                                                           PV_SKIP, STAGES, row_o, p_layout)
-                _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
-                         n_tiles, b, hkv, STAGES, WARP_SPEC)
+        # every tile, masked ones included, through the overlapped step: S(t) is issued before O += P(t-1) V(t-1)
+        if n_tiles > 0:
+            # the first tile's key positions (read only if it is masked) before its S is waited for
+            key_pos = _key_positions(gl.load(tile_ptr), N_K, KEY_LEN, kidx_base, stride_kip, HAS_KIDX, BLOCK_N,
+                                     s_layout)
+            k_first = k_bufs.index(g % STAGES)
+            mbarrier.wait(k_ready.index(g % STAGES), (g // STAGES) & 1)
+            if PINGPONG > 0:
+                if WG == 1:
+                    mbarrier.wait(turn.index(1), item_i & 1)
+            s_acc = warpgroup_mma(q_smem, k_first.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if PINGPONG == 1:
+                if WG == 0:
+                    mbarrier.arrive(turn.index(1), count=1)
+            s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_first))
+            _stamp(tl_row, 3 + 5 * WG, n_tiles, TIMELINE)
+            if n_masked > 0:
+                p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos,
+                                                                 key_pos, True, PV_SKIP)
+            else:
+                p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0,
+                                                                 False, PV_SKIP)
+            if RESUME:
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            # (otherwise acc is still zero: no rescale)
+            p16 = gl.convert_layout(p.to(dtype), p_layout)
+            # each masked tile's start is read one step ahead: its latency would otherwise stall the issue of
+            # the tile's key-position load, which itself must land before the softmax
+            start = gl.load(tile_ptr + stride_tt, mask=n_masked > 1, other=0)
+            for t in range(g + 1, masked_end):
+                key_pos = _key_positions(start, N_K, KEY_LEN, kidx_base, stride_kip, HAS_KIDX, BLOCK_N, s_layout)
+                start = gl.load(tp + (t + 1) * stride_tt, mask=t + 1 < masked_end, other=0)
+                acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
+                    t, key_pos, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, s_zero, acc, m_i, l_i, p16,
+                    qk_scale, pv_lambda, q_pos, True, PV_SKIP, STAGES, row_o, p_layout)
+            t1 = gl.maximum(masked_end, g + 1)  # the first unmasked tile not yet computed
             if EARLY_STOP:
-                t = n_masked
-                go = t < n_tiles
+                # the vote on tile t-1 runs while S(t) and P(t-1) V(t-1) are on the tensor cores (S(t) is
+                # computed before the walk knows it goes on; a stop discards it). Only unmasked tiles vote
+                t = t1
+                go = t1 < end
+                pv_pending = True  # P(last) V(last) not yet issued
                 while go:
-                    acc, m_i, l_i, gain, l_prev = _attend_tile(t, 0, q_smem, k_bufs, v_bufs, k_ready, v_ready,
-                                                               s_zero, acc, m_i, l_i, qk_scale, pv_lambda, q_pos,
-                                                               False, PV_SKIP, STAGES, row_o, p_layout)
-                    mine = _publish_vote(gain, l_prev, row_ok, es_tau, t - n_masked, votes, vote_bar, WG,
-                                         VOTE_SLOTS, vote_layout)
-                    _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
-                             n_tiles, b, hkv, STAGES, WARP_SPEC)
-                    t += 1
-                    go = (t < n_tiles) & _goes_on(mine, t - 1 - n_masked, votes, vote_bar, WG, VOTE_SLOTS,
-                                                  vote_layout)
+                    acc, m_i, l_i, p16, gain, l_prev, goes_on = _voting_step(
+                        t, masked_end, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, s_zero, acc, m_i, l_i,
+                        p16, gain, l_prev, row_ok, es_tau, votes, vote_bar, qk_scale, pv_lambda, q_pos, PV_SKIP,
+                        STAGES, WG, VOTE_SLOTS, row_o, p_layout, vote_layout)
+                    t = gl.where(goes_on, t + 1, t)
+                    pv_pending = goes_on
+                    go = goes_on & (t < end)
                 last = t - 1
             else:
-                for t in range(n_masked, n_tiles):
-                    acc, m_i, l_i, gain, l_prev = _attend_tile(t, 0, q_smem, k_bufs, v_bufs, k_ready, v_ready,
-                                                               s_zero, acc, m_i, l_i, qk_scale, pv_lambda, q_pos,
-                                                               False, PV_SKIP, STAGES, row_o, p_layout)
-                    _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
-                             n_tiles, b, hkv, STAGES, WARP_SPEC)
+                for t in range(t1, end):
+                    acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
+                        t, 0, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, s_zero, acc, m_i, l_i, p16,
+                        qk_scale, pv_lambda, q_pos, False, PV_SKIP, STAGES, row_o, p_layout)
+            if PERSISTENT:
+                # the block's last S = Q K^T has landed: the load partition may bring the next block's Q while
+                # this one finishes (its O leaves from registers, not through Q's buffer)
+                gl.thread_barrier()
+                mbarrier.arrive(q_empty, count=1)
+            if not EARLY_STOP or pv_pending:
+                sl = last % STAGES
+                v_last = v_bufs.index(sl)
+                mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
+                acc = warpgroup_mma(p16, v_last, acc, is_async=True)
+                acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_last))
+                _stamp(tl_row, 4 + 5 * WG, n_tiles, TIMELINE)
+                if not PERSISTENT:  # (persistent: after O has gone out through its K buffer)
+                    _release(last, kv_empty, STAGES)
+        elif PERSISTENT:
+            # no tile: Q is released at once, and the stagger's barrier keeps its parity (one phase per block)
+            if PINGPONG == 1:
+                if WG == 0:
+                    mbarrier.arrive(turn.index(1), count=1)
+                else:
+                    mbarrier.wait(turn.index(1), item_i & 1)
+            gl.thread_barrier()
+            mbarrier.arrive(q_empty, count=1)
         if EARLY_STOP:
             if ROW0 == 0:
                 gl.store(visited_ptr, last + 1 - g)
@@ -492,8 +414,7 @@ if GLUON_IMPORT_ERROR is None:
                 gl.thread_barrier()
                 tma.async_copy_shared_to_global(desc_o, [b, h, row0, 0], o_smem)
                 tma.store_wait(pendings=0)
-                _release(last, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tp, stride_tt, end, b,
-                         hkv, STAGES, WARP_SPEC)
+                _release(last, kv_empty, STAGES)
             else:
                 phys_o, ok_o = _row_index(qidx_base, stride_qip, row0, N_Q, ROWS, HAS_QIDX, row_o)
                 o_ptrs, o_mask = _output_rows(o_base, stride_on, phys_o, ok_o, HEAD_DIM, o_layout)
@@ -518,20 +439,15 @@ if GLUON_IMPORT_ERROR is None:
         _stamp(tl_row, 5 + 5 * WG, n_tiles, TIMELINE)
 
     @gluon.jit
-    def _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, turn, STAGES: gl.constexpr,
-                    WG: gl.constexpr, PINGPONG: gl.constexpr):
+    def _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, STAGES: gl.constexpr):
         """FA3's intra-warpgroup overlap, first half: issue S(t) = Q K(t)^T, then O += P(t-1) V(t-1).
         Returns (S(t) in flight, O in flight, K(t)'s slot, V(t-1)'s slot)."""
         k_buf = k_bufs.index(t % STAGES)
         v_prev = v_bufs.index((t - 1) % STAGES)
         mbarrier.wait(k_ready.index(t % STAGES), (t // STAGES) & 1)
-        if PINGPONG == 2:
-            _wait_turn(t, turn, WG)
         s_next = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index((t - 1) % STAGES), ((t - 1) // STAGES) & 1)
         pv = warpgroup_mma(p16, v_prev, acc, is_async=True)
-        if PINGPONG == 2:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
         return s_next, pv, k_buf, v_prev
 
     @gluon.jit
@@ -543,20 +459,9 @@ if GLUON_IMPORT_ERROR is None:
             gl.store(ptr + slot, now)
 
     @gluon.jit
-    def _wait_turn(t, turn, WG: gl.constexpr):
-        """FA3's ping-pong: warpgroup 0 issues step ``t``'s MMAs after warpgroup 1 issued step t-1's, and
-        warpgroup 1 after warpgroup 0 issued step t's, so one's softmax runs while the other's MMAs do. Each
-        issue arrives once on the other's ``turn`` barrier; neither can get two steps ahead, so parity suffices."""
-        if WG == 0:
-            mbarrier.wait(turn.index(0), (t - 1) & 1, pred=t > 0)
-        else:
-            mbarrier.wait(turn.index(1), t & 1)
-
-    @gluon.jit
-    def _finish_step(t, key_pos, s_next, pv, k_buf, v_prev, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready,
-                     v_ready, kv_empty, tile_ptr, stride_tt, n_tiles, b, hkv, m_i, l_i, p16, qk_scale, pv_lambda,
+    def _finish_step(t, key_pos, s_next, pv, k_buf, v_prev, q_smem, kv_empty, m_i, l_i, p16, qk_scale, pv_lambda,
                      q_pos, MASKED: gl.constexpr, PV_SKIP: gl.constexpr, STAGES: gl.constexpr,
-                     WARP_SPEC: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr):
+                     row_o: gl.constexpr, p_layout: gl.constexpr):
         """Second half (tile ``t``, masked: its keys at ``key_pos``): softmax(t) while
         P(t-1) V(t-1) is in flight, then release tile t-1's slot and rescale O.
         Returns (acc, m_i, l_i, p16 of tile t, gain, l_prev)."""
@@ -564,38 +469,33 @@ if GLUON_IMPORT_ERROR is None:
         p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, key_pos, MASKED,
                                                          PV_SKIP)
         acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(pv, p16, v_prev))
-        _release(t - 1, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
-                 n_tiles, b, hkv, STAGES, WARP_SPEC)
+        _release(t - 1, kv_empty, STAGES)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
         return acc, m_i, l_i, p16, gain, l_prev
 
     @gluon.jit
-    def _overlapped_step(t, key_pos, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
-                         stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos,
-                         MASKED: gl.constexpr, PV_SKIP: gl.constexpr, STAGES: gl.constexpr, WARP_SPEC: gl.constexpr,
-                         row_o: gl.constexpr, p_layout: gl.constexpr, turn, WG: gl.constexpr,
-                         PINGPONG: gl.constexpr):
+    def _overlapped_step(t, key_pos, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, s_zero, acc, m_i, l_i,
+                         p16, qk_scale, pv_lambda, q_pos, MASKED: gl.constexpr, PV_SKIP: gl.constexpr,
+                         STAGES: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr):
         """FA3's intra-warpgroup overlap, tile ``t`` (masked: keys at ``key_pos``): ``_issue_step`` then
         ``_finish_step``. Returns (acc, m_i, l_i, p16 of tile t, gain, l_prev)."""
-        s_next, pv, k_buf, v_prev = _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, turn,
-                                                STAGES, WG, PINGPONG)
-        return _finish_step(t, key_pos, s_next, pv, k_buf, v_prev, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready,
-                            v_ready, kv_empty, tile_ptr, stride_tt, n_tiles, b, hkv, m_i, l_i, p16, qk_scale,
-                            pv_lambda, q_pos, MASKED, PV_SKIP, STAGES, WARP_SPEC, row_o, p_layout)
+        s_next, pv, k_buf, v_prev = _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16,
+                                                STAGES)
+        return _finish_step(t, key_pos, s_next, pv, k_buf, v_prev, q_smem, kv_empty, m_i, l_i, p16, qk_scale,
+                            pv_lambda, q_pos, MASKED, PV_SKIP, STAGES, row_o, p_layout)
 
     @gluon.jit
-    def _voting_step(t, n_masked, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
-                     stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, gain, l_prev, row_ok, es_tau, votes,
-                     vote_bar, qk_scale, pv_lambda, q_pos, PV_SKIP: gl.constexpr, STAGES: gl.constexpr,
-                     WARP_SPEC: gl.constexpr, WG: gl.constexpr, VOTE_SLOTS: gl.constexpr, row_o: gl.constexpr,
-                     p_layout: gl.constexpr, vote_layout: gl.constexpr, turn, PINGPONG: gl.constexpr):
+    def _voting_step(t, n_masked, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, s_zero, acc, m_i, l_i, p16,
+                     gain, l_prev, row_ok, es_tau, votes, vote_bar, qk_scale, pv_lambda, q_pos, PV_SKIP: gl.constexpr,
+                     STAGES: gl.constexpr, WG: gl.constexpr, VOTE_SLOTS: gl.constexpr, row_o: gl.constexpr,
+                     p_layout: gl.constexpr, vote_layout: gl.constexpr):
         """``_overlapped_step`` for the early-stop walk over unmasked tile ``t``: issue S(t) and O += P(t-1) V(t-1),
         then vote on tile t-1 (if unmasked; ``gain`` / ``l_prev`` are its) while both run. The walk goes on: the
         softmax of t as in ``_overlapped_step``. It stops (tile t-1 was the last): O is complete once P(t-1) V(t-1)
         lands, and S(t) is dropped. Returns (acc, m_i, l_i, p16, gain, l_prev, goes_on)."""
-        s_next, pv, k_buf, v_prev = _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, turn,
-                                                STAGES, WG, PINGPONG)
+        s_next, pv, k_buf, v_prev = _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16,
+                                                STAGES)
         j = t - 1 - n_masked  # tile t-1's rank among the unmasked tiles (< 0: it was masked and does not vote)
         goes_on = True
         if j >= 0:
@@ -603,13 +503,11 @@ if GLUON_IMPORT_ERROR is None:
             goes_on = _goes_on(mine, j, votes, vote_bar, WG, VOTE_SLOTS, vote_layout)
         if goes_on:
             acc, m_i, l_i, p16, gain, l_prev = _finish_step(
-                t, 0, s_next, pv, k_buf, v_prev, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                tile_ptr, stride_tt, n_tiles, b, hkv, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, False, PV_SKIP,
-                STAGES, WARP_SPEC, row_o, p_layout)
+                t, 0, s_next, pv, k_buf, v_prev, q_smem, kv_empty, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, False,
+                PV_SKIP, STAGES, row_o, p_layout)
         else:
             acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(pv, p16, v_prev))
-            _release(t - 1, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
-                     n_tiles, b, hkv, STAGES, WARP_SPEC)
+            _release(t - 1, kv_empty, STAGES)
         return acc, m_i, l_i, p16, gain, l_prev, goes_on
 
     @gluon.jit
@@ -792,7 +690,7 @@ if GLUON_IMPORT_ERROR is None:
                       vote_bar, turn, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale, N_Q, N_K,
                       pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip, o_base, stride_on, o_base, stride_on,
                       TileCounts, 0, TileCounts, lse_base, stride_ln,
-                      HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, True, True, NUM_WARPS, ROWS, ROW0,
+                      HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, NUM_WARPS, ROWS, ROW0,
                       HAS_KIDX, PV_SKIP, False, False, VOTE_SLOTS, False, WRITE_LSE, PINGPONG,
                       tl_row, TIMELINE, g, item_i, q_empty, True)
             g += n_tiles
@@ -848,20 +746,17 @@ if GLUON_IMPORT_ERROR is None:
         K, V, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         H_Q, N_Q, N_K, KEY_LEN, N_QBLK, GQA, PLAN_DIV, QIDX_DIV, N_ITEMS,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, HAS_QIDX: gl.constexpr,
+        NUM_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, HAS_QIDX: gl.constexpr,
         EARLY_STOP: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr,
         INT32_OFFSETS: gl.constexpr, LOAD_REGS: gl.constexpr, SKIP_MASKED: gl.constexpr, RESUME: gl.constexpr,
         WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr, TIMELINE: gl.constexpr, PERSISTENT: gl.constexpr,
     ):
-        gl.static_assert(not SPLIT or WARP_SPEC, "two compute partitions need the producer partition")
-        gl.static_assert(not GATHER or (SPLIT and HAS_KIDX), "gathered keys: a two-warpgroup variant and a key index")
-        gl.static_assert(not EARLY_STOP or SPLIT, "early stop: the two-warpgroup variants (ws2, ws2_ov)")
-        gl.static_assert(PINGPONG == 0 or (SPLIT and OVERLAP), "ping-pong: two overlapped compute warpgroups")
-        gl.static_assert(not PERSISTENT or (SPLIT and OVERLAP and not HAS_QIDX and not EARLY_STOP and not GATHER
-                                            and not RESUME and PINGPONG < 2 and BLOCK_N == BLOCK_M),
-                         "persistent CTAs: ws2_ov, Q by TMA, no early stop, gather or resume, at most staggered, "
-                         "square tiles (O leaves through a K buffer)")
+        gl.static_assert(not GATHER or HAS_KIDX, "gathered keys need a key index")
+        gl.static_assert(PINGPONG == 0 or PINGPONG == 1, "issue order: free (0) or staggered start (1)")
+        gl.static_assert(not PERSISTENT or (not HAS_QIDX and not EARLY_STOP and not GATHER and not RESUME
+                                            and BLOCK_N == BLOCK_M),
+                         "persistent CTAs: Q by TMA, no early stop, gather or resume, square tiles (O leaves "
+                         "through a K buffer)")
         # -- (batch, query head, query block); a persistent CTA (PERSISTENT) decodes its items in its partitions
         pid = gl.program_id(0)
         b, h, hkv, qblk, tile_ptr, n_tiles, n_masked = _plan_row(
@@ -904,7 +799,7 @@ if GLUON_IMPORT_ERROR is None:
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=READY_ARRIVALS)
             mbarrier.init(v_ready.index(i), count=READY_ARRIVALS)
-            mbarrier.init(kv_empty.index(i), count=2 if SPLIT else 1)  # one arrival per compute partition
+            mbarrier.init(kv_empty.index(i), count=2)  # one arrival per compute partition
         for i in gl.static_range(VOTE_SLOTS):
             mbarrier.init(vote_bar.index(i), count=2)  # one vote per compute warpgroup
         for i in gl.static_range(2):
@@ -942,7 +837,7 @@ if GLUON_IMPORT_ERROR is None:
                                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, VOTE_SLOTS, GATHER_ROWS, SKIP_MASKED,
                                         TIMELINE)),
             ], [NUM_WARPS, 1], [CONSUMER_REGS, 24])
-        elif SPLIT:
+        else:
             # FA3's layout: two compute warpgroups, each its own partition with 64 query rows, scheduled
             # independently by the hardware (one's softmax overlaps the other's MMAs), plus the load warp
             HALF: gl.constexpr = BLOCK_M // 2
@@ -952,7 +847,7 @@ if GLUON_IMPORT_ERROR is None:
                              N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                              q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                              lse_base, stride_ln,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, 0,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, NUM_WARPS, HALF, 0,
                              HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, PINGPONG,
                              tl_row, TIMELINE, 0, 0, q_empty, False)),
                 (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
@@ -960,7 +855,7 @@ if GLUON_IMPORT_ERROR is None:
                              N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                              q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                              lse_base, stride_ln,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, HALF,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, NUM_WARPS, HALF, HALF,
                              HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, PINGPONG,
                              tl_row, TIMELINE, 0, 0, q_empty, False)),
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
@@ -969,37 +864,6 @@ if GLUON_IMPORT_ERROR is None:
                              STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, GATHER, LOAD_WARPS, GATHER_ROWS,
                              INT32_OFFSETS, tl_row, TIMELINE, 0, 0, q_empty, False)),
             ], [NUM_WARPS, LOAD_WARPS if GATHER else 1], [CONSUMER_REGS, LOAD_REGS if GATHER else 24])
-        elif WARP_SPEC:
-            gl.warp_specialize([
-                (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             votes, vote_bar, turn, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
-                             N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
-                             q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
-                             lse_base, stride_ln,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
-                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, 0,
-                             tl_row, TIMELINE, 0, 0, q_empty, False)),
-                (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
-                             stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, False, 1, GATHER_ROWS, INT32_OFFSETS, tl_row,
-                             TIMELINE, 0, 0, q_empty, False)),
-            ], [1], [24])
-        else:
-            if not HAS_QIDX:
-                mbarrier.expect(q_bar, desc_q.block_type.nbytes)
-                tma.async_copy_global_to_shared(desc_q, [b, h, qblk * BLOCK_M, 0], q_bar, q_smem)
-            for i in gl.static_range(STAGES):
-                _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, i, i < n_tiles, b,
-                          hkv, STAGES)
-            _consumer(desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                      votes, vote_bar, turn, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
-                      N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
-                      q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
-                      lse_base, stride_ln,
-                      HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
-                      HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, 0, tl_row, TIMELINE,
-                      0, 0, q_empty, False)
 
         mbarrier.invalidate(q_bar)
         mbarrier.invalidate(q_empty)
@@ -1021,7 +885,7 @@ _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 BLOCK_M = 128
 #: warps of each of the two compute partitions (a warpgroup of 64 query rows each); the kernel's ``NUM_WARPS``
 PARTITION_WARPS = 4
-CONSUMER_REGS = 240  # registers per thread of the second compute partition (split variants)
+CONSUMER_REGS = 240  # registers per thread of the compute partitions
 # gathered keys (``key_gather``): the load partition's warps and registers, and the list length (x Nk) above
 # which "auto" gathers rather than copying (a gathered tile costs about 9% more than one TMA reads from the copy,
 # benchmarks/NOTES_hopper.md part 11; the copy costs a pass over the whole list)
@@ -1171,7 +1035,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     ``pv_skip`` lambda < 0 (natural-log units) drops a row's P.V share of a tile as the Triton kernel does;
     ``key_index`` (Hkv heads) is served by a permuted contiguous K/V copy read by TMA, the index itself read in
     masked tiles for positions; ``key_gather=True`` reads the keys in place through the index instead (a 4-warp
-    load partition gathers rows with cp.async; two-warpgroup variants), None picks it for lists longer than
+    load partition gathers rows with cp.async), None picks it for lists longer than
     ``GATHER_LIST_RATIO`` x Nk (S2O's per-segment prefixes, whose copy is ~N^2/2S rows). ``return_visited``: also
     the int32 (B, Hq, n_query_blocks) tiles each block computed (without early stop, its tile count).
     ``out`` / ``lse`` / ``resume`` / ``skip_masked``: two passes over one softmax, as
@@ -1278,8 +1142,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         Hq, Nq, Nk, key_len, nqb, Hq // Hkv, Hq // tile_offsets.shape[1],
         Hq // query_index.shape[1] if query_index is not None else 1, n_items,
         HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=num_stages,
-        # one kernel shape: warp-specialised (a load partition), two compute warpgroups, overlapped steps
-        WARP_SPEC=True, OVERLAP=True, NUM_WARPS=PARTITION_WARPS, SPLIT=True,
+        NUM_WARPS=PARTITION_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, HAS_KIDX=key_index is not None, PV_SKIP=pv_skip is not None,
         HAS_QIDX=query_index is not None, EARLY_STOP=early_stop > 0, GATHER=bool(key_gather),
         LOAD_WARPS=GATHER_LOAD_WARPS, GATHER_ROWS=GATHER_ROWS_PER_COPY, LOAD_REGS=GATHER_LOAD_REGS,
