@@ -178,3 +178,20 @@ def test_a_method_with_kernels_is_its_own_files_and_one_line():
     registration = found.pop("sparse_compile/methods/__init__.py", [])
     assert len(registration) == 1, registration
     assert found == {}, f"code outside the method's files that names it: {found}"
+
+
+def test_examples_offer_every_registered_method():
+    """``--method`` of the examples comes from the registry: ``sampled`` included, and any method registered later."""
+    import os
+    import subprocess
+    import sys
+
+    import sparse_compile
+
+    for example in ("quickstart.py", "hf_model.py"):
+        run = subprocess.run([sys.executable, str(ROOT / "examples" / example), "--help"], capture_output=True,
+                             text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert run.returncode == 0, run.stderr[-2000:]
+        offered = run.stdout.split("--method", 1)[1].split("}", 1)[0]
+        for name in sparse_compile.registry.registered_methods():
+            assert name in offered, (example, name, offered)
