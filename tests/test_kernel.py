@@ -941,7 +941,7 @@ def test_gpu_hopper_backend_choices_and_fallbacks(monkeypatch):
 
 @gpu
 @hopper_gpu
-def test_gpu_s2o_keys_gathered_in_place_agree_with_copies(monkeypatch):
+def test_gpu_s2o_keys_gathered_in_place_agree_with_copies():
     """An S2O key list over 12 x N: the executor runs one call in which the Hopper kernel gathers the ranked keys
     in place (no permuted copies) and agrees with the segment chunks over copies (outputs, visited counts)."""
     from sparse_compile import SparseConfig
@@ -949,7 +949,6 @@ def test_gpu_s2o_keys_gathered_in_place_agree_with_copies(monkeypatch):
     from sparse_compile.methods import s2o
     from sparse_compile.methods.s2o import execute_s2o
 
-    monkeypatch.setattr(s2o, "COPY_BYTES_FLOOR", 0)  # a list this short would be copied in one piece
     A = _attention_module()
     B, Hq, Hkv, N, D = 1, 8, 2, 8192 + 64, 128
     q, k, v = _sink_qkv(B, Hq, Hkv, N, N, D, torch.bfloat16, strength=1.0, device="cuda")
@@ -962,7 +961,9 @@ def test_gpu_s2o_keys_gathered_in_place_agree_with_copies(monkeypatch):
     before = A.BACKEND_CALLS["hopper"]
     gathered, gathered_visited = execute_s2o(q, k, v, plan, scale, config, return_visited=True)
     assert A.BACKEND_CALLS["hopper"] == before + 2, A._HOPPER_FAILED  # the window pass, then one walk: no chunks
-    copied, copied_visited = execute_s2o(q, k, v, plan, scale, config, return_visited=True, key_mode="copy")
+    # (copy_bytes_floor=0: a list this short would otherwise be copied in one piece)
+    copied, copied_visited = execute_s2o(q, k, v, plan, scale, config, return_visited=True, key_mode="copy",
+                                         copy_bytes_floor=0)
     assert A.BACKEND_CALLS["hopper"] > before + 2  # the copies run in segment chunks
     _assert_close(gathered, copied, torch.bfloat16, "gathered vs copied keys")
     assert (gathered_visited == copied_visited).float().mean().item() > 0.99

@@ -335,7 +335,7 @@ def _window_plan(q: torch.Tensor, segment: int, block_m: int, block_n: int) -> B
 
 def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale, config, *,
                 kernel: str = "auto", return_visited: bool = False, key_mode: str = "auto",
-                window_pass: bool = True):
+                window_pass: bool = True, list_budget: float = LIST_BUDGET, copy_bytes_floor: int = COPY_BYTES_FLOOR):
     """``execute_plan`` for S2O's plans, in O(N) extra memory.
 
     On the kernels, two passes: the plan's masked tiles are each block's own-segment keys, run as the causal
@@ -344,7 +344,8 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
     are the tiles the two passes computed. With sorted queries a block's rows spread over its whole segment, so in
     one pass it would visit the segment's full square of tiles, every score masked by position; the triangle holds
     half of them and almost no masks. Same keys per row, same early-stop rule. ``window_pass=False`` runs the plan
-    in one pass, as the reference always does (the spec).
+    in one pass, as the reference always does (the spec). ``list_budget`` / ``copy_bytes_floor``: the chunking
+    (``LIST_BUDGET``, ``COPY_BYTES_FLOOR``).
 
     The ranked walk is one call when the kernel reads the ranked keys in place (the Hopper kernel gathers them for
     lists over 4 x N, i.e. from 16K at S=2048: ``kernels.attention.reads_keys_in_place``; ``key_mode="auto"``),
@@ -364,7 +365,8 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
         out = execute_plan(q, k, v, window, scale, kernel=kernel, lse=lse)
         passes = {"out": out, "lse": lse, "resume": True, "skip_masked": True}
         window_visits = window.tile_counts
-    result = _ranked_walk(q, k, v, plan, scale, params, kernel, return_visited, key_mode, passes)
+    result = _ranked_walk(q, k, v, plan, scale, params, kernel, return_visited, key_mode, passes, list_budget,
+                          copy_bytes_floor)
     if window_visits is None or not return_visited:
         return result
     out, visited = result
@@ -372,7 +374,7 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
 
 
 def _ranked_walk(q, k, v, plan: BlockPlan, scale, params, kernel: str, return_visited: bool, key_mode: str,
-                 passes: dict):
+                 passes: dict, list_budget: float, copy_bytes_floor: int):
     """The plan (with ``passes``: its unmasked tiles, resumed from the window pass) in one call or segment chunks."""
     if key_mode == "auto" and kernel != "reference" and q.is_cuda:
         from ..kernels.attention import reads_keys_in_place
@@ -387,7 +389,7 @@ def _ranked_walk(q, k, v, plan: BlockPlan, scale, params, kernel: str, return_vi
     segments = len(layout.seg_len)
     ends = list(layout.base[1:]) + [layout.length]
     row_bytes = q.shape[0] * k.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size()  # one list entry's copy
-    budget = max(LIST_BUDGET * n, COPY_BYTES_FLOOR // row_bytes)
+    budget = max(list_budget * n, copy_bytes_floor // row_bytes)
     chunks, start = [], 0
     for last in range(segments):
         if ends[last] - layout.base[start] > budget and last > start:
