@@ -1041,7 +1041,7 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     ``out`` / ``lse`` / ``resume`` / ``skip_masked``: two passes over one softmax, as
     ``kernels.attention.block_sparse_attention`` documents them (``out`` needs TMA-compatible strides).
     ``persistent``: persistent CTAs where the call allows them (True / False; None: ``persistent_by_default``).
-    ``timeline`` (debugging): an int64 (grid, 16) tensor; each CTA writes its row: 0 the SM, 14 its tile count;
+    ``timeline`` (debugging): an int64 (B * Hq * n_query_blocks, 16) tensor; each block writes its row: 0 the SM, 14 its tile count;
     1-5 (compute warpgroup 0) and 6-10 (warpgroup 1) clock64 at its start, Q ready, first S landed, last P V
     landed, end; 11 / 13 the load partition's start / end. None: the stamps are compiled out.
     Raises NotImplementedError naming the first unsupported feature (the caller falls back to the Triton kernel)
@@ -1128,6 +1128,11 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     else:
         persistent = False
     grid = (min(n_items, _sm_count(q.device)) if persistent else n_items,)
+    if timeline is not None and not (isinstance(timeline, torch.Tensor) and timeline.dtype == torch.int64
+                                     and timeline.device == q.device and timeline.is_contiguous()
+                                     and timeline.numel() >= 16 * n_items):
+        raise ValueError(f"hopper_block_sparse_attention: timeline must be a contiguous int64 tensor on {q.device} "
+                         f"with 16 entries per block ({16 * n_items})")
     qidx = query_index if query_index is not None else tile_counts  # any int32 tensor: never read without it
     qi_strides = tuple(query_index.stride()) if query_index is not None else (0, 0, 0)
     _hopper_fwd_kernel[grid](
