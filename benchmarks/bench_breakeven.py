@@ -237,20 +237,6 @@ def tiles(args) -> None:
             contenders = {"cudnn": lambda: cudnn(q, k, v),
                           "dense": lambda: execute_plan(q, k, v, dense_plan, scale, kernel="triton"),
                           "method": run_method}
-            for stages in args.hopper_stages:  # the Hopper kernel's ring depth for this plan shape, as a contender
-                def run_stages(run=run_method, depth=stages, shape=(D, plan.block_n)):
-                    from sparse_compile.kernels import hopper
-
-                    saved = hopper.DEFAULT_STAGES.get(shape)
-                    hopper.DEFAULT_STAGES[shape] = depth
-                    try:
-                        return run()
-                    finally:
-                        if saved is None:
-                            del hopper.DEFAULT_STAGES[shape]
-                        else:
-                            hopper.DEFAULT_STAGES[shape] = saved
-                contenders[f"method_stages{stages}"] = run_stages
             if plan.pv_skip is not None:  # what the P.V skip's per-element select costs: the same plan without it
                 plain = dataclasses.replace(plan, pv_skip=None)
                 contenders["method_no_pv_skip"] = lambda: _execute(q, k, v, plain, scale, config, "triton", False)
@@ -274,8 +260,6 @@ def tiles(args) -> None:
                    "dense_over_cudnn": ms["cudnn"] / ms["dense"],
                    "efficiency_vs_dense": density * ms["dense"] / ms["method"],
                    "sm_clock_mhz": sm_clock_mhz()}
-            for stages in args.hopper_stages:
-                row[f"efficiency_stages{stages}"] = density * ms["dense"] / ms[f"method_stages{stages}"]
             if "method_no_pv_skip" in ms:
                 row["efficiency_without_pv_skip"] = density * ms["dense"] / ms["method_no_pv_skip"]
             if "method_triton" in ms:
@@ -289,7 +273,7 @@ def tiles(args) -> None:
     print(write_results(f"{args.name}_tiles", rows, out_dir=args.out, **_store("tiles"),
                         columns=["N", "method", "shape", "backend", "listed_density", "visited_density", "dense_ms",
                                  "method_ms", "efficiency_vs_dense", "triton_efficiency_vs_dense",
-                                 *[f"efficiency_stages{x}" for x in args.hopper_stages], "efficiency_without_pv_skip",
+                                 "efficiency_without_pv_skip",
                                  "dense_over_cudnn", "sm_clock_mhz"]))
 
 
@@ -476,8 +460,6 @@ def main(argv=None) -> None:
                              "one pass, the early-stop vote, masks, the plan without the query sort)")
     parser.add_argument("--s2o-segment", type=int, default=None,
                         help="--s2o-parts: S2O's segment size S (default: S2OParams' own)")
-    parser.add_argument("--hopper-stages", type=int, nargs="*", default=[],
-                        help="--tiles: also time each plan with the Hopper kernel's K/V ring this deep")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
     parser.add_argument("--memory-lengths", type=int, nargs="+", default=[65536, 131072, 262144])
     parser.add_argument("--methods", nargs="+", default=None)

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-# name -> the kernel's constexprs that differ from the plain dense kernel (D=128, 128x128 tiles, 3 stages, ws2_ov)
+# name -> the kernel's constexprs that differ from the plain dense kernel (D=128, 128x128 tiles, 3 stages)
 CASES = {
     "dense": {},
     "walk": dict(HAS_KIDX=True, HAS_QIDX=True, EARLY_STOP=True, GATHER=True, SKIP_MASKED=True, RESUME=True),
@@ -37,13 +37,9 @@ CASES = {
     "window_persistent_free": dict(WRITE_LSE=True, PERSISTENT=True, PINGPONG=0),
     "dense_persistent": dict(PERSISTENT=True),
     "persistent_free_kidx": dict(PERSISTENT=True, PINGPONG=0, HAS_KIDX=True, PV_SKIP=True),
-    "window_pingpong": dict(WRITE_LSE=True, PINGPONG=2),
-    "dense_pingpong": dict(PINGPONG=2),
     "window_timeline": dict(WRITE_LSE=True, TIMELINE=True),
     "walk_timeline": dict(HAS_KIDX=True, HAS_QIDX=True, EARLY_STOP=True, GATHER=True, SKIP_MASKED=True, RESUME=True,
                           TIMELINE=True),
-    "walk_pingpong": dict(HAS_KIDX=True, HAS_QIDX=True, EARLY_STOP=True, GATHER=True, SKIP_MASKED=True, RESUME=True,
-                          PINGPONG=2),
     "stop_pvskip": dict(EARLY_STOP=True, PV_SKIP=True),
     "stop_2stages": dict(EARLY_STOP=True, STAGES=2),
     "stop_d64": dict(EARLY_STOP=True, HEAD_DIM=64, HAS_KIDX=True, GATHER=True),
@@ -60,7 +56,7 @@ FP32_ARGS = ("qk_scale", "es_tau", "pv_lambda")
 
 def kernel_signature(fn, const: dict, descriptors: dict) -> dict:
     """The argument types ``triton.compile`` needs for an attention kernel ``fn``: ``const``'s names are
-    constexprs; ``descriptors`` maps tensor-descriptor arguments to their type strings (None: the variant takes
+    constexprs; ``descriptors`` maps tensor-descriptor arguments to their type strings (None: the case takes
     none, passed as a None constexpr and added to ``const``)."""
     sig = {}
     for arg in fn.arg_names:
@@ -87,15 +83,14 @@ def compile_case(name: str, extra: dict, ptxas: bool, keep: str = "") -> str:
 
     from kernels import hopper
 
-    const = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, STAGES=3, WARP_SPEC=True, OVERLAP=True, NUM_WARPS=4,
-                 SPLIT=True, CONSUMER_REGS=hopper.CONSUMER_REGS, HAS_KIDX=False, PV_SKIP=False, HAS_QIDX=False,
+    const = dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, STAGES=3, NUM_WARPS=4, CONSUMER_REGS=hopper.CONSUMER_REGS, HAS_KIDX=False, PV_SKIP=False, HAS_QIDX=False,
                  EARLY_STOP=False, GATHER=False, LOAD_WARPS=hopper.GATHER_LOAD_WARPS,
                  GATHER_ROWS=hopper.GATHER_ROWS_PER_COPY, INT32_OFFSETS=True,
                  LOAD_REGS=hopper.GATHER_LOAD_REGS, SKIP_MASKED=False, RESUME=False, WRITE_LSE=False,
                  TIMELINE=False, PERSISTENT=False)
     const.update(extra)
-    if "PINGPONG" not in extra:  # the wrapper's default (``hopper.PINGPONG = None``): staggered without early stop
-        const["PINGPONG"] = 0 if const["EARLY_STOP"] else 1
+    if "PINGPONG" not in extra:  # the wrapper's rule: staggered start without early stop
+        const["PINGPONG"] = hopper.issue_order(1.0 if const["EARLY_STOP"] else 0.0)
     D, bn = const["HEAD_DIM"], const["BLOCK_N"]
     x = torch.empty(1, 1, 256, D, dtype=torch.bfloat16)
 
@@ -114,7 +109,7 @@ def compile_case(name: str, extra: dict, ptxas: bool, keep: str = "") -> str:
     try:
         k = triton.compile(GluonASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=4, maxnreg=168))
-    except Exception as exc:  # report and go on: one broken variant should not hide the others
+    except Exception as exc:  # report and go on: one broken case should not hide the others
         return f"{name}: FAILED {type(exc).__name__}: {str(exc)[:2000]}"
     ptx = k.asm["ptx"]
     line = (f"{name}: ok shared={k.metadata.shared} wgmma={'wgmma.mma_async' in ptx} "

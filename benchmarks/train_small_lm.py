@@ -16,7 +16,7 @@ to ``--max-train-bytes``. The device machine (Python 3.12, torch, transformers, 
 from this CPU machine, so the JSON records the manifest, including the long held-out files (path, size, sha1)
 that ``quality.py`` and ``attention_map.py`` evaluate on: they re-read exactly those files and check the hashes.
 
-Model: ``examples/model.py``'s Transformer (RoPE, GQA, SDPA causal attention) with head_dim 64 so that the
+Model: ``tests/models.py``'s Transformer (RoPE, GQA, SDPA causal attention) with head_dim 64 so that the
 sparse kernels apply. Training: AdamW (``--retrieval``: Muon for the blocks' weight matrices), cosine LR with
 warm-up, bf16 autocast, fixed seed, a length curriculum
 (4K then 16K then 32K contexts, about the same tokens per step; ``--retrieval``: 4K, 16K, then steps that cycle
@@ -70,11 +70,11 @@ SPLIT_RULE = (
 
 
 def load_model_module():
-    """``examples/model.py`` under a private module name (``model`` is too generic to put on sys.path)."""
-    name = "_sparse_compile_examples_model"
+    """``tests/models.py`` (the small Transformer the tests and these benchmarks share) under a private module name."""
+    name = "_sparse_compile_test_models"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "examples" / "model.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / "tests" / "models.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

@@ -13,7 +13,9 @@ Modules (``validate`` and ``host`` import no Triton; the others are imported on 
 * ``pooling``: block pooling (``block_pool`` -> ``BlockPool``) and pooled scores;
 * ``mass``: the cumulative-mass selection (``MassRule``, ``mass_select``) into plan rows;
 * ``sorting``: the segmented argsort in registers;
-* ``pbs``, ``bfla``, ``s2o``, ``sampled``: the per-method kernels (mirroring ``sparse_compile/methods/<name>.py``).
+* ``permute``: the permuted K/V copy (keys in a key index's order) that both attention kernels read;
+* one module per method with selection kernels of its own (``kernels/<name>.py``, called by the fast stages of
+  ``sparse_compile/methods/<name>.py``).
 """
 
 import importlib

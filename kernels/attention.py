@@ -74,6 +74,7 @@ import triton
 import triton.language as tl
 
 from .common import interpreting
+from .permute import permute_keys
 from .validate import MAX_HEAD_DIM, cdiv, validate_passes, validate_qkv
 
 try:  # host-side tensor descriptors (TMA) exist from Triton 3.4
@@ -394,38 +395,6 @@ def _block_sparse_attn_fwd(
         tl.store(Visited + pid_bh.to(tl.int64) * N_PBLK + pblk, n_visited)
 
 
-@triton.jit
-def _permute_rows_kernel(
-    K, V, KP, VP, KeyIndex,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_kib, stride_kih, stride_kip,
-    H, LENGTH, N_K,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """KP[b, h, p] = K[b, h, key_index[b, h, p]] (padding entries copy row 0; they are masked anyway).
-
-    Row blocks run on grid axis 0 (up to 2^31 - 1 programs): S2O's key list at 128K has millions of entries,
-    past the 65,535 limit of axis 1, which holds the (batch, head) pairs instead.
-    """
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = p < LENGTH
-    idx = tl.load(KeyIndex + b * stride_kib + h * stride_kih + p * stride_kip, mask=ok, other=0)
-    idx = tl.where((idx >= 0) & (idx < N_K), idx, 0).to(tl.int64)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    mask = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    dst = pid_bh.to(tl.int64) * LENGTH * HEAD_DIM + p[:, None] * HEAD_DIM + offs_d[None, :]
-    kv = tl.load(K + b * stride_kb + h * stride_kh + idx[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                 mask=mask)
-    tl.store(KP + dst, kv, mask=mask)
-    vv = tl.load(V + b * stride_vb + h * stride_vh + idx[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                 mask=mask)
-    tl.store(VP + dst, vv, mask=mask)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # configuration
 # ---------------------------------------------------------------------------------------------------------------
@@ -589,21 +558,6 @@ def pv_skip_is_negligible(pv_skip: float, num_keys: int, dtype: torch.dtype) -> 
     return num_keys * math.exp(pv_skip) <= torch.finfo(dtype).eps / 16
 
 
-def _permute_keys(k: torch.Tensor, v: torch.Tensor, key_index: torch.Tensor, head_dim_pad: int):
-    """Contiguous K/V in the order of ``key_index`` (Hkv heads): one pass over K and V, no host sync."""
-    B, H, Nk, D = k.shape
-    L = key_index.shape[-1]
-    kp = torch.empty(B, H, L, D, dtype=k.dtype, device=k.device)
-    vp = torch.empty_like(kp)
-    if L == 0:
-        return kp, vp
-    block = 64
-    _permute_rows_kernel[(triton.cdiv(L, block), B * H)](
-        k, v, kp, vp, key_index, *k.stride(), *v.stride(), *key_index.stride(), H, L, Nk,
-        HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, BLOCK=block, num_warps=4)
-    return kp, vp
-
-
 def _key_layout(k, v, key_index, key_mode: str, head_dim_pad: int):
     """(K, V as the loop reads them, gather?): the permuted copy, gathered rows, or K/V themselves."""
     if key_mode not in ("auto", "gather", "copy"):
@@ -618,7 +572,7 @@ def _key_layout(k, v, key_index, key_mode: str, head_dim_pad: int):
     # were 11-29% slower in every measured cell, docs/kernels.md)
     if key_mode == "gather" or not copyable:
         return k, v, True
-    kp, vp = _permute_keys(k, v, key_index, head_dim_pad)
+    kp, vp = permute_keys(k, v, key_index, head_dim_pad)
     return kp, vp, False
 
 

@@ -11,7 +11,7 @@ Subset served (anything else raises ``NotImplementedError`` naming it, so that a
 ``kernels.attention.block_sparse_attention`` dispatches here automatically on sm_90 GPUs):
 bf16 / fp16; head dim 64 or 128; ``block_m == 128``; ``block_n`` 64 or 128; ``query_index`` (the compute
 warpgroups gather their Q rows with ordinary loads and scatter O from registers: TMA cannot gather rows on Hopper);
-early stop with the two-warpgroup variants (below); the P.V skip (per row, branch-free, as the Triton kernel:
+early stop (below); the P.V skip (per row, branch-free, as the Triton kernel:
 after a tile's denominator update, a row whose tile maximum is below its running maximum by more than |lambda|
 zeroes its P for the P.V MMA); ``key_index`` with Hkv
 heads (PBS-style permuted keys: the Triton kernel's "copy" key mode, a permuted contiguous K/V copy that TMA reads
@@ -43,33 +43,26 @@ a store past it is clipped: no row masks anywhere. K/V tiles go through a ``num_
 guarded by mbarriers (ready: the TMA landed; empty: both MMAs that read the slot completed). Two warpgroups
 (8 warps) compute, 64 query rows each: S = Q K^T by ``warpgroup_mma`` from shared memory, the softmax in
 registers, O += P V with P from registers (dot-operand layout) and V from shared memory. Without early stop,
-warpgroup 1 issues its first MMAs after warpgroup 0's (``PINGPONG``): both wait for the same Q and K(0) and would
+warpgroup 1 issues its first MMAs after warpgroup 0's (``PINGPONG``, ``issue_order``): both wait for the same Q and K(0) and would
 otherwise start every block in lockstep, their first softmaxes together with the tensor cores idle.
 
-Persistent CTAs (``PERSISTENT``; by default for short lists, ``persistent_by_default``: S2O's window pass): one CTA
+Persistent CTAs (``PERSISTENT``; ``persistent=``, by default for short lists, ``persistent_by_default``: S2O's window pass): one CTA
 per SM takes work items pid, pid + grid, ... in turn. The ring's positions and the barriers' phases run on across
 items; the load partition issues the next block's first K/V tiles as soon as slots free and its Q as soon as both
 compute warpgroups have computed their last S (``q_empty``); O leaves by TMA through the last tile's K buffer (Q's
 buffer already holds the next rows), which is released once the store has read it. No CTA launch, Q wait or first
 tile latency between blocks (docs/kernels.md).
 
-Variants (``variant=``), one kernel specialised by two constexprs:
+One shape (FA3's): warp-specialised (``gl.warp_specialize``), a load partition (1 warp, 24 registers; 4 warps
+when it gathers keys) issues every load and waits on the ring's empty barriers; two 4-warp compute partitions of
+64 query rows each, scheduled independently (a ring slot is free once both have arrived on its empty barrier),
+each with FA3's intra-warpgroup overlap: S(t+1) = Q K(t+1)^T and O += P(t) V(t) are issued back to back, and the
+softmax of tile t+1 runs while P(t) V(t) is in flight. With 3 stages it ran at 1.08-1.18x cuDNN's speed at rho=1,
+16K-64K, D=128 (H100), the fastest of the shapes measured (one compute partition of 8 warps, no load partition,
+no overlap: each slower); with 2 stages the overlapped steps wait on the slot they have not yet released.
 
-* ``"tma"``: no warp specialisation; the compute warps issue the TMA loads themselves, ``num_stages`` tiles
-  ahead (a tile's slot is refilled as soon as its P.V has completed);
-* ``"tma_ov"``: as "tma", with FA3's intra-warpgroup overlap in the loop over unmasked tiles: S(t+1) = Q K(t+1)^T
-  and O += P(t) V(t) are issued back to back, and the softmax of tile t+1 runs while P(t) V(t) is in flight;
-* ``"ws"``: warp-specialised (``gl.warp_specialize``): a 1-warp producer partition (24 registers) issues every
-  TMA load and waits on the ring's empty barriers; the 8 compute warps only wait, compute and release;
-* ``"ws_ov"``: "ws" with the intra-warpgroup overlap;
-* ``"ws2"`` / ``"ws2_ov"``: as "ws" / "ws_ov" but with two 4-warp compute partitions of 64 query rows each (FA3's
-  two consumer warpgroups, scheduled independently; a ring slot is free once both have arrived on its empty bar).
-
-Default: ``"ws2_ov"`` with 3 stages, the fastest on the H100 (docs/kernels.md: 1.08-1.18x cuDNN's
-speed at rho=1, 16K-64K, D=128); with 2 stages the overlap variants wait on the slot they have not yet released.
-
-Masked tiles (listed first; usually only the diagonal) go through the same overlapped step as the others in the
-overlap variants (they were one at a time before: S2O's intra-segment squares are a fifth of its tiles).
+Masked tiles (listed first; usually only the diagonal) go through the same overlapped step as the others (S2O's
+intra-segment squares are a fifth of its tiles).
 
 Written against the Gluon API of Triton 3.6 (``triton.experimental.gluon``); other versions may differ in it (the
 module imports without Gluon and the wrapper then raises NotImplementedError).
@@ -84,10 +77,8 @@ import torch
 
 from .validate import cdiv, validate_passes, validate_qkv
 
-__all__ = ["hopper_block_sparse_attention", "HOPPER_VARIANTS", "hopper_unsupported", "gathers_by_default",
-           "GLUON_IMPORT_ERROR"]
+__all__ = ["hopper_block_sparse_attention", "hopper_unsupported", "gathers_by_default", "GLUON_IMPORT_ERROR"]
 
-HOPPER_VARIANTS = ("tma", "tma_ov", "ws", "ws_ov", "ws2", "ws2_ov")
 _LOG2E = 1.4426950408889634
 
 GLUON_IMPORT_ERROR: Optional[str] = None
@@ -127,18 +118,12 @@ if GLUON_IMPORT_ERROR is None:
         tma.async_copy_global_to_shared(desc_v, [b, hkv, start, 0], v_ready.index(s), v_bufs.index(s), pred=pred)
 
     @gluon.jit
-    def _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt, n_tiles, b, hkv,
-                 STAGES: gl.constexpr, WARP_SPEC: gl.constexpr):
-        """Plan tile ``t``'s slot is no longer read (both its MMAs completed in every warpgroup of this partition):
-        hand it to the producer partition, or (no producer) refill it with tile ``t + STAGES`` ourselves."""
-        # thread 0 signals / issues for the whole partition: every warpgroup must have retired its MMAs first
+    def _release(t, kv_empty, STAGES: gl.constexpr):
+        """Plan tile ``t``'s slot is no longer read (both its MMAs completed in every warp of this partition): hand
+        it to the load partition."""
+        # thread 0 signals for the whole partition: every warp must have retired its MMAs first
         gl.thread_barrier()
-        if WARP_SPEC:
-            mbarrier.arrive(kv_empty.index(t % STAGES), count=1)
-        else:
-            _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, t + STAGES,
-                      t + STAGES < n_tiles, b,
-                      hkv, STAGES)
+        mbarrier.arrive(kv_empty.index(t % STAGES), count=1)
 
     @gluon.jit
     def _key_positions(start, N_K, KEY_LEN, kidx_base, stride_kip, HAS_KIDX: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -176,28 +161,6 @@ if GLUON_IMPORT_ERROR is None:
             # maximum drops its P.V share; its denominator keeps the gain
             p = gl.where((tile_max - m_new >= pv_lambda)[:, None], p, 0.0)
         return p, alpha, m_new, l_new, gain, l_prev
-
-    @gluon.jit
-    def _attend_tile(t, key_pos, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, m_i, l_i, qk_scale,
-                     pv_lambda, q_pos, MASKED: gl.constexpr, PV_SKIP: gl.constexpr, STAGES: gl.constexpr,
-                     row_o: gl.constexpr, p_layout: gl.constexpr):
-        """Plan tile ``t`` (ring slot ``t % STAGES``; masked: keys at ``key_pos``) without overlap: S = Q K^T,
-        softmax, O += P V. Returns (acc, m_i, l_i, gain, l_prev); the caller releases the slot."""
-        s = t % STAGES
-        ph = (t // STAGES) & 1
-        k_buf = k_bufs.index(s)
-        v_buf = v_bufs.index(s)
-        mbarrier.wait(k_ready.index(s), ph)
-        s_acc = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_buf))
-        p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, key_pos, MASKED,
-                                                         PV_SKIP)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        mbarrier.wait(v_ready.index(s), ph)
-        acc = warpgroup_mma(p16, v_buf, acc, is_async=True)
-        acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_buf))
-        return acc, m_i, l_i, gain, l_prev
 
     @gluon.jit
     def _publish_vote(gain, l_prev, row_ok, es_tau, j, votes, vote_bar, WG: gl.constexpr,
@@ -271,17 +234,16 @@ if GLUON_IMPORT_ERROR is None:
                   pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                   q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr, lse_base, stride_ln,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr,
-                  ROWS: gl.constexpr, ROW0: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr,
+                  NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, ROW0: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr,
                   HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr, VOTE_SLOTS: gl.constexpr,
                   RESUME: gl.constexpr, WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr, tl_row,
                   TIMELINE: gl.constexpr, g, item_i, q_empty, PERSISTENT: gl.constexpr):
-        """Compute partition: query rows [ROW0, ROW0 + ROWS) of the block (all 128, or one warpgroup's 64).
+        """Compute partition: one warpgroup, query rows [ROW0, ROW0 + ROWS) of the block.
 
         ``g``: the ring position of the block's first tile (a persistent CTA's earlier blocks used the ring before
         it; 0 otherwise), ``item_i``: how many blocks this CTA computed before (the parity of Q's barriers)."""
-        gl.static_assert(not PERSISTENT or (OVERLAP and not HAS_QIDX and not EARLY_STOP and not RESUME),
-                         "persistent CTAs: the overlapped two-warpgroup walk, Q by TMA, no early stop, no resume")
+        gl.static_assert(not PERSISTENT or (not HAS_QIDX and not EARLY_STOP and not RESUME),
+                         "persistent CTAs: Q by TMA, no early stop, no resume")
         gl.static_assert(ROWS == 16 * NUM_WARPS, "one m16 wgmma atom row per warp: rows = 16 * warps")
         gl.static_assert(not EARLY_STOP or ROWS * 2 == BLOCK_M, "early stop votes between two compute warpgroups")
         WG: gl.constexpr = ROW0 // ROWS
@@ -293,10 +255,7 @@ if GLUON_IMPORT_ERROR is None:
                                                  is_pure=False, pack=1)
                 gl.store(tl_row, smid.to(gl.int64))
                 gl.store(tl_row + 14, n_tiles.to(gl.int64))
-        if ROWS == BLOCK_M:
-            q_smem = q_all
-        else:
-            q_smem = q_all.slice(ROW0, ROWS, dim=0)
+        q_smem = q_all.slice(ROW0, ROWS, dim=0)
         # wgmma: m16 atoms over the warps along M (two warpgroups x 64 rows), the whole tile width in one instr
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -354,124 +313,85 @@ if GLUON_IMPORT_ERROR is None:
         end = g + n_tiles
         masked_end = g + n_masked
         last = end - 1
-        if OVERLAP:
-            # every tile, masked ones included, through the overlapped step: S(t) is issued before O += P(t-1) V(t-1)
-            if n_tiles > 0:
-                # the first tile's key positions (read only if it is masked) before its S is waited for
-                key_pos = _key_positions(gl.load(tile_ptr), N_K, KEY_LEN, kidx_base, stride_kip, HAS_KIDX, BLOCK_N,
-                                         s_layout)
-                k_first = k_bufs.index(g % STAGES)
-                mbarrier.wait(k_ready.index(g % STAGES), (g // STAGES) & 1)
-                if PINGPONG > 0:
-                    if WG == 1:
-                        mbarrier.wait(turn.index(1), item_i & 1)
-                s_acc = warpgroup_mma(q_smem, k_first.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                if PINGPONG == 2:
-                    mbarrier.arrive(turn.index(1 - WG), count=1)
-                elif PINGPONG == 1:
-                    if WG == 0:
-                        mbarrier.arrive(turn.index(1), count=1)
-                s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_first))
-                _stamp(tl_row, 3 + 5 * WG, n_tiles, TIMELINE)
-                if n_masked > 0:
-                    p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos,
-                                                                     key_pos, True, PV_SKIP)
-                else:
-                    p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0,
-                                                                     False, PV_SKIP)
-                if RESUME:
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                # (otherwise acc is still zero: no rescale)
-                p16 = gl.convert_layout(p.to(dtype), p_layout)
-                # each masked tile's start is read one step ahead: its latency would otherwise stall the issue of
-                # the tile's key-position load, which itself must land before the softmax
-                start = gl.load(tile_ptr + stride_tt, mask=n_masked > 1, other=0)
-                for t in range(g + 1, masked_end):
-                    key_pos = _key_positions(start, N_K, KEY_LEN, kidx_base, stride_kip, HAS_KIDX, BLOCK_N, s_layout)
-                    start = gl.load(tp + (t + 1) * stride_tt, mask=t + 1 < masked_end, other=0)
-                    acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
-                        t, key_pos, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tp,
-                        stride_tt, end, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, True,
-                        PV_SKIP, STAGES, WARP_SPEC, row_o, p_layout, turn, WG, PINGPONG)
-                t1 = gl.maximum(masked_end, g + 1)  # the first unmasked tile not yet computed
-                if EARLY_STOP:
-                    # the vote on tile t-1 runs while S(t) and P(t-1) V(t-1) are on the tensor cores (S(t) is
-                    # computed before the walk knows it goes on; a stop discards it). Only unmasked tiles vote
-                    t = t1
-                    go = t1 < end
-                    pv_pending = True  # P(last) V(last) not yet issued
-                    while go:
-                        acc, m_i, l_i, p16, gain, l_prev, goes_on = _voting_step(
-                            t, masked_end, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                            tp, stride_tt, end, b, hkv, s_zero, acc, m_i, l_i, p16, gain, l_prev, row_ok,
-                            es_tau, votes, vote_bar, qk_scale, pv_lambda, q_pos, PV_SKIP, STAGES, WARP_SPEC, WG,
-                            VOTE_SLOTS, row_o, p_layout, vote_layout, turn, PINGPONG)
-                        t = gl.where(goes_on, t + 1, t)
-                        pv_pending = goes_on
-                        go = goes_on & (t < end)
-                    last = t - 1
-                else:
-                    for t in range(t1, end):
-                        acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
-                            t, 0, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tp,
-                            stride_tt, end, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, False,
-                            PV_SKIP, STAGES, WARP_SPEC, row_o, p_layout, turn, WG, PINGPONG)
-                if PERSISTENT:
-                    # the block's last S = Q K^T has landed: the load partition may bring the next block's Q while
-                    # this one finishes (its O leaves from registers, not through Q's buffer)
-                    gl.thread_barrier()
-                    mbarrier.arrive(q_empty, count=1)
-                if not EARLY_STOP or pv_pending:
-                    sl = last % STAGES
-                    v_last = v_bufs.index(sl)
-                    mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
-                    acc = warpgroup_mma(p16, v_last, acc, is_async=True)
-                    acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_last))
-                    _stamp(tl_row, 4 + 5 * WG, n_tiles, TIMELINE)
-                    if not PERSISTENT:  # (persistent: after O has gone out through its K buffer)
-                        _release(last, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tp, stride_tt,
-                                 end, b, hkv, STAGES, WARP_SPEC)
-            elif PERSISTENT:
-                # no tile: Q is released at once, and the stagger's barrier keeps its parity (one phase per block)
-                if PINGPONG == 1:
-                    if WG == 0:
-                        mbarrier.arrive(turn.index(1), count=1)
-                    else:
-                        mbarrier.wait(turn.index(1), item_i & 1)
-                gl.thread_barrier()
-                mbarrier.arrive(q_empty, count=1)
-        else:
-            # one tile at a time: the masked tiles, then the unmasked walk
-            for t in range(0, n_masked):
-                key_pos = _key_positions(gl.load(tile_ptr + t * stride_tt), N_K, KEY_LEN, kidx_base, stride_kip,
-                                         HAS_KIDX, BLOCK_N, s_layout)
-                acc, m_i, l_i, gain, l_prev = _attend_tile(t, key_pos, q_smem, k_bufs, v_bufs, k_ready, v_ready,
-                                                           s_zero, acc, m_i, l_i, qk_scale, pv_lambda, q_pos, True,
-                                                           PV_SKIP, STAGES, row_o, p_layout)
-                _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
-                         n_tiles, b, hkv, STAGES, WARP_SPEC)
+        # every tile, masked ones included, through the overlapped step: S(t) is issued before O += P(t-1) V(t-1)
+        if n_tiles > 0:
+            # the first tile's key positions (read only if it is masked) before its S is waited for
+            key_pos = _key_positions(gl.load(tile_ptr), N_K, KEY_LEN, kidx_base, stride_kip, HAS_KIDX, BLOCK_N,
+                                     s_layout)
+            k_first = k_bufs.index(g % STAGES)
+            mbarrier.wait(k_ready.index(g % STAGES), (g // STAGES) & 1)
+            if PINGPONG > 0:
+                if WG == 1:
+                    mbarrier.wait(turn.index(1), item_i & 1)
+            s_acc = warpgroup_mma(q_smem, k_first.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if PINGPONG == 1:
+                if WG == 0:
+                    mbarrier.arrive(turn.index(1), count=1)
+            s_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, q_smem, k_first))
+            _stamp(tl_row, 3 + 5 * WG, n_tiles, TIMELINE)
+            if n_masked > 0:
+                p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos,
+                                                                 key_pos, True, PV_SKIP)
+            else:
+                p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, 0,
+                                                                 False, PV_SKIP)
+            if RESUME:
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            # (otherwise acc is still zero: no rescale)
+            p16 = gl.convert_layout(p.to(dtype), p_layout)
+            # each masked tile's start is read one step ahead: its latency would otherwise stall the issue of
+            # the tile's key-position load, which itself must land before the softmax
+            start = gl.load(tile_ptr + stride_tt, mask=n_masked > 1, other=0)
+            for t in range(g + 1, masked_end):
+                key_pos = _key_positions(start, N_K, KEY_LEN, kidx_base, stride_kip, HAS_KIDX, BLOCK_N, s_layout)
+                start = gl.load(tp + (t + 1) * stride_tt, mask=t + 1 < masked_end, other=0)
+                acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
+                    t, key_pos, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, s_zero, acc, m_i, l_i, p16,
+                    qk_scale, pv_lambda, q_pos, True, PV_SKIP, STAGES, row_o, p_layout)
+            t1 = gl.maximum(masked_end, g + 1)  # the first unmasked tile not yet computed
             if EARLY_STOP:
-                t = n_masked
-                go = t < n_tiles
+                # the vote on tile t-1 runs while S(t) and P(t-1) V(t-1) are on the tensor cores (S(t) is
+                # computed before the walk knows it goes on; a stop discards it). Only unmasked tiles vote
+                t = t1
+                go = t1 < end
+                pv_pending = True  # P(last) V(last) not yet issued
                 while go:
-                    acc, m_i, l_i, gain, l_prev = _attend_tile(t, 0, q_smem, k_bufs, v_bufs, k_ready, v_ready,
-                                                               s_zero, acc, m_i, l_i, qk_scale, pv_lambda, q_pos,
-                                                               False, PV_SKIP, STAGES, row_o, p_layout)
-                    mine = _publish_vote(gain, l_prev, row_ok, es_tau, t - n_masked, votes, vote_bar, WG,
-                                         VOTE_SLOTS, vote_layout)
-                    _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
-                             n_tiles, b, hkv, STAGES, WARP_SPEC)
-                    t += 1
-                    go = (t < n_tiles) & _goes_on(mine, t - 1 - n_masked, votes, vote_bar, WG, VOTE_SLOTS,
-                                                  vote_layout)
+                    acc, m_i, l_i, p16, gain, l_prev, goes_on = _voting_step(
+                        t, masked_end, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, s_zero, acc, m_i, l_i,
+                        p16, gain, l_prev, row_ok, es_tau, votes, vote_bar, qk_scale, pv_lambda, q_pos, PV_SKIP,
+                        STAGES, WG, VOTE_SLOTS, row_o, p_layout, vote_layout)
+                    t = gl.where(goes_on, t + 1, t)
+                    pv_pending = goes_on
+                    go = goes_on & (t < end)
                 last = t - 1
             else:
-                for t in range(n_masked, n_tiles):
-                    acc, m_i, l_i, gain, l_prev = _attend_tile(t, 0, q_smem, k_bufs, v_bufs, k_ready, v_ready,
-                                                               s_zero, acc, m_i, l_i, qk_scale, pv_lambda, q_pos,
-                                                               False, PV_SKIP, STAGES, row_o, p_layout)
-                    _release(t, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
-                             n_tiles, b, hkv, STAGES, WARP_SPEC)
+                for t in range(t1, end):
+                    acc, m_i, l_i, p16, gain, l_prev = _overlapped_step(
+                        t, 0, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, s_zero, acc, m_i, l_i, p16,
+                        qk_scale, pv_lambda, q_pos, False, PV_SKIP, STAGES, row_o, p_layout)
+            if PERSISTENT:
+                # the block's last S = Q K^T has landed: the load partition may bring the next block's Q while
+                # this one finishes (its O leaves from registers, not through Q's buffer)
+                gl.thread_barrier()
+                mbarrier.arrive(q_empty, count=1)
+            if not EARLY_STOP or pv_pending:
+                sl = last % STAGES
+                v_last = v_bufs.index(sl)
+                mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
+                acc = warpgroup_mma(p16, v_last, acc, is_async=True)
+                acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16, v_last))
+                _stamp(tl_row, 4 + 5 * WG, n_tiles, TIMELINE)
+                if not PERSISTENT:  # (persistent: after O has gone out through its K buffer)
+                    _release(last, kv_empty, STAGES)
+        elif PERSISTENT:
+            # no tile: Q is released at once, and the stagger's barrier keeps its parity (one phase per block)
+            if PINGPONG == 1:
+                if WG == 0:
+                    mbarrier.arrive(turn.index(1), count=1)
+                else:
+                    mbarrier.wait(turn.index(1), item_i & 1)
+            gl.thread_barrier()
+            mbarrier.arrive(q_empty, count=1)
         if EARLY_STOP:
             if ROW0 == 0:
                 gl.store(visited_ptr, last + 1 - g)
@@ -494,8 +414,7 @@ if GLUON_IMPORT_ERROR is None:
                 gl.thread_barrier()
                 tma.async_copy_shared_to_global(desc_o, [b, h, row0, 0], o_smem)
                 tma.store_wait(pendings=0)
-                _release(last, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tp, stride_tt, end, b,
-                         hkv, STAGES, WARP_SPEC)
+                _release(last, kv_empty, STAGES)
             else:
                 phys_o, ok_o = _row_index(qidx_base, stride_qip, row0, N_Q, ROWS, HAS_QIDX, row_o)
                 o_ptrs, o_mask = _output_rows(o_base, stride_on, phys_o, ok_o, HEAD_DIM, o_layout)
@@ -520,20 +439,15 @@ if GLUON_IMPORT_ERROR is None:
         _stamp(tl_row, 5 + 5 * WG, n_tiles, TIMELINE)
 
     @gluon.jit
-    def _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, turn, STAGES: gl.constexpr,
-                    WG: gl.constexpr, PINGPONG: gl.constexpr):
+    def _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, STAGES: gl.constexpr):
         """FA3's intra-warpgroup overlap, first half: issue S(t) = Q K(t)^T, then O += P(t-1) V(t-1).
         Returns (S(t) in flight, O in flight, K(t)'s slot, V(t-1)'s slot)."""
         k_buf = k_bufs.index(t % STAGES)
         v_prev = v_bufs.index((t - 1) % STAGES)
         mbarrier.wait(k_ready.index(t % STAGES), (t // STAGES) & 1)
-        if PINGPONG == 2:
-            _wait_turn(t, turn, WG)
         s_next = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index((t - 1) % STAGES), ((t - 1) // STAGES) & 1)
         pv = warpgroup_mma(p16, v_prev, acc, is_async=True)
-        if PINGPONG == 2:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
         return s_next, pv, k_buf, v_prev
 
     @gluon.jit
@@ -545,20 +459,9 @@ if GLUON_IMPORT_ERROR is None:
             gl.store(ptr + slot, now)
 
     @gluon.jit
-    def _wait_turn(t, turn, WG: gl.constexpr):
-        """FA3's ping-pong: warpgroup 0 issues step ``t``'s MMAs after warpgroup 1 issued step t-1's, and
-        warpgroup 1 after warpgroup 0 issued step t's, so one's softmax runs while the other's MMAs do. Each
-        issue arrives once on the other's ``turn`` barrier; neither can get two steps ahead, so parity suffices."""
-        if WG == 0:
-            mbarrier.wait(turn.index(0), (t - 1) & 1, pred=t > 0)
-        else:
-            mbarrier.wait(turn.index(1), t & 1)
-
-    @gluon.jit
-    def _finish_step(t, key_pos, s_next, pv, k_buf, v_prev, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready,
-                     v_ready, kv_empty, tile_ptr, stride_tt, n_tiles, b, hkv, m_i, l_i, p16, qk_scale, pv_lambda,
+    def _finish_step(t, key_pos, s_next, pv, k_buf, v_prev, q_smem, kv_empty, m_i, l_i, p16, qk_scale, pv_lambda,
                      q_pos, MASKED: gl.constexpr, PV_SKIP: gl.constexpr, STAGES: gl.constexpr,
-                     WARP_SPEC: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr):
+                     row_o: gl.constexpr, p_layout: gl.constexpr):
         """Second half (tile ``t``, masked: its keys at ``key_pos``): softmax(t) while
         P(t-1) V(t-1) is in flight, then release tile t-1's slot and rescale O.
         Returns (acc, m_i, l_i, p16 of tile t, gain, l_prev)."""
@@ -566,38 +469,33 @@ if GLUON_IMPORT_ERROR is None:
         p, alpha, m_i, l_i, gain, l_prev = _scores_to_p(s_acc, m_i, l_i, qk_scale, pv_lambda, q_pos, key_pos, MASKED,
                                                          PV_SKIP)
         acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(pv, p16, v_prev))
-        _release(t - 1, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
-                 n_tiles, b, hkv, STAGES, WARP_SPEC)
+        _release(t - 1, kv_empty, STAGES)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
         return acc, m_i, l_i, p16, gain, l_prev
 
     @gluon.jit
-    def _overlapped_step(t, key_pos, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
-                         stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, qk_scale, pv_lambda, q_pos,
-                         MASKED: gl.constexpr, PV_SKIP: gl.constexpr, STAGES: gl.constexpr, WARP_SPEC: gl.constexpr,
-                         row_o: gl.constexpr, p_layout: gl.constexpr, turn, WG: gl.constexpr,
-                         PINGPONG: gl.constexpr):
+    def _overlapped_step(t, key_pos, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, s_zero, acc, m_i, l_i,
+                         p16, qk_scale, pv_lambda, q_pos, MASKED: gl.constexpr, PV_SKIP: gl.constexpr,
+                         STAGES: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr):
         """FA3's intra-warpgroup overlap, tile ``t`` (masked: keys at ``key_pos``): ``_issue_step`` then
         ``_finish_step``. Returns (acc, m_i, l_i, p16 of tile t, gain, l_prev)."""
-        s_next, pv, k_buf, v_prev = _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, turn,
-                                                STAGES, WG, PINGPONG)
-        return _finish_step(t, key_pos, s_next, pv, k_buf, v_prev, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready,
-                            v_ready, kv_empty, tile_ptr, stride_tt, n_tiles, b, hkv, m_i, l_i, p16, qk_scale,
-                            pv_lambda, q_pos, MASKED, PV_SKIP, STAGES, WARP_SPEC, row_o, p_layout)
+        s_next, pv, k_buf, v_prev = _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16,
+                                                STAGES)
+        return _finish_step(t, key_pos, s_next, pv, k_buf, v_prev, q_smem, kv_empty, m_i, l_i, p16, qk_scale,
+                            pv_lambda, q_pos, MASKED, PV_SKIP, STAGES, row_o, p_layout)
 
     @gluon.jit
-    def _voting_step(t, n_masked, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr,
-                     stride_tt, n_tiles, b, hkv, s_zero, acc, m_i, l_i, p16, gain, l_prev, row_ok, es_tau, votes,
-                     vote_bar, qk_scale, pv_lambda, q_pos, PV_SKIP: gl.constexpr, STAGES: gl.constexpr,
-                     WARP_SPEC: gl.constexpr, WG: gl.constexpr, VOTE_SLOTS: gl.constexpr, row_o: gl.constexpr,
-                     p_layout: gl.constexpr, vote_layout: gl.constexpr, turn, PINGPONG: gl.constexpr):
+    def _voting_step(t, n_masked, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty, s_zero, acc, m_i, l_i, p16,
+                     gain, l_prev, row_ok, es_tau, votes, vote_bar, qk_scale, pv_lambda, q_pos, PV_SKIP: gl.constexpr,
+                     STAGES: gl.constexpr, WG: gl.constexpr, VOTE_SLOTS: gl.constexpr, row_o: gl.constexpr,
+                     p_layout: gl.constexpr, vote_layout: gl.constexpr):
         """``_overlapped_step`` for the early-stop walk over unmasked tile ``t``: issue S(t) and O += P(t-1) V(t-1),
         then vote on tile t-1 (if unmasked; ``gain`` / ``l_prev`` are its) while both run. The walk goes on: the
         softmax of t as in ``_overlapped_step``. It stops (tile t-1 was the last): O is complete once P(t-1) V(t-1)
         lands, and S(t) is dropped. Returns (acc, m_i, l_i, p16, gain, l_prev, goes_on)."""
-        s_next, pv, k_buf, v_prev = _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16, turn,
-                                                STAGES, WG, PINGPONG)
+        s_next, pv, k_buf, v_prev = _issue_step(t, q_smem, k_bufs, v_bufs, k_ready, v_ready, s_zero, acc, p16,
+                                                STAGES)
         j = t - 1 - n_masked  # tile t-1's rank among the unmasked tiles (< 0: it was masked and does not vote)
         goes_on = True
         if j >= 0:
@@ -605,13 +503,11 @@ if GLUON_IMPORT_ERROR is None:
             goes_on = _goes_on(mine, j, votes, vote_bar, WG, VOTE_SLOTS, vote_layout)
         if goes_on:
             acc, m_i, l_i, p16, gain, l_prev = _finish_step(
-                t, 0, s_next, pv, k_buf, v_prev, desc_k, desc_v, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
-                tile_ptr, stride_tt, n_tiles, b, hkv, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, False, PV_SKIP,
-                STAGES, WARP_SPEC, row_o, p_layout)
+                t, 0, s_next, pv, k_buf, v_prev, q_smem, kv_empty, m_i, l_i, p16, qk_scale, pv_lambda, q_pos, False,
+                PV_SKIP, STAGES, row_o, p_layout)
         else:
             acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(pv, p16, v_prev))
-            _release(t - 1, desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, kv_empty, tile_ptr, stride_tt,
-                     n_tiles, b, hkv, STAGES, WARP_SPEC)
+            _release(t - 1, kv_empty, STAGES)
         return acc, m_i, l_i, p16, gain, l_prev, goes_on
 
     @gluon.jit
@@ -794,7 +690,7 @@ if GLUON_IMPORT_ERROR is None:
                       vote_bar, turn, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale, N_Q, N_K,
                       pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip, o_base, stride_on, o_base, stride_on,
                       TileCounts, 0, TileCounts, lse_base, stride_ln,
-                      HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, True, True, NUM_WARPS, ROWS, ROW0,
+                      HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, NUM_WARPS, ROWS, ROW0,
                       HAS_KIDX, PV_SKIP, False, False, VOTE_SLOTS, False, WRITE_LSE, PINGPONG,
                       tl_row, TIMELINE, g, item_i, q_empty, True)
             g += n_tiles
@@ -850,20 +746,17 @@ if GLUON_IMPORT_ERROR is None:
         K, V, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         H_Q, N_Q, N_K, KEY_LEN, N_QBLK, GQA, PLAN_DIV, QIDX_DIV, N_ITEMS,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        WARP_SPEC: gl.constexpr, OVERLAP: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, HAS_QIDX: gl.constexpr,
+        NUM_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, HAS_QIDX: gl.constexpr,
         EARLY_STOP: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr,
         INT32_OFFSETS: gl.constexpr, LOAD_REGS: gl.constexpr, SKIP_MASKED: gl.constexpr, RESUME: gl.constexpr,
         WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr, TIMELINE: gl.constexpr, PERSISTENT: gl.constexpr,
     ):
-        gl.static_assert(not SPLIT or WARP_SPEC, "two compute partitions need the producer partition")
-        gl.static_assert(not GATHER or (SPLIT and HAS_KIDX), "gathered keys: a two-warpgroup variant and a key index")
-        gl.static_assert(not EARLY_STOP or SPLIT, "early stop: the two-warpgroup variants (ws2, ws2_ov)")
-        gl.static_assert(PINGPONG == 0 or (SPLIT and OVERLAP), "ping-pong: two overlapped compute warpgroups")
-        gl.static_assert(not PERSISTENT or (SPLIT and OVERLAP and not HAS_QIDX and not EARLY_STOP and not GATHER
-                                            and not RESUME and PINGPONG < 2 and BLOCK_N == BLOCK_M),
-                         "persistent CTAs: ws2_ov, Q by TMA, no early stop, gather or resume, at most staggered, "
-                         "square tiles (O leaves through a K buffer)")
+        gl.static_assert(not GATHER or HAS_KIDX, "gathered keys need a key index")
+        gl.static_assert(PINGPONG == 0 or PINGPONG == 1, "issue order: free (0) or staggered start (1)")
+        gl.static_assert(not PERSISTENT or (not HAS_QIDX and not EARLY_STOP and not GATHER and not RESUME
+                                            and BLOCK_N == BLOCK_M),
+                         "persistent CTAs: Q by TMA, no early stop, gather or resume, square tiles (O leaves "
+                         "through a K buffer)")
         # -- (batch, query head, query block); a persistent CTA (PERSISTENT) decodes its items in its partitions
         pid = gl.program_id(0)
         b, h, hkv, qblk, tile_ptr, n_tiles, n_masked = _plan_row(
@@ -906,7 +799,7 @@ if GLUON_IMPORT_ERROR is None:
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=READY_ARRIVALS)
             mbarrier.init(v_ready.index(i), count=READY_ARRIVALS)
-            mbarrier.init(kv_empty.index(i), count=2 if SPLIT else 1)  # one arrival per compute partition
+            mbarrier.init(kv_empty.index(i), count=2)  # one arrival per compute partition
         for i in gl.static_range(VOTE_SLOTS):
             mbarrier.init(vote_bar.index(i), count=2)  # one vote per compute warpgroup
         for i in gl.static_range(2):
@@ -944,7 +837,7 @@ if GLUON_IMPORT_ERROR is None:
                                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, VOTE_SLOTS, GATHER_ROWS, SKIP_MASKED,
                                         TIMELINE)),
             ], [NUM_WARPS, 1], [CONSUMER_REGS, 24])
-        elif SPLIT:
+        else:
             # FA3's layout: two compute warpgroups, each its own partition with 64 query rows, scheduled
             # independently by the hardware (one's softmax overlaps the other's MMAs), plus the load warp
             HALF: gl.constexpr = BLOCK_M // 2
@@ -954,7 +847,7 @@ if GLUON_IMPORT_ERROR is None:
                              N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                              q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                              lse_base, stride_ln,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, 0,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, NUM_WARPS, HALF, 0,
                              HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, PINGPONG,
                              tl_row, TIMELINE, 0, 0, q_empty, False)),
                 (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
@@ -962,7 +855,7 @@ if GLUON_IMPORT_ERROR is None:
                              N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                              q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
                              lse_base, stride_ln,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, HALF, HALF,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, NUM_WARPS, HALF, HALF,
                              HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, PINGPONG,
                              tl_row, TIMELINE, 0, 0, q_empty, False)),
                 (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
@@ -971,37 +864,6 @@ if GLUON_IMPORT_ERROR is None:
                              STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, GATHER, LOAD_WARPS, GATHER_ROWS,
                              INT32_OFFSETS, tl_row, TIMELINE, 0, 0, q_empty, False)),
             ], [NUM_WARPS, LOAD_WARPS if GATHER else 1], [CONSUMER_REGS, LOAD_REGS if GATHER else 24])
-        elif WARP_SPEC:
-            gl.warp_specialize([
-                (_consumer, (desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             votes, vote_bar, turn, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
-                             N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
-                             q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
-                             lse_base, stride_ln,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
-                             HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, 0,
-                             tl_row, TIMELINE, 0, 0, q_empty, False)),
-                (_producer, (desc_q, desc_k, desc_v, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                             votes, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, k_base, v_base,
-                             stride_kn, stride_vn, kidx_base, stride_kip, KEY_LEN, BLOCK_M, BLOCK_N, HEAD_DIM,
-                             STAGES, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, False, 1, GATHER_ROWS, INT32_OFFSETS, tl_row,
-                             TIMELINE, 0, 0, q_empty, False)),
-            ], [1], [24])
-        else:
-            if not HAS_QIDX:
-                mbarrier.expect(q_bar, desc_q.block_type.nbytes)
-                tma.async_copy_global_to_shared(desc_q, [b, h, qblk * BLOCK_M, 0], q_bar, q_smem)
-            for i in gl.static_range(STAGES):
-                _issue_kv(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, tile_ptr, stride_tt, i, i < n_tiles, b,
-                          hkv, STAGES)
-            _consumer(desc_k, desc_v, desc_o, q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
-                      votes, vote_bar, turn, tile_ptr, stride_tt, n_tiles, n_masked, b, h, hkv, qblk, qk_scale,
-                      N_Q, N_K, pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
-                      q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr,
-                      lse_base, stride_ln,
-                      HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, WARP_SPEC, OVERLAP, NUM_WARPS, BLOCK_M, 0,
-                      HAS_KIDX, PV_SKIP, HAS_QIDX, EARLY_STOP, VOTE_SLOTS, RESUME, WRITE_LSE, 0, tl_row, TIMELINE,
-                      0, 0, q_empty, False)
 
         mbarrier.invalidate(q_bar)
         mbarrier.invalidate(q_empty)
@@ -1020,12 +882,10 @@ if GLUON_IMPORT_ERROR is None:
 # ---------------------------------------------------------------------------------------------------------------
 
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# variant -> (warp-specialised, intra-warpgroup overlap, one compute partition per warpgroup)
-_VARIANT_FLAGS = {"tma": (False, False, False), "tma_ov": (False, True, False), "ws": (True, False, False),
-                  "ws_ov": (True, True, False), "ws2": (True, False, True), "ws2_ov": (True, True, True)}
 BLOCK_M = 128
-NUM_WARPS = 8  # two consumer warpgroups of 64 rows
-CONSUMER_REGS = 240  # registers per thread of the second compute partition (split variants)
+#: warps of each of the two compute partitions (a warpgroup of 64 query rows each); the kernel's ``NUM_WARPS``
+PARTITION_WARPS = 4
+CONSUMER_REGS = 240  # registers per thread of the compute partitions
 # gathered keys (``key_gather``): the load partition's warps and registers, and the list length (x Nk) above
 # which "auto" gathers rather than copying (a gathered tile costs about 9% more than one TMA reads from the copy,
 # docs/kernels.md; the copy costs a pass over the whole list)
@@ -1039,23 +899,20 @@ GATHER_LOAD_REGS = 56  # the compute partitions keep 208 (default) and 240: 504 
 GATHER_ROWS_PER_COPY = 4
 #: H100 (4-row gathers): S2O's walk gathered beats copy + TMA by 3% at 16K (list 5 x Nk) and 4.5% at 32K (9 x Nk)
 GATHER_LIST_RATIO = 4
-#: the two compute warpgroups' issue order (ws2_ov): 0 free, 1 warpgroup 1's first MMAs after warpgroup 0's
-#: (staggered: its S = Q K^T runs during warpgroup 0's first softmax instead of beside it), 2 FA3's ping-pong, every
-#: step alternating (``_wait_turn``); None: 1 without early stop, else 0. H100, one loop (docs/kernels.md):
-#: 1 runs S2O's window pass 3-4% faster at 16K-64K and the dense kernel within 1%; 2 slows the dense kernel by 1-4%
-#: and the walk by 1-8%; the early-stop walk was not faster with 1
-PINGPONG = None
-#: debug: an int64 (grid, 16) tensor; each CTA writes its row: 0 the SM, 14 its
-#: tile count; 1-5 (compute warpgroup 0) and 6-10 (warpgroup 1) clock64 at its start, Q ready, first S landed, last
-#: P V landed, end; 11 / 13 the load partition's start / end. None: the stamps are compiled out
-TIMELINE_BUFFER = None
-#: persistent CTAs (module docstring) where the call allows them (ws2_ov, square tiles, Q by TMA, no early stop,
-#: gather or resume): True / False; None: ``persistent_by_default``. H100, one loop (docs/kernels.md): S2O's
-#: window pass (at most 16 tiles per block) 0.78 / 0.78 / 0.75 of the dense kernel per tile at 16K / 32K / 64K,
-#: against 0.73 / 0.73 / 0.65 with a CTA per block; the dense kernel 0.97-0.98 (a fixed order over blocks of 1 to
-#: N/128 tiles leaves SMs 2.5-3% unbalanced; drawing items from an atomic counter balanced them but cost the window
-#: pass 3%)
-PERSISTENT = None
+def issue_order(early_stop: float) -> int:
+    """The two compute warpgroups' issue order, the kernel's ``PINGPONG``: without early stop warpgroup 1 issues
+    its first MMAs after warpgroup 0's (1: its S = Q K^T runs during warpgroup 0's first softmax instead of beside
+    it), with early stop they run free (0). H100, one loop: 1 runs S2O's window pass 3-4% faster at 16K-64K and the
+    dense kernel within 1%; the early-stop walk was not faster with it. (FA3's ping-pong on every step, the
+    kernel's 2, slowed the dense kernel by 1-4% and the walk by 1-8%.)"""
+    return int(early_stop == 0)
+
+
+#: persistent CTAs (module docstring) where the call allows them (square tiles, Q by TMA, no early stop, gather or
+#: resume), chosen by ``persistent_by_default``. H100, one loop: S2O's window pass (at most 16 tiles per block)
+#: 0.78 / 0.78 / 0.75 of the dense kernel per tile at 16K / 32K / 64K, against 0.73 / 0.73 / 0.65 with a CTA per
+#: block; the dense kernel 0.97-0.98 (a fixed order over blocks of 1 to N/128 tiles leaves SMs 2.5-3% unbalanced;
+#: drawing items from an atomic counter balanced them but cost the window pass 3%)
 PERSISTENT_MAX_TILES = 16
 #: enough blocks per CTA that the fixed order balances (blocks of 1-16 tiles: 1.5-3% at 16K-64K)
 PERSISTENT_MIN_BLOCKS_PER_SM = 8
@@ -1076,19 +933,14 @@ def shared_memory_bytes(head_dim: int, block_n: int, num_stages: int, element_si
     return element_size * head_dim * (BLOCK_M + 2 * num_stages * block_n) + 8 * (3 * num_stages + 4) + 1024
 
 
-#: K/V ring depths per (head dim, block_n) that differ from 3 when the caller names none. Empty: 3 is the most that
-#: fits at D=128 / block_n=128, and 4-6 stages did not help elsewhere (docs/kernels.md);
-#: ``bench_breakeven.py --tiles --hopper-stages`` sets entries to time other depths.
-DEFAULT_STAGES: dict = {}
+#: the K/V ring depth when the caller names none: 3 is the most that fits at D=128 / block_n=128, and 4-6 stages
+#: did not help elsewhere (H100)
+DEFAULT_NUM_STAGES = 3
 MAX_STAGES = 6
 
 
-def default_stages(head_dim: int, block_n: int) -> int:
-    return DEFAULT_STAGES.get((head_dim, block_n), 3)
-
-
 def persistent_by_default(tile_offsets, n_items: int) -> bool:
-    """Whether a call that allows persistent CTAs gets them when ``PERSISTENT`` is None: short lists (at most
+    """Whether a call that allows persistent CTAs gets them when ``persistent`` is None: short lists (at most
     ``PERSISTENT_MAX_TILES`` tiles per block, e.g. S2O's window pass), where a block's fixed costs weigh, and enough
     blocks per SM (``PERSISTENT_MIN_BLOCKS_PER_SM``) that the fixed order pid, pid + grid, ... balances."""
     return (tile_offsets.shape[-1] <= PERSISTENT_MAX_TILES
@@ -1112,13 +964,10 @@ def gathers_by_default(key_index, num_keys: int) -> bool:
 
 def hopper_unsupported(q, k, v, tile_offsets=None, *, block_m: int = 128, block_n: int = 128,
                        key_index=None, query_index=None, early_stop: float = 0.0, pv_skip=None,
-                       num_stages: Optional[int] = None, variant: str = "ws2_ov",
-                       key_gather: Optional[bool] = None) -> Optional[str]:
+                       num_stages: Optional[int] = None, key_gather: Optional[bool] = None) -> Optional[str]:
     """Why the Hopper kernel cannot run this call (a sentence), or None when it can. Checks no plan values."""
     if GLUON_IMPORT_ERROR is not None:
         return f"Gluon (triton.experimental.gluon, Triton 3.6 API) unavailable: {GLUON_IMPORT_ERROR}"
-    if variant not in _VARIANT_FLAGS:
-        return f"variant {variant!r} unknown (one of {', '.join(HOPPER_VARIANTS)})"
     if key_index is not None:
         if key_index.dim() != 3 or key_index.shape[1] != k.shape[1]:
             return (f"key_index with {key_index.shape[1] if key_index.dim() == 3 else '?'} heads: the permuted copy "
@@ -1127,10 +976,8 @@ def hopper_unsupported(q, k, v, tile_offsets=None, *, block_m: int = 128, block_
             return "an empty key_index"
     if query_index is not None and (query_index.dim() != 3 or q.shape[1] % max(query_index.shape[1], 1)):
         return f"query_index of shape {tuple(query_index.shape)}: needs (B, H, Nq) with H dividing Hq={q.shape[1]}"
-    if key_gather and not (key_index is not None and _VARIANT_FLAGS[variant][2]):
-        return f"gathered keys need a key_index and a two-warpgroup variant (ws2, ws2_ov), not {variant!r}"
-    if early_stop and early_stop > 0 and not _VARIANT_FLAGS[variant][2]:
-        return f"early stop needs a two-warpgroup variant (ws2, ws2_ov), not {variant!r}"
+    if key_gather and key_index is None:
+        return "gathered keys need a key_index"
     if pv_skip is not None and not (pv_skip < 0 and math.isfinite(pv_skip)):
         return f"pv_skip={pv_skip!r} is not supported (a finite negative number)"
     if not q.is_cuda:
@@ -1147,7 +994,7 @@ def hopper_unsupported(q, k, v, tile_offsets=None, *, block_m: int = 128, block_
     if block_n not in (64, 128):
         return f"block_n={block_n} is not supported (64 or 128)"
     if num_stages is None:
-        num_stages = default_stages(D, block_n)
+        num_stages = DEFAULT_NUM_STAGES
     if not 2 <= num_stages <= MAX_STAGES:
         return f"num_stages={num_stages} is not supported (2 to {MAX_STAGES})"
     smem = shared_memory_bytes(D, block_n, num_stages, q.element_size())
@@ -1176,31 +1023,35 @@ _LAYOUTS: dict = {}
 
 def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_counts, *, block_n: int,
                                   scale: Optional[float] = None, num_stages: Optional[int] = None,
-                                  variant: str = "ws2_ov",
                                   block_m: int = 128, key_index=None, query_index=None, early_stop: float = 0.0,
                                   pv_skip=None, return_visited: bool = False, key_gather: Optional[bool] = None,
-                                  out=None, lse=None, resume: bool = False, skip_masked: bool = False):
+                                  out=None, lse=None, resume: bool = False, skip_masked: bool = False,
+                                  persistent: Optional[bool] = None, timeline: Optional[torch.Tensor] = None):
     """Block-sparse causal attention over tile lists (the plan contract, module docstring) on an H100.
 
     q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D) -> out (B, Hq, Nq, D) in q's dtype, stored as (B, Nq, Hq, D) memory.
-    ``num_stages``: K/V ring depth, 2 to ``MAX_STAGES`` where shared memory allows (None: ``default_stages``; at
-    D=128, block_n=128 that is 3, 224 KiB, the most that fits).
+    ``num_stages``: K/V ring depth, 2 to ``MAX_STAGES`` where shared memory allows (None: ``DEFAULT_NUM_STAGES``,
+    3; at D=128, block_n=128 that is 224 KiB, the most that fits).
     ``pv_skip`` lambda < 0 (natural-log units) drops a row's P.V share of a tile as the Triton kernel does;
     ``key_index`` (Hkv heads) is served by a permuted contiguous K/V copy read by TMA, the index itself read in
     masked tiles for positions; ``key_gather=True`` reads the keys in place through the index instead (a 4-warp
-    load partition gathers rows with cp.async; two-warpgroup variants), None picks it for lists longer than
+    load partition gathers rows with cp.async), None picks it for lists longer than
     ``GATHER_LIST_RATIO`` x Nk (S2O's per-segment prefixes, whose copy is ~N^2/2S rows). ``return_visited``: also
     the int32 (B, Hq, n_query_blocks) tiles each block computed (without early stop, its tile count).
     ``out`` / ``lse`` / ``resume`` / ``skip_masked``: two passes over one softmax, as
     ``kernels.attention.block_sparse_attention`` documents them (``out`` needs TMA-compatible strides).
+    ``persistent``: persistent CTAs where the call allows them (True / False; None: ``persistent_by_default``).
+    ``timeline`` (debugging): an int64 (B * Hq * n_query_blocks, 16) tensor; each block writes its row: 0 the SM, 14 its tile count;
+    1-5 (compute warpgroup 0) and 6-10 (warpgroup 1) clock64 at its start, Q ready, first S landed, last P V
+    landed, end; 11 / 13 the load partition's start / end. None: the stamps are compiled out.
     Raises NotImplementedError naming the first unsupported feature (the caller falls back to the Triton kernel)
-    and ValueError for malformed inputs. ``variant``: one of HOPPER_VARIANTS (module docstring).
+    and ValueError for malformed inputs.
     """
     if num_stages is None:
-        num_stages = default_stages(q.shape[-1], block_n)
+        num_stages = DEFAULT_NUM_STAGES
     why = hopper_unsupported(q, k, v, tile_offsets, block_m=block_m, block_n=block_n, key_index=key_index,
                              query_index=query_index, early_stop=early_stop, pv_skip=pv_skip, num_stages=num_stages,
-                             variant=variant, key_gather=key_gather)
+                             key_gather=key_gather)
     if why is not None:
         raise NotImplementedError(f"hopper_block_sparse_attention: {why}")
     validate_qkv(q, k, v, who="hopper_block_sparse_attention")
@@ -1250,44 +1101,44 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         visited = counts[:, :, None, :].expand(B, tile_counts.shape[1], g, nqb).reshape(B, Hq, nqb).clone()
     if out.numel() == 0:
         return (out, visited) if return_visited else out
-    warp_spec, overlap, split = _VARIANT_FLAGS[variant]
     if key_gather is None:
-        key_gather = gathers_by_default(key_index, Nk) and split
+        key_gather = gathers_by_default(key_index, Nk)
     if key_gather:
         kk, vv, key_len = k, v, key_index.shape[-1]  # the descriptors below go unused: keys are gathered
         kidx, ki_strides = key_index, tuple(key_index.stride())
     elif key_index is not None:
         # the Triton kernel's "copy" key mode: K/V rows in key_index order, contiguous; TMA reads the copy like
         # ordinary keys (boxes past its end read zeros: those logical keys are padding, masked by position)
-        from .attention import _permute_keys
+        from .permute import permute_keys
 
-        kk, vv = _permute_keys(k, v, key_index, D)
+        kk, vv = permute_keys(k, v, key_index, D)
         key_len = key_index.shape[-1]
         kidx, ki_strides = key_index, tuple(key_index.stride())
     else:
         kk, vv, key_len = k, v, Nk
         kidx, ki_strides = tile_counts, (0, 0, 0)  # any int32 tensor: never read without HAS_KIDX
     desc_q = _desc(q, BLOCK_M, _LAYOUTS)
-    desc_o = _desc(out, BLOCK_M // 2 if split else BLOCK_M, _LAYOUTS)  # each compute partition stores its rows
+    desc_o = _desc(out, BLOCK_M // 2, _LAYOUTS)  # each compute partition stores its rows
     desc_k = _desc(kk, block_n, _LAYOUTS)
     desc_v = _desc(vv, block_n, _LAYOUTS)
     n_items = B * Hq * nqb
-    persistent = (split and overlap and query_index is None and early_stop == 0 and not key_gather and not resume
-                  and PINGPONG != 2 and block_n == BLOCK_M)
-    if persistent:
-        persistent = persistent_by_default(tile_offsets, n_items) if PERSISTENT is None else bool(PERSISTENT)
+    allowed = query_index is None and early_stop == 0 and not key_gather and not resume and block_n == BLOCK_M
+    if allowed:
+        persistent = persistent_by_default(tile_offsets, n_items) if persistent is None else bool(persistent)
+    else:
+        persistent = False
     grid = (min(n_items, _sm_count(q.device)) if persistent else n_items,)
-    kwargs = dict(num_warps=4 if split else NUM_WARPS)
-    if warp_spec:
-        # 8 compute warps + 1 load warp, allocated by warpgroup: 12 warps x 168 registers fit the 64K register
-        # file; the load warp's group gives up all but 24 and the compute warps take the rest
-        kwargs["maxnreg"] = 168
+    if timeline is not None and not (isinstance(timeline, torch.Tensor) and timeline.dtype == torch.int64
+                                     and timeline.device == q.device and timeline.is_contiguous()
+                                     and timeline.numel() >= 16 * n_items):
+        raise ValueError(f"hopper_block_sparse_attention: timeline must be a contiguous int64 tensor on {q.device} "
+                         f"with 16 entries per block ({16 * n_items})")
     qidx = query_index if query_index is not None else tile_counts  # any int32 tensor: never read without it
     qi_strides = tuple(query_index.stride()) if query_index is not None else (0, 0, 0)
     _hopper_fwd_kernel[grid](
         desc_q, desc_k, desc_v, desc_o, q, out,
         tile_offsets, tile_counts, masked_counts, kidx, qidx, visited if visited is not None else tile_counts,
-        lse if lse is not None else tile_counts, TIMELINE_BUFFER if TIMELINE_BUFFER is not None else tile_counts,
+        lse if lse is not None else tile_counts, timeline if timeline is not None else tile_counts,
         scale * _LOG2E, float(pv_skip if pv_skip is not None else 0.0) * _LOG2E, early_stop,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *tile_offsets.stride(), *tile_counts.stride(), *masked_counts.stride(), *ki_strides, *qi_strides,
@@ -1296,14 +1147,15 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
         Hq, Nq, Nk, key_len, nqb, Hq // Hkv, Hq // tile_offsets.shape[1],
         Hq // query_index.shape[1] if query_index is not None else 1, n_items,
         HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=num_stages,
-        WARP_SPEC=warp_spec, OVERLAP=overlap, NUM_WARPS=4 if split else NUM_WARPS, SPLIT=split,
+        NUM_WARPS=PARTITION_WARPS,
         CONSUMER_REGS=CONSUMER_REGS, HAS_KIDX=key_index is not None, PV_SKIP=pv_skip is not None,
         HAS_QIDX=query_index is not None, EARLY_STOP=early_stop > 0, GATHER=bool(key_gather),
         LOAD_WARPS=GATHER_LOAD_WARPS, GATHER_ROWS=GATHER_ROWS_PER_COPY, LOAD_REGS=GATHER_LOAD_REGS,
         INT32_OFFSETS=(Nk - 1) * max(k.stride(2), v.stride(2)) + D < 2**31,
         SKIP_MASKED=bool(skip_masked), RESUME=bool(resume), WRITE_LSE=lse is not None and not resume,
-        PINGPONG=(PINGPONG if PINGPONG is not None else int(early_stop == 0)) if (split and overlap) else 0,
-        TIMELINE=TIMELINE_BUFFER is not None, PERSISTENT=persistent,
-        **kwargs,
+        PINGPONG=issue_order(early_stop), TIMELINE=timeline is not None, PERSISTENT=persistent,
+        # 8 compute warps + 1 load warp, allocated by warpgroup: 12 warps x 168 registers fit the 64K register
+        # file; the load warp's group gives up all but 24 and the compute warps take the rest
+        num_warps=PARTITION_WARPS, maxnreg=168,
     )
     return (out, visited) if return_visited else out

@@ -46,7 +46,7 @@ TABLE_FILE = Path(__file__).with_name("breakeven_tables.json")
 
 def plan_shape(plan, select: Optional[str] = None) -> str:
     """The kernel-visible shape of a plan, the key of the break-even table: ``128x64+keys+stop``; with ``select``
-    (the select stage that made it) ``128x128@sampled``, for selectors whose cost is their own: the table's entry
+    (the select stage that made it) ``128x128@<select>``, for selectors whose cost is their own: the table's entry
     under that key wins over the plain shape's."""
     parts = [f"{plan.block_m}x{plan.block_n}"]
     if plan.key_index is not None:

@@ -2,6 +2,8 @@
 
 ``SparseConfig`` holds the backend's own fields and the parameters of every registered method (``registry.py``),
 each under the method's name: ``SparseConfig(method="bfla", bfla={"mass_threshold": 0.95}).bfla.mass_threshold``.
+The four paper methods have typed properties (``config.pbs`` is a ``PBSParams``); every registered method, built in
+or added, is read with ``config.params_of(SampledParams)`` (typed by the class) or ``config.params_of("sampled")``.
 Every method's defaults are its paper's defaults, except BFLA's block-softmax scale (``BFLAParams`` says why); each
 documents the setting that keeps every causal block
 (``Method.keep_all``), with which the method computes exact dense attention.
@@ -14,9 +16,15 @@ import functools
 import math
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Callable, ClassVar, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, TypeVar, Union, overload
 
 from .registry import NO_REORDER, check_stage_pair, method_spec, registered_methods
+
+if TYPE_CHECKING:  # the built-in methods' parameter types, for the typed properties (no import at run time)
+    from .methods.bfla import BFLAParams
+    from .methods.pbs import PBSParams
+    from .methods.s2o import S2OParams
+    from .methods.sparge import SpargeParams
 
 __all__ = ["SparseConfig", "MethodParams", "KERNEL_NAMES", "PLANNER_NAMES", "MAX_BLOCK", "MAX_INT", "check_block",
            "check_fraction", "check_int", "check_finite", "fail", "normalize_site_params", "block_field",
@@ -175,6 +183,9 @@ def check_skip_layers(skip_layers: Any, owner: str = "SparseConfig.skip_layers")
     return tuple(skip_layers)
 
 
+P = TypeVar("P", bound=MethodParams)
+
+
 def _method_params(name: str, value: Any) -> MethodParams:
     cls = method_spec(name).params
     if isinstance(value, cls):
@@ -242,7 +253,8 @@ class SparseConfig:
                     is ``"sparse_attention"``. ``calibrate`` writes them. They belong to the method: a region that
                     switches the method (``sparsity(method=...)``) leaves them behind.
     <method name>   that method's parameters (a dict of its fields or its params dataclass), e.g. ``pbs={...}``;
-                    read back as ``config.pbs``. ``params`` holds them all, as (name, params) pairs.
+                    read back as ``config.params_of(PBSParams)`` or ``config.params_of("pbs")`` (typed properties
+                    for the paper methods: ``config.pbs``). ``params`` holds them all, as (name, params) pairs.
     """
 
     method: str = "pbs"
@@ -261,7 +273,14 @@ class SparseConfig:
     def __init__(self, method: str = "pbs", reorder: Optional[str] = None, select: Optional[str] = None,
                  enabled: bool = True, min_seq_len: int = 16384, skip_layers=(), kernel: str = "auto",
                  planner: str = "auto", record_density: bool = False, dense_when_faster: bool = True,
-                 site_params=None, params=None, **method_params: Any) -> None:
+                 site_params=None, params=None, pbs: Union[PBSParams, Mapping[str, Any], None] = None,
+                 sparge: Union[SpargeParams, Mapping[str, Any], None] = None,
+                 bfla: Union[BFLAParams, Mapping[str, Any], None] = None,
+                 s2o: Union[S2OParams, Mapping[str, Any], None] = None,
+                 **method_params: Union[MethodParams, Mapping[str, Any]]) -> None:
+        # the paper methods' keywords are spelled out for type checkers; any registered method's name is a keyword
+        method_params.update({name: value for name, value in (("pbs", pbs), ("sparge", sparge), ("bfla", bfla),
+                                                               ("s2o", s2o)) if value is not None})
         registered = registered_methods()
         unknown = sorted(set(method_params) - set(registered))
         if unknown:
@@ -314,18 +333,45 @@ class SparseConfig:
             object.__setattr__(self, "_hash", cached)
         return cached[1]
 
-    def __getattr__(self, name: str):
-        # config.pbs, config.bfla, ...: a registered method's parameters
-        if name.startswith("__"):
-            raise AttributeError(name)
-        for method, value in object.__getattribute__(self, "params"):
-            if method == name:
-                return value
-        raise AttributeError(f"SparseConfig has no field or method {name!r}")
+    @overload
+    def params_of(self, method: type[P]) -> P: ...
 
-    def params_of(self, method: str) -> MethodParams:
-        """The parameters of ``method`` (a registered method name)."""
-        return getattr(self, method_spec(method).name)
+    @overload
+    def params_of(self, method: str) -> MethodParams: ...
+
+    def params_of(self, method):
+        """The parameters of ``method``: a registered method's name, or its parameter class (then typed as it:
+        ``config.params_of(SampledParams).budget``)."""
+        if isinstance(method, str):
+            name = method_spec(method).name
+        else:
+            names = [spec.name for spec in registered_methods().values() if spec.params is method]
+            if len(names) != 1:
+                raise ValueError(f"SparseConfig.params_of: {getattr(method, '__name__', method)!r} is the parameter "
+                                 f"class of {len(names)} registered methods ({names}); pass the method's name")
+            name = names[0]
+        for registered, value in self.params:
+            if registered == name:
+                return value
+        raise ValueError(f"SparseConfig.params_of: method {name!r} was registered after this configuration was made; "
+                         "make it again (or use sparsity(method=...))")
+
+    # typed access to the paper methods' parameters (any method: ``params_of``)
+    @property
+    def pbs(self) -> PBSParams:
+        return self.params_of("pbs")  # type: ignore[return-value]
+
+    @property
+    def sparge(self) -> SpargeParams:
+        return self.params_of("sparge")  # type: ignore[return-value]
+
+    @property
+    def bfla(self) -> BFLAParams:
+        return self.params_of("bfla")  # type: ignore[return-value]
+
+    @property
+    def s2o(self) -> S2OParams:
+        return self.params_of("s2o")  # type: ignore[return-value]
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

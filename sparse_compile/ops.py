@@ -1,4 +1,5 @@
-"""The registered op the rewrite inserts, its run-time decision, and the eager ``sparse_attention`` entry point.
+"""The registered op the rewrite inserts, its run-time decision, and the eager entry points ``sparse_attention`` and
+``ulysses_attention`` (the same over a sequence sharded across ranks).
 
 ``torch.ops.sparse_compile.causal_attention`` is opaque to Inductor: the choice between dense and sparse is
 made here, per call, from the actual shapes and the ``sparsity`` region in force. So one compiled graph serves
@@ -17,6 +18,7 @@ import math
 from typing import Callable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.autograd import forward_ad
 
@@ -30,8 +32,11 @@ from .plan import causal_tile_count, execute_plan
 from .registry import method_spec
 from .rules import RUNTIME_RULES, SUPPORTED_DTYPES, CallInfo, first_failure, validate_qkv
 from .parallel import active_sequence_group, is_dtensor, register_dtensor_sharding, run_sequence_parallel
+# the Ulysses collectives, for ulysses_attention below
+from .parallel import _agree, _heads_to_sequence, _process_group, _sequence_to_heads
 
-__all__ = ["causal_attention", "sparse_attention", "precompile", "config_to_json", "config_from_json", "decide", "capturing"]
+__all__ = ["causal_attention", "sparse_attention", "ulysses_attention", "precompile", "config_to_json",
+           "config_from_json", "decide", "capturing"]
 
 log = logging.getLogger("sparse_compile")
 
@@ -488,3 +493,25 @@ def sparse_attention(
     site = "sparse_attention"
     return dispatch(q, k, v, scale, resolve(config or SparseConfig()).for_site(site), site,
                     lambda: dense_causal_attention(q, k, v, scale=scale), chunked_allowed=True)
+
+
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, scale: Optional[float] = None,
+                      config: Optional[SparseConfig] = None) -> Tensor:
+    """``sparse_attention`` over a sequence sharded across ``group`` (default: the whole world), for code that
+    calls attention itself.
+
+    q ``(B, Hq, n, D)``, k and v ``(B, Hkv, n, D)``: this rank's chunk of the sequence (chunks in rank order;
+    lengths may differ between ranks). Returns this rank's chunk of causal attention over the whole sequence,
+    ``(B, Hq, n, D)``. Hq and Hkv must be divisible by the group size. Inference only.
+    """
+    validate_qkv(q, k, v, who="ulysses_attention", dtypes=SUPPORTED_DTYPES + (torch.float64,))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise RuntimeError("ulysses_attention: inference only (the all-to-all has no backward); "
+                           "call it under torch.no_grad()")
+    group = _process_group(group, "ulysses_attention")
+    chunks = _agree("ulysses_attention", group, q, k, v)
+    if chunks.world == 1:
+        return sparse_attention(q, k, v, scale=scale, config=config)
+    q_heads, k_heads, v_heads = _sequence_to_heads((q, k, v), group, chunks)
+    out = sparse_attention(q_heads, k_heads, v_heads, scale=scale, config=config)
+    return _heads_to_sequence(out, group, chunks, dist.get_rank(group))

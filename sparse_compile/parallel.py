@@ -15,7 +15,8 @@ method on whole sequences for its ``H/P`` heads, and exchanges back. Exact with 
 head's attention is computed whole, by one rank. Before any data moves the ranks exchange their shapes (a few
 integers), so that a mistake (unequal batches, a decode step on one rank) raises the same error everywhere
 rather than leaving ranks waiting in a collective; it also lets chunk lengths differ between ranks.
-``ulysses_attention`` is the same for models that call attention themselves.
+``ops.ulysses_attention`` is the same for models that call attention themselves (it is built on the collectives
+here: this module imports nothing from ``ops``).
 """
 
 from __future__ import annotations
@@ -30,10 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .config import SparseConfig
-
-__all__ = ["sequence_parallel", "ulysses_attention", "register_dtensor_sharding", "is_dtensor",
-           "active_sequence_group", "run_sequence_parallel", "refuse_under_sequence_parallel"]
+__all__ = ["sequence_parallel", "register_dtensor_sharding", "is_dtensor", "active_sequence_group",
+           "run_sequence_parallel", "refuse_under_sequence_parallel"]
 
 _SEQUENCE_GROUP: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar(
     "sparse_compile_sequence_parallel", default=None
@@ -252,31 +251,6 @@ def run_sequence_parallel(attention: Callable[..., Tensor], group, q: Tensor, k:
     return _heads_to_sequence(out, group, chunks, dist.get_rank(group))
 
 
-def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, scale: Optional[float] = None,
-                      config: Optional[SparseConfig] = None) -> Tensor:
-    """``sparse_attention`` over a sequence sharded across ``group`` (default: the whole world), for code that
-    calls attention itself.
-
-    q ``(B, Hq, n, D)``, k and v ``(B, Hkv, n, D)``: this rank's chunk of the sequence (chunks in rank order;
-    lengths may differ between ranks). Returns this rank's chunk of causal attention over the whole sequence,
-    ``(B, Hq, n, D)``. Hq and Hkv must be divisible by the group size. Inference only.
-    """
-    from .ops import sparse_attention
-    from .rules import SUPPORTED_DTYPES, validate_qkv
-
-    validate_qkv(q, k, v, who="ulysses_attention", dtypes=SUPPORTED_DTYPES + (torch.float64,))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise RuntimeError("ulysses_attention: inference only (the all-to-all has no backward); "
-                           "call it under torch.no_grad()")
-    group = _process_group(group, "ulysses_attention")
-    chunks = _agree("ulysses_attention", group, q, k, v)
-    if chunks.world == 1:
-        return sparse_attention(q, k, v, scale=scale, config=config)
-    q_heads, k_heads, v_heads = _sequence_to_heads((q, k, v), group, chunks)
-    out = sparse_attention(q_heads, k_heads, v_heads, scale=scale, config=config)
-    return _heads_to_sequence(out, group, chunks, dist.get_rank(group))
-
-
 # -- tensor parallelism: the op's DTensor sharding rule ----------------------------------------------------------
 _REGISTERED = False
 _REGISTER_LOCK = threading.Lock()
@@ -332,7 +306,6 @@ def register_dtensor_sharding() -> None:
             return
         from torch.distributed.tensor.experimental import register_sharding
 
-        from . import ops  # noqa: F401  (registers the op)
-
+        # the op exists: ``import sparse_compile`` imports ``ops``, which registers it
         register_sharding(torch.ops.sparse_compile.causal_attention.default)(_causal_attention_sharding)
         _REGISTERED = True

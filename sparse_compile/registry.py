@@ -2,13 +2,20 @@
 
 A method is one module that declares its parameters (a ``MethodParams`` dataclass), its stages (a reference
 select stage and optionally a reorder stage, each with an optional fast GPU twin), the name of its density knob
-and its keep-everything setting, and ends with one line::
+and its keep-everything setting, and ends with one call::
 
     register_method(Method(name="pbs", params=PBSParams, select=select_pbs, reorder=reorder_pbs, ...))
 
-``SparseConfig`` then accepts ``method="pbs"`` and ``pbs={...}``, ``sparsity(method="pbs", threshold=...)`` works,
-``keep_all()`` knows the setting that makes the method exact, and benchmarks find the knob that sets its density.
-A method registered from outside the package works the same way (``tests/window_method.py``).
+``SparseConfig`` then accepts ``method="pbs"`` and ``pbs={...}`` and ``config.params_of(PBSParams)`` reads them back;
+``sparsity(method="pbs", threshold=...)`` works; ``keep_all()`` knows the setting that makes the method exact;
+``calibrate`` and the benchmarks find the knob that sets its density; the break-even tables key its plans by its
+select stage (``breakeven.plan_shape``); the examples offer it. Nothing else in the package names a method.
+
+Adding a method with kernels of its own (``sampled`` is the example): ``sparse_compile/methods/<name>.py`` (its
+parameters, its reference stages, its fast stages calling the kernels, the ``register_method`` call),
+``kernels/<name>.py`` (the Triton kernels, imported by the fast stages on first use), and one line in
+``sparse_compile/methods/__init__.py`` that imports the module (``tests/test_structure.py`` checks this for
+``sampled``). A method registered from outside the package needs no line there (``tests/window_method.py``).
 
 This module imports nothing from the package: the configuration reads it, the methods fill it.
 """

@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["SiteRecord", "SiteRuntime", "runtime_stats", "reset_runtime_stats", "record_call", "density_from_visits"]
+__all__ = ["SiteRecord", "SiteRuntime", "runtime_stats", "reset_runtime_stats", "record_call", "density_from_visits",
+           "causal_tiles_per_block"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class SiteRecord:
 
 @dataclass
 class SiteRuntime:
-    """Run-time record of one site: how many calls went each way and why, and the density seen."""
+    """Run-time record of one site: how many calls went each way and why, and the density seen (with
+    ``record_density``: the fraction of the causal tiles computed, in [0, 1]; ``density_from_visits``)."""
 
     calls: Counter = field(default_factory=Counter)  # (path, reason) -> count
     last_shape: Optional[tuple] = None
@@ -77,9 +79,24 @@ def reset_runtime_stats() -> None:
 
 
 def density_from_visits(visited: torch.Tensor, plan, num_queries: int, num_keys: int, num_heads: int) -> list[float]:
-    """Per-query-head fraction of causal tiles computed (batch-averaged). Syncs with the host."""
+    """Per-query-head fraction of the causal tiles computed (batch-averaged), in [0, 1]. Syncs with the host.
+
+    Each query block counts at most the tiles dense causal attention computes for it: a layout that computes more
+    than dense does for a block (PBS's permuted diagonal segment is a full square of tiles, S2O's key lists are
+    tile-padded per segment) reads as 1 there, not above. What a plan costs against dense attention, which can
+    exceed 1, is ``plan.density`` (tiles listed over causal tiles)."""
     from .plan import causal_tile_count
 
     total = causal_tile_count(num_queries, num_keys, plan.block_m, plan.block_n)
-    per_head = visited.double().sum(dim=2).mean(dim=0) / max(total, 1)
+    causal = causal_tiles_per_block(visited.shape[-1], num_queries, num_keys, plan.block_m, plan.block_n)
+    kept = torch.minimum(visited.to(torch.float64), causal.to(visited.device, torch.float64))
+    per_head = kept.sum(dim=2).mean(dim=0) / max(total, 1)
     return [float(x) for x in per_head.cpu()]
+
+
+def causal_tiles_per_block(blocks: int, num_queries: int, num_keys: int, block_m: int, block_n: int) -> torch.Tensor:
+    """int64 (blocks,): the key tiles dense causal attention computes for each query block (identity order)."""
+    offset = num_keys - num_queries
+    last = torch.clamp((torch.arange(blocks) + 1) * block_m, max=num_queries) - 1 + offset
+    counts = torch.clamp(last // block_n + 1, max=-(-num_keys // block_n))
+    return torch.where(last >= 0, counts, torch.zeros_like(counts))

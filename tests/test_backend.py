@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +16,7 @@ from sparse_compile.context import current_region, resolve
 from sparse_compile.ops import config_from_json, config_to_json
 
 from helpers import random_qkv
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-from model import ModelArgs, Transformer  # noqa: E402
+from models import ModelArgs, Transformer
 
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")

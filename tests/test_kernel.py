@@ -668,12 +668,12 @@ def test_gpu_bf16_permuted_queries_and_early_stop():
 @pytest.mark.gpu
 def test_gpu_permuted_copy_of_a_key_list_longer_than_grid_axis_limit():
     # S2O's per-segment key lists reach millions of entries at 128K: more row blocks than grid axis 1 allows
-    module = importlib.import_module("sparse_compile.kernels.attention")
+    module = importlib.import_module("sparse_compile.kernels.permute")
     length = 65535 * 64 + 1000
     k = torch.randn(1, 1, 4096, 64, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     key_index = torch.randint(-1, 4096, (1, 1, length), device="cuda", dtype=torch.int32)
-    kp, vp = module._permute_keys(k, v, key_index, 64)
+    kp, vp = module.permute_keys(k, v, key_index, 64)
     rows = key_index[0, 0].long().clamp(min=0)
     valid = key_index[0, 0] >= 0
     assert torch.equal(kp[0, 0][valid], k[0, 0][rows][valid]) and torch.equal(vp[0, 0][valid], v[0, 0][rows][valid])
@@ -753,7 +753,7 @@ def test_backend_argument_on_the_interpreter_path():
 
 def test_hopper_ring_depth_is_bounded_by_shared_memory():
     """The K/V ring may go deeper than 3 only where Q plus the ring fits an H100's 227 KiB (D=64, or block_n=64;
-    6 deep at D=128 / block_n=64, SpargeAttn's tiles), and every default depth fits."""
+    6 deep at D=128 / block_n=64, SpargeAttn's tiles), and the default depth fits everywhere."""
     H = importlib.import_module("sparse_compile.kernels.hopper")
     fits = {(d, bn, st): H.shared_memory_bytes(d, bn, st) <= H.SHARED_MEMORY_LIMIT
             for d in (64, 128) for bn in (64, 128) for st in range(2, H.MAX_STAGES + 1)}
@@ -761,7 +761,7 @@ def test_hopper_ring_depth_is_bounded_by_shared_memory():
     assert fits[(64, 128, 4)] and fits[(128, 64, 6)] and fits[(64, 64, 6)]
     for d in (64, 128):
         for bn in (64, 128):
-            assert fits[(d, bn, H.default_stages(d, bn))], (d, bn)
+            assert fits[(d, bn, H.DEFAULT_NUM_STAGES)], (d, bn)
 
 
 def _has_h100():
@@ -854,14 +854,14 @@ def test_gpu_hopper_auto_dispatch_matches_reference_and_triton(case):
         assert rel_error(plain, ref) > 1e-2
 
 
-# name: (variant, B, Hq, Hkv, N, D, block_n, keys through a permuted list ("gather": read in place), pv_skip)
+# name: (B, Hq, Hkv, N, D, block_n, keys through a permuted list ("gather": read in place), pv_skip)
 _HOPPER_EARLY_STOP_CASES = {
-    "ws2_ov-d128-b2-odd-queries-and-keys": ("ws2_ov", 2, 8, 2, 4096 + 77, 128, 128, True, None),
-    "ws2_ov-d64-bn64-pv-skip": ("ws2_ov", 1, 8, 2, 3000, 64, 64, False, -6.0),
-    "ws2_ov-d64-4-stages-queries-and-keys": ("ws2_ov", 1, 8, 2, 3000, 64, 128, True, None),
-    "ws2-d128-queries-and-keys": ("ws2", 1, 8, 2, 4096, 128, 128, True, None),
-    "ws2_ov-d128-b2-odd-gathered-keys": ("ws2_ov", 2, 8, 2, 4096 + 77, 128, 128, "gather", None),
-    "ws2-d64-bn64-gathered-keys-pv-skip": ("ws2", 1, 8, 2, 3000, 64, 64, "gather", -6.0),
+    "d128-b2-odd-queries-and-keys": (2, 8, 2, 4096 + 77, 128, 128, True, None),
+    "d64-bn64-pv-skip": (1, 8, 2, 3000, 64, 64, False, -6.0),
+    "d64-4-stages-queries-and-keys": (1, 8, 2, 3000, 64, 128, True, None),
+    "d128-queries-and-keys": (1, 8, 2, 4096, 128, 128, True, None),
+    "d128-b2-odd-gathered-keys": (2, 8, 2, 4096 + 77, 128, 128, "gather", None),
+    "d64-bn64-gathered-keys-pv-skip": (1, 8, 2, 3000, 64, 64, "gather", -6.0),
 }
 
 
@@ -874,7 +874,7 @@ def test_gpu_hopper_early_stop_and_permuted_queries(case):
     bf16 flips at tau) and with the Triton kernel; the walks do stop early; auto dispatch picks it."""
     A = _attention_module()
     H = importlib.import_module("sparse_compile.kernels.hopper")
-    variant, B, Hq, Hkv, N, D, bn, with_keys, pv_skip = _HOPPER_EARLY_STOP_CASES[case]
+    B, Hq, Hkv, N, D, bn, with_keys, pv_skip = _HOPPER_EARLY_STOP_CASES[case]
     stages = 4 if "4-stages" in case else None
     q, k, v = _sink_qkv(B, Hq, Hkv, N, N, D, torch.bfloat16, strength=1.0, device="cuda")
     qi = _segment_permutation(B, Hq, N)
@@ -884,8 +884,8 @@ def test_gpu_hopper_early_stop_and_permuted_queries(case):
     check_plan(plan, q, k)
     out, visited = H.hopper_block_sparse_attention(
         q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts, block_n=bn, key_index=ki,
-        query_index=qi, early_stop=plan.early_stop, pv_skip=pv_skip, return_visited=True, variant=variant,
-        num_stages=stages, key_gather=with_keys == "gather")
+        query_index=qi, early_stop=plan.early_stop, pv_skip=pv_skip, return_visited=True, num_stages=stages,
+        key_gather=with_keys == "gather")
     ref, ref_visited = _ref(q, k, v, plan)
     _assert_close(out, ref, torch.bfloat16, "hopper vs reference")
     bad = _non_boundary_mismatches(q, k, plan, visited, ref_visited)
@@ -897,7 +897,7 @@ def test_gpu_hopper_early_stop_and_permuted_queries(case):
         query_index=qi, early_stop=plan.early_stop, pv_skip=pv_skip, return_visited=True, backend="triton")
     _assert_close(out, tri, torch.bfloat16, "hopper vs triton")
     assert (visited == tri_visited).float().mean().item() > 0.99
-    if variant == "ws2_ov":  # the default variant: what execute_plan runs
+    if stages is None:  # the default ring depth: what execute_plan runs
         before = A.BACKEND_CALLS["hopper"]
         auto, auto_visited = execute_plan(q, k, v, plan, return_visited=True,
                                           key_mode="gather" if with_keys == "gather" else "auto")
@@ -908,9 +908,9 @@ def test_gpu_hopper_early_stop_and_permuted_queries(case):
 @gpu
 @hopper_gpu
 def test_gpu_hopper_backend_choices_and_fallbacks(monkeypatch):
-    """An early stop or gathered keys on a one-partition variant and config= are not the Hopper kernel's:
-    backend="hopper" names why, "auto" runs the Triton kernel; the environment variable turns it off. Gathered
-    keys (key_mode="gather") are served by the default variant."""
+    """Gathered keys without a key index and config= are not the Hopper kernel's: backend="hopper" names why,
+    "auto" runs the Triton kernel; the environment variable turns it off. Gathered keys (key_mode="gather") are
+    served."""
     A = _attention_module()
     H = importlib.import_module("sparse_compile.kernels.hopper")
     B, Hq, Hkv, N, D = 1, 4, 2, 1024, 128
@@ -928,10 +928,8 @@ def test_gpu_hopper_backend_choices_and_fallbacks(monkeypatch):
     long_list = ki.repeat(1, 1, 13)  # over 12 x Nk: "auto" gathers in place rather than copying
     assert A.reads_keys_in_place(q, k, v, plan.tile_offsets, block_m=128, block_n=128, key_index=long_list)
     assert not A.reads_keys_in_place(q, k, v, plan.tile_offsets, block_m=128, block_n=128, key_index=ki)
-    with pytest.raises(NotImplementedError, match="two-warpgroup"):
-        H.hopper_block_sparse_attention(*args, block_n=128, early_stop=0.01, variant="ws_ov")
-    with pytest.raises(NotImplementedError, match="gathered keys"):
-        H.hopper_block_sparse_attention(*args, block_n=128, key_index=ki, key_gather=True, variant="ws_ov")
+    with pytest.raises(NotImplementedError, match="gathered keys need a key_index"):
+        H.hopper_block_sparse_attention(*args, block_n=128, key_gather=True)
     execute_plan(q, k, v, plan, config=KernelConfig(128, 128, num_warps=8, num_stages=2))
     assert A.last_backend == "triton"
     monkeypatch.setenv(A.BACKEND_ENV, "triton")
@@ -943,7 +941,7 @@ def test_gpu_hopper_backend_choices_and_fallbacks(monkeypatch):
 
 @gpu
 @hopper_gpu
-def test_gpu_s2o_keys_gathered_in_place_agree_with_copies(monkeypatch):
+def test_gpu_s2o_keys_gathered_in_place_agree_with_copies():
     """An S2O key list over 12 x N: the executor runs one call in which the Hopper kernel gathers the ranked keys
     in place (no permuted copies) and agrees with the segment chunks over copies (outputs, visited counts)."""
     from sparse_compile import SparseConfig
@@ -951,7 +949,6 @@ def test_gpu_s2o_keys_gathered_in_place_agree_with_copies(monkeypatch):
     from sparse_compile.methods import s2o
     from sparse_compile.methods.s2o import execute_s2o
 
-    monkeypatch.setattr(s2o, "COPY_BYTES_FLOOR", 0)  # a list this short would be copied in one piece
     A = _attention_module()
     B, Hq, Hkv, N, D = 1, 8, 2, 8192 + 64, 128
     q, k, v = _sink_qkv(B, Hq, Hkv, N, N, D, torch.bfloat16, strength=1.0, device="cuda")
@@ -964,14 +961,15 @@ def test_gpu_s2o_keys_gathered_in_place_agree_with_copies(monkeypatch):
     before = A.BACKEND_CALLS["hopper"]
     gathered, gathered_visited = execute_s2o(q, k, v, plan, scale, config, return_visited=True)
     assert A.BACKEND_CALLS["hopper"] == before + 2, A._HOPPER_FAILED  # the window pass, then one walk: no chunks
-    copied, copied_visited = execute_s2o(q, k, v, plan, scale, config, return_visited=True, key_mode="copy")
+    # (copy_bytes_floor=0: a list this short would otherwise be copied in one piece)
+    copied, copied_visited = execute_s2o(q, k, v, plan, scale, config, return_visited=True, key_mode="copy",
+                                         copy_bytes_floor=0)
     assert A.BACKEND_CALLS["hopper"] > before + 2  # the copies run in segment chunks
     _assert_close(gathered, copied, torch.bfloat16, "gathered vs copied keys")
     assert (gathered_visited == copied_visited).float().mean().item() > 0.99
     assert int(gathered_visited.sum()) < int(plan.tile_counts.sum())  # the walks stopped early
     # the window pass against one pass over the plan (the masked squares in the walk): same output, same stops
-    monkeypatch.setattr(s2o, "WINDOW_PASS", False)
-    one, one_visited = execute_s2o(q, k, v, plan, scale, config, return_visited=True)
+    one, one_visited = execute_s2o(q, k, v, plan, scale, config, return_visited=True, window_pass=False)
     _assert_close(gathered, one, torch.bfloat16, "window pass vs one pass")
     window_counts = s2o._window_tables(N, 256, 128, 128, q.device)[1]
     masked = torch.minimum(plan.masked_counts, plan.tile_counts)
@@ -1020,14 +1018,13 @@ def test_gpu_hopper_two_passes_equal_one_pass(keys):
 
 @gpu
 @hopper_gpu
-@pytest.mark.parametrize("D,bn,N,pingpong", [(128, 128, 5000, None), (64, 128, 3001, 0), (128, 128, 300, 1)])
-def test_gpu_hopper_persistent_ctas_are_bit_identical(D, bn, N, pingpong, monkeypatch):
-    """``PERSISTENT``: one CTA per SM walking work items in turn (the ring and Q's barriers run on across blocks,
+@pytest.mark.parametrize("D,bn,N", [(128, 128, 5000), (64, 128, 3001), (128, 128, 300)])
+def test_gpu_hopper_persistent_ctas_are_bit_identical(D, bn, N):
+    """``persistent=True``: one CTA per SM walking work items in turn (the ring and Q's barriers run on across blocks,
     O leaves from registers) computes what one CTA per block does, bit for bit: a causal plan with lse (S2O's
     window pass), and a sparse plan over a permuted key copy with the P.V skip, some blocks with no tile at all
     (they write zeros and lse -inf), GQA, batch 2, an odd length; with fewer blocks than SMs too (N=300)."""
     H = importlib.import_module("sparse_compile.kernels.hopper")
-    monkeypatch.setattr(H, "PINGPONG", pingpong)
     B, Hq, Hkv = 2, 8, 2
     q, k, v = _sink_qkv(B, Hq, Hkv, N, N, D, torch.bfloat16, strength=1.0, device="cuda")
     causal = causal_plan(B, Hq, N, N, 128, bn, device="cuda")
@@ -1037,19 +1034,16 @@ def test_gpu_hopper_persistent_ctas_are_bit_identical(D, bn, N, pingpong, monkey
     counts[:, :, 1::3] = 0  # blocks with nothing to compute
     masked = torch.minimum(plan.masked_counts, counts)
 
-    def run_all():
+    def run_all(persistent):
         lse = torch.empty(B, Hq, N, dtype=torch.float32, device="cuda")
         first = H.hopper_block_sparse_attention(q, k, v, causal.tile_offsets, causal.tile_counts,
-                                                causal.masked_counts, block_n=bn, lse=lse)
+                                                causal.masked_counts, block_n=bn, lse=lse, persistent=persistent)
         lse_sparse = torch.empty(B, Hq, N, dtype=torch.float32, device="cuda")
         sparse = H.hopper_block_sparse_attention(q, k, v, plan.tile_offsets, counts, masked, block_n=bn,
-                                                 key_index=ki, pv_skip=-8.0, lse=lse_sparse)
+                                                 key_index=ki, pv_skip=-8.0, lse=lse_sparse, persistent=persistent)
         return first, lse, sparse, lse_sparse
 
-    results = []
-    for persistent in (False, True):
-        monkeypatch.setattr(H, "PERSISTENT", persistent)
-        results.append(run_all())
+    results = [run_all(persistent) for persistent in (False, True)]
     assert torch.isfinite(results[0][0]).all() and torch.isfinite(results[0][2]).all()
     for other in results[1:]:
         for a, b in zip(results[0], other):
@@ -1058,38 +1052,3 @@ def test_gpu_hopper_persistent_ctas_are_bit_identical(D, bn, N, pingpong, monkey
     assert (results[1][2].float().abs().sum(-1)[empty] == 0).all()
     assert torch.isneginf(results[1][3][empty]).all()
     _assert_close(results[1][0], dense_reference(q, k, v), torch.bfloat16)
-
-
-@gpu
-@hopper_gpu
-@pytest.mark.parametrize("early_stop", [0.0, 0.02])
-def test_gpu_hopper_issue_orders_are_bit_identical(early_stop, monkeypatch):
-    """``PINGPONG`` orders the two compute warpgroups' MMA issues (free, staggered start, FA3's ping-pong): a
-    schedule, not arithmetic. Outputs, lse and visited counts are bit-identical across the three, on a causal
-    plan with lse (S2O's window pass) and on a permuted sparse plan (with and without early stop)."""
-    H = importlib.import_module("sparse_compile.kernels.hopper")
-    B, Hq, Hkv, N, D = 2, 8, 2, 5000, 128
-    q, k, v = _sink_qkv(B, Hq, Hkv, N, N, D, torch.bfloat16, strength=1.0, device="cuda")
-    causal = causal_plan(B, Hq, N, N, 128, 128, device="cuda")
-    qi = _segment_permutation(B, Hq, N)
-    ki = _segment_permutation(B, Hkv, N)
-    plan = _gpu_sparse_plan(B, Hq, N, N, 128, 128, 0.5, query_index=qi, key_index=ki, early_stop=early_stop)
-
-    def run_all():
-        lse = torch.empty(B, Hq, N, dtype=torch.float32, device="cuda")
-        first = H.hopper_block_sparse_attention(q, k, v, causal.tile_offsets, causal.tile_counts,
-                                                causal.masked_counts, block_n=128, lse=lse)
-        sparse, visited = H.hopper_block_sparse_attention(
-            q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts, block_n=128, key_index=ki,
-            query_index=qi, early_stop=early_stop, return_visited=True)
-        return first, lse, sparse, visited
-
-    results = []
-    for order in (0, 1, 2):
-        monkeypatch.setattr(H, "PINGPONG", order)
-        results.append(run_all())
-    assert torch.isfinite(results[0][0]).all() and torch.isfinite(results[0][2]).all()
-    for other in results[1:]:
-        for a, b in zip(results[0], other):
-            assert torch.equal(a, b)
-    _assert_close(results[0][0], dense_reference(q, k, v), torch.bfloat16)

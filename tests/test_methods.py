@@ -598,7 +598,7 @@ def test_plan_density():
     assert plan_density(per_kv, 64, 64, num_heads=8).shape == (1, 8)
 
 
-def test_s2o_chunks_ignore_what_unlisted_tile_entries_hold(monkeypatch):
+def test_s2o_chunks_ignore_what_unlisted_tile_entries_hold():
     """Regression (CPU, about one seed in six): entries past a block's tile count hold whatever the planner left
     there; shifted into a later chunk's slice of the key list they went negative, and the reference executor, which
     reads entries up to the widest count, gathered them."""
@@ -615,11 +615,8 @@ def test_s2o_chunks_ignore_what_unlisted_tile_entries_hold(monkeypatch):
         padded = plan if filler is None else plan.with_options(tile_offsets=torch.where(listed, plan.tile_offsets,
                                                             torch.full_like(plan.tile_offsets, filler)))
         whole, visits = execute_plan(q, k, v, padded, None, kernel="reference", return_visited=True)
-        monkeypatch.setattr(s2o, "LIST_BUDGET", 0.5)
-        monkeypatch.setattr(s2o, "COPY_BYTES_FLOOR", 0)
         chunked, chunked_visits = s2o.execute_s2o(q, k, v, padded, None, config, kernel="reference",
-                                                  return_visited=True)
-        monkeypatch.undo()
+                                                  return_visited=True, list_budget=0.5, copy_bytes_floor=0)
         torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
         assert torch.equal(chunked_visits, visits)
 
@@ -640,14 +637,14 @@ def test_s2o_copies_a_list_in_one_piece_while_it_fits_the_floor(monkeypatch):
     whole = s2o.execute_s2o(q, k, v, plan, None, config, kernel="reference")
     assert len(calls) == 1
     row_bytes = 1 * 1 * (16 + 16) * 4  # batch x KV heads x (Dk + Dv) x fp32
-    monkeypatch.setattr(s2o, "COPY_BYTES_FLOOR", row_bytes * plan.key_index.shape[-1] // 2)
-    chunked = s2o.execute_s2o(q, k, v, plan, None, config, kernel="reference")
+    chunked = s2o.execute_s2o(q, k, v, plan, None, config, kernel="reference",
+                              copy_bytes_floor=row_bytes * plan.key_index.shape[-1] // 2)
     assert len(calls) > 2
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kernel", ["reference", "triton"])
-def test_s2o_runs_in_segment_chunks_with_the_same_result(kernel, monkeypatch):
+def test_s2o_runs_in_segment_chunks_with_the_same_result(kernel):
     """S2O's executor runs its plan chunk of segments by chunk (O(N) extra memory): the same output and visits."""
     from sparse_compile.methods import s2o
     from sparse_compile.plan import execute_plan
@@ -657,9 +654,8 @@ def test_s2o_runs_in_segment_chunks_with_the_same_result(kernel, monkeypatch):
                                                       early_stop=0.02))
     plan = build_plan(q, k, None, config)
     whole, visits = execute_plan(q, k, v, plan, None, kernel=kernel, return_visited=True)
-    monkeypatch.setattr(s2o, "LIST_BUDGET", 0.5)  # many chunks
-    monkeypatch.setattr(s2o, "COPY_BYTES_FLOOR", 0)
-    chunked, chunked_visits = s2o.execute_s2o(q, k, v, plan, None, config, kernel=kernel, return_visited=True)
+    chunked, chunked_visits = s2o.execute_s2o(q, k, v, plan, None, config, kernel=kernel, return_visited=True,
+                                              list_budget=0.5, copy_bytes_floor=0)  # many chunks
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
     if kernel == "triton":  # the kernels run the masked squares as each segment's causal triangle
         window_counts = s2o._window_tables(200, 64, 16, 16, q.device)[1]

@@ -1,9 +1,6 @@
 """The method registry: a method defined outside the package, in one file, registered in one line, runs through
 the compiled backend, ``sparsity`` and ``sparse_attention`` without touching any package file."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,10 +9,8 @@ import sparse_compile
 from sparse_compile import SparseConfig, registry, sparsity
 
 from helpers import random_qkv
+from models import ModelArgs, Transformer
 from window_method import WINDOW, WindowParams
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from model import ModelArgs, Transformer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
@@ -45,7 +40,7 @@ def test_sixth_method_through_the_compiled_backend(window_method):
     assert torch.isfinite(windowed).all() and not torch.allclose(windowed, ref, atol=1e-3)
     stats = sparse_compile.runtime_stats()
     assert all(s.calls[("sparse", "method window (reference)")] == 3 for s in stats.values()), stats
-    assert SparseConfig(method="window").keep_all().window.window_blocks == 0
+    assert SparseConfig(method="window").keep_all().params_of(WindowParams).window_blocks == 0
 
 
 def test_sixth_method_through_sparse_attention(window_method):
@@ -74,3 +69,21 @@ def test_registry_derives_the_rest():
     with pytest.raises(ValueError, match="SparseConfig field name"):
         sparse_compile.register_method(sparse_compile.Method(
             name="enabled", params=WindowParams, select=WINDOW.select, density=WINDOW.density, keep_all={}))
+
+
+def test_method_parameters_are_typed_and_read_without_getattr():
+    """The paper methods' parameters are typed properties; any method's, ``params_of`` by name or by class (typed
+    as that class); a name that is neither a field nor a property is an ordinary AttributeError."""
+    from sparse_compile import PBSParams, SampledParams
+
+    config = SparseConfig(method="sampled", sampled={"budget": 0.2}, pbs=PBSParams(threshold=0.5))
+    assert isinstance(config.pbs, PBSParams) and config.pbs.threshold == 0.5
+    assert config.params_of(SampledParams).budget == 0.2 and config.params_of("sampled") is config.params_of(
+        SampledParams)
+    assert SparseConfig.pbs.fget.__annotations__["return"] == "PBSParams"  # what type checkers and IDEs read
+    assert "__getattr__" not in vars(SparseConfig)
+    with pytest.raises(AttributeError):
+        config.sampled  # noqa: B018
+    with pytest.raises(ValueError, match="unknown method"):
+        config.params_of("nope")
+    assert SparseConfig(**config.to_dict()) == config

@@ -3,9 +3,6 @@
 These tests trace with Dynamo and run the pass without Inductor (fast); test_backend.py compiles end to end.
 """
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn as nn
@@ -15,8 +12,7 @@ from sparse_compile import SparseConfig
 from sparse_compile.rewrite import rewrite_graph
 from sparse_compile.rules import layer_index
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from model import ModelArgs, Transformer  # noqa: E402
+from models import ModelArgs, Transformer
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,9 +5,7 @@ fix. The non-finite-input findings of the kernels and selectors are tested in te
 test_selection_fast.py.
 """
 
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +18,7 @@ from sparse_compile.context import resolve
 from sparse_compile.rewrite import rewrite_graph
 
 from helpers import random_qkv
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from model import ModelArgs, Transformer  # noqa: E402
+from models import ModelArgs, Transformer
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 

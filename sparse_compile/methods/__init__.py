@@ -1,7 +1,8 @@
 """The sparse methods, one module each, and ``build_plan``: reorder, then select, into one ``BlockPlan``.
 
-Each module (``pbs``, ``sparge``, ``bfla``, ``s2o``, and ``sampled``, our own selector) declares its parameters, its stages and ends with one
-``register_method(...)`` line (``registry.py``); a method registered from outside the package joins the same way.
+Each module (``pbs``, ``sparge``, ``bfla``, ``s2o``, and ``sampled``, our own selector) declares its parameters,
+its stages and ends with one ``register_method(...)`` call (``registry.py``); importing it below is its one line
+here. A method registered from outside the package joins the same way.
 ``build_plan(q, k, scale, config)`` runs ``config.reorder_stage`` then ``config.select_stage`` and returns the
 plan that ``plan.execute_plan`` runs. Everything here is exact PyTorch, vectorised over batch and heads,
 deterministic and free of host syncs; memory is O(N*D) plus block-level tables.
@@ -31,7 +32,12 @@ from ..plan import BlockPlan
 from ..registry import NO_REORDER, check_stage_pair, method_spec
 from . import _fast
 from ._common import Reordering, Unsupported
-from . import bfla, pbs, s2o, sampled, sparge  # noqa: F401 - each module registers its method
+# the built-in methods, one line each: importing a method's module registers it
+from . import bfla  # noqa: F401,E402
+from . import pbs  # noqa: F401,E402
+from . import s2o  # noqa: F401,E402
+from . import sampled  # noqa: F401,E402
+from . import sparge  # noqa: F401,E402
 
 __all__ = ["build_plan", "Unsupported", "Reordering", "stage_functions"]
 

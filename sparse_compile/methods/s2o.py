@@ -302,12 +302,6 @@ LIST_BUDGET = 2
 #: chunks cost more than their copies (each launch's tail, the short lists of the first segments). H100, S2O at
 #: 32K: five chunks ran at 0.62 of the dense kernel per visited tile, one piece at 0.69.
 COPY_BYTES_FLOOR = 2 << 30
-#: the kernels run a plan's masked tiles (each block's own-segment keys) as a pass of their own: the causal
-#: triangle of every segment in the original query order (one masked tile per block, the diagonal), then the
-#: ranked-prefix walk resumes from its rows' softmax state. With sorted queries a block's rows spread over its
-#: whole segment, so in one pass it visits the segment's full square of tiles, every score masked by position;
-#: the triangle holds half of them and almost no masks. Same keys per row, same early-stop rule.
-WINDOW_PASS = True
 
 
 @functools.lru_cache(maxsize=64)
@@ -339,13 +333,18 @@ def _window_plan(q: torch.Tensor, segment: int, block_m: int, block_n: int) -> B
 
 
 def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale, config, *,
-                kernel: str = "auto", return_visited: bool = False, key_mode: str = "auto"):
+                kernel: str = "auto", return_visited: bool = False, key_mode: str = "auto",
+                window_pass: bool = True, list_budget: float = LIST_BUDGET, copy_bytes_floor: int = COPY_BYTES_FLOOR):
     """``execute_plan`` for S2O's plans, in O(N) extra memory.
 
-    On the kernels (``WINDOW_PASS``), two passes: the plan's masked tiles are each block's own-segment keys, run as
-    the causal triangle of every segment in the original query order (``_window_tables``), writing each row's
-    log2-sum-exp2; then the ranked-prefix walk (the plan's unmasked tiles, early stop) resumes from that state. Its
-    visited counts are the tiles the two passes computed. The reference runs the plan in one pass (the spec).
+    On the kernels, two passes: the plan's masked tiles are each block's own-segment keys, run as the causal
+    triangle of every segment in the original query order (``_window_tables``), writing each row's log2-sum-exp2;
+    then the ranked-prefix walk (the plan's unmasked tiles, early stop) resumes from that state. Its visited counts
+    are the tiles the two passes computed. With sorted queries a block's rows spread over its whole segment, so in
+    one pass it would visit the segment's full square of tiles, every score masked by position; the triangle holds
+    half of them and almost no masks. Same keys per row, same early-stop rule. ``window_pass=False`` runs the plan
+    in one pass, as the reference always does (the spec). ``list_budget`` / ``copy_bytes_floor``: the chunking
+    (``LIST_BUDGET``, ``COPY_BYTES_FLOOR``).
 
     The ranked walk is one call when the kernel reads the ranked keys in place (the Hopper kernel gathers them for
     lists over 4 x N, i.e. from 16K at S=2048: ``kernels.attention.reads_keys_in_place``; ``key_mode="auto"``),
@@ -359,13 +358,14 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
     params = config.params_of("s2o")
     passes = {}
     window_visits = None
-    if WINDOW_PASS and runs_on_kernels(q, kernel):
+    if window_pass and runs_on_kernels(q, kernel):
         window = _window_plan(q, params.segment_size, plan.block_m, plan.block_n)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         out = execute_plan(q, k, v, window, scale, kernel=kernel, lse=lse)
         passes = {"out": out, "lse": lse, "resume": True, "skip_masked": True}
         window_visits = window.tile_counts
-    result = _ranked_walk(q, k, v, plan, scale, params, kernel, return_visited, key_mode, passes)
+    result = _ranked_walk(q, k, v, plan, scale, params, kernel, return_visited, key_mode, passes, list_budget,
+                          copy_bytes_floor)
     if window_visits is None or not return_visited:
         return result
     out, visited = result
@@ -373,7 +373,7 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
 
 
 def _ranked_walk(q, k, v, plan: BlockPlan, scale, params, kernel: str, return_visited: bool, key_mode: str,
-                 passes: dict):
+                 passes: dict, list_budget: float, copy_bytes_floor: int):
     """The plan (with ``passes``: its unmasked tiles, resumed from the window pass) in one call or segment chunks."""
     if key_mode == "auto" and kernel != "reference" and q.is_cuda:
         from ..kernels.attention import reads_keys_in_place
@@ -389,7 +389,7 @@ def _ranked_walk(q, k, v, plan: BlockPlan, scale, params, kernel: str, return_vi
     ends = list(layout.base[1:]) + [layout.length]
     # one list entry's copy (at least one byte: an empty batch copies nothing)
     row_bytes = max(1, q.shape[0] * k.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size())
-    budget = max(LIST_BUDGET * n, COPY_BYTES_FLOOR // row_bytes)
+    budget = max(list_budget * n, copy_bytes_floor // row_bytes)
     chunks, start = [], 0
     for last in range(segments):
         if ends[last] - layout.base[start] > budget and last > start:

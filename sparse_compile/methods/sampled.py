@@ -181,7 +181,7 @@ def _finish(scores: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, re
 
 
 def select_sampled(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
-    params = config.params_of("sampled")
+    params = config.params_of(SampledParams)
     keep_all = params.budget >= 1.0
     scores = None if keep_all else sampled_tile_logits(q, k, scale, params.block_size, params.sample_every)
     return _finish(scores, q, k, reordering, params)
@@ -196,7 +196,7 @@ def select_sampled_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reorderi
 
     if reordering.key_index is not None or reordering.query_index is not None:
         raise ValueError("the sampled selector takes keys and queries in order (reorder 'none')")
-    params = config.params_of("sampled")
+    params = config.params_of(SampledParams)
     bs = params.block_size
     keep_all = params.budget >= 1.0
     scores = None if keep_all else sampled_mass_logits(q, k, scale, bs, bs, params.sample_every)

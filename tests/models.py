@@ -1,4 +1,4 @@
-"""A small gpt-fast-style decoder (RoPE, GQA, SDPA) used by the examples and the tests.
+"""A small gpt-fast-style decoder (RoPE, GQA, SDPA): the tests' model, and the benchmarks' small LM.
 
 Attention is a plain ``F.scaled_dot_product_attention(..., is_causal=True, enable_gqa=True)`` call: exactly the
 pattern ``sparse_prefill`` rewrites. Nothing here knows about sparse_compile.

@@ -1,0 +1,197 @@
+"""The package's layering, read from the source: no import cycles, and ``kernels/`` below ``sparse_compile``.
+
+Every ``import`` counts, also one inside a function (a lazy import still ties two modules together); only imports
+under ``if TYPE_CHECKING:`` (annotations, never run) do not. The graph is built from the files with ``ast``,
+without importing anything, so the check is fast and sees what tools see.
+``kernels/`` is installed as ``sparse_compile.kernels`` and is named so here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "sparse_compile"
+KERNELS = PACKAGE + ".kernels"
+
+
+def _modules() -> dict[str, Path]:
+    """Module name -> file, for the package and its kernels."""
+    found = {}
+    for base, folder in ((PACKAGE, ROOT / "sparse_compile"), (KERNELS, ROOT / "kernels")):
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([base] + parts)] = path
+    return found
+
+
+def _resolve(module: str, is_package: bool, level: int, target: str | None) -> str:
+    if level == 0:
+        return target or ""
+    base = module.split(".")
+    if not is_package:
+        base = base[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes inside ``if TYPE_CHECKING:`` blocks."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for inner in node.body:
+                skipped.update(id(n) for n in ast.walk(inner))
+    return skipped
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (anywhere in its file). ``from X import name`` is an edge to
+    ``X.name`` when that is a module, else to ``X``."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(), str(path))
+        skipped = _type_checking_only(tree)
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                source = _resolve(name, is_package, node.level, node.module)
+                for alias in node.names:
+                    sub = f"{source}.{alias.name}"
+                    targets.append(sub if sub in modules else source)
+            for target in targets:
+                if target.startswith("kernels.") or target == "kernels":  # the source tree's name of the kernels
+                    target = PACKAGE + "." + target
+                while target and target not in modules and "." in target:
+                    target = target.rsplit(".", 1)[0]  # a name inside a module: the module
+                if target in modules and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_the_import_graph_sees_lazy_imports():
+    graph = import_graph()
+    assert "sparse_compile.kernels.block_sparse_attention" not in graph  # names resolve to their modules
+    assert "sparse_compile.plan" in graph["sparse_compile.methods._blocks"]
+    assert "sparse_compile.kernels.hopper" in graph["sparse_compile.kernels.attention"]  # a function-level import
+    assert "sparse_compile.methods.pbs" not in graph["sparse_compile.config"]  # annotations only
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle_in_the_package_or_its_kernels():
+    graph = import_graph()
+    # the package's __init__ imports every layer for its public names and is imported by none
+    importers = sorted(name for name, targets in graph.items() if PACKAGE in targets)
+    assert not importers, f"modules that import the package's __init__: {importers}"
+    assert find_cycles(graph) == []
+
+
+def test_kernels_import_nothing_from_the_package():
+    graph = import_graph()
+    upward = {name: sorted(t for t in targets if not t.startswith(KERNELS))
+              for name, targets in graph.items() if name.startswith(KERNELS)}
+    assert {name: t for name, t in upward.items() if t} == {}
+
+
+def _code_mentions(path: Path, word: str) -> list[int]:
+    """Lines where ``word`` occurs in code (names, attributes, strings that are not docstrings, imports)."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    lines = []
+    for node in ast.walk(tree):
+        text = None
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            text = node.value
+        elif isinstance(node, ast.Name):
+            text = node.id
+        elif isinstance(node, ast.Attribute):
+            text = node.attr
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            text = " ".join([getattr(node, "module", None) or ""] + [a.name for a in node.names])
+        if text is not None and word.lower() in text.lower():
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_a_method_with_kernels_is_its_own_files_and_one_line():
+    """``sampled`` (a method with fast stages and kernels of its own) is named in code only by its two files, its
+    registration line in ``methods/__init__.py`` and the package's public name of its parameters."""
+    own = {ROOT / "sparse_compile" / "methods" / "sampled.py", ROOT / "kernels" / "sampled.py"}
+    found = {}
+    for path in _modules().values():
+        if path not in own and (lines := _code_mentions(path, "sampled")):
+            found[str(path.relative_to(ROOT))] = lines
+    init = (ROOT / "sparse_compile" / "__init__.py").read_text().splitlines()
+    public = found.pop("sparse_compile/__init__.py", [])  # ``from .methods.sampled import SampledParams``, __all__
+    assert public and all("SampledParams" in init[n - 1] for n in public), public
+    registration = found.pop("sparse_compile/methods/__init__.py", [])
+    assert len(registration) == 1, registration
+    assert found == {}, f"code outside the method's files that names it: {found}"
+
+
+def test_examples_offer_every_registered_method():
+    """``--method`` of the examples comes from the registry: ``sampled`` included, and any method registered later."""
+    import os
+    import subprocess
+    import sys
+
+    import sparse_compile
+
+    for example in ("quickstart.py", "hf_model.py"):
+        run = subprocess.run([sys.executable, str(ROOT / "examples" / example), "--help"], capture_output=True,
+                             text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert run.returncode == 0, run.stderr[-2000:]
+        offered = run.stdout.split("--method", 1)[1].split("}", 1)[0]
+        for name in sparse_compile.registry.registered_methods():
+            assert name in offered, (example, name, offered)
