@@ -43,7 +43,7 @@ from . import report
 from .config import SparseConfig
 from .context import resolve
 from .dense import dense_causal_attention
-from .ops import DENSE, _in_output_layout, dispatch, padded_dispatch
+from .ops import DENSE, dispatch, in_output_layout, padded_dispatch
 from .padding import padding_layout
 
 __all__ = ["NAME", "MIN_TRANSFORMERS", "enable_transformers_attention", "attention_forward", "mask_forward",
@@ -497,4 +497,4 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                            lambda: dense_causal_attention(query, k, v, scale=scaling), chunked_allowed=True)
         else:
             out = padded_dispatch(query, k, v, scaling, config, site, layout)
-    return _in_output_layout(out).transpose(1, 2), None
+    return in_output_layout(out).transpose(1, 2), None
