@@ -130,8 +130,7 @@ def sparse_prefill(
     if left_as_sdpa:  # plain SDPA cannot follow sequence_parallel: refuse there rather than attend within a chunk
         from .parallel import refuse_under_sequence_parallel
 
-        compiled = refuse_under_sequence_parallel(compiled, left_as_sdpa)
-        compiled = _counting_plain_sdpa(compiled, left_as_sdpa)
+        compiled = refuse_under_sequence_parallel(_counting_plain_sdpa(compiled, left_as_sdpa), left_as_sdpa)
     if not _QUIET.get():
         _warn_plain_sdpa(gm, records)
         _warn_recompile_limit(gm, records)
