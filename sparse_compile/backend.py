@@ -227,18 +227,20 @@ def _warn_recompile_limit(gm: fx.GraphModule, records: list[SiteRecord]) -> None
     cid = _compile_id(gm)
     if cid is None or not records:
         return
+    # a torch.compile(recompile_limit=...) is patched in here; older torch names it cache_size_limit
+    name = next((n for n in ("recompile_limit", "cache_size_limit") if hasattr(torch._dynamo.config, n)), None)
     try:
-        limit = int(torch._dynamo.config.recompile_limit)  # a torch.compile(recompile_limit=...) is patched in here
-    except (AttributeError, TypeError, ValueError):  # pragma: no cover
+        limit = int(getattr(torch._dynamo.config, name))
+    except (TypeError, ValueError):  # pragma: no cover
         return
     if cid.frame_compile_id + 1 != limit:
         return
     where, cause = _frame_and_recompile_reason()
     rewritten = sum(r.rewritten for r in records)
-    message = (f"sparse_compile: Dynamo has now compiled {where} {limit} times, torch._dynamo.config.recompile_limit "
+    message = (f"sparse_compile: Dynamo has now compiled {where} {limit} times, torch._dynamo.config.{name} "
                f"({limit}): calls that match none of its compiled versions now run eagerly, and this graph's "
                f"{len(records)} attention sites ({rewritten} rewritten) then run plain dense SDPA, never sparse, with "
-               f"nothing in runtime_stats(). {cause}Raise torch._dynamo.config.recompile_limit, or stop the "
+               f"nothing in runtime_stats(). {cause}Raise torch._dynamo.config.{name}, or stop the "
                "recompiles: TORCH_LOGS=recompiles gives each reason; a size that changes between calls can be "
                "marked dynamic (torch._dynamo.mark_dynamic, or torch.compile(..., dynamic=True))")
     if _first_time(gm, message):

@@ -75,7 +75,7 @@ def _delta(before: dict[str, SiteRuntime], after: dict[str, SiteRuntime]) -> dic
         count = entry.density_count - (old.density_count if old else 0)
         total = entry.density_sum - (old.density_sum if old else 0.0)
         out[site] = SiteRuntime(calls, entry.last_shape, entry.last_path, entry.last_reason, total, count,
-                                entry.last_density_per_head if count else None)
+                                entry.last_density_per_head if count else None, entry.plain_sdpa)
     return out
 
 
@@ -158,6 +158,8 @@ def _backend_options(holder) -> tuple[bool, Any]:
     for _ in range(8):
         found = []
         for obj in frontier:
+            if len(seen) > 4096:  # the wrapper sits a few steps away: don't walk Dynamo's caches
+                return False, None
             if id(obj) in seen or isinstance(obj, (torch.nn.Module, torch.Tensor, type, types.ModuleType)):
                 continue
             seen.add(id(obj))
