@@ -186,8 +186,8 @@ def _compile_id(gm: fx.GraphModule):
     return cid if getattr(cid, "frame_compile_id", None) is not None else None
 
 
-def _first_time(gm: fx.GraphModule, message: str) -> bool:
-    """False when an earlier compile of the same Dynamo frame already gave ``message``."""
+def _first_time(gm: fx.GraphModule, message: Any) -> bool:
+    """False when an earlier graph of the same Dynamo frame already gave ``message``."""
     cid = _compile_id(gm)
     if cid is None:
         return True
@@ -243,7 +243,7 @@ def _warn_recompile_limit(gm: fx.GraphModule, records: list[SiteRecord]) -> None
                f"nothing in runtime_stats(). {cause}Raise torch._dynamo.config.{name}, or stop the "
                "recompiles: TORCH_LOGS=recompiles gives each reason; a size that changes between calls can be "
                "marked dynamic (torch._dynamo.mark_dynamic, or torch.compile(..., dynamic=True))")
-    if _first_time(gm, message):
+    if _first_time(gm, ("recompile_limit", cid.frame_compile_id)):  # once, whichever of the frame's graphs
         warnings.warn(message, UserWarning, stacklevel=2)
 
 

@@ -2,6 +2,7 @@
 frame that Dynamo stops compiling is warned about, explain uses a compiled model's own options, and options,
 SparseConfig and sparsity() take the same names."""
 
+import functools
 import warnings
 
 import pytest
@@ -125,12 +126,15 @@ def test_recompile_limit_that_drops_attention_to_dense_is_warned(low_recompile_l
     assert len(ours(caught)) == 1
 
 
-@pytest.mark.parametrize("how", ["torch.compile", "model.compile"])
+@pytest.mark.parametrize("how", ["torch.compile", "model.compile", "bound backend"])
 def test_explain_uses_the_compiled_models_options(how):
     model, x = EncoderDecoder().eval(), torch.randn(1, 24, 32)
     options = {**OPTIONS, "threshold": 0.5}
     if how == "torch.compile":
         compiled = torch.compile(model, backend="sparse_prefill", options=options)
+    elif how == "bound backend":  # the README's way to pass mode= too
+        backend = functools.partial(sparse_compile.sparse_prefill, options=options)
+        compiled = torch.compile(model.forward, backend=backend, mode="max-autotune-no-cudagraphs")
     else:
         compiled = model
         compiled.compile(backend="sparse_prefill", options=options)
