@@ -92,8 +92,8 @@ def record_plain_sdpa_calls(calls: tuple) -> None:
 
 def runtime_stats() -> dict[str, SiteRuntime]:
     """A snapshot of the run-time log: site -> ``SiteRuntime``. Every attention site of every graph compiled by
-    ``sparse_prefill`` is there from compile time on: a site the rewrite kept as plain SDPA has the reason in
-    ``plain_sdpa``, and its calls are counted on the path ``"dense"``."""
+    ``sparse_prefill`` is there: a rewritten one from its first call, one the rewrite kept as plain SDPA from
+    compile time on, with the reason in ``plain_sdpa`` and its calls counted on the path ``"dense"``."""
     with _LOCK:
         return {
             site: SiteRuntime(Counter(e.calls), e.last_shape, e.last_path, e.last_reason, e.density_sum,
