@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import difflib
 import logging
 import os
+import sys
+import threading
+import warnings
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
 from torch.autograd import forward_ad
 
+from . import report
 from .config import SparseConfig
 from .padding import per_forward
 from .report import SiteRecord
 from .rewrite import rewrite_graph
 
-__all__ = ["sparse_prefill", "on_rewrite", "LOG_ENV_VAR"]
+__all__ = ["sparse_prefill", "on_rewrite", "LOG_ENV_VAR", "OptionsError"]
 
 log = logging.getLogger("sparse_compile")
 LOG_ENV_VAR = "SPARSE_COMPILE_LOG"
@@ -80,6 +85,33 @@ def _maybe_enable_logging() -> None:
     log.setLevel(level)
 
 
+try:  # Dynamo re-raises these from a backend as they are, where it wraps any other error in BackendCompilerFailed
+    from torch._dynamo.exc import ShortenTraceback as _PassedThrough
+except ImportError:  # pragma: no cover - older torch: the error arrives wrapped
+    _PassedThrough = None
+
+if _PassedThrough is not None:
+    class OptionsError(ValueError, _PassedThrough):  # type: ignore[misc]
+        """Invalid ``sparse_prefill`` options: a ``ValueError`` that reaches the caller of the compiled model as it
+        is (torch.compile calls the backend, with its options, only at the first call)."""
+
+        first_useful_frame = None  # the backend's frame, set where raised: Dynamo's frames are cut from the traceback
+
+        # Dynamo appends advice for reporting its own bugs to any error carrying the traced user stack: this one
+        # is about options, so it takes no stack
+        real_stack = property(lambda self: _no_stack(), lambda self, value: None)
+
+    def _no_stack():
+        raise AttributeError("real_stack")
+else:  # pragma: no cover
+    class OptionsError(ValueError):  # type: ignore[no-redef]
+        """Invalid ``sparse_prefill`` options."""
+
+
+# explain() reports every site itself: no warnings from the graphs it compiles
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("sparse_compile_quiet", default=False)
+
+
 def sparse_prefill(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -89,11 +121,20 @@ def sparse_prefill(
 ):
     """``torch.compile(model, backend="sparse_prefill", options={...})``.
 
-    ``options`` keys are ``SparseConfig`` fields (an unknown key is an error naming the valid ones). Eligible
+    ``options`` keys are ``SparseConfig`` fields, or parameters of the configured method (``{"threshold": 0.5}``
+    for pbs), the names ``sparsity(...)`` takes; an unknown key is an ``OptionsError`` (a ``ValueError``) naming
+    the valid ones, raised at the first call (torch.compile hands the options to the backend only then). Eligible
     causal self-attention calls become ``torch.ops.sparse_compile.causal_attention``; everything else, and the
-    rewritten graph, is compiled by Inductor (``compile_fx``) with ``mode``'s Inductor options.
+    rewritten graph, is compiled by Inductor (``compile_fx``) with ``mode``'s Inductor options. Attention sites
+    kept as plain SDPA are listed in ``runtime_stats()`` with the reason, their calls counted, and one warning
+    per graph names them.
     """
-    config = SparseConfig.from_options(options)
+    try:
+        config = SparseConfig.from_options(options)
+    except ValueError as exc:
+        error = OptionsError(str(exc))
+        error.first_useful_frame = sys._getframe()
+        raise error from None
     _check_environment()
     _maybe_enable_logging()
     want_diff = bool(_LISTENERS) or log.isEnabledFor(logging.INFO)
@@ -117,9 +158,12 @@ def sparse_prefill(
     if left_as_sdpa:  # plain SDPA cannot follow sequence_parallel: refuse there rather than attend within a chunk
         from .parallel import refuse_under_sequence_parallel
 
-        compiled = refuse_under_sequence_parallel(compiled, left_as_sdpa)
+        compiled = refuse_under_sequence_parallel(_counting_plain_sdpa(compiled, left_as_sdpa), left_as_sdpa)
     if any(r.rewritten for r in records):
         compiled = _eager_under_transforms(per_forward(compiled), original)
+    if not _QUIET.get():
+        _warn_plain_sdpa(gm, records)
+        _warn_recompile_limit(gm, records)
     return compiled
 
 
@@ -151,6 +195,138 @@ def _eager_under_transforms(compiled: Callable, original: fx.GraphModule) -> Cal
 
     guarded._boxed_call = boxed  # Dynamo's calling convention, passed through
     return guarded
+
+
+# -- sites kept as plain SDPA: listed, counted, and said once per graph -----------------------------------------
+def _shape_of(shape: tuple) -> tuple:
+    # the compile-time shape, a symbolic size by its name (no SymInt, and so no shape environment, is kept alive)
+    return tuple(d if isinstance(d, int) else str(d) for d in shape)
+
+
+def _counting_plain_sdpa(compiled: Callable, left_as_sdpa: list[SiteRecord]) -> Callable:
+    """Register the sites now, and count each call of the compiled graph as one dense call of each: a plain SDPA
+    call has no hook of its own, the graph call is the cheapest place (one lock per call)."""
+    calls = tuple((r.site, r.reason, _shape_of(r.q_shape)) for r in left_as_sdpa)
+    for r in left_as_sdpa:
+        report.register_plain_sdpa(r.site, r.reason)
+
+    def counted(*args, **kwargs):
+        report.record_plain_sdpa_calls(calls)
+        return compiled(*args, **kwargs)
+
+    counted._boxed_call = getattr(compiled, "_boxed_call", False)  # Dynamo's calling convention, passed through
+    return counted
+
+
+# What the user can do about a site kept as plain SDPA, by the rewrite rule it failed (``rules.REWRITE_RULES``).
+_REMEDIES = {
+    "causal": "for causal attention pass is_causal=True, or build the causal mask inside the compiled function",
+    "mask_proven": "build the mask inside the compiled function from the inputs' sizes (a mask that arrives as a "
+                   "graph input, passed in or built before a graph break, cannot be proven causal), or pass "
+                   "is_causal=True without a mask",
+    "no_dropout": "call model.eval() (attention dropout must be off)",
+    "inference": "run under torch.no_grad() or torch.inference_mode()",
+    "dtype": "run attention in float16, bfloat16 or float32",
+    "heads": "pass enable_gqa=True to scaled_dot_product_attention",
+}
+
+_WARNED_LOCK = threading.Lock()
+_WARNED: dict[int, set] = {}  # Dynamo frame id -> warnings given for its graphs (a recompile says nothing new)
+
+
+def _compile_id(gm: fx.GraphModule):
+    cid = gm.meta.get("dynamo_compile_id") if hasattr(gm, "meta") else None
+    if cid is None:
+        try:
+            from torch._guards import CompileContext
+
+            cid = CompileContext.current_compile_id()
+        except Exception:  # pragma: no cover - outside Dynamo, or another torch
+            cid = None
+    return cid if getattr(cid, "frame_compile_id", None) is not None else None
+
+
+def _first_time(gm: fx.GraphModule, message: Any) -> bool:
+    """False when an earlier graph of the same Dynamo frame already gave ``message``."""
+    cid = _compile_id(gm)
+    if cid is None:
+        return True
+    with _WARNED_LOCK:
+        if cid.frame_compile_id == 0:  # a frame's first compile (frame ids restart after torch._dynamo.reset())
+            _WARNED.pop(cid.frame_id, None)
+        given = _WARNED.setdefault(cid.frame_id, set())
+        if message in given:
+            return False
+        given.add(message)
+        return True
+
+
+def _warn_plain_sdpa(gm: fx.GraphModule, records: list[SiteRecord]) -> None:
+    """One warning per graph naming its sites that will never run sparse, why, and what to do. Not said: sites the
+    user left dense (skip_layers) and decode steps (one query: nothing to gain)."""
+    unexpected = [r for r in records if not r.rewritten and r.rule != "layer_selected"
+                  and not (len(r.q_shape) == 4 and isinstance(r.q_shape[-2], int) and r.q_shape[-2] == 1)]
+    if not unexpected:
+        return
+    lines = []
+    for r in unexpected:
+        remedy = _REMEDIES.get(r.rule)
+        lines.append(f"  {r.site}: {r.reason}" + (f" (to run it sparse: {remedy})" if remedy else ""))
+    message = (f"sparse_compile: {len(unexpected)} of {len(records)} attention sites of this compiled graph stay "
+               f"plain SDPA and will never run sparse:\n" + "\n".join(lines) +
+               "\nruntime_stats() lists them (SiteRuntime.plain_sdpa); sparse_compile.explain(model, *inputs) shows "
+               "every site and the graph diff")
+    if _first_time(gm, message):
+        warnings.warn(message, UserWarning, stacklevel=2)
+
+
+def _warn_recompile_limit(gm: fx.GraphModule, records: list[SiteRecord]) -> None:
+    """Dynamo runs a frame eagerly once it has compiled it ``recompile_limit`` times: from then on, calls that match
+    none of its compiled versions run plain dense attention and no sparse op is ever called to say so. Warn at the
+    last compile Dynamo allows."""
+    cid = _compile_id(gm)
+    if cid is None or not records:
+        return
+    # a torch.compile(recompile_limit=...) is patched in here; older torch names it cache_size_limit
+    name = next((n for n in ("recompile_limit", "cache_size_limit") if hasattr(torch._dynamo.config, n)), None)
+    try:
+        limit = int(getattr(torch._dynamo.config, name))
+    except (TypeError, ValueError):  # pragma: no cover
+        return
+    if cid.frame_compile_id + 1 != limit:
+        return
+    where, cause = _frame_and_recompile_reason()
+    rewritten = sum(r.rewritten for r in records)
+    message = (f"sparse_compile: Dynamo has now compiled {where} {limit} times, torch._dynamo.config.{name} "
+               f"({limit}): calls that match none of its compiled versions now run eagerly, and this graph's "
+               f"{len(records)} attention sites ({rewritten} rewritten) then run plain dense SDPA, never sparse, with "
+               f"nothing in runtime_stats(). {cause}Raise torch._dynamo.config.{name}, or stop the "
+               "recompiles: TORCH_LOGS=recompiles gives each reason; a size that changes between calls can be "
+               "marked dynamic (torch._dynamo.mark_dynamic, or torch.compile(..., dynamic=True))")
+    if _first_time(gm, ("recompile_limit", cid.frame_compile_id)):  # once, whichever of the frame's graphs
+        warnings.warn(message, UserWarning, stacklevel=2)
+
+
+def _frame_and_recompile_reason() -> tuple[str, str]:
+    """The function Dynamo is compiling and why it recompiles, where this torch says (else generic words)."""
+    where, cause = "this function", ""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        code = InstructionTranslator.current_tx().f_code
+        where = f"{code.co_name!r} ({code.co_filename}:{code.co_firstlineno})"
+    except Exception:
+        pass
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        reason = get_metrics_context()._metrics.get("recompile_reason")
+        if reason:
+            guard = reason.splitlines()[0].split("#")[0].strip()
+            cause = f"The last recompile was caused by the guard failure {guard!r}. "
+    except Exception:
+        pass
+    return where, cause
 
 
 def _log_records(records: list[SiteRecord], diff: str) -> None:

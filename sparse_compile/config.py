@@ -255,6 +255,8 @@ class SparseConfig:
     <method name>   that method's parameters (a dict of its fields or its params dataclass), e.g. ``pbs={...}``;
                     read back as ``config.params_of(PBSParams)`` or ``config.params_of("pbs")`` (typed properties
                     for the paper methods: ``config.pbs``). ``params`` holds them all, as (name, params) pairs.
+    <parameter>     a parameter of the configured method (its select stage) by its own name, as ``sparsity`` and
+                    ``options`` take it: ``SparseConfig(threshold=0.5)`` is ``SparseConfig(pbs={"threshold": 0.5})``.
     """
 
     method: str = "pbs"
@@ -282,11 +284,24 @@ class SparseConfig:
         method_params.update({name: value for name, value in (("pbs", pbs), ("sparge", sparge), ("bfla", bfla),
                                                                ("s2o", s2o)) if value is not None})
         registered = registered_methods()
-        unknown = sorted(set(method_params) - set(registered))
-        if unknown:
-            raise ValueError(f"SparseConfig: unknown field(s) {unknown}; valid: {list(self.field_names())}")
+        knobs = {k: v for k, v in method_params.items() if k not in registered}
+        method_params = {k: v for k, v in method_params.items() if k in registered}
         given = dict(params or {})
         given.update(method_params)
+        if knobs:  # the configured method's parameters by their own names, as sparsity(...) takes them
+            stage = select if select is not None else method
+            if method not in registered:
+                raise ValueError(f"SparseConfig.method: unknown method {method!r}; valid: {list(registered)}")
+            if stage not in registered:
+                raise ValueError(f"SparseConfig: unknown field(s) {sorted(knobs)}; valid: "
+                                 f"{list(self.field_names())}")
+            names = registered[stage].params.field_names()
+            unknown = sorted(set(knobs) - set(names))
+            if unknown:
+                raise ValueError(f"SparseConfig: unknown field(s) {unknown}; valid: {list(self.field_names())} and "
+                                 f"the parameters of method {stage!r}: {list(names)}")
+            base = _method_params(stage, given[stage]) if stage in given else registered[stage].params()
+            given[stage] = base.updated(knobs)
         resolved = {name: _method_params(name, given[name]) if name in given else spec.params()
                     for name, spec in registered.items()}
         extra = sorted(set(given) - set(registered))
@@ -380,16 +395,21 @@ class SparseConfig:
 
     @classmethod
     def from_options(cls, options: Any) -> "SparseConfig":
-        """Build from ``torch.compile(..., options=...)``: a mapping of this dataclass's fields, or a SparseConfig."""
+        """Build from ``torch.compile(..., options=...)``: a mapping of this dataclass's fields and of the configured
+        method's parameters (``{"threshold": 0.5}``, as ``sparsity`` takes them), or a SparseConfig."""
         if isinstance(options, SparseConfig):
             return options
         if options is not None and not isinstance(options, Mapping):
             raise ValueError(f"sparse_prefill options: expected a dict of SparseConfig fields or a SparseConfig, got "
                              f"{type(options).__name__}")
         options = dict(options or {})
-        unknown = sorted(set(options) - set(cls.field_names()) - {"params"})
+        valid = list(cls.field_names())
+        stage = options.get("select") or options.get("method", "pbs")
+        if isinstance(stage, str) and stage in registered_methods():  # its parameters by their own names
+            valid += [name for name in method_spec(stage).params.field_names() if name not in valid]
+        unknown = sorted(set(options) - set(valid) - {"params"})
         if unknown:
-            raise ValueError(f"sparse_prefill options: unknown key(s) {unknown}; valid keys: {list(cls.field_names())}")
+            raise ValueError(f"sparse_prefill options: unknown key(s) {unknown}; valid keys: {valid}")
         return cls(**options)
 
     def to_dict(self) -> dict[str, Any]:

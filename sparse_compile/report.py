@@ -13,8 +13,11 @@ from typing import Optional
 
 import torch
 
-__all__ = ["SiteRecord", "SiteRuntime", "runtime_stats", "reset_runtime_stats", "record_call", "density_from_visits",
-           "causal_tiles_per_block"]
+__all__ = ["SiteRecord", "SiteRuntime", "runtime_stats", "reset_runtime_stats", "record_call", "register_plain_sdpa",
+           "record_plain_sdpa_calls", "density_from_visits", "causal_tiles_per_block", "PLAIN_SDPA"]
+
+PLAIN_SDPA = "dense"  # the path of a call of a site that a compiled graph kept as plain SDPA
+PLAIN_SDPA_REASON = "kept as plain SDPA at compile time: "  # and the start of its reason
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class SiteRecord:
     dtype: str
     rewritten: bool
     reason: str  # why it was left alone, or the method it now runs
+    rule: str = ""  # the name of the rewrite rule that failed (``rules.REWRITE_RULES``), "" when rewritten
 
 
 @dataclass
@@ -42,6 +46,9 @@ class SiteRuntime:
     density_sum: float = 0.0
     density_count: int = 0
     last_density_per_head: Optional[list[float]] = None
+    # why compiled graphs kept this site as plain SDPA (one reason per distinct decision): those graphs never run
+    # it sparse. Empty when every graph that has the site rewrote it.
+    plain_sdpa: tuple = ()
 
     @property
     def mean_density(self) -> Optional[float]:
@@ -63,12 +70,35 @@ def record_call(site: str, path: str, reason: str, shape: tuple, density: Option
             entry.density_count += 1
 
 
+def register_plain_sdpa(site: str, reason: str) -> None:
+    """A compiled graph kept ``site`` as plain SDPA for ``reason``: listed from compile time on, before any call."""
+    with _LOCK:
+        entry = _RUNTIME.setdefault(site, SiteRuntime())
+        if reason not in entry.plain_sdpa:
+            entry.plain_sdpa += (reason,)
+
+
+def record_plain_sdpa_calls(calls: tuple) -> None:
+    """One call of a compiled graph that kept sites as plain SDPA: ``calls`` holds ``(site, reason, shape)`` per
+    such site (the compile-time reason and shape, symbolic sizes by name). One lock for the whole graph call."""
+    with _LOCK:
+        for site, reason, shape in calls:
+            entry = _RUNTIME.setdefault(site, SiteRuntime())
+            said = PLAIN_SDPA_REASON + reason
+            entry.calls[(PLAIN_SDPA, said)] += 1
+            entry.last_shape, entry.last_path, entry.last_reason = shape, PLAIN_SDPA, said
+            if reason not in entry.plain_sdpa:  # registered before a reset_runtime_stats()
+                entry.plain_sdpa += (reason,)
+
+
 def runtime_stats() -> dict[str, SiteRuntime]:
-    """A snapshot of the run-time log: site -> ``SiteRuntime``."""
+    """A snapshot of the run-time log: site -> ``SiteRuntime``. Every attention site of every graph compiled by
+    ``sparse_prefill`` is there: a rewritten one from its first call, one the rewrite kept as plain SDPA from
+    compile time on, with the reason in ``plain_sdpa`` and its calls counted on the path ``"dense"``."""
     with _LOCK:
         return {
             site: SiteRuntime(Counter(e.calls), e.last_shape, e.last_path, e.last_reason, e.density_sum,
-                              e.density_count, list(e.last_density_per_head or []) or None)
+                              e.density_count, list(e.last_density_per_head or []) or None, e.plain_sdpa)
             for site, e in _RUNTIME.items()
         }
 

@@ -185,7 +185,7 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
             dtype=str(q.dtype).replace("torch.", "") if isinstance(q, torch.Tensor) else "?",
         )
         if failed is not None:
-            records.append(SiteRecord(rewritten=False, reason=failed.reason(call), **record))
+            records.append(SiteRecord(rewritten=False, reason=failed.reason(call), rule=failed.name, **record))
             continue
         node = call.node
         mask = call.mask

@@ -1,0 +1,184 @@
+"""Nothing stays dense silently: sites kept as plain SDPA are listed, counted and warned about once per graph, a
+frame that Dynamo stops compiling is warned about, explain uses a compiled model's own options, and options,
+SparseConfig and sparsity() take the same names."""
+
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import sparse_compile
+from sparse_compile import SparseConfig, sparsity
+from sparse_compile.context import resolve
+
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
+
+# short prompts run sparse on the CPU (reference kernel and planner)
+OPTIONS = {"min_seq_len": 8, "kernel": "reference", "planner": "reference"}
+NOT_CAUSAL = "not causal (is_causal=False) and no mask"
+
+
+class Attention(nn.Module):
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.proj(x).view(b, n, 2, 16).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, q, q, is_causal=self.causal)
+        return y.transpose(1, 2).reshape(b, n, 32)
+
+
+class EncoderDecoder(nn.Module):
+    """One site the rewrite keeps as plain SDPA (not causal) and one it rewrites."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = Attention(causal=False)
+        self.dec = Attention(causal=True)
+
+    def forward(self, x):
+        return self.dec(self.enc(x))
+
+
+def ours(caught) -> list[str]:
+    return [str(w.message) for w in caught if str(w.message).startswith("sparse_compile:")]
+
+
+def test_plain_sdpa_sites_are_listed_counted_and_warned_once_per_graph():
+    model, x = EncoderDecoder().eval(), torch.randn(1, 24, 32)
+    compiled = torch.compile(model, backend="sparse_prefill", options=OPTIONS)
+    with warnings.catch_warnings(record=True) as first, torch.no_grad():
+        warnings.simplefilter("always")
+        out = compiled(x)
+    said = ours(first)
+    assert len(said) == 1, said
+    assert "1 of 2 attention sites" in said[0] and f"enc: {NOT_CAUSAL}" in said[0] and "is_causal=True" in said[0]
+    assert "dec" not in said[0].replace("decode", "")
+    torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+
+    with warnings.catch_warnings(record=True) as second, torch.no_grad():
+        warnings.simplefilter("always")
+        compiled(x)
+    assert ours(second) == []  # a second call of the same graph says nothing
+
+    stats = sparse_compile.runtime_stats()
+    assert set(stats) == {"enc", "dec"}
+    enc, dec = stats["enc"], stats["dec"]
+    assert len(enc.plain_sdpa) == 1 and enc.plain_sdpa[0].startswith(NOT_CAUSAL)
+    assert enc.last_path == "dense" and "kept as plain SDPA" in enc.last_reason
+    assert sum(enc.calls.values()) == 2 and enc.last_shape == (1, 2, 24, 16)
+    assert dec.plain_sdpa == () and dec.last_path == "sparse" and sum(dec.calls.values()) == 2
+
+    report = sparse_compile.explain(compiled, x)
+    rows = {row["site"]: row for row in report.rows()}
+    assert rows["enc"]["rewrite"] == "left dense" and rows["enc"]["reason"].startswith(NOT_CAUSAL)
+    assert rows["dec"]["rewrite"] == "sparse op" and rows["dec"]["run"] == "sparse"
+
+
+def test_decode_steps_and_skipped_layers_are_listed_not_warned():
+    def step(q, k, v, q2):
+        prefill = F.scaled_dot_product_attention(q2, q2, q2, is_causal=True)  # left dense by skip_layers
+        return F.scaled_dot_product_attention(q, k, v), prefill  # one query against the cache: a decode step
+
+    q, kv, q2 = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 24, 16), torch.randn(1, 2, 24, 16)
+    compiled = torch.compile(step, backend="sparse_prefill", options={**OPTIONS, "skip_layers": ["prefill"]})
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        compiled(q, kv, kv, q2)
+    assert ours(caught) == []
+    stats = sparse_compile.runtime_stats()
+    assert len(stats) == 2 and all(s.plain_sdpa and s.last_path == "dense" for s in stats.values())
+    reasons = sorted(s.plain_sdpa[0] for s in stats.values())
+    assert "skip_layers" in reasons[0] and NOT_CAUSAL in reasons[1]
+
+
+@pytest.fixture
+def low_recompile_limit():
+    # every new n recompiles (no automatic dynamic shapes), and the second compile is the last one allowed
+    with torch._dynamo.config.patch(recompile_limit=2, automatic_dynamic_shapes=False):
+        yield
+
+
+def test_recompile_limit_that_drops_attention_to_dense_is_warned(low_recompile_limit):
+    def attend(q, n):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True) * n
+
+    compiled = torch.compile(attend, backend="sparse_prefill", options=OPTIONS)
+    q = torch.randn(1, 2, 16, 16)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        compiled(q, 1)
+        assert ours(caught) == []
+        compiled(q, 2)  # the last compile Dynamo allows
+        said = ours(caught)
+        assert len(said) == 1, said
+        assert "torch._dynamo.config.recompile_limit (2)" in said[0] and "'attend'" in said[0]
+        assert "dense" in said[0] and "n == 1" in said[0]  # the guard that failed
+        out = compiled(q, 3)  # past the limit: eager, dense, and not one more op call
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, is_causal=True) * 3)
+    assert sum(sparse_compile.runtime_stats()["<scaled_dot_product_attention>"].calls.values()) == 2
+    assert len(ours(caught)) == 1
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "model.compile", "bound backend"])
+def test_explain_uses_the_compiled_models_options(how):
+    model, x = EncoderDecoder().eval(), torch.randn(1, 24, 32)
+    options = {**OPTIONS, "threshold": 0.5}
+    if how == "torch.compile":
+        compiled = torch.compile(model, backend="sparse_prefill", options=options)
+    elif how == "bound backend":  # the README's way to pass mode= too
+        backend = functools.partial(sparse_compile.sparse_prefill, options=options)
+        compiled = torch.compile(model.forward, backend=backend, mode="max-autotune-no-cudagraphs")
+    else:
+        compiled = model
+        compiled.compile(backend="sparse_prefill", options=options)
+    report = sparse_compile.explain(compiled, x)
+    assert report.config.min_seq_len == 8 and report.config.pbs.threshold == 0.5
+    assert report.config_from == "the compiled model's options"
+    rows = {row["site"]: row for row in report.rows()}
+    assert set(rows) == {"enc", "dec"} and rows["dec"]["run"] == "sparse", rows
+    torch.testing.assert_close(report.output, model._call_impl(x), rtol=1e-4, atol=1e-5)
+
+
+def test_one_vocabulary_for_options_sparseconfig_and_sparsity():
+    expected = SparseConfig(pbs={"threshold": 0.5})
+    assert SparseConfig(threshold=0.5) == expected
+    assert SparseConfig.from_options({"threshold": 0.5}) == expected
+    with sparsity(threshold=0.5):
+        assert resolve(SparseConfig()) == expected
+    bfla = SparseConfig.from_options({"method": "bfla", "mass_threshold": 0.9})
+    assert bfla.bfla.mass_threshold == 0.9 and SparseConfig(method="bfla", mass_threshold=0.9) == bfla
+    assert SparseConfig(threshold=0.5).replace(threshold=0.7).pbs.threshold == 0.7
+
+    # a name that belongs to no method, or to another method than the configured one: refused, naming the valid
+    with pytest.raises(ValueError, match=r"unknown key.*'bogus'.*valid keys.*'min_seq_len'.*'threshold'"):
+        SparseConfig.from_options({"bogus": 1})
+    with pytest.raises(ValueError, match=r"unknown field.*'bogus'.*valid.*'min_seq_len'.*'threshold'"):
+        SparseConfig(bogus=1)
+    with pytest.raises(ValueError, match=r"unknown parameter.*'bogus'.*valid.*'min_seq_len'.*'threshold'"):
+        sparsity(bogus=1)
+    with pytest.raises(ValueError, match=r"unknown key.*'threshold'.*'mass_threshold'"):
+        SparseConfig.from_options({"method": "bfla", "threshold": 0.5})
+    with pytest.raises(ValueError, match=r"unknown field.*'threshold'.*method 'bfla'.*'mass_threshold'"):
+        SparseConfig(method="bfla", threshold=0.5)
+    with pytest.raises(ValueError, match=r"PBSParams.threshold: must be a number in \[0.0, 1.0\], got 2.0"):
+        SparseConfig.from_options({"threshold": 2.0})
+
+
+def test_unknown_option_is_a_plain_value_error_at_the_first_call():
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    compiled = torch.compile(lambda a: a + 1, backend="sparse_prefill", options={"bogus": 1})
+    with pytest.raises(ValueError, match=r"^sparse_prefill options: unknown key\(s\) \['bogus'\]; valid keys: "
+                                         r"\[.*'min_seq_len'.*'threshold'") as info:
+        compiled(torch.ones(3))
+    assert not isinstance(info.value, BackendCompilerFailed)
+    assert "TORCHDYNAMO_VERBOSE" not in str(info.value)  # no advice for reporting a PyTorch bug
+    with pytest.raises(ValueError, match=r"SparseConfig.min_seq_len: must be an integer >= 2, got 0"):
+        torch.compile(lambda a: a + 1, backend="sparse_prefill", options={"min_seq_len": 0})(torch.ones(3))
