@@ -1,26 +1,60 @@
-"""Recognising the attention masks that models build inside a traced graph.
+"""Recognising the attention masks that models build inside a traced graph, with a proof that holds at every length.
 
 Under Dynamo, transformers cannot look at mask values, so it materialises the mask in the graph: an additive float
 mask built with ``full``/``triu`` and in-place updates (4.46-4.52), a bool mask built by nested functorch vmaps
 (4.53-4.57) or by broadcasting aranges (5.x). The constructions differ by version; what they compute does not. So
-instead of matching each construction, ``analyse_mask`` proves what a mask *is*:
+instead of matching each construction, ``analyse_mask`` proves what a mask *is*: the causal mask, ``key j visible to
+query i iff j <= i + kv_len - q_len``, or that AND a key-padding mask, at every length the graph can run at. What it
+cannot establish comes back as ``NotProven`` with a reason, and the site stays dense.
 
-1. Take the backward slice of the mask node. Size queries (``x.size(1)``, ``x.shape``) are leaves evaluated from
-   the traced shapes, so the slice never reaches the model's activations. In-place mutations of the slice's
-   tensors or of their views (``setitem``, ``mul_``, ``*=``) are part of the slice even though they are not
-   ancestors of the mask node, and so are the global-state calls that bracket it (vmap nesting, autocast).
-2. See which graph inputs the slice reads by value. Allowed: none (the mask is a function of sizes and constants),
-   one ``(batch, kv_len)`` tensor (a tokenizer's ``attention_mask``) and one ``(q_len,)`` integer tensor
-   (``cache_position``, which ``generate`` passes in; it is checked to be the canonical positions at run time).
-3. Evaluate the slice at small substituted lengths (symbolic sizes and static literals alike) and compare with
-   the causal mask, ``key j visible to query i iff j <= i + kv_len - q_len``, and with the causal mask AND the key
-   padding for ones, left, right and random padding. A bool mask keeps True; a float mask keeps 0 and masks
-   values at or below ``finfo.min / 2``. Query rows that see no key under the expected mask are not compared:
-   every implementation leaves them undefined (transformers even unmasks them on CUDA).
-4. Integer constants of the slice that are not sizes (a sliding window) decide the evaluation lengths: the slice
-   is also evaluated past the largest one, so a window that bites at the real length bites in the evaluation.
+1. The slice: the backward slice of the mask node. Size queries (``x.size(1)``, ``x.shape``) are leaves evaluated
+   from the traced shapes, so the slice never reaches the model's activations. In-place mutations of the slice's
+   tensors or of their views (``setitem``, ``mul_``, ``*=``) are part of it even though they are not ancestors of
+   the mask node, and so are the global-state calls that bracket it (vmap nesting, autocast).
+2. Inputs: allowed are none, one ``(batch, kv_len)`` tensor (a tokenizer's ``attention_mask``) and one ``(q_len,)``
+   integer tensor (``cache_position``, held to the canonical positions at run time). Any other input read by value
+   (a buffer, a float attribute that Dynamo lifted to an input, a second mask) can change without a recompile: the
+   mask is not proven.
+3. Lengths. Static shapes run only at the traced sizes (Dynamo guards on them): a mask of up to ``EXACT_ELEMENTS``
+   is evaluated at exactly those sizes, nothing substituted, so the comparison is the proof. Dynamic shapes (and
+   longer static masks) are evaluated at substituted lengths, which needs the two steps below.
+4. Constants: the reach. The slice is evaluated at two lengths and every call's operands are summarised (min and
+   max of their values). An operand whose values differ between the two is length-dependent, growing by some slope
+   per token; one whose values do not is a constant, whatever produced it: a literal, a float attribute Dynamo
+   inlined, ``self.window / 2``, a tensor computed from constants, a ``.item()``. A call that combines the two can
+   change behaviour only where the length-dependent operand reaches the constant's magnitude, about
+   ``|constant| / slope`` tokens: a comparison flips, a clamp saturates, a floor division or remainder wraps, an
+   added offset moves a later threshold (which the slope of the sum then carries). Positions along an index
+   (``triu``'s diagonal, slice bounds, ``narrow``) bite at themselves. Selections (``where``, ``masked_fill``),
+   factories, shape and dtype changes compare nothing. Both lengths are moved past twice the largest bite plus a
+   margin and everything is measured again there, until no bite lies beyond them (sub-linear values are thus
+   measured where they matter). A bite that cannot be bounded (an infinite or NaN constant next to a
+   length-dependent value, a length-dependent operand whose magnitude does not grow), or lengths past
+   ``MAX_EVAL_LENGTH``/``MAX_EVAL_ELEMENTS``: not proven.
+5. The check: the mask must equal the expected one at small lengths (``SMALL_LENGTHS``), around every bite (where
+   a constant starts to matter), and at the two lengths past every bite; a cached prefix (kv_len's own symbol) at
+   5 keys and as long as the queries; lengths the shape guards exclude are skipped. A static mask too long to
+   evaluate at its own length is proven only when that length is itself past every bite. A bool mask keeps True; a
+   float mask keeps 0 and masks values at or below ``finfo.min / 2``. Query rows that see no key under the expected
+   mask are not compared: every implementation leaves them undefined (transformers even unmasks them on CUDA).
+6. Padding values: 0/1 masks with left, right, random and no padding. Values other than 0 and 1 (-1, 2, 0.5, inf,
+   NaN) are proven only where the slice reads the padding through nothing but "nonzero" (``!= 0``, ``== 0``,
+   ``bool()``, ``to(torch.bool)``, logical ops) after views and gathers: such a mask cannot tell -1 from 1, as the op
+   cannot (a trial with such values confirms it). Anything else (``am > 0``, ``am >= 1``, arithmetic) is proven for
+   0/1 values only (``binary_padding``), and the op refuses other values at run time with an error.
 
-Anything not proven comes back as ``NotProven`` with a reason naming what could not be shown.
+Soundness rests on these assumptions; nothing else is taken on trust:
+- Each call of the slice is a deterministic function of its operands that changes behaviour with the length only
+  where a length-dependent operand reaches a constant it is combined with (piecewise-polynomial in the indices with
+  breakpoints at the constants). Length-dependent values combined with each other (``i`` with ``j``, the length
+  with the positions) have the same pattern at every length. A pattern periodic in the length itself (``(n // c) %
+  2``) is checked around its breakpoints up to twice the largest.
+- Sizes that are not lengths (the batch) keep their traced values: the mask's pattern must not depend on them.
+- The mask is elementwise in the padding (key j's padding value decides key j's column), checked on four patterns.
+- Long static masks only: literals within 2 of the traced length are that length.
+Nothing else can slip through because every value the slice reads is a size (substituted and evaluated), an input
+(refused unless it is the padding or the positions, which are covered above), or computed inside the slice from
+those and constants, and every constant is observed by value at the call that combines it with a length.
 """
 
 from __future__ import annotations

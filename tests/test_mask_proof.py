@@ -24,7 +24,16 @@ import sparse_compile
 from sparse_compile import SparseConfig
 from sparse_compile.rewrite import rewrite_graph
 
-pytestmark = pytest.mark.usefixtures("fresh_compile_state")
+pytestmark = pytest.mark.usefixtures("fresh_compile_state", "one_thread")
+
+
+@pytest.fixture
+def one_thread():
+    """Many tiny tensor ops: a second intra-op thread only adds waiting, a lot of it on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 KEEP_ALL = SparseConfig(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32}).keep_all()
 
@@ -342,7 +351,7 @@ def assert_equal(p: Program, out: torch.Tensor, ref: torch.Tensor, am: torch.Ten
                                msg=lambda m: f"{p} {what}: {m}")
 
 
-GROUPS = [random_group(random.Random(seed), size=20) for seed in range(16)]  # 320 programs
+GROUPS = [random_group(random.Random(seed), size=20) for seed in range(15)]  # 300 programs
 
 
 def test_random_mask_programs_never_change_a_result():
