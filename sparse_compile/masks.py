@@ -473,6 +473,9 @@ _INDEXING = {"triu", "tril", "triu_", "tril_", "diagonal", "diag", "diag_embed",
 _DIMS = {"sum", "any", "all", "amax", "amin", "max", "min", "mean", "prod", "cumsum", "cumprod", "cummax", "cummin",
          "argmax", "argmin", "logsumexp", "softmax", "log_softmax", "flip", "unbind", "count_nonzero", "nansum",
          "cat", "concat", "concatenate", "stack", "split", "chunk", "sort", "argsort", "std", "var", "norm"}
+# multiplications and true divisions: a scale, not a threshold
+_SCALING = {"mul", "mul_", "__mul__", "__rmul__", "imul", "multiply", "truediv", "__truediv__", "__rtruediv__",
+            "itruediv", "div", "div_", "true_divide", "neg", "__neg__"}
 _DIM_KWARGS = {"dim", "dims", "keepdim", "dtype", "descending", "stable"}
 
 
@@ -537,6 +540,8 @@ def _operands(node: fx.Node, args: tuple, kwargs: dict) -> list:
     if name in _INDEXING:
         rest = _numbers(list(args[1:]) + list(kwargs.values()), [])
         return [("index", _summary(x)) for x in rest if not isinstance(x, torch.Tensor)]
+    if name in _SCALING and not kwargs.get("rounding_mode"):
+        return [("scale", _summary(x)) for x in _numbers([args, kwargs], [])]
     if name in _DIMS:
         args = (args[0],) + tuple(a for a in args[1:] if isinstance(a, torch.Tensor)) if args else args
         kwargs = {k: v for k, v in kwargs.items() if k not in _DIM_KWARGS}
@@ -550,20 +555,24 @@ class _Bite:
     length: float
     node: str
     constant: float
+    why: str = ""  # why it cannot be bounded
 
 
-def _bites(ops_a: dict, ops_b: dict, delta: int) -> list:
-    """Compare the operands of each call at two lengths ``delta`` apart. An operand whose values change with the
-    length is length-dependent (its growth per token: its slope); one whose values do not is a constant. A call
-    that combines both can change behaviour where the length-dependent operand reaches the constant's magnitude:
-    about ``|constant| / slope`` tokens. Positions along an index (a diagonal, a slice bound) bite at themselves."""
+def _bites(ops_a: dict, ops_b: dict, n_a: int, n_b: int) -> list:
+    """Compare the operands of each call at lengths ``n_a`` and ``n_b``. An operand whose values change with the
+    length is length-dependent; one whose values do not is a constant. A call that combines both can change
+    behaviour where an end of the length-dependent operand's range meets a constant's value (found by following
+    each end linearly from the two measurements). Positions along an index (a diagonal, a slice bound) bite at
+    themselves. Scaling by one constant changes no behaviour (the scaled slope is measured where it is compared);
+    scaling by a constant that holds several values gives elements that grow at different rates: not bounded."""
     out = []
     for node, entries_a in ops_a.items():
         entries_b = ops_b.get(node)
         if entries_b is None or len(entries_b) != len(entries_a):
             out.append(_Bite(math.inf, node.name, math.nan))  # its operands change structure with the length
             continue
-        constants, slopes = [], []
+        constants, moving = [], []
+        role = None
         for (role, a), (_, b) in zip(entries_a, entries_b):
             if a is None and b is None:
                 continue
@@ -574,21 +583,40 @@ def _bites(ops_a: dict, ops_b: dict, delta: int) -> list:
                     out.append(_Bite(magnitude, node.name, magnitude))
                 continue
             if same:
-                constants.append(math.inf if a[3] else max(abs(a[0]), abs(a[1])))
+                constants.append(a)
             else:
-                slope = (b[2] - a[2]) / delta if a is not None and b is not None else 0.0
-                slopes.append(slope)
-        if constants and slopes:
-            magnitude = max(constants)
-            slope = min(slopes)
-            if magnitude == 0:
-                length = 0.0
-            elif slope > 0 and math.isfinite(magnitude):
-                length = magnitude / slope
-            else:
-                length = math.inf
-            out.append(_Bite(length, node.name, magnitude))
+                moving.append((a, b))
+        if not (constants and moving):
+            continue
+        magnitude = max((math.inf if c[3] else max(abs(c[0]), abs(c[1])) for c in constants), default=0.0)
+        if role == "scale":
+            if any(c[0] != c[1] or c[3] for c in constants):
+                out.append(_Bite(math.inf, node.name, magnitude, "it scales a length-dependent value by a constant "
+                                 "holding several values (elements that grow at different rates)"))
+            continue
+        out.append(_Bite(_crossing(constants, moving, n_a, n_b - n_a), node.name, magnitude))
     return out
+
+
+def _crossing(constants: list, moving: list, n_a: int, delta: int) -> float:
+    """The largest length at which an end of a moving range meets a constant's extreme value; inf when unbounded."""
+    values = []
+    for c in constants:
+        if c[3] or not (math.isfinite(c[0]) and math.isfinite(c[1])):
+            return math.inf  # NaN or an infinity next to a length-dependent value
+        values += [c[0], c[1]]
+    worst = 0.0
+    for a, b in moving:
+        if a is None or b is None or a[3] or b[3]:
+            return math.inf
+        ends = ((a[0], b[0]), (a[1], b[1]))
+        if not all(math.isfinite(x) for end in ends for x in end) or all(x == y for x, y in ends):
+            return math.inf  # no finite growth to follow (values change inside a fixed range)
+        for at_a, at_b in ends:
+            slope = (at_b - at_a) / delta
+            if slope:
+                worst = max([worst] + [n_a + (v - at_a) / slope for v in values])
+    return worst
 
 
 # -- the lengths the graph runs at ----------------------------------------------------------------------------------
@@ -726,14 +754,15 @@ def _reach(gm: fx.GraphModule, ordered: list, mask: fx.Node, space: _Space, inpu
                 raise _Unsupported(f"not a causal mask: at {n_q} tokens it could not be evaluated "
                                    f"({type(exc).__name__}: {str(exc)[:120]})") from exc
             observed.append(ops)
-        bites = _bites(observed[0], observed[1], n_b - n_a)
+        bites = _bites(observed[0], observed[1], n_a, n_b)
         worst = max(bites, key=lambda b: b.length, default=None)
         if worst is None or n_a >= REACH_FACTOR * worst.length + REACH_MARGIN:
             return n_a, n_b, bites
         if not math.isfinite(worst.length):
             what = "" if math.isnan(worst.constant) else f" {worst.constant:g}"
-            raise _Unsupported(f"cannot bound where {worst.node} changes the mask: it combines a length-dependent "
-                               f"value with a value{what} that the proof cannot relate to a length")
+            why = worst.why or (f"it combines a length-dependent value with a value{what} that the proof cannot "
+                                "relate to a length")
+            raise _Unsupported(f"cannot bound where {worst.node} changes the mask: {why}")
         n_a = _odd(REACH_FACTOR * worst.length + REACH_MARGIN)
         if n_a + LENGTH_STEP > MAX_EVAL_LENGTH or space.elements(n_a + LENGTH_STEP) > MAX_EVAL_ELEMENTS:
             raise _Unsupported(f"the mask depends on the constant {worst.constant:g} ({worst.node}, about "
