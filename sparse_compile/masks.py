@@ -19,18 +19,19 @@ cannot establish comes back as ``NotProven`` with a reason, and the site stays d
    is evaluated at exactly those sizes, nothing substituted, so the comparison is the proof. Dynamic shapes (and
    longer static masks) are evaluated at substituted lengths, which needs the two steps below.
 4. Constants: the reach. The slice is evaluated at two lengths and every call's operands are summarised (min and
-   max of their values). An operand whose values differ between the two is length-dependent, growing by some slope
-   per token; one whose values do not is a constant, whatever produced it: a literal, a float attribute Dynamo
-   inlined, ``self.window / 2``, a tensor computed from constants, a ``.item()``. A call that combines the two can
-   change behaviour only where the length-dependent operand reaches the constant's magnitude, about
-   ``|constant| / slope`` tokens: a comparison flips, a clamp saturates, a floor division or remainder wraps, an
-   added offset moves a later threshold (which the slope of the sum then carries). Positions along an index
-   (``triu``'s diagonal, slice bounds, ``narrow``) bite at themselves. Selections (``where``, ``masked_fill``),
-   factories, shape and dtype changes compare nothing. Both lengths are moved past twice the largest bite plus a
-   margin and everything is measured again there, until no bite lies beyond them (sub-linear values are thus
-   measured where they matter). A bite that cannot be bounded (an infinite or NaN constant next to a
-   length-dependent value, a length-dependent operand whose magnitude does not grow), or lengths past
-   ``MAX_EVAL_LENGTH``/``MAX_EVAL_ELEMENTS``: not proven.
+   max of their values). An operand whose values differ between the two is length-dependent; one whose values do
+   not is a constant, whatever produced it: a literal, a float attribute Dynamo inlined, ``self.window / 2``, a
+   tensor computed from constants, a ``.item()``. A call that combines the two can change behaviour only where an
+   end of the length-dependent operand's range meets a constant's value, at the length found by following that end
+   linearly from the two measurements: a comparison flips, a clamp saturates, a floor division or remainder wraps,
+   an added offset moves a later comparison. Positions along an index (``triu``'s diagonal, slice bounds,
+   ``narrow``) bite at themselves. Scaling by one constant is no threshold (the scaled operand is followed where it
+   is compared); scaling by a constant holding several values (per-head slopes) makes elements grow at different
+   rates: not bounded. Selections (``where``, ``masked_fill``), factories, shape and dtype changes compare nothing.
+   Both lengths are moved past twice the largest bite plus a margin and everything is measured again there, until
+   no bite lies beyond them (an end that grows sub-linearly is thus followed from where it matters). A bite that
+   cannot be bounded (an infinite or NaN value next to a length-dependent one, a range whose ends do not move), or
+   lengths past ``MAX_EVAL_LENGTH``/``MAX_EVAL_ELEMENTS``: not proven.
 5. The check: the mask must equal the expected one at small lengths (``SMALL_LENGTHS``), around every bite (where
    a constant starts to matter), and at the two lengths past every bite; a cached prefix (kv_len's own symbol) at
    5 keys and as long as the queries; lengths the shape guards exclude are skipped. A static mask too long to
@@ -45,10 +46,11 @@ cannot establish comes back as ``NotProven`` with a reason, and the site stays d
 
 Soundness rests on these assumptions; nothing else is taken on trust:
 - Each call of the slice is a deterministic function of its operands that changes behaviour with the length only
-  where a length-dependent operand reaches a constant it is combined with (piecewise-polynomial in the indices with
-  breakpoints at the constants). Length-dependent values combined with each other (``i`` with ``j``, the length
-  with the positions) have the same pattern at every length. A pattern periodic in the length itself (``(n // c) %
-  2``) is checked around its breakpoints up to twice the largest.
+  where an end of a length-dependent operand's range meets a constant it is combined with, and those ends move
+  monotonically with the length (piecewise-polynomial in the indices with breakpoints at the constants).
+  Length-dependent values combined with each other (``i`` with ``j``, the length with the positions) have the
+  same pattern at every length. A pattern periodic in the length itself (``(n // c) % 2``) is checked around its
+  breakpoints up to twice the largest.
 - Sizes that are not lengths (the batch) keep their traced values: the mask's pattern must not depend on them.
 - The mask is elementwise in the padding (key j's padding value decides key j's column), checked on four patterns.
 - Long static masks only: literals within 2 of the traced length are that length.
