@@ -139,6 +139,56 @@ def test_padding_read_as_nonzero_is_proven_for_every_value(test, dynamic):
     assert sparse_calls() == 1
 
 
+# -- other constructions of the same class: constants hidden in arithmetic, slopes, scalars, mutations ------------
+def _grid(n):
+    return torch.arange(n)[:, None], torch.arange(n)[None, :]
+
+
+HOSTILE = {
+    "clamp_saturates": lambda i, j, n: (j <= i) & (torch.clamp(i - j, max=64) < 64),
+    "window_after_division": lambda i, j, n: (j <= i) & ((i - j) / 64 < 1.5),
+    "window_after_scaling": lambda i, j, n: (j <= i) & ((i - j) * 0.5 < 32),
+    "per_head_slopes": lambda i, j, n: (j <= i) & ((i - j) * torch.tensor([1.0, 0.25])[:, None, None] < 16),
+    "per_head_offsets": lambda i, j, n: (j <= i) & ((i - j) - torch.tensor([0.0, 48.0])[:, None, None] < 16),
+    "one_key_masked": lambda i, j, n: (j <= i) & (j != 100),
+    "extra_diagonal": lambda i, j, n: (j <= i) | (j == i + 64),
+    "length_compared_as_tensor": lambda i, j, n: (j <= i) | ((j < 5) & (torch.ones((), dtype=torch.long) * n >= 64)),
+    "constant_from_arange": lambda i, j, n: (j <= i) & ((i - j) <= torch.arange(64).max()),
+    "periodic_blocks": lambda i, j, n: (j <= i) & ((i // 64) % 2 == (j // 64) % 2),
+    "documents": lambda i, j, n: (j <= i) & ((i < 100) == (j < 100)),
+    "constant_via_item": lambda i, j, n: (j <= i) & ((i - j) < (torch.ones(()) * 64).item()),
+    "window_min_length": lambda i, j, n: (j <= i) & (i - j < min(n, 64)),
+    "window_never_bites": lambda i, j, n: (j <= i) & (i - j < max(n - 64, 1) + 64),
+}
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_constants_hidden_in_arithmetic_never_change_a_result(name, dynamic):
+    build = HOSTILE[name]
+
+    def attention(q, k, v):
+        i, j = _grid(q.shape[-2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=build(i, j, q.shape[-2]))
+
+    records = []
+
+    def backend(gm, example_inputs):
+        records.extend(rewrite_graph(gm, KEEP_ALL))
+        return gm.forward
+
+    compiled = torch.compile(attention, backend=backend, dynamic=dynamic)
+    with torch.no_grad(), torch._dynamo.config.patch(capture_scalar_outputs=True):
+        for n in (150,) if not dynamic else (37, 150):
+            q, k, v = torch.randn(3, 1, 2, n, 16).unbind(0)
+            ref = attention(q, k, v)
+            rows = torch.isfinite(ref).all(-1)
+            torch.testing.assert_close(compiled(q, k, v)[rows], ref[rows], rtol=1e-4, atol=1e-5)
+    assert records
+    if name == "window_never_bites":  # causal at every length: proven
+        assert all(r.rewritten for r in records), [r.reason for r in records]
+
+
 # -- the property test -----------------------------------------------------------------------------------------
 FAMILIES = ("causal", "causal", "window", "window_gt", "chunk", "sink", "prefix_lm", "offset")
 CAUSAL_STYLES = ("le", "tril", "not_gt", "difference")
