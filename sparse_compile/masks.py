@@ -51,7 +51,9 @@ Soundness rests on these assumptions; nothing else is taken on trust:
   Length-dependent values combined with each other (``i`` with ``j``, the length with the positions) have the
   same pattern at every length. A pattern periodic in the length itself (``(n // c) % 2``) is checked around its
   breakpoints up to twice the largest.
-- Sizes that are not lengths (the batch) keep their traced values: the mask's pattern must not depend on them.
+- Sizes that are not lengths (a dynamic batch) keep their traced values. The slice may use them to shape tensors
+  and to count rows that index a tensor (``arange(batch)`` selecting the padding's rows); any other use of
+  their value is not proven, so the mask's pattern cannot depend on them.
 - The mask is elementwise in the padding (key j's padding value decides key j's column), checked on four patterns.
 - Long static masks only: literals within 2 of the traced length are that length.
 Nothing else can slip through because every value the slice reads is a size (substituted and evaluated), an input
@@ -727,6 +729,40 @@ def _bound(value: Any, default: float) -> float:
     return number if math.isfinite(number) else default
 
 
+def _check_other_sizes(ordered: list, others: set) -> None:
+    """Sizes that are not lengths (a dynamic batch) keep their traced value in every evaluation, so they may shape
+    the mask but not decide its pattern: read by value, they may only count rows (``arange``) that index a tensor.
+    Raises _Unsupported otherwise."""
+    if not others:
+        return
+    indexes: set = set()  # arange(batch) and its views: allowed where they select rows
+    for node in ordered:
+        if node.op in ("placeholder", "get_attr") and not isinstance(_example(node), torch.SymInt):
+            continue
+        if isinstance(_example(node), torch.SymInt):
+            continue  # a size, or arithmetic on sizes: checked where it is used
+        reads = [a for a in node.all_input_nodes if isinstance(_example(a), torch.SymInt)
+                 and _symbols(_example(a)) & others]
+        name = _name(node)
+        if reads:
+            if name in _NO_COMPARISON or name in ("arange", "getitem", "__getitem__") or _is_size_query(node):
+                if name == "arange":
+                    indexes.add(node)
+                continue
+            raise _Unsupported(f"the mask computes with the size {_example(reads[0])} ({node.name}), which is not a "
+                               "length and is evaluated only at its traced value")
+        used = [a for a in node.all_input_nodes if a in indexes]
+        if not used:
+            continue
+        if name in ("getitem", "__getitem__") and node.args and node.args[0] not in used:
+            continue  # rows selected by it
+        if name in _NO_COMPARISON or name in ("getitem", "__getitem__"):
+            indexes.add(node)  # a view of it, or vmap's batching of it
+            continue
+        raise _Unsupported(f"the mask computes with arange of a size that is not a length ({node.name}), evaluated "
+                           "only at its traced value")
+
+
 def _odd(x: float) -> int:
     n = int(math.ceil(x))
     return n if n % 2 else n + 1
@@ -835,6 +871,7 @@ def analyse_mask(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q: torch.Tens
     try:
         tied = _symbols(_example(padding).shape[1]) if padding is not None else set()
         space = _space(nodes, q, k, tied - _symbols(nk))
+        _check_other_sizes(ordered, set(space.base))
         points = _points(gm, ordered, mask, space, inputs_for)
     except _Unsupported as exc:
         return NotProven(str(exc))

@@ -189,6 +189,42 @@ def test_constants_hidden_in_arithmetic_never_change_a_result(name, dynamic):
         assert all(r.rewritten for r in records), [r.reason for r in records]
 
 
+BATCH_READS = {
+    "rows_counted": lambda i, j, b, am: (j <= i)[None, None] & (torch.arange(b) < 4)[:, None, None, None],
+    "prefix_from_batch": lambda i, j, b, am: ((j <= i) | (j < b - 1))[None, None].expand(b, 1, -1, -1),
+    "rows_selecting_padding": lambda i, j, b, am: (j <= i)[None, None] & am[torch.arange(b)[:, None, None, None],
+                                                                              j[None, None]].bool(),
+}
+
+
+@pytest.mark.parametrize("name", list(BATCH_READS))
+def test_mask_that_reads_a_dynamic_batch_by_value(name):
+    """The batch keeps its traced value in every evaluation: a mask whose pattern depends on it stays dense."""
+    build = BATCH_READS[name]
+
+    def attention(q, am):
+        i, j = _grid(q.shape[-2])
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=build(i, j, q.shape[0], am))
+
+    records = []
+
+    def backend(gm, example_inputs):
+        records.extend(rewrite_graph(gm, KEEP_ALL))
+        return gm.forward
+
+    compiled = torch.compile(attention, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for batch in (2, 6):
+            q = torch.randn(batch, 2, 40, 16)
+            am = torch.ones(batch, 40, dtype=torch.long)
+            am[0, :3] = 0
+            rows = am != 0
+            torch.testing.assert_close(compiled(q, am).transpose(1, 2)[rows], attention(q, am).transpose(1, 2)[rows],
+                                       rtol=1e-4, atol=1e-5)
+    assert records and all(r.rewritten == (name == "rows_selecting_padding") for r in records), \
+        [r.reason for r in records]
+
+
 # -- the property test -----------------------------------------------------------------------------------------
 FAMILIES = ("causal", "causal", "window", "window_gt", "chunk", "sink", "prefix_lm", "offset")
 CAUSAL_STYLES = ("le", "tril", "not_gt", "difference")
