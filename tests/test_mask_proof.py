@@ -35,6 +35,7 @@ def one_thread():
     yield
     torch.set_num_threads(threads)
 
+
 KEEP_ALL = SparseConfig(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32}).keep_all()
 
 
