@@ -1,31 +1,70 @@
-"""Recognising the attention masks that models build inside a traced graph.
+"""Recognising the attention masks that models build inside a traced graph, with a proof that holds at every length.
 
 Under Dynamo, transformers cannot look at mask values, so it materialises the mask in the graph: an additive float
 mask built with ``full``/``triu`` and in-place updates (4.46-4.52), a bool mask built by nested functorch vmaps
 (4.53-4.57) or by broadcasting aranges (5.x). The constructions differ by version; what they compute does not. So
-instead of matching each construction, ``analyse_mask`` proves what a mask *is*:
+instead of matching each construction, ``analyse_mask`` proves what a mask *is*: the causal mask, ``key j visible to
+query i iff j <= i + kv_len - q_len``, or that AND a key-padding mask, at every length the graph can run at. What it
+cannot establish comes back as ``NotProven`` with a reason, and the site stays dense.
 
-1. Take the backward slice of the mask node. Size queries (``x.size(1)``, ``x.shape``) are leaves evaluated from
-   the traced shapes, so the slice never reaches the model's activations. In-place mutations of the slice's
-   tensors or of their views (``setitem``, ``mul_``, ``*=``) are part of the slice even though they are not
-   ancestors of the mask node, and so are the global-state calls that bracket it (vmap nesting, autocast).
-2. See which graph inputs the slice reads by value. Allowed: none (the mask is a function of sizes and constants),
-   one ``(batch, kv_len)`` tensor (a tokenizer's ``attention_mask``) and one ``(q_len,)`` integer tensor
-   (``cache_position``, which ``generate`` passes in; it is checked to be the canonical positions at run time).
-3. Evaluate the slice at small substituted lengths (symbolic sizes and static literals alike) and compare with
-   the causal mask, ``key j visible to query i iff j <= i + kv_len - q_len``, and with the causal mask AND the key
-   padding for ones, left, right and random padding. A bool mask keeps True; a float mask keeps 0 and masks
-   values at or below ``finfo.min / 2``. Query rows that see no key under the expected mask are not compared:
-   every implementation leaves them undefined (transformers even unmasks them on CUDA).
-4. Integer constants of the slice that are not sizes (a sliding window) decide the evaluation lengths: the slice
-   is also evaluated past the largest one, so a window that bites at the real length bites in the evaluation.
+1. The slice: the backward slice of the mask node. Size queries (``x.size(1)``, ``x.shape``) are leaves evaluated
+   from the traced shapes, so the slice never reaches the model's activations. In-place mutations of the slice's
+   tensors or of their views (``setitem``, ``mul_``, ``*=``) are part of it even though they are not ancestors of
+   the mask node, and so are the global-state calls that bracket it (vmap nesting, autocast).
+2. Inputs: allowed are none, one ``(batch, kv_len)`` tensor (a tokenizer's ``attention_mask``) and one ``(q_len,)``
+   integer tensor (``cache_position``, held to the canonical positions at run time). Any other input read by value
+   (a buffer, a float attribute that Dynamo lifted to an input, a second mask) can change without a recompile: the
+   mask is not proven.
+3. Lengths. Static shapes run only at the traced sizes (Dynamo guards on them): a mask of up to ``EXACT_ELEMENTS``
+   is evaluated at exactly those sizes, nothing substituted, so the comparison is the proof. Dynamic shapes (and
+   longer static masks) are evaluated at substituted lengths, which needs the two steps below.
+4. Constants: the reach. The slice is evaluated at two lengths and every call's operands are summarised (min and
+   max of their values). An operand whose values differ between the two is length-dependent; one whose values do
+   not is a constant, whatever produced it: a literal, a float attribute Dynamo inlined, ``self.window / 2``, a
+   tensor computed from constants, a ``.item()``. A call that combines the two can change behaviour only where an
+   end of the length-dependent operand's range meets a constant's value, at the length found by following that end
+   linearly from the two measurements: a comparison flips, a clamp saturates, a floor division or remainder wraps,
+   an added offset moves a later comparison. Positions along an index (``triu``'s diagonal, slice bounds,
+   ``narrow``) bite at themselves. Scaling by one constant is no threshold (the scaled operand is followed where it
+   is compared); scaling by a constant holding several values (per-head slopes) makes elements grow at different
+   rates: not bounded. Selections (``where``, ``masked_fill``), factories, shape and dtype changes compare nothing.
+   Both lengths are moved past twice the largest bite plus a margin and everything is measured again there, until
+   no bite lies beyond them (an end that grows sub-linearly is thus followed from where it matters). A bite that
+   cannot be bounded (an infinite or NaN value next to a length-dependent one, a range whose ends do not move), or
+   lengths past ``MAX_EVAL_LENGTH``/``MAX_EVAL_ELEMENTS``: not proven.
+5. The check: the mask must equal the expected one at small lengths (``SMALL_LENGTHS``), around every bite (where
+   a constant starts to matter), and at the two lengths past every bite; a cached prefix (kv_len's own symbol) at
+   5 keys and as long as the queries; lengths the shape guards exclude are skipped. A static mask too long to
+   evaluate at its own length is proven only when that length is itself past every bite. A bool mask keeps True; a
+   float mask keeps 0 and masks values at or below ``finfo.min / 2``. Query rows that see no key under the expected
+   mask are not compared: every implementation leaves them undefined (transformers even unmasks them on CUDA).
+6. Padding values: 0/1 masks with left, right, random and no padding. Values other than 0 and 1 (-1, 2, 0.5, inf,
+   NaN) are proven only where the slice reads the padding through nothing but "nonzero" (``!= 0``, ``== 0``,
+   ``bool()``, ``to(torch.bool)``, logical ops) after views and gathers: such a mask cannot tell -1 from 1, as the op
+   cannot (a trial with such values confirms it). Anything else (``am > 0``, ``am >= 1``, arithmetic) is proven for
+   0/1 values only (``binary_padding``), and the op refuses other values at run time with an error.
 
-Anything not proven comes back as ``NotProven`` with a reason naming what could not be shown.
+Soundness rests on these assumptions; nothing else is taken on trust:
+- Each call of the slice is a deterministic function of its operands that changes behaviour with the length only
+  where an end of a length-dependent operand's range meets a constant it is combined with, and those ends move
+  monotonically with the length (piecewise-polynomial in the indices with breakpoints at the constants).
+  Length-dependent values combined with each other (``i`` with ``j``, the length with the positions) have the
+  same pattern at every length. A pattern periodic in the length itself (``(n // c) % 2``) is checked around its
+  breakpoints up to twice the largest.
+- Sizes that are not lengths (a dynamic batch) keep their traced values. The slice may use them to shape tensors
+  and to count rows that index a tensor (``arange(batch)`` selecting the padding's rows); any other use of
+  their value is not proven, so the mask's pattern cannot depend on them.
+- The mask is elementwise in the padding (key j's padding value decides key j's column), checked on four patterns.
+- Long static masks only: literals within 2 of the traced length are that length.
+Nothing else can slip through because every value the slice reads is a size (substituted and evaluated), an input
+(refused unless it is the padding or the positions, which are covered above), or computed inside the slice from
+those and constants, and every constant is observed by value at the call that combines it with a length.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -35,12 +74,17 @@ import torch.fx as fx
 
 __all__ = ["MaskMatch", "NotProven", "analyse_mask", "removable_nodes", "undo_repeat_kv"]
 
-# evaluation lengths: odd, unaligned with any block size; a third one past the largest non-size constant
-TRIAL_LENGTHS = (19, 37, 53, 71)
-MIN_STATIC_LENGTH = 16  # static literals below this are too ambiguous to substitute
+# evaluation lengths (odd, unaligned with any block size): the first pair, and how the reach moves past constants
+FIRST_LENGTH = 19
+LENGTH_STEP = 18
+REACH_FACTOR = 2  # evaluate past twice the length at which the largest constant starts to change the mask
+REACH_MARGIN = 17
+MAX_ROUNDS = 8
+SMALL_LENGTHS = (2, 3, 5, 19, 37)  # dynamic shapes also run short prompts: checked too
+SMALL_PREFIX = 5  # a cached prefix (kv_len's own symbol), and also one as long as the queries
+EXACT_ELEMENTS = 1 << 22  # a static mask up to this many elements is evaluated at its own sizes
 MAX_EVAL_LENGTH = 8192
 MAX_EVAL_ELEMENTS = 1 << 28
-LARGE_CONSTANT = 8  # integer literals above this that are not sizes can change the mask with the length
 
 _INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
                       operator.ifloordiv, operator.imod, operator.iand, operator.ior, operator.ixor,
@@ -205,30 +249,6 @@ def _hint(symbol, shape_env) -> Optional[int]:
     return int(value) if value is not None else None
 
 
-def _literal_ints(nodes: set) -> set:
-    found: set = set()
-
-    def visit(x: Any) -> None:
-        if isinstance(x, bool):
-            return
-        if isinstance(x, int):
-            found.add(x)
-        elif isinstance(x, (tuple, list)):
-            for i in x:
-                visit(i)
-        elif isinstance(x, slice):
-            visit(x.start), visit(x.stop), visit(x.step)
-        elif isinstance(x, dict):
-            for i in x.values():
-                visit(i)
-
-    for node in nodes:
-        if node.op in ("call_function", "call_method"):
-            visit(node.args)
-            visit(node.kwargs)
-    return found
-
-
 # -- evaluation -----------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _contained_global_state():
@@ -248,7 +268,9 @@ def _contained_global_state():
         torch.set_grad_enabled(grad)
 
 
-def _evaluate(gm: fx.GraphModule, nodes: list, mask: fx.Node, sizes: _Sizes, inputs: dict) -> torch.Tensor:
+def _evaluate(gm: fx.GraphModule, nodes: list, mask: fx.Node, sizes: _Sizes, inputs: dict,
+              observe=None) -> torch.Tensor:
+    """The mask at ``sizes``; ``observe(node, args, kwargs)`` sees each call's operands as it runs."""
     env: dict = {}
 
     def load(x: Any) -> Any:
@@ -275,6 +297,8 @@ def _evaluate(gm: fx.GraphModule, nodes: list, mask: fx.Node, sizes: _Sizes, inp
                 continue
             args = fx.node.map_aggregate(node.args, load)
             kwargs = fx.node.map_aggregate(node.kwargs, load)
+            if observe is not None:
+                observe(node, args, kwargs)
             if node.op == "call_method":
                 self_arg, *rest = args
                 result = getattr(self_arg, node.target)(*rest, **kwargs)
@@ -346,24 +370,466 @@ def _expected(batch: int, nq: int, nk: int, padding: Optional[torch.Tensor], dev
 
 
 def _padding_trials(batch: int, nk: int, dtype: torch.dtype, device, generator: torch.Generator) -> list:
-    """ones, left, right and random padding, and (last) a random mask with a nonzero value other than 1."""
-    def as_dtype(valid: torch.Tensor, value=1) -> torch.Tensor:
-        if dtype == torch.bool:
-            return valid
-        return valid.to(dtype) * value
-
+    """0/1 padding masks: all ones, left, right and random padding."""
     rows = torch.arange(batch)[:, None]
     cols = torch.arange(nk)[None, :]
     pad = 2 + (rows * 5) % max(1, nk // 2)
-    left = cols >= pad
-    right = cols < nk - pad
-    rand = torch.rand(batch, nk, generator=generator) < 0.7
-    other = 2 if not dtype.is_floating_point else 0.5
-    trials = [torch.ones(batch, nk, dtype=torch.bool), left, right, rand]
-    out = [as_dtype(t) for t in trials]
-    if dtype != torch.bool:
-        out.append(as_dtype(torch.rand(batch, nk, generator=generator) < 0.6, other))
-    return [t.to(device) for t in out]
+    trials = [torch.ones(batch, nk, dtype=torch.bool), cols >= pad, cols < nk - pad,
+              torch.rand(batch, nk, generator=generator) < 0.7]
+    return [t.to(device=device, dtype=dtype) for t in trials]
+
+
+def _other_values_trial(batch: int, nk: int, dtype: torch.dtype, device, generator: torch.Generator) -> torch.Tensor:
+    """A padding mask with zeros and nonzero values other than 1: negative, fractional, large, inf and NaN."""
+    if dtype.is_floating_point:
+        info = torch.finfo(dtype)
+        values = [-1.0, 2.0, 0.5, -0.5, 1e-3, -7.0, info.max, info.min, info.tiny, float("inf"), float("-inf"),
+                  float("nan")]
+    else:
+        info = torch.iinfo(dtype)
+        values = [v for v in (-1, 2, -2, 3, 7, 255, -128, 2**31 - 1, -2**31, 2**40) if info.min <= v <= info.max]
+        values += [info.max, info.min]
+    picks = torch.randint(0, len(values), (batch, nk), generator=generator)
+    out = torch.tensor(values, dtype=torch.float64 if dtype.is_floating_point else torch.int64)[picks].to(dtype)
+    zero = torch.rand(batch, nk, generator=generator) < 0.3
+    out = out.masked_fill(zero, 0)
+    out[:, -1] = values[0]  # at least one key that only the value -1 makes valid
+    return out.to(device)
+
+
+def _classification_padding(batch: int, nk: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The same pattern of zeros and ones at every length: a padding mask's values do not grow with it."""
+    rows = torch.arange(batch)[:, None]
+    cols = torch.arange(nk)[None, :]
+    return ((cols % 5 != 2) | (rows % 2 == 1)).to(device=device, dtype=dtype)
+
+
+# -- which padding values the mask is proven for ----------------------------------------------------------------
+_TRANSPARENT = {"view", "reshape", "expand", "expand_as", "view_as", "reshape_as", "unsqueeze", "squeeze", "permute",
+                "transpose", "t", "contiguous", "clone", "detach", "flatten", "narrow", "select", "repeat",
+                "__getitem__", "getitem", "movedim", "broadcast_to", "cpu", "cuda", "_add_batch_dim"}
+_LOGICAL = {"logical_and", "logical_or", "logical_xor", "logical_not", "bool"}
+_ZERO_TESTS = {"ne", "eq", "__ne__", "__eq__", "not_equal"}
+
+
+def _name(node: fx.Node) -> str:
+    return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+
+
+def _nodes_in(x: Any) -> list:
+    found: list = []
+    fx.node.map_arg(x, found.append)
+    return found
+
+
+def _reads_only_nonzero(nodes: set, padding: fx.Node) -> bool:
+    """Whether the slice reads the padding's values only through ``x != 0`` (``bool()``, ``to(torch.bool)``,
+    ``== 0``, logical ops), after views and gathers that copy values unchanged. Then the mask cannot tell 2 or -1
+    from 1, and a proof for 0/1 values holds for all values; otherwise it holds for 0/1 values only."""
+    frontier = [padding]
+    while frontier:
+        src = frontier.pop()
+        for user in src.users:
+            if user not in nodes or _is_size_query(user):
+                continue
+            name = _name(user)
+            first, rest = (user.args[0] if user.args else None), list(user.args[1:]) + list(user.kwargs.values())
+            reads_as_data = first is src and src not in _nodes_in(rest)  # the data operand, not an index
+            if name in _LOGICAL:
+                continue  # truthiness of every operand: a function of x != 0
+            if name in ("to", "type") and reads_as_data and (torch.bool in rest):
+                continue
+            if name in _ZERO_TESTS and len(user.args) == 2 and not user.kwargs:
+                other = user.args[1] if first is src else first
+                if (first is src or user.args[1] is src) and isinstance(other, (int, float)) \
+                        and not isinstance(other, bool) and other == 0:
+                    continue
+            if name == "to" and reads_as_data and all(isinstance(r, (torch.device, str)) for r in rest) \
+                    and set(user.kwargs) <= {"device"}:
+                frontier.append(user)  # a move between devices
+                continue
+            if name in _TRANSPARENT and reads_as_data:
+                frontier.append(user)
+                continue
+            return False
+    return True
+
+
+# -- which constants the mask depends on, and the lengths past which none of them changes it ------------------------
+# ops whose operands are not compared with each other: factories (their size arguments shape the result, their fill
+# value is its value), shape and dtype changes, selections (``where``: the values picked are not compared), global
+# state. Their outputs are still classified, and their uses downstream still counted.
+_NO_COMPARISON = {
+    "full", "zeros", "ones", "empty", "full_like", "zeros_like", "ones_like", "empty_like", "new_full", "new_zeros",
+    "new_ones", "new_empty", "tensor", "scalar_tensor", "as_tensor",
+    "view", "reshape", "expand", "expand_as", "view_as", "reshape_as", "permute", "transpose", "t", "unsqueeze",
+    "squeeze", "flatten", "unflatten", "movedim", "contiguous", "clone", "detach", "to", "type", "type_as", "float",
+    "half", "double", "bfloat16", "bool", "long", "int", "short", "byte", "char", "repeat", "tile", "broadcast_to",
+    "cpu", "cuda", "item", "sym_float", "sym_int",
+    "where", "masked_fill", "masked_fill_", "index_put", "index_put_", "masked_scatter", "masked_scatter_",
+    "_add_batch_dim", "_remove_batch_dim", "_wrap_for_grad", "_unwrap_for_grad",
+} | _BRACKET_NAMES
+# ops whose numeric arguments after the first are positions along an index (a diagonal, a slice bound, a shift): a
+# constant there changes the mask where an index reaches it
+_INDEXING = {"triu", "tril", "triu_", "tril_", "diagonal", "diag", "diag_embed", "narrow", "select", "roll", "eye",
+             "getitem", "__getitem__", "setitem", "__setitem__", "index_select", "tril_indices", "triu_indices"}
+# ops whose integer arguments after the first are dimensions
+_DIMS = {"sum", "any", "all", "amax", "amin", "max", "min", "mean", "prod", "cumsum", "cumprod", "cummax", "cummin",
+         "argmax", "argmin", "logsumexp", "softmax", "log_softmax", "flip", "unbind", "count_nonzero", "nansum",
+         "cat", "concat", "concatenate", "stack", "split", "chunk", "sort", "argsort", "std", "var", "norm"}
+# multiplications and true divisions: a scale, not a threshold
+_SCALING = {"mul", "mul_", "__mul__", "__rmul__", "imul", "multiply", "truediv", "__truediv__", "__rtruediv__",
+            "itruediv", "div", "div_", "true_divide", "neg", "__neg__"}
+_DIM_KWARGS = {"dim", "dims", "keepdim", "dtype", "descending", "stable"}
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """The tensor under vmap's wrappers (a mask built by nested vmaps): every lane's values."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(x):
+        x = functorch.get_unwrapped(x)
+    return x
+
+
+def _summary(x: Any) -> Optional[tuple]:
+    """(min, max, max |finite value|, has NaN) of a number or a tensor's values; None for anything else."""
+    if isinstance(x, bool) or not isinstance(x, (int, float, torch.Tensor)):
+        return None
+    if not isinstance(x, torch.Tensor):
+        v = float(x)
+        if v != v:
+            return (0.0, 0.0, 0.0, True)
+        return (v, v, abs(v) if math.isfinite(v) else 0.0, False)
+    x = _plain(x).detach()
+    if x.is_complex():
+        raise _Unsupported("the mask computes with complex values")
+    if x.numel() == 0:
+        return None
+    if x.dtype == torch.bool:
+        x = x.to(torch.uint8)
+    nan = False
+    if x.is_floating_point():
+        isnan = x.isnan()
+        nan = bool(isnan.any())
+        x = x[~isnan] if nan else x
+        if x.numel() == 0:
+            return (0.0, 0.0, 0.0, True)
+        finite = x[x.isfinite()]
+        largest = float(finite.abs().max()) if finite.numel() else 0.0
+        return (float(x.min()), float(x.max()), largest, nan)
+    lo, hi = float(x.min()), float(x.max())
+    return (lo, hi, max(abs(lo), abs(hi)), False)
+
+
+def _numbers(x: Any, out: list) -> list:
+    """Tensors and non-bool numbers in a (nested) argument, in order."""
+    if isinstance(x, (tuple, list)):
+        for i in x:
+            _numbers(i, out)
+    elif isinstance(x, slice):
+        _numbers((x.start, x.stop, x.step), out)
+    elif isinstance(x, dict):
+        _numbers(list(x.values()), out)
+    elif isinstance(x, torch.Tensor) or (isinstance(x, (int, float)) and not isinstance(x, bool)):
+        out.append(x)
+    return out
+
+
+def _operands(node: fx.Node, args: tuple, kwargs: dict) -> list:
+    """What a call's threshold depends on: ``("value", summary)`` for operands compared with each other,
+    ``("index", summary)`` for scalars that are positions along an index."""
+    name = _name(node)
+    if name in _NO_COMPARISON:
+        return []
+    if name in _INDEXING:
+        rest = _numbers(list(args[1:]) + list(kwargs.values()), [])
+        return [("index", _summary(x)) for x in rest if not isinstance(x, torch.Tensor)]
+    if name in _SCALING and not kwargs.get("rounding_mode"):
+        return [("scale", _summary(x)) for x in _numbers([args, kwargs], [])]
+    if name in _DIMS:
+        args = (args[0],) + tuple(a for a in args[1:] if isinstance(a, torch.Tensor)) if args else args
+        kwargs = {k: v for k, v in kwargs.items() if k not in _DIM_KWARGS}
+    return [("value", _summary(x)) for x in _numbers([args, kwargs], [])]
+
+
+@dataclass(frozen=True)
+class _Bite:
+    """Where a constant can change the mask: about ``length`` tokens (inf: cannot be bounded)."""
+
+    length: float
+    node: str
+    constant: float
+    why: str = ""  # why it cannot be bounded
+
+
+def _bites(ops_a: dict, ops_b: dict, n_a: int, n_b: int) -> list:
+    """Compare the operands of each call at lengths ``n_a`` and ``n_b``. An operand whose values change with the
+    length is length-dependent; one whose values do not is a constant. A call that combines both can change
+    behaviour where an end of the length-dependent operand's range meets a constant's value (found by following
+    each end linearly from the two measurements). Positions along an index (a diagonal, a slice bound) bite at
+    themselves. Scaling by one constant changes no behaviour (the scaled slope is measured where it is compared);
+    scaling by a constant that holds several values gives elements that grow at different rates: not bounded."""
+    out = []
+    for node, entries_a in ops_a.items():
+        entries_b = ops_b.get(node)
+        if entries_b is None or len(entries_b) != len(entries_a):
+            out.append(_Bite(math.inf, node.name, math.nan))  # its operands change structure with the length
+            continue
+        constants, moving = [], []
+        role = None
+        for (role, a), (_, b) in zip(entries_a, entries_b):
+            if a is None and b is None:
+                continue
+            same = a is not None and b is not None and (a[0], a[1], a[3]) == (b[0], b[1], b[3])
+            if role == "index":
+                magnitude = math.inf if (a is None or a[3]) else max(abs(a[0]), abs(a[1]))
+                if same:
+                    out.append(_Bite(magnitude, node.name, magnitude))
+                continue
+            if same:
+                constants.append(a)
+            else:
+                moving.append((a, b))
+        if not (constants and moving):
+            continue
+        magnitude = max((math.inf if c[3] else max(abs(c[0]), abs(c[1])) for c in constants), default=0.0)
+        if role == "scale":
+            if any(c[0] != c[1] or c[3] for c in constants):
+                out.append(_Bite(math.inf, node.name, magnitude, "it scales a length-dependent value by a constant "
+                                 "holding several values (elements that grow at different rates)"))
+            continue
+        out.append(_Bite(_crossing(constants, moving, n_a, n_b - n_a), node.name, magnitude))
+    return out
+
+
+def _crossing(constants: list, moving: list, n_a: int, delta: int) -> float:
+    """The largest length at which an end of a moving range meets a constant's extreme value; inf when unbounded."""
+    values = []
+    for c in constants:
+        if c[3] or not (math.isfinite(c[0]) and math.isfinite(c[1])):
+            return math.inf  # NaN or an infinity next to a length-dependent value
+        values += [c[0], c[1]]
+    worst = 0.0
+    for a, b in moving:
+        if a is None or b is None or a[3] or b[3]:
+            return math.inf
+        ends = ((a[0], b[0]), (a[1], b[1]))
+        if not all(math.isfinite(x) for end in ends for x in end) or all(x == y for x, y in ends):
+            return math.inf  # no finite growth to follow (values change inside a fixed range)
+        for at_a, at_b in ends:
+            slope = (at_b - at_a) / delta
+            if slope:
+                worst = max([worst] + [n_a + (v - at_a) / slope for v in values])
+    return worst
+
+
+# -- the lengths the graph runs at ----------------------------------------------------------------------------------
+@dataclass
+class _Space:
+    """The lengths the graph can run at, and the sizes of an evaluation at one of them."""
+
+    static: bool
+    exact: bool  # static and small: evaluated at the traced sizes themselves, nothing substituted
+    nq: Any
+    nk: Any
+    batch: int
+    base: dict  # symbols that are not lengths -> their traced value
+    q_symbol: Any = None
+    prefix_symbols: set = field(default_factory=set)  # kv_len's symbols other than q_len's (a cached prefix)
+    tied: set = field(default_factory=set)  # symbols that take kv_len's value
+    ranges: dict = field(default_factory=dict)  # symbol -> (lowest, highest) value the shape guards allow
+
+    def allows(self, n: int, prefix: int) -> bool:
+        if self.static:
+            return True
+        lo, hi = self.ranges.get(self.q_symbol, (2, math.inf))
+        if not lo <= n <= hi:
+            return False
+        return all(lo <= prefix <= hi for lo, hi in (self.ranges.get(s, (2, math.inf)) for s in self.prefix_symbols))
+
+    def point(self, n: int, prefix: int) -> tuple:
+        """(sizes, batch, q_len, kv_len) with ``n`` queries (and a cached prefix of ``prefix`` keys)."""
+        if self.exact:
+            sizes = _Sizes(symbols=dict(self.base))
+        elif self.static:
+            sizes = _Sizes(symbols=dict(self.base), literals={self.nq + d: n + d for d in range(-2, 3)})
+        else:
+            symbols = dict(self.base)
+            symbols[self.q_symbol] = n
+            for s in self.prefix_symbols:
+                symbols[s] = prefix
+            sizes = _Sizes(symbols=symbols)
+        n_q, n_k = sizes.value(self.nq), sizes.value(self.nk)
+        for symbol in self.tied:
+            sizes.symbols[symbol] = n_k
+        if n_k < n_q:
+            raise _Unsupported(f"kv_len {self.nk} can be shorter than q_len {self.nq}")
+        return sizes, self.batch, n_q, n_k
+
+    def elements(self, n: int) -> int:
+        return self.batch * n * (n + (n if self.prefix_symbols else 0))
+
+
+def _space(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set) -> _Space:
+    nq, nk = q.shape[-2], k.shape[-2]
+    if isinstance(nq, int) != isinstance(nk, int):
+        raise _Unsupported("q_len and kv_len are one static and one symbolic: mask not analysed")
+    shape_env = None
+    all_symbols: set = set()
+    for x in (*q.shape, *k.shape):
+        all_symbols |= _symbols(x)
+        if isinstance(x, torch.SymInt):
+            shape_env = x.node.shape_env
+    for node in nodes:
+        value = _example(node)
+        if isinstance(value, torch.SymInt):
+            all_symbols |= _symbols(value)
+        elif isinstance(value, torch.Tensor):
+            for d in value.shape:
+                all_symbols |= _symbols(d)
+    length_symbols = _symbols(nq) | _symbols(nk) | set(tied_to_keys)
+    base: dict = {}
+    for s in all_symbols - length_symbols:
+        hint = _hint(s, shape_env)
+        if hint is None:
+            raise _Unsupported(f"no example value for the size {s}")
+        base[s] = hint
+    batch_traced = q.shape[0]
+    batch = batch_traced if isinstance(batch_traced, int) else _Sizes(symbols=base).value(batch_traced)
+    if isinstance(nq, int):
+        if nq > nk:
+            raise _Unsupported(f"static q_len {nq} > kv_len {nk}: mask not analysed")
+        if batch * nq * nk <= EXACT_ELEMENTS:
+            return _Space(static=True, exact=True, nq=nq, nk=nk, batch=batch, base=base)
+        if nq != nk:
+            raise _Unsupported(f"static q_len {nq} != kv_len {nk} (prefill with a cache): mask not analysed")
+        if batch in {nq + d for d in range(-2, 3)}:
+            raise _Unsupported(f"batch {batch} is within 2 of the sequence length: sizes are ambiguous")
+        return _Space(static=True, exact=False, nq=nq, nk=nk, batch=batch, base=base)
+    q_syms = _symbols(nq)
+    if len(q_syms) != 1 or nq.node.expr != next(iter(q_syms)):
+        raise _Unsupported(f"q_len {nq} is not a single size symbol: mask not analysed")
+    ranges = {}
+    for s in length_symbols:
+        lo, hi = 2, math.inf
+        value_range = getattr(shape_env, "var_to_range", {}).get(s) if shape_env is not None else None
+        if value_range is not None:
+            lo, hi = max(lo, _bound(value_range.lower, 2)), _bound(value_range.upper, math.inf)
+        ranges[s] = (lo, hi)
+    return _Space(static=False, exact=False, nq=nq, nk=nk, batch=batch, base=base, q_symbol=next(iter(q_syms)),
+                  prefix_symbols=_symbols(nk) - q_syms - set(tied_to_keys), tied=set(tied_to_keys), ranges=ranges)
+
+
+def _bound(value: Any, default: float) -> float:
+    """A shape guard's bound as a number (infinite bounds and anything unexpected: ``default``)."""
+    try:
+        number = float(value)
+    except Exception:  # noqa: BLE001 - sympy's infinities and symbolic bounds
+        return default
+    return number if math.isfinite(number) else default
+
+
+def _check_other_sizes(ordered: list, others: set) -> None:
+    """Sizes that are not lengths (a dynamic batch) keep their traced value in every evaluation, so they may shape
+    the mask but not decide its pattern: read by value, they may only count rows (``arange``) that index a tensor.
+    Raises _Unsupported otherwise."""
+    if not others:
+        return
+    indexes: set = set()  # arange(batch) and its views: allowed where they select rows
+    for node in ordered:
+        if node.op in ("placeholder", "get_attr") and not isinstance(_example(node), torch.SymInt):
+            continue
+        if isinstance(_example(node), torch.SymInt):
+            continue  # a size, or arithmetic on sizes: checked where it is used
+        reads = [a for a in node.all_input_nodes if isinstance(_example(a), torch.SymInt)
+                 and _symbols(_example(a)) & others]
+        name = _name(node)
+        if reads:
+            if name in _NO_COMPARISON or name in ("arange", "getitem", "__getitem__") or _is_size_query(node):
+                if name == "arange":
+                    indexes.add(node)
+                continue
+            raise _Unsupported(f"the mask computes with the size {_example(reads[0])} ({node.name}), which is not a "
+                               "length and is evaluated only at its traced value")
+        used = [a for a in node.all_input_nodes if a in indexes]
+        if not used:
+            continue
+        if name in ("getitem", "__getitem__") and node.args and node.args[0] not in used:
+            continue  # rows selected by it
+        if name in _NO_COMPARISON or name in ("getitem", "__getitem__"):
+            indexes.add(node)  # a view of it, or vmap's batching of it
+            continue
+        raise _Unsupported(f"the mask computes with arange of a size that is not a length ({node.name}), evaluated "
+                           "only at its traced value")
+
+
+def _odd(x: float) -> int:
+    n = int(math.ceil(x))
+    return n if n % 2 else n + 1
+
+
+def _reach(gm: fx.GraphModule, ordered: list, mask: fx.Node, space: _Space, inputs_for) -> tuple:
+    """(n_a, n_b, bites): two lengths past every constant the mask depends on, found by evaluating the slice at two
+    lengths, measuring each call's bites, and moving both lengths past twice the largest until none is beyond."""
+    n_a = FIRST_LENGTH
+    for _ in range(MAX_ROUNDS):
+        n_b = n_a + LENGTH_STEP
+        if n_b > MAX_EVAL_LENGTH or space.elements(n_b) > MAX_EVAL_ELEMENTS:
+            raise _Unsupported(f"proving it would evaluate the mask at {n_b} tokens (limit {MAX_EVAL_LENGTH} tokens, "
+                               f"{MAX_EVAL_ELEMENTS} elements)")
+        if not (space.allows(n_a, n_a) and space.allows(n_b, n_b)):
+            raise _Unsupported(f"the shape guards do not allow evaluating the mask at {n_a} and {n_b} tokens")
+        observed = []
+        for n in (n_a, n_b):
+            ops: dict = {}
+            sizes, batch, n_q, n_k = space.point(n, n)
+            try:
+                _evaluate(gm, ordered, mask, sizes, inputs_for(batch, n_q, n_k, None),
+                          observe=lambda node, args, kwargs: ops.__setitem__(node, _operands(node, args, kwargs)))
+            except _Unsupported:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure means "not proven"
+                raise _Unsupported(f"not a causal mask: at {n_q} tokens it could not be evaluated "
+                                   f"({type(exc).__name__}: {str(exc)[:120]})") from exc
+            observed.append(ops)
+        bites = _bites(observed[0], observed[1], n_a, n_b)
+        worst = max(bites, key=lambda b: b.length, default=None)
+        if worst is None or n_a >= REACH_FACTOR * worst.length + REACH_MARGIN:
+            return n_a, n_b, bites
+        if not math.isfinite(worst.length):
+            what = "" if math.isnan(worst.constant) else f" {worst.constant:g}"
+            why = worst.why or (f"it combines a length-dependent value with a value{what} that the proof cannot "
+                                "relate to a length")
+            raise _Unsupported(f"cannot bound where {worst.node} changes the mask: {why}")
+        n_a = _odd(REACH_FACTOR * worst.length + REACH_MARGIN)
+        if n_a + LENGTH_STEP > MAX_EVAL_LENGTH or space.elements(n_a + LENGTH_STEP) > MAX_EVAL_ELEMENTS:
+            raise _Unsupported(f"the mask depends on the constant {worst.constant:g} ({worst.node}, about "
+                               f"{worst.length:.0f} tokens); proving it would evaluate the mask at {n_a} tokens "
+                               f"(limit {MAX_EVAL_LENGTH} tokens, {MAX_EVAL_ELEMENTS} elements)")
+    raise _Unsupported("the lengths past every constant of the mask did not settle")
+
+
+def _points(gm: fx.GraphModule, ordered: list, mask: fx.Node, space: _Space, inputs_for) -> list:
+    """Every (sizes, batch, q_len, kv_len) the mask is checked at."""
+    if space.exact:
+        return [space.point(space.nq, 0)]
+    n_a, n_b, bites = _reach(gm, ordered, mask, space, inputs_for)
+    if space.static:
+        if space.nq < n_a:  # the traced length is not past every constant: a substituted length proves nothing
+            raise _Unsupported(f"static length {space.nq} is too long to evaluate the mask at and within reach of "
+                               f"its constants (it would have to be at least {n_a})")
+        return [space.point(n, n) for n in (n_a, n_b)]
+    # below the constants the mask can differ at every length where one of them starts to bite: check each of those
+    lengths = set(SMALL_LENGTHS) | {n_a, n_b}
+    for bite in bites:
+        if bite.length < n_a:
+            lengths |= {int(bite.length) + d for d in range(-2, 4)}
+    points = []
+    for n in sorted(lengths):
+        for prefix in ((SMALL_PREFIX, n) if space.prefix_symbols else (0,)):
+            if n >= 2 and space.allows(n, prefix):
+                points.append(space.point(n, prefix))
+    return points
 
 
 def analyse_mask(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q: torch.Tensor,
@@ -390,32 +856,43 @@ def analyse_mask(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q: torch.Tens
         else:
             return NotProven(f"the mask reads graph input {node.name} (shape {tuple(value.shape)}) by value, "
                              "which is neither a (batch, kv_len) padding mask nor the query positions")
-    try:
-        tied = _symbols(_example(padding).shape[1]) if padding is not None else set()
-        plan = _evaluation_plan(nodes, q, k, tied_to_keys=tied - _symbols(nk))
-    except _Unsupported as exc:
-        return NotProven(str(exc))
     ordered = sorted(nodes, key=order.get)
-    generator = torch.Generator().manual_seed(0)
-    binary = False
     device = _example(mask).device
-    for sizes, batch, n_q, n_k in plan:
+    pad_dtype = _example(padding).dtype if padding is not None else None
+
+    def inputs_for(batch: int, n_q: int, n_k: int, trial: Optional[torch.Tensor]) -> dict:
         inputs: dict = {}
         if positions is not None:
             inputs[positions] = torch.arange(n_k - n_q, n_k, device=device, dtype=_example(positions).dtype)
+        if padding is not None:
+            inputs[padding] = trial if trial is not None else _classification_padding(batch, n_k, pad_dtype, device)
+        return inputs
+
+    try:
+        tied = _symbols(_example(padding).shape[1]) if padding is not None else set()
+        space = _space(nodes, q, k, tied - _symbols(nk))
+        _check_other_sizes(ordered, set(space.base))
+        points = _points(gm, ordered, mask, space, inputs_for)
+    except _Unsupported as exc:
+        return NotProven(str(exc))
+    # 0/1 padding values must give the causal & padding mask; other values only where the mask reads nothing but
+    # "nonzero" from the padding (else the op refuses them at run time: binary_padding)
+    binary = padding is not None and pad_dtype != torch.bool and not _reads_only_nonzero(nodes, padding)
+    generator = torch.Generator().manual_seed(0)
+    for sizes, batch, n_q, n_k in points:
         trials = [None]
         if padding is not None:
-            trials = _padding_trials(batch, n_k, _example(padding).dtype, device, generator)
+            trials = _padding_trials(batch, n_k, pad_dtype, device, generator)
+        if padding is not None and pad_dtype != torch.bool and not binary:
+            trials.append(_other_values_trial(batch, n_k, pad_dtype, device, generator))
         for number, trial in enumerate(trials):
-            if trial is not None:
-                inputs[padding] = trial
             try:
-                value = _evaluate(gm, ordered, mask, sizes, inputs)
+                value = _evaluate(gm, ordered, mask, sizes, inputs_for(batch, n_q, n_k, trial))
                 problem = _compare(value, batch, n_q, n_k, trial)
             except Exception as exc:  # noqa: BLE001 - any failure means "not proven"
                 problem = f"could not be evaluated ({type(exc).__name__}: {str(exc)[:120]})"
-            if problem and trial is not None and number == len(trials) - 1 and number > 0:
-                binary = True  # only the trial with a nonzero value other than 1 failed: proven for 0/1 masks
+            if problem and number == 4:
+                binary = True  # values other than 0/1 read differently than the structure suggested: 0/1 only
             elif problem:
                 what = "" if trial is None else " with a padding mask"
                 return NotProven(f"not a causal{' & key-padding' if padding is not None else ''} mask: at "
@@ -457,75 +934,6 @@ def _compare(value: Any, batch: int, nq: int, nk: int, padding: Optional[torch.T
         got = "keeps" if bool(keep.expand_as(differs)[b, h, i, j]) else "masks"
         return f"{got} key {j} for query {i} (batch {b}, head {h})"
     return None
-
-
-def _evaluation_plan(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set = frozenset()) -> list:
-    """(sizes, batch, q_len, kv_len) for each evaluation; raises _Unsupported with a reason. ``tied_to_keys``:
-    symbols that take kv_len's value (a padding mask's own length symbol)."""
-    nq, nk = q.shape[-2], k.shape[-2]
-    batch_traced = q.shape[0]
-    shape_env = None
-    for x in (nq, nk, batch_traced):
-        if isinstance(x, torch.SymInt):
-            shape_env = x.node.shape_env
-    literals = _literal_ints(nodes)
-    static = isinstance(nq, int) and isinstance(nk, int)
-    if isinstance(nq, int) != isinstance(nk, int):
-        raise _Unsupported("q_len and kv_len are one static and one symbolic: mask not analysed")
-    if static:
-        if nq != nk:
-            raise _Unsupported(f"static q_len {nq} != kv_len {nk} (prefill with a cache): mask not analysed")
-        if nq < MIN_STATIC_LENGTH:
-            raise _Unsupported(f"q_len {nq} < {MIN_STATIC_LENGTH} at compile time: too short to analyse the mask")
-    # symbols that hold lengths are substituted; every other symbol keeps the value it was traced with
-    length_symbols = _symbols(nq) | _symbols(nk) | set(tied_to_keys)
-    base: dict = {}
-    all_symbols: set = set()
-    for node in nodes:
-        value = _example(node)
-        if isinstance(value, torch.SymInt):
-            all_symbols |= _symbols(value)
-        elif isinstance(value, torch.Tensor):
-            for d in value.shape:
-                all_symbols |= _symbols(d)
-    for s in all_symbols - length_symbols:
-        hint = _hint(s, shape_env)
-        if hint is None:
-            raise _Unsupported(f"no example value for the size {s}")
-        base[s] = hint
-    batch = batch_traced if isinstance(batch_traced, int) else _Sizes(symbols=base).value(batch_traced)
-    size_literals = {nq + d for d in range(-2, 3)} if static else set()
-    if static and batch in size_literals:
-        raise _Unsupported(f"batch {batch} is within 2 of the sequence length: sizes are ambiguous")
-    constants = sorted(abs(c) for c in literals - size_literals if abs(c) > LARGE_CONSTANT and c != batch)
-    lengths = [n for n in TRIAL_LENGTHS if not ({n + d for d in range(-2, 3)} & {batch})][:2]
-    real = nq if static else None
-    if constants:
-        largest = constants[-1]
-        if real is None or real > largest - 32:
-            extra = largest + 29 if real is None else min(real, largest + 29)
-            if extra > MAX_EVAL_LENGTH or batch * extra * extra > MAX_EVAL_ELEMENTS:
-                raise _Unsupported(f"the mask depends on the constant {largest}; proving it would evaluate the "
-                                   f"mask at {extra} tokens")
-            lengths.append(extra)
-    plan = []
-    for n in lengths:
-        symbols = dict(base)
-        if not static:
-            q_syms = _symbols(nq)
-            if len(q_syms) != 1 or nq.node.expr != next(iter(q_syms)):
-                raise _Unsupported(f"q_len {nq} is not a single size symbol: mask not analysed")
-            symbols[next(iter(q_syms))] = n
-            for s in _symbols(nk) - q_syms:
-                symbols[s] = 5  # a cached prefix of 5 tokens
-        sizes = _Sizes(symbols=symbols, literals={nq + d: n + d for d in range(-2, 3)} if static else {})
-        n_q, n_k = sizes.value(nq), sizes.value(nk)
-        for symbol in tied_to_keys:
-            sizes.symbols[symbol] = n_k
-        if n_k < n_q:
-            raise _Unsupported(f"kv_len {nk} can be shorter than q_len {nq}")
-        plan.append((sizes, batch, n_q, n_k))
-    return plan
 
 
 # -- after the rewrite: what the graph no longer needs ---------------------------------------------------------
