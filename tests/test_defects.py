@@ -176,7 +176,9 @@ def test_skip_layers_entry_matches_whole_components_not_a_prefix_of_a_number():
     with torch.no_grad():
         compiled(q, k, v)
     stats = sparse_compile.runtime_stats()
-    assert "blocks.1.attn" not in stats  # left as SDPA by the rewrite
+    # left as SDPA by the rewrite: listed with its reason, never sparse
+    assert stats["blocks.1.attn"].plain_sdpa and "skip_layers" in stats["blocks.1.attn"].last_reason
+    assert all(path == "dense" for path, _ in stats["blocks.1.attn"].calls)
     assert stats["blocks.10.attn"].last_path == "sparse", stats["blocks.10.attn"].last_reason
     # the same entry given to a region acts at run time
     sparse_compile.reset_runtime_stats()

@@ -180,5 +180,5 @@ def test_unknown_option_is_a_plain_value_error_at_the_first_call():
         compiled(torch.ones(3))
     assert not isinstance(info.value, BackendCompilerFailed)
     assert "TORCHDYNAMO_VERBOSE" not in str(info.value)  # no advice for reporting a PyTorch bug
-    with pytest.raises(ValueError, match=r"SparseConfig.min_seq_len: must be an integer >= 2, got 0"):
+    with pytest.raises(ValueError, match=r"SparseConfig.min_seq_len: must be an integer in \[2, \d+\], got 0"):
         torch.compile(lambda a: a + 1, backend="sparse_prefill", options={"min_seq_len": 0})(torch.ones(3))
