@@ -220,7 +220,8 @@ def run(args) -> list[dict]:
               file=sys.stderr)
     base = base_config(args.smoke)
     base = base.replace(**{m: base.params_of(m).updated(v) for m, v in args.method_params.items()})
-    options = {f: getattr(base, f) for f in ("min_seq_len", "dense_when_faster", *METHODS)}
+    options = {"min_seq_len": base.min_seq_len, "dense_when_faster": base.dense_when_faster,
+               **{m: base.params_of(m) for m in METHODS}}
     compiled = torch.compile(model, backend=functools.partial(sparse_compile.sparse_prefill, options=options),
                              dynamic=True)
 
