@@ -3,6 +3,9 @@
     python benchmarks/bench_retrieval.py                      # GPU: 16K, 32K, 64K; every method; ~6 min
     python benchmarks/bench_retrieval.py --lengths 16384 --densities 0.1
     python benchmarks/bench_retrieval.py --smoke              # CPU: an untrained tiny model, seconds
+    python benchmarks/bench_retrieval.py --families --natural 4 --densities 0.05 0.1 0.2 --dense-lengths 131072
+    python benchmarks/bench_retrieval.py --smoke --checkpoint benchmarks/checkpoints/retrieval_lm.pt \
+        --families --natural 1 --per-task 0 --methods sampled  # CPU: the trained model at 2K, under a minute
 
 The model is ``checkpoints/retrieval_lm.pt`` (``train_small_lm.py --retrieval``: byte level, head dim 128, GQA 4:1,
 RoPE), compiled whole with ``backend="sparse_prefill"`` as a user would. Instances (``retrieval_tasks.py``) plant
@@ -26,6 +29,17 @@ was listed for the query block that reads it: as a share of layers x heads, and 
 attention row puts the most mass on the needle, the byte it reads; and over every row that predicts a byte of the
 value, the share whose reading head's plan lists the byte it reads (for S2O a listed tile may still be cut by early
 stop). Rows: ``results/bench_retrieval.jsonl``; the run's table and plot: ``--out`` (default ``results/runs/``).
+
+Beyond the task styles the model trained on (``--per-task 0`` leaves them out):
+
+* ``--families``: ``retrieval_families.py`` instances (12 keys with near-miss distractors, 3 queries, per prompt
+  from 16K); ``family_train`` pools the training families, ``family_heldout`` the held-out ones (formats that no
+  training window carried), ``family.<name>`` each family; ``family_missed_*`` the coverage of missed values, the
+  held-out families' first. Plots ``<name>_family_train.png`` and ``<name>_family_heldout.png``.
+* ``--natural W``: W held-out code windows per length; on the bytes whose 16-byte n-gram last occurred 4K-16K /
+  16K+ bytes back (``retrieval_families.natural_positions``: no template), the argmax accuracy
+  (``natural_acc.<bucket>``) and bits per byte (``natural_bpb.<bucket>``), ``natural_count.<bucket>`` bytes.
+* ``--dense-lengths 131072``: lengths scored dense only (how far the model extrapolates).
 """
 
 from __future__ import annotations
@@ -56,6 +70,7 @@ from harness import RUNS_DIR, write_results  # noqa: E402
 # of 1 (and S2O's early stop within 1e-5 of 0) before ρ 0.2-0.3 is kept; 10 steps end at 0.999 / 0.0005
 KNOB_STEPS = 20
 
+DEFAULT_CHECKPOINT = tsl.DEFAULT_CHECKPOINT.with_name("retrieval_lm.pt")
 METHODS = tuple(sparse_compile.registry.registered_methods())  # the four papers' and the sampled selector
 NEEDLE_BYTES = 50  # a needle line's span checked for coverage: the key and the value
 
@@ -240,12 +255,13 @@ def natural_windows(stream: bytes, length: int, count: int, rng: random.Random, 
 def run(args) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if args.smoke:
+    if args.smoke and args.checkpoint is None:
         mod = tsl.load_model_module()
         torch.manual_seed(0)
         model = mod.Transformer(mod.ModelArgs(**tsl.RETRIEVAL_SMOKE_MODEL, max_seq_len=4096)).to(device).eval()
         manifest = None
     else:
+        args.checkpoint = args.checkpoint or DEFAULT_CHECKPOINT
         model, ckpt = tsl.load_checkpoint(args.checkpoint, device=device, dtype=dtype)
         manifest = json.loads(Path(args.checkpoint).with_suffix(".json").read_text())["manifest"]
     corpus = tsl.build_corpus(1 << 20)
@@ -413,7 +429,9 @@ def plot(rows: list, path: Path, metric: str = "exact", ylabel: str = "values re
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default=str(tsl.DEFAULT_CHECKPOINT.with_name("retrieval_lm.pt")))
+    parser.add_argument("--checkpoint", default=None,
+                        help=f"the model (default {DEFAULT_CHECKPOINT.relative_to(tsl.REPO)}; --smoke: an untrained "
+                             "tiny model unless this is given)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--densities", type=float, nargs="*", default=[0.05, 0.1, 0.2, 0.3])
@@ -475,7 +493,7 @@ def main(argv=None) -> None:
     print(write_results(args.name, rows, out_dir=args.out, columns=columns,
                         store=None if args.smoke and not args.out else "bench_retrieval",
                         params=("N",),
-                        meta={"checkpoint": None if args.smoke else str(args.checkpoint), "per_task": args.per_task,
+                        meta={"checkpoint": None if args.checkpoint is None else str(args.checkpoint), "per_task": args.per_task,
                               "families": args.families, "per_family": args.per_family,
                               "natural_windows": args.natural, "natural_ngram": args.natural_ngram,
                               "natural_distances": args.natural_distances}))
