@@ -4,8 +4,8 @@
     python benchmarks/bench_retrieval.py --lengths 16384 --densities 0.1
     python benchmarks/bench_retrieval.py --smoke              # CPU: an untrained tiny model, seconds
     python benchmarks/bench_retrieval.py --families --natural 4 --densities 0.05 0.1 0.2 --dense-lengths 131072
-    python benchmarks/bench_retrieval.py --smoke --checkpoint benchmarks/checkpoints/retrieval_lm.pt \
-        --families --natural 1 --per-task 0 --methods sampled  # CPU: the trained model at 2K, under a minute
+    python benchmarks/bench_retrieval.py --smoke --checkpoint benchmarks/checkpoints/retrieval_lm.pt --families \
+        --natural 1 --per-task 0 --methods sampled --densities --calibrate-errors  # CPU: the trained model, 2K
 
 The model is ``checkpoints/retrieval_lm.pt`` (``train_small_lm.py --retrieval``: byte level, head dim 128, GQA 4:1,
 RoPE), compiled whole with ``backend="sparse_prefill"`` as a user would. Instances (``retrieval_tasks.py``) plant
@@ -298,7 +298,7 @@ def run(args) -> list[dict]:
             raise SystemExit("nothing to score: --per-task 0 without --families or --natural")
         first = (first.tokens if isinstance(first, rt.Instance) else first)[None].to(device).long()
         sites: list = []
-        layers = capture_qk(compiled, first, sites)
+        layers = [] if dense_only else capture_qk(compiled, first, sites)  # calibration input
         contenders = [("dense", {})] + ([] if dense_only else [(m, {}) for m in args.methods])
         if "pbs" in args.methods and not dense_only:
             contenders.append(("pbs-noperm", {}))
@@ -468,8 +468,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dense-lengths", type=int, nargs="*", default=[],
                         help="extra lengths scored dense only (how far the model extrapolates), e.g. 131072")
     parser.add_argument("--smoke", action="store_true",
-                        help="CPU: an untrained tiny model at 1K (2K with --families or --natural), seconds; "
-                             "options given explicitly are kept")
+                        help="CPU: an untrained tiny model (or --checkpoint's) at 1K (2K with --families or "
+                             "--natural), seconds (minutes with a checkpoint); options given explicitly are kept")
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default="retrieval")
     args = parser.parse_args(argv)
