@@ -184,9 +184,16 @@ def _counts(length: int) -> tuple[int, int]:
     return keys, max(1, min(3, keys // 4))
 
 
+NEEDLE_LEAD = 16  # an answer's needle_start: this many bytes before its planted value (at most its line start)
+
+
 def make_instance(family: str, filler: bytes, length: int, rng: random.Random) -> rt.Instance:
     """One instance of ``family`` (a name of ``FAMILIES``), ``length`` bytes: needles planted at line starts of
-    ``filler`` (at least ``length`` bytes of code), the queries at the end. Deterministic in ``rng``'s state."""
+    ``filler`` (at least ``length`` bytes of code), the queries at the end. Deterministic in ``rng``'s state.
+
+    Each answer's ``needle_start`` is ``NEEDLE_LEAD`` bytes before its planted value, or the value's line start if
+    that is nearer (a long key or a function signature can put the value 60 bytes into its line): the coverage
+    diagnostics then check the end of the key and the value, where the lookup reads."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; valid: {list(FAMILIES)}")
     fam = FAMILIES[family]
@@ -208,12 +215,12 @@ def make_instance(family: str, filler: bytes, length: int, rng: random.Random) -
         if value not in values:
             values.append(value)
     queried = rng.sample(range(n_keys), n_queries)
-    # needles: (text, index of the value it holds or None, offset of that value's line within the text)
+    # needles: (text, index of the value it holds or None, where its answers' needle_start points in the text)
     needles = []
     for i, (name, _) in enumerate(names):
         text = fam.needle.format(key=name, value=values[i], fn=f"get_{name}", **ctx)
-        value_line = text.rfind("\n", 0, text.index(values[i])) + 1
-        needles.append((text, i, value_line))
+        at = text.index(values[i])
+        needles.append((text, i, max(text.rfind("\n", 0, at) + 1, at - NEEDLE_LEAD)))
     refs = {}
     if fam.alias is not None:
         for i in queried:
@@ -243,11 +250,11 @@ def make_instance(family: str, filler: bytes, length: int, rng: random.Random) -
         positions.append(code_len if newline < 0 else newline + 1)
     positions.sort()
     pieces, cursor, out_len, value_needle = [], 0, 0, {}
-    for pos, (text, index, value_line) in zip(positions, needles):
+    for pos, (text, index, lead) in zip(positions, needles):
         pieces.append(code[cursor:pos])
         out_len += pos - cursor
         if index is not None:
-            value_needle[index] = out_len + value_line
+            value_needle[index] = out_len + lead
         pieces.append(text.encode())
         out_len += len(text)
         cursor = pos
