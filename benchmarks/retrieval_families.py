@@ -187,9 +187,12 @@ def _counts(length: int) -> tuple[int, int]:
 NEEDLE_LEAD = 16  # an answer's needle_start: this many bytes before its planted value (at most its line start)
 
 
-def make_instance(family: str, filler: bytes, length: int, rng: random.Random) -> rt.Instance:
+def make_instance(family: str, filler: bytes, length: int, rng: random.Random, queries: Optional[int] = None
+                  ) -> rt.Instance:
     """One instance of ``family`` (a name of ``FAMILIES``), ``length`` bytes: needles planted at line starts of
     ``filler`` (at least ``length`` bytes of code), the queries at the end. Deterministic in ``rng``'s state.
+    ``queries`` (training: more supervised lookups per window): that many queries over at least twice as many
+    keys, instead of ``_counts``'.
 
     Each answer's ``needle_start`` is ``NEEDLE_LEAD`` bytes before its planted value, or the value's line start if
     that is nearer (a long key or a function signature can put the value 60 bytes into its line): the coverage
@@ -202,6 +205,10 @@ def make_instance(family: str, filler: bytes, length: int, rng: random.Random) -
     obj = rng.choice(CONTAINER_WORDS)
     ctx = {"q": quote, "obj": obj, "Obj": obj[:1].upper() + obj[1:]}
     n_keys, n_queries = _counts(length)
+    if queries is not None:
+        if queries < 1:
+            raise ValueError(f"make_instance: queries must be >= 1, got {queries}")
+        n_keys, n_queries = max(n_keys, 2 * queries), queries
     names, taken = [], set()
     while len(names) < n_keys:
         near = names and rng.random() < 0.5  # a near-miss of an earlier key: a distractor for it

@@ -370,7 +370,8 @@ def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: 
     ``extra_lookups``: lookups added to each instance per 64K bytes (``extra_lookups_at``), a share
     ``extra_list_share`` of them three-value lists, near-miss keys in a share ``extra_near_miss_share`` of the
     windows; their values weighted like the task's. ``families`` (names of ``retrieval_families.FAMILIES``): the
-    instances are of a random one of these families instead (tasks, styles and extra lookups unused)."""
+    instances are of a random one of these families instead, with 3 queries plus ``extra_lookups`` per 64K over
+    twice as many keys (tasks, styles and the list and near-miss shares unused)."""
     import retrieval_families as rf
     import retrieval_tasks as rt
 
@@ -381,7 +382,9 @@ def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: 
         start = rng.randrange(0, len(train) - seq_len - 2)
         window = train[start:start + seq_len + 1]
         if families and rng.random() < task_share:
-            instance = rf.make_instance(rng.choice(families), window, seq_len + 1, rng)
+            # extra lookups become more queries: the 3 of an evaluation prompt plus extra_lookups per 64K
+            queries = 3 + extra_lookups_at(seq_len, extra_lookups, rng)
+            instance = rf.make_instance(rng.choice(families), window, seq_len + 1, rng, queries)
             rows.append(instance.tokens)
             if weights is not None:
                 for answer in instance.answers:
@@ -727,7 +730,8 @@ def main(argv=None) -> dict:
                              "evaluation (default 32; --smoke: 2; with --families: per family, 8; --smoke: 1)")
     parser.add_argument("--extra-lookups", type=float, default=12.0,
                         help="--retrieval: lookups added to each training instance per 64K bytes, "
-                             "queried before the task's own (more supervised long-range lookups per step; 0: none)")
+                             "queried before the task's own (more supervised long-range lookups per step; 0: none; "
+                             "--families: queries added to the 3 of each instance)")
     parser.add_argument("--extra-list-share", type=float, default=0.5,
                         help="--retrieval: share of the extra lookups that are three-value lists (multi-value's form)")
     parser.add_argument("--extra-near-miss-share", type=float, default=0.0,

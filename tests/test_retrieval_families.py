@@ -146,4 +146,13 @@ def test_family_training_batches_weigh_the_values_and_use_training_families_only
     x, y, weight = tsl._retrieval_batches(_code(50000), 4096, 4, random.Random(1), 1.0, torch.device("cpu"),
                                           answer_weight=16.0, families=names)
     heavy = tsl.answer_weight_at(4096, 16.0)
-    assert x.shape == (4, 4096) and all(int((weight[r] == heavy).sum()) >= 8 for r in range(4))
+    # 3 queries per instance plus about 0.75 more (12 per 64K), each value 8 bytes or more
+    assert x.shape == (4, 4096) and all(int((weight[r] == heavy).sum()) >= 3 * 8 for r in range(4))
+
+
+def test_more_queries_come_with_twice_as_many_keys():
+    inst = rf.make_instance("assign", _code(20000), 16384, random.Random(4), queries=10)
+    data = bytes(inst.tokens.tolist())
+    assert len(inst.answers) == 10 and data.count(b"\nassert ") + data.count(b"\nprint(") >= 10
+    with pytest.raises(ValueError, match="queries"):
+        rf.make_instance("assign", _code(20000), 16384, random.Random(4), queries=0)
