@@ -432,7 +432,7 @@ def main(argv=None) -> None:
     parser.add_argument("--checkpoint", default=None,
                         help=f"the model (default {DEFAULT_CHECKPOINT.relative_to(tsl.REPO)}; --smoke: an untrained "
                              "tiny model unless this is given)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[16384, 32768, 65536])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--densities", type=float, nargs="*", default=[0.05, 0.1, 0.2, 0.3])
     parser.add_argument("--per-task", type=int, default=8, help="instances per task, style and length")
