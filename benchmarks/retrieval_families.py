@@ -78,8 +78,8 @@ class Family:
 
     needle    the planted text (one or more lines, each ending in a newline); ``{key}``, ``{value}``, ``{q}`` (the
               instance's quote), ``{obj}`` (a container name), ``{Obj}`` (the same, capitalised), ``{fn}`` (a
-              function name); ``{ref}`` in ``alias`` and the queries of a multi-hop family is the queried alias
-    queries   query forms, each one line with exactly one ``{value}``: the scored bytes
+              function named after the key); ``{ref}`` in ``alias`` and the queries of a multi-hop family is the queried alias
+    queries   query forms, each with exactly one ``{value}`` (the scored bytes) and ending in a newline
     alias     multi-hop: a line naming ``{ref}`` as ``{key}``; the value stays on ``{key}``'s needle
     schemes   naming schemes its keys may use; quotes: the quote characters its ``{q}`` may be
     """
@@ -238,13 +238,12 @@ def make_instance(family: str, filler: bytes, length: int, rng: random.Random, q
             refs[i] = ref
             needles.append((fam.alias.format(ref=ref, key=name, **ctx), None, 0))
     rng.shuffle(needles)
-    queries = []
+    asks = []  # (text before the value, the value, text after it, the value's index)
     for i in queried:
-        form = rng.choice(fam.queries)
-        head, tail = form.split("{value}")
+        head, tail = rng.choice(fam.queries).split("{value}")
         fields = dict(key=names[i][0], ref=refs.get(i, ""), fn=f"get_{names[i][0]}", **ctx)
-        queries.append((head.format(**fields), values[i], tail.format(**fields), i))
-    query_bytes = [("\n" + h + v + t).encode() for h, v, t, _ in queries]
+        asks.append((head.format(**fields), values[i], tail.format(**fields), i))
+    query_bytes = [("\n" + h + v + t).encode() for h, v, t, _ in asks]
     body_len = length - sum(len(q) for q in query_bytes)
     code_len = body_len - sum(len(t) for t, _, _ in needles)
     if code_len < 64:
@@ -269,7 +268,7 @@ def make_instance(family: str, filler: bytes, length: int, rng: random.Random, q
     body = b"".join(pieces)
     assert len(body) == body_len
     answers, base = [], body_len
-    for (head, value, _, index), q in zip(queries, query_bytes):
+    for (head, value, _, index), q in zip(asks, query_bytes):
         start = base + 1 + len(head)
         offset = value_needle[index]
         answers.append(rt.Answer(family, start, start + len(value), offset / max(body_len, 1), offset))
