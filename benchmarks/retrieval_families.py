@@ -178,8 +178,7 @@ def _value(rng: random.Random, alphabet: str, length: int) -> str:
 
 
 def _counts(length: int) -> tuple[int, int]:
-    """(keys planted, keys queried): 12 and 3 from 16K bytes on (the measurement the families replace), fewer in
-    shorter prompts (CPU smoke runs)."""
+    """(keys planted, keys queried): 12 and 3 from 16K bytes on, fewer in shorter prompts (CPU smoke runs)."""
     keys = max(2, min(12, length // 1365))
     return keys, max(1, min(3, keys // 4))
 
