@@ -421,7 +421,8 @@ def plot(rows: list, path: Path, metric: str = "exact", ylabel: str = "values re
         ax.set_ylabel(ylabel)
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7)
+    if axes[0][-1].get_legend_handles_labels()[0]:  # a dense-only length or a metric with no values has none
+        axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
