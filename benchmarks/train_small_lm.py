@@ -743,8 +743,8 @@ def main(argv=None) -> dict:
                         help="short causal convolution before each attention (ModelArgs.conv_width; 0: none; "
                              "default: the chosen model's)")
     args = parser.parse_args(argv)
-    if args.retrieval and args.name == "small_lm":
-        args.name = "retrieval_lm"
+    if args.retrieval and args.name == "small_lm":  # --families does not overwrite the styles' model
+        args.name = "retrieval_families_lm" if args.families else "retrieval_lm"
     if args.optimizer is None:
         args.optimizer = "muon" if args.retrieval else "adamw"
 
