@@ -22,6 +22,9 @@ warm-up, bf16 autocast, fixed seed, a length curriculum
 (4K then 16K then 32K contexts, about the same tokens per step; ``--retrieval``: 4K, 16K, then steps that cycle
 through 16K / 32K / 64K, so the model does not end on one length), and a step count calibrated from measured
 step times so that the run fits a wall-clock budget. The checkpoint stores bf16 weights (a few MB).
+``--retrieval --families``: the windows carry ``retrieval_families.py``'s training families instead of the
+styles' tasks (checkpoint ``retrieval_families_lm.pt``), and the evaluation reports training and held-out
+families apart.
 """
 
 from __future__ import annotations
