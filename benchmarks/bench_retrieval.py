@@ -3,6 +3,9 @@
     python benchmarks/bench_retrieval.py                      # GPU: 16K, 32K, 64K; every method; ~6 min
     python benchmarks/bench_retrieval.py --lengths 16384 --densities 0.1
     python benchmarks/bench_retrieval.py --smoke              # CPU: an untrained tiny model, seconds
+    python benchmarks/bench_retrieval.py --families --natural 4 --densities 0.05 0.1 0.2 --dense-lengths 131072
+    python benchmarks/bench_retrieval.py --smoke --checkpoint benchmarks/checkpoints/retrieval_lm.pt --families \
+        --natural 1 --per-task 0 --methods sampled --densities --calibrate-errors  # CPU: the trained model, 2K
 
 The model is ``checkpoints/retrieval_lm.pt`` (``train_small_lm.py --retrieval``: byte level, head dim 128, GQA 4:1,
 RoPE), compiled whole with ``backend="sparse_prefill"`` as a user would. Instances (``retrieval_tasks.py``) plant
@@ -26,6 +29,17 @@ was listed for the query block that reads it: as a share of layers x heads, and 
 attention row puts the most mass on the needle, the byte it reads; and over every row that predicts a byte of the
 value, the share whose reading head's plan lists the byte it reads (for S2O a listed tile may still be cut by early
 stop). Rows: ``results/bench_retrieval.jsonl``; the run's table and plot: ``--out`` (default ``results/runs/``).
+
+Beyond the task styles the model trained on (``--per-task 0`` leaves them out):
+
+* ``--families``: ``retrieval_families.py`` instances (12 keys with near-miss distractors, 3 queries, per prompt
+  from 16K); ``family_train`` pools the training families, ``family_heldout`` the held-out ones (formats that no
+  training window carried), ``family.<name>`` each family; ``family_missed_*`` the coverage of missed values, the
+  held-out families' first. Plots ``<name>_family_train.png`` and ``<name>_family_heldout.png``.
+* ``--natural W``: W held-out code windows per length; on the bytes whose 16-byte n-gram last occurred 4K-16K /
+  16K+ bytes back (``retrieval_families.natural_positions``: no template), the argmax accuracy
+  (``natural_acc.<bucket>``) and bits per byte (``natural_bpb.<bucket>``), ``natural_count.<bucket>`` bytes.
+* ``--dense-lengths 131072``: lengths scored dense only (how far the model extrapolates).
 """
 
 from __future__ import annotations
@@ -46,6 +60,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparse_compile  # noqa: E402
+import retrieval_families as rf  # noqa: E402
 import retrieval_tasks as rt  # noqa: E402
 import train_small_lm as tsl  # noqa: E402
 from bench_e2e import calibrate  # noqa: E402
@@ -55,6 +70,7 @@ from harness import RUNS_DIR, write_results  # noqa: E402
 # of 1 (and S2O's early stop within 1e-5 of 0) before ρ 0.2-0.3 is kept; 10 steps end at 0.999 / 0.0005
 KNOB_STEPS = 20
 
+DEFAULT_CHECKPOINT = tsl.DEFAULT_CHECKPOINT.with_name("retrieval_lm.pt")
 METHODS = tuple(sparse_compile.registry.registered_methods())  # the four papers' and the sampled selector
 NEEDLE_BYTES = 50  # a needle line's span checked for coverage: the key and the value
 
@@ -203,15 +219,49 @@ def bits_per_byte(compiled, windows, region: dict) -> float:
     return total / count / math.log(2)
 
 
+def share(results: list, field: str) -> Optional[float]:
+    """The mean of ``field`` over ``results`` (None when there are none)."""
+    return sum(r[field] for r in results) / len(results) if results else None
+
+
+def family_row(results: list) -> dict:
+    """A contender's family scores: pooled over the training and over the held-out families (reported apart: the
+    held-out ones measure retrieval in formats the model never trained on), and per family."""
+    row = {}
+    for split in ("train", "heldout"):
+        mine = [r for r in results if r["style"] == split]
+        row[f"family_{split}"] = share(mine, "exact")
+        row[f"family_{split}_values"] = len(mine)
+    for name in rf.FAMILIES:
+        mine = [r for r in results if r["task"] == name]
+        if mine:
+            row[f"family.{name}"] = share(mine, "exact")
+    return row
+
+
+def natural_windows(stream: bytes, length: int, count: int, rng: random.Random, ngram: int,
+                    distances) -> list:
+    """``count`` random windows of held-out code, each with its natural-measure positions per distance bucket
+    (``retrieval_families.natural_positions``)."""
+    out = []
+    for _ in range(count):
+        start = rng.randrange(0, len(stream) - length - 1)
+        data = stream[start:start + length]
+        tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        out.append((tokens, rf.natural_positions(data, ngram, distances)))
+    return out
+
+
 def run(args) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if args.smoke:
+    if args.smoke and args.checkpoint is None:
         mod = tsl.load_model_module()
         torch.manual_seed(0)
         model = mod.Transformer(mod.ModelArgs(**tsl.RETRIEVAL_SMOKE_MODEL, max_seq_len=4096)).to(device).eval()
         manifest = None
     else:
+        args.checkpoint = args.checkpoint or DEFAULT_CHECKPOINT
         model, ckpt = tsl.load_checkpoint(args.checkpoint, device=device, dtype=dtype)
         manifest = json.loads(Path(args.checkpoint).with_suffix(".json").read_text())["manifest"]
     corpus = tsl.build_corpus(1 << 20)
@@ -226,7 +276,8 @@ def run(args) -> list[dict]:
                              dynamic=True)
 
     rows = []
-    for length in args.lengths:
+    for length in list(args.lengths) + list(args.dense_lengths):
+        dense_only = length in args.dense_lengths and length not in args.lengths
         rng = random.Random(7_777_777 + length)
         instances = [inst for style in args.styles for task in rt.TASKS
                      for inst in rt.make_batch([task] * args.per_task, corpus.heldout, length, rng, style)]
@@ -235,13 +286,23 @@ def run(args) -> list[dict]:
             start = rng.randrange(0, len(corpus.heldout) - length - 2)
             windows.append(torch.frombuffer(bytearray(corpus.heldout[start:start + length + 1]),
                                             dtype=torch.uint8).to(device).long())
-        first = instances[0].tokens[None].to(device).long()
+        # families and natural windows draw from their own seeds: adding them leaves the style instances as they were
+        family_rng = random.Random(5_555_555 + length)
+        family_instances = [inst for name in args.families
+                            for inst in rf.make_batch([name] * args.per_family, corpus.heldout, length, family_rng)]
+        natural = natural_windows(corpus.heldout, length, args.natural, random.Random(3_333_333 + length),
+                                  args.natural_ngram, args.natural_distances)
+        natural = [(tokens.to(device), positions) for tokens, positions in natural]
+        first = (instances or family_instances or [w for w, _ in natural] or [None])[0]
+        if first is None:
+            raise SystemExit("nothing to score: --per-task 0 without --families or --natural")
+        first = (first.tokens if isinstance(first, rt.Instance) else first)[None].to(device).long()
         sites: list = []
-        layers = capture_qk(compiled, first, sites)
-        contenders = [("dense", {})] + [(m, {}) for m in args.methods]
-        if "pbs" in args.methods:
+        layers = [] if dense_only else capture_qk(compiled, first, sites)  # calibration input
+        contenders = [("dense", {})] + ([] if dense_only else [(m, {}) for m in args.methods])
+        if "pbs" in args.methods and not dense_only:
             contenders.append(("pbs-noperm", {}))
-        for rho in args.densities:
+        for rho in [] if dense_only else args.densities:
             for m in list(args.methods) + (["pbs-noperm"] if "pbs" in args.methods else []):
                 method, reorder = method_and_reorder(m)
                 params, _ = calibrate(method, rho, layers, base, reorder=reorder, steps=KNOB_STEPS)
@@ -249,13 +310,13 @@ def run(args) -> list[dict]:
                 if m in args.layer_ablation:  # the same threshold in one layer at a time, the others exact
                     contenders += [(f"{m}@{rho}/layer{i}", one_layer_sparse(method, params, sites, i))
                                    for i in range(len(sites))]
-        for spec in args.layer_densities:
+        for spec in [] if dense_only else args.layer_densities:
             densities = [float(x) for x in spec.split(",")]
             for m in args.layer_ablation or ["pbs"]:
                 method, reorder = method_and_reorder(m)
                 contenders.append((f"{m}@layers[{spec}]", per_layer_params(
                     method, densities, layers, sites, base, reorder=reorder)))
-        for error in args.calibrate_errors:
+        for error in [] if dense_only else args.calibrate_errors:
             method = args.calibrate_method
             calibration = sparse_compile.calibrate(compiled, first, method=method, target_error=error,
                                                    config=base.with_overrides(method))
@@ -268,13 +329,21 @@ def run(args) -> list[dict]:
         for name, params in contenders:
             region = contender_region(name, params)
             started = time.perf_counter()
-            results = []
-            for inst in instances:
+            results, family_results = [], []
+            for inst in instances + family_instances:
                 with torch.no_grad(), sparse_compile.sparsity(**region):
                     logits = compiled(inst.tokens[None].to(device).long())[0]
                 for result, answer in zip(rt.score(logits.float(), inst), inst.answers):
                     result["answer"], result["instance"], result["style"] = answer, inst, inst.style
-                    results.append(result)
+                    (results if inst.task in rt.TASKS else family_results).append(result)
+            natural_sums = {}
+            for tokens, positions in natural:
+                with torch.no_grad(), sparse_compile.sparsity(**region):
+                    logits = compiled(tokens[None])[0]
+                for bucket, sums in rf.score_natural(logits, tokens, positions).items():
+                    total = natural_sums.setdefault(bucket, {"count": 0, "hits": 0, "bits": 0.0})
+                    for key in total:
+                        total[key] += sums[key]
             # achieved density: one recorded run (recording costs syncs: not part of the timing above)
             sparse_compile.reset_runtime_stats()
             density = None
@@ -292,36 +361,41 @@ def run(args) -> list[dict]:
                 shown = {f"{site}.{k}": v for site, values in params["site_params"].items() for k, v in values.items()}
             row = {"N": length, "contender": name, "density": density,
                    "params": ", ".join(f"{k}={v:.4g}" for k, v in shown.items()),
-                   "exact": sum(r["exact"] for r in results) / len(results),
-                   "chars": sum(r["chars"] for r in results) / len(results), "values": len(results),
+                   "exact": share(results, "exact"), "chars": share(results, "chars"), "values": len(results),
                    "delta_bpb": None if bpb is None or dense_bpb is None else bpb - dense_bpb,
                    "seconds": round(time.perf_counter() - started, 1)}
             for task in rt.TASKS:
-                mine = [r for r in results if r["task"] == task]
-                row[task] = sum(r["exact"] for r in mine) / len(mine)
-            if len(args.styles) > 1:
+                row[task] = share([r for r in results if r["task"] == task], "exact")
+            if family_results:
+                row.update(family_row(family_results))
+            for bucket, total in natural_sums.items():
+                row[f"natural_count.{bucket}"] = total["count"]
+                row[f"natural_acc.{bucket}"] = total["hits"] / total["count"] if total["count"] else None
+                row[f"natural_bpb.{bucket}"] = total["bits"] / total["count"] if total["count"] else None
+            if len(args.styles) > 1 and results:
                 for style in args.styles:
-                    mine = [r for r in results if r["style"] == style]
-                    row[f"style_{style}"] = sum(r["exact"] for r in mine) / len(mine)
+                    row[f"style_{style}"] = share([r for r in results if r["style"] == style], "exact")
             row["by_depth"] = {}
             for lo, hi in zip(rt.DEPTH_BINS, rt.DEPTH_BINS[1:]):
                 mine = [r for r in results if lo <= r["depth"] < hi]
                 if mine:
                     row["by_depth"][f"{lo:.1f}-{min(hi, 1.0):.1f}"] = sum(r["exact"] for r in mine) / len(mine)
-            missed = [r for r in results if not r["exact"]]
-            if name != "dense" and missed and args.coverage:
-                cover = [needle_coverage(compiled, base, r["instance"], r["answer"], region)
-                         for r in missed[:args.coverage]]
-                row["missed_needle_listed"] = sum(share for share, _, _ in cover) / len(cover)
-                row["missed_lookup_head_listed"] = sum(head for _, head, _ in cover) / len(cover)
-                row["missed_value_rows_listed"] = sum(rows for _, _, rows in cover) / len(cover)
-                row["missed_examined"] = len(cover)
+            for prefix, scored in (("missed", results), ("family_missed", family_results)):
+                # held-out families first: where a method's misses matter most
+                missed = sorted((r for r in scored if not r["exact"]), key=lambda r: r["style"] != "heldout")
+                if name != "dense" and missed and args.coverage:
+                    cover = [needle_coverage(compiled, base, r["instance"], r["answer"], region)
+                             for r in missed[:args.coverage]]
+                    row[f"{prefix}_needle_listed"] = sum(c[0] for c in cover) / len(cover)
+                    row[f"{prefix}_lookup_head_listed"] = sum(c[1] for c in cover) / len(cover)
+                    row[f"{prefix}_value_rows_listed"] = sum(c[2] for c in cover) / len(cover)
+                    row[f"{prefix}_examined"] = len(cover)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
 
 
-def plot(rows: list, path: Path) -> None:
+def plot(rows: list, path: Path, metric: str = "exact", ylabel: str = "values retrieved exactly") -> None:
     try:
         import matplotlib
 
@@ -333,20 +407,22 @@ def plot(rows: list, path: Path) -> None:
     fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.4), squeeze=False)
     for ax, n in zip(axes[0], lengths):
         mine = [r for r in rows if r["N"] == n]
-        dense = [r["exact"] for r in mine if r["contender"] == "dense"]
+        dense = [r.get(metric) for r in mine if r["contender"] == "dense" and r.get(metric) is not None]
         for m in METHODS + ("pbs-noperm",):
-            pts = sorted((r["density"], r["exact"]) for r in mine
-                         if r["contender"].split("@")[0] == m and r["density"] is not None)
+            pts = sorted((r["density"], r[metric]) for r in mine
+                         if r["contender"].split("@")[0] == m and r["density"] is not None
+                         and r.get(metric) is not None)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", lw=1.2, label=m)
         if dense:
             ax.axhline(dense[0], color="k", ls=":", lw=1, label="dense")
         ax.set_title(f"{n // 1024}K", fontsize=9)
         ax.set_xlabel("density (kept causal tiles)")
-        ax.set_ylabel("values retrieved exactly")
+        ax.set_ylabel(ylabel)
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7)
+    if axes[0][-1].get_legend_handles_labels()[0]:  # a dense-only length or a metric with no values has none
+        axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -354,8 +430,10 @@ def plot(rows: list, path: Path) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default=str(tsl.DEFAULT_CHECKPOINT.with_name("retrieval_lm.pt")))
-    parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536])
+    parser.add_argument("--checkpoint", default=None,
+                        help=f"the model (default {DEFAULT_CHECKPOINT.relative_to(tsl.REPO)}; --smoke: an untrained "
+                             "tiny model unless this is given)")
+    parser.add_argument("--lengths", type=int, nargs="*", default=[16384, 32768, 65536])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--densities", type=float, nargs="*", default=[0.05, 0.1, 0.2, 0.3])
     parser.add_argument("--per-task", type=int, default=8, help="instances per task, style and length")
@@ -375,22 +453,73 @@ def main(argv=None) -> None:
     parser.add_argument("--method-params", type=json.loads, default={}, metavar="JSON",
                         help='overrides of the methods\' parameters for every contender, e.g. '
                              '\'{"pbs": {"block_size": 64}}\' (block granularity against retrieval)')
-    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--families", nargs="*", default=None, metavar="FAMILY",
+                        help="score retrieval_families instances: family names, 'train', 'heldout' or 'all' (the "
+                             "default when the option is given bare); training and held-out families are reported "
+                             "apart (family_train, family_heldout) and per family (family.<name>)")
+    parser.add_argument("--per-family", type=int, default=8, help="instances per family and length (3 queries each)")
+    parser.add_argument("--natural", type=int, default=0, metavar="WINDOWS",
+                        help="held-out code windows per length for the natural measure (accuracy and bits per "
+                             "byte on bytes copyable only from far back; 0: none)")
+    parser.add_argument("--natural-ngram", type=int, default=rf.NATURAL_NGRAM,
+                        help="the natural measure's n-gram length (bytes)")
+    parser.add_argument("--natural-distances", type=int, nargs="+", default=None, metavar="D",
+                        help=f"its distance buckets' lower bounds (default {list(rf.NATURAL_DISTANCES)}; "
+                             "--smoke: 256 1024)")
+    parser.add_argument("--dense-lengths", type=int, nargs="*", default=[],
+                        help="extra lengths scored dense only (how far the model extrapolates), e.g. 131072")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU: an untrained tiny model (or --checkpoint's) at 1K (2K with --families or "
+                             "--natural), seconds (minutes with a checkpoint); options given explicitly are kept")
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default="retrieval")
     args = parser.parse_args(argv)
+    args.families = families_of(args.families)
     if args.smoke:
-        args.lengths, args.per_task, args.densities, args.bpb_windows = [1024], 1, [0.3], 1
-        args.calibrate_errors = args.calibrate_errors[:1]
+        smoke = {"lengths": [2048] if args.families or args.natural else [1024], "per_task": 1,
+                 "densities": [0.3], "bpb_windows": 1, "per_family": 1,
+                 "calibrate_errors": args.calibrate_errors[:1]}
+        for field, value in smoke.items():  # only where the option was left at its default
+            if getattr(args, field) == parser.get_default(field.replace("-", "_")):
+                setattr(args, field, value)
+        args.natural_distances = args.natural_distances or [256, 1024]
+    args.natural_distances = args.natural_distances or list(rf.NATURAL_DISTANCES)
     rows = run(args)
-    columns = ["N", "contender", "density", "exact", "chars", *rt.TASKS, "delta_bpb", "missed_needle_listed",
-               "missed_lookup_head_listed", "missed_value_rows_listed", "params"]
+    extra = [c for r in rows for c in r if c.startswith(("family_train", "family_heldout", "family.",
+                                                         "natural_acc.", "natural_bpb."))
+             and not c.endswith("_values")]
+    columns = ["N", "contender", "density", "exact", "chars", *rt.TASKS, *dict.fromkeys(extra), "delta_bpb",
+               "missed_needle_listed", "missed_lookup_head_listed", "missed_value_rows_listed",
+               *(["family_missed_lookup_head_listed"] if args.families else []), "params"]
     print(write_results(args.name, rows, out_dir=args.out, columns=columns,
                         store=None if args.smoke and not args.out else "bench_retrieval",
                         params=("N",),
-                        meta={"checkpoint": None if args.smoke else str(args.checkpoint), "per_task": args.per_task}))
+                        meta={"checkpoint": None if args.checkpoint is None else str(args.checkpoint), "per_task": args.per_task,
+                              "families": args.families, "per_family": args.per_family,
+                              "natural_windows": args.natural, "natural_ngram": args.natural_ngram,
+                              "natural_distances": args.natural_distances}))
     out_dir = Path(args.out) if args.out else RUNS_DIR
     plot(rows, out_dir / f"{args.name}.png")
+    if args.families:
+        plot(rows, out_dir / f"{args.name}_family_train.png", "family_train", "training families: exact")
+        plot(rows, out_dir / f"{args.name}_family_heldout.png", "family_heldout", "held-out families: exact")
+    if args.natural:
+        last = rf.bucket_name(args.natural_distances[-1], None)
+        plot(rows, out_dir / f"{args.name}_natural.png", f"natural_acc.{last}", f"natural accuracy, {last} back")
+
+
+def families_of(names: Optional[list]) -> list:
+    """``--families``' names expanded ('train', 'heldout', 'all'; bare: all), in ``FAMILIES`` order."""
+    if names is None:
+        return []
+    groups = {"train": [f.name for f in rf.TRAIN_FAMILIES], "heldout": [f.name for f in rf.HELDOUT_FAMILIES],
+              "all": list(rf.FAMILIES)}
+    wanted = set()
+    for name in names or ["all"]:
+        if name not in groups and name not in rf.FAMILIES:
+            raise SystemExit(f"--families: unknown {name!r}; valid: {list(groups)} or {list(rf.FAMILIES)}")
+        wanted.update(groups.get(name, [name]))
+    return [name for name in rf.FAMILIES if name in wanted]
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ warm-up, bf16 autocast, fixed seed, a length curriculum
 (4K then 16K then 32K contexts, about the same tokens per step; ``--retrieval``: 4K, 16K, then steps that cycle
 through 16K / 32K / 64K, so the model does not end on one length), and a step count calibrated from measured
 step times so that the run fits a wall-clock budget. The checkpoint stores bf16 weights (a few MB).
+``--retrieval --families``: the windows carry ``retrieval_families.py``'s training families instead of the
+styles' tasks (checkpoint ``retrieval_families_lm.pt``), and the evaluation reports training and held-out
+families apart.
 """
 
 from __future__ import annotations
@@ -361,7 +364,7 @@ def extra_lookups_at(seq_len: int, per_64k: float, rng) -> int:
 
 def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: float, device,
                        styles=("vkey",), answer_weight: float = 0.0, task_weights=None, extra_lookups: float = 0.0,
-                       extra_list_share: float = 0.0, extra_near_miss_share: float = 0.0):
+                       extra_list_share: float = 0.0, extra_near_miss_share: float = 0.0, families=None):
     """Like ``_batches``, but each window is, with probability ``task_share``, a retrieval instance
     (``retrieval_tasks.py``, a random task in a random one of ``styles``) built on that window's code; built on the
     host while the GPU runs the last step. Returns (x, y, per-target loss weights or None): with
@@ -369,7 +372,10 @@ def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: 
     ``task_weights`` (one per ``retrieval_tasks.TASKS``): how often each task is drawn (None: uniformly).
     ``extra_lookups``: lookups added to each instance per 64K bytes (``extra_lookups_at``), a share
     ``extra_list_share`` of them three-value lists, near-miss keys in a share ``extra_near_miss_share`` of the
-    windows; their values weighted like the task's."""
+    windows; their values weighted like the task's. ``families`` (names of ``retrieval_families.FAMILIES``): the
+    instances are of a random one of these families instead, with 3 queries plus ``extra_lookups`` per 64K over
+    twice as many keys (tasks, styles and the list and near-miss shares unused)."""
+    import retrieval_families as rf
     import retrieval_tasks as rt
 
     rows = []
@@ -378,7 +384,15 @@ def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: 
     for row in range(batch):
         start = rng.randrange(0, len(train) - seq_len - 2)
         window = train[start:start + seq_len + 1]
-        if rng.random() < task_share:
+        if families and rng.random() < task_share:
+            # extra lookups become more queries: the 3 of an evaluation prompt plus extra_lookups per 64K
+            queries = 3 + extra_lookups_at(seq_len, extra_lookups, rng)
+            instance = rf.make_instance(rng.choice(families), window, seq_len + 1, rng, queries)
+            rows.append(instance.tokens)
+            if weights is not None:
+                for answer in instance.answers:
+                    weights[row, answer.start - 1:answer.end - 1] = heavy
+        elif not families and rng.random() < task_share:
             # uniform draws keep rng.choice: the stream then matches runs from before task weights existed
             task = rng.choice(rt.TASKS) if task_weights is None else rng.choices(rt.TASKS, weights=task_weights)[0]
             # one style draws nothing: the stream then matches runs from before styles existed
@@ -438,6 +452,40 @@ def evaluate_retrieval(model, heldout: bytes, lengths, per_task: dict, seed: int
         out[str(length)] = rows
         print(f"retrieval at {length}: " + ", ".join(f"{t} {rows[t]['exact']:.2f}" for t in rt.TASKS) +
               "".join(f", {k} {v:.2f}" for k, v in rows.items() if k.startswith("style_")), flush=True)
+    model.train()
+    return out
+
+
+@torch.no_grad()
+def evaluate_families(model, heldout: bytes, lengths, per_family: int, seed: int, amp: bool, device) -> dict:
+    """Dense retrieval accuracy on held-out code per length: the share of values retrieved exactly over the
+    training families (``family_train``), over the held-out ones (``family_heldout``, formats never trained on)
+    and per family (``family.<name>``); ``per_family`` instances per family and length (3 queries each from 16K)."""
+    import random
+
+    import retrieval_families as rf
+    import retrieval_tasks as rt
+
+    model.eval()
+    out = {}
+    for length in lengths:
+        rng = random.Random(seed * 1_000_003 + length + 17)
+        results = []
+        for name in rf.FAMILIES:
+            for inst in rf.make_batch([name] * per_family, heldout, length, rng):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                    logits = model(inst.tokens[None].to(device).long())[0]
+                results += [dict(r, split=inst.style) for r in rt.score(logits.float(), inst)]
+        rows = {}
+        for split in ("train", "heldout"):
+            mine = [r["exact"] for r in results if r["split"] == split]
+            rows[f"family_{split}"] = sum(mine) / len(mine)
+        for name in rf.FAMILIES:
+            mine = [r["exact"] for r in results if r["task"] == name]
+            rows[f"family.{name}"] = sum(mine) / len(mine)
+        out[str(length)] = rows
+        print(f"families at {length}: training {rows['family_train']:.2f}, held-out {rows['family_heldout']:.2f}; "
+              + ", ".join(f"{n} {rows[f'family.{n}']:.2f}" for n in rf.FAMILIES), flush=True)
     model.train()
     return out
 
@@ -665,6 +713,10 @@ def main(argv=None) -> dict:
                         help="--retrieval: share of training windows that carry a retrieval instance")
     parser.add_argument("--styles", nargs="+", default=None,
                         help="--retrieval: prompt styles trained on (retrieval_tasks.STYLES; default: all)")
+    parser.add_argument("--families", action="store_true",
+                        help="--retrieval: train on retrieval_families' training families (and code) instead of "
+                             "the styles' tasks; the evaluation (and --evaluate's) then scores every family, "
+                             "training and held-out apart")
     parser.add_argument("--answer-weight", type=float, default=16.0,
                         help="--retrieval: loss weight of a retrieved value byte per 4K of context (0: plain mean)")
     parser.add_argument("--layers", type=int, default=None,
@@ -678,10 +730,11 @@ def main(argv=None) -> dict:
                              "--seed draws other instances than training's own evaluation")
     parser.add_argument("--eval-instances", type=int, default=None,
                         help="retrieval instances per task and length, --evaluate's and training's own final "
-                             "evaluation (default 32; --smoke: 2)")
+                             "evaluation (default 32; --smoke: 2; with --families: per family, 8; --smoke: 1)")
     parser.add_argument("--extra-lookups", type=float, default=12.0,
                         help="--retrieval: lookups added to each training instance per 64K bytes, "
-                             "queried before the task's own (more supervised long-range lookups per step; 0: none)")
+                             "queried before the task's own (more supervised long-range lookups per step; 0: none; "
+                             "--families: queries added to the 3 of each instance)")
     parser.add_argument("--extra-list-share", type=float, default=0.5,
                         help="--retrieval: share of the extra lookups that are three-value lists (multi-value's form)")
     parser.add_argument("--extra-near-miss-share", type=float, default=0.0,
@@ -693,8 +746,8 @@ def main(argv=None) -> dict:
                         help="short causal convolution before each attention (ModelArgs.conv_width; 0: none; "
                              "default: the chosen model's)")
     args = parser.parse_args(argv)
-    if args.retrieval and args.name == "small_lm":
-        args.name = "retrieval_lm"
+    if args.retrieval and args.name == "small_lm":  # --families does not overwrite the styles' model
+        args.name = "retrieval_families_lm" if args.families else "retrieval_lm"
     if args.optimizer is None:
         args.optimizer = "muon" if args.retrieval else "adamw"
 
@@ -744,9 +797,13 @@ def _evaluate_checkpoint(args, device, smoke, amp) -> dict:
     corpus = build_corpus(1 << 20)  # held-out text is complete at any training size
     model, ckpt = load_checkpoint(args.evaluate, device=device)
     lengths = [1024, 2048] if smoke else [16384, 32768, 65536]
-    instances = args.eval_instances or 32
-    result = evaluate_retrieval(model, corpus.heldout, lengths, {n: instances for n in lengths},
-                                args.seed + 9, amp, device)
+    if args.families:
+        instances = args.eval_instances or (1 if smoke else 8)
+        result = evaluate_families(model, corpus.heldout, lengths, instances, args.seed + 9, amp, device)
+    else:
+        instances = args.eval_instances or 32
+        result = evaluate_retrieval(model, corpus.heldout, lengths, {n: instances for n in lengths},
+                                    args.seed + 9, amp, device)
     record = {"checkpoint": str(args.evaluate), "instances_per_task": instances, "seed": args.seed + 9,
               "model_args": ckpt["model_args"], "retrieval": result}
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -786,11 +843,17 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     if unknown:
         raise SystemExit(f"--styles: unknown {unknown}; valid: {list(rt.STYLES)}")
 
+    import retrieval_families as rf
+
+    families = [f.name for f in rf.TRAIN_FAMILIES] if args.families else None
+    if args.families and not args.retrieval:
+        raise SystemExit("--families trains the retrieval model: give --retrieval too")
+
     def next_batch(seq, batch, generator):
         if args.retrieval:
             return _retrieval_batches(corpus.train, seq, batch, host_rng, args.task_share, device, styles,
                                       args.answer_weight, args.task_weights, args.extra_lookups,
-                                      args.extra_list_share, args.extra_near_miss_share)
+                                      args.extra_list_share, args.extra_near_miss_share, families)
         return (*_batches(train_stream, seq, batch, generator), None)
 
     def train_loss(x, y, weight):
@@ -885,9 +948,13 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     retrieval = None
     if args.retrieval:
         lengths = sorted(dict(shapes)) if smoke else [16384, 32768, 65536]
-        per_task = {n: (args.eval_instances or (2 if smoke else 32)) for n in lengths}
-        retrieval = evaluate_retrieval(model, corpus.heldout, lengths, per_task, args.seed + 9, amp, device,
-                                       styles=("vkey",) + tuple(s for s in styles if s != "vkey"))
+        if families:
+            retrieval = evaluate_families(model, corpus.heldout, lengths, args.eval_instances or (1 if smoke else 8),
+                                          args.seed + 9, amp, device)
+        else:
+            per_task = {n: (args.eval_instances or (2 if smoke else 32)) for n in lengths}
+            retrieval = evaluate_retrieval(model, corpus.heldout, lengths, per_task, args.seed + 9, amp, device,
+                                           styles=("vkey",) + tuple(s for s in styles if s != "vkey"))
 
     out_dir = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -924,7 +991,8 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
         "extra_lookups_per_64k": args.extra_lookups if args.retrieval else None,
         "extra_list_share": args.extra_list_share if args.retrieval else None,
         "extra_near_miss_share": args.extra_near_miss_share if args.retrieval else None,
-        "styles": list(styles) if args.retrieval else None,
+        "styles": list(styles) if args.retrieval and not families else None,
+        "families": families,
         "eval_windows": eval_windows,
         "manifest": corpus.manifest,
     }
