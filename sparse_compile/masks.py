@@ -682,11 +682,12 @@ def _space(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set) -> _
             shape_env = x.node.shape_env
     for node in nodes:
         value = _example(node)
-        if isinstance(value, torch.SymInt):
-            all_symbols |= _symbols(value)
-        elif isinstance(value, torch.Tensor):
-            for d in value.shape:
-                all_symbols |= _symbols(d)
+        sizes = [value] if isinstance(value, torch.SymInt) else list(value.shape) if isinstance(value, torch.Tensor) else []
+        for d in sizes:
+            all_symbols |= _symbols(d)
+            if shape_env is None and isinstance(d, torch.SymInt):
+                # static q/k with a dynamic size elsewhere in the slice (a dynamic batch): its values live there
+                shape_env = d.node.shape_env
     length_symbols = _symbols(nq) | _symbols(nk) | set(tied_to_keys)
     base: dict = {}
     for s in all_symbols - length_symbols:
