@@ -755,8 +755,8 @@ def _check_other_sizes(ordered: list, others: set) -> None:
         used = [a for a in node.all_input_nodes if a in indexes]
         if not used:
             continue
-        if name in ("getitem", "__getitem__") and node.args and node.args[0] not in used:
-            continue  # rows selected by it
+        if name in ("getitem", "__getitem__", "index") and node.args and node.args[0] not in used:
+            continue  # rows selected by it (aten.index: the vmapped indexing of transformers 4.53-4.57)
         if name in _NO_COMPARISON or name in ("getitem", "__getitem__"):
             indexes.add(node)  # a view of it, or vmap's batching of it
             continue
