@@ -65,8 +65,9 @@ class sequence_parallel:
 
     Every attention must be rewritten: a graph compiled by ``sparse_prefill`` that left a site as plain SDPA
     (``skip_layers``, an unproven mask, a decode step; see ``explain``) raises inside the block, on every rank,
-    since that site would attend within the chunk alone. Ranks must run the same graphs: same model, same
-    compile settings.
+    since that site would attend within the chunk alone. So does a site whose ``attn_mask`` is a graph input
+    checked at run time (``runtime_mask.py``): each rank's mask covers its own chunk only. Ranks must run the same
+    graphs (same model, same compile settings), so every rank raises the same error before any collective.
     """
 
     def __init__(self, group=None) -> None:
