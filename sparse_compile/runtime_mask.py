@@ -50,8 +50,12 @@ def check_runtime_mask(mask: Tensor, batch: int, heads: int, num_queries: int, n
     problem = _shape_problem(mask, batch, heads, num_queries, num_keys)
     if problem is not None:
         return MaskVerdict(False, NOT_CAUSAL + problem)
-    tag = ("runtime_mask", batch, heads, num_queries, num_keys)
-    return _cached(mask, tag, lambda: _check(mask, batch, num_queries, num_keys))
+    # layers often receive their own view of one mask tensor (transformers slices it to kv_len per layer): the
+    # verdict is kept on the viewed tensor, for this view's geometry (a view shares its base's version counter)
+    anchor = mask._base if mask._base is not None else mask
+    tag = ("runtime_mask", batch, heads, num_queries, num_keys, mask.dtype, mask.storage_offset(),
+           tuple(mask.shape), tuple(mask.stride()))
+    return _cached(anchor, tag, lambda: _check(mask, batch, num_queries, num_keys))
 
 
 def _shape_problem(mask: Tensor, batch: int, heads: int, num_queries: int, num_keys: int) -> Optional[str]:

@@ -159,3 +159,20 @@ def test_batch_change_then_generate_prefill_sparse():
     assert set(sparse_calls().values()) == {3}, reasons()
     plain = [why for s in sparse_compile.runtime_stats().values() for why in s.plain_sdpa]
     assert all("decode step" in why for why in plain), plain
+
+
+def test_run_time_mask_refused_inside_sequence_parallel():
+    """Each rank's mask covers its chunk only: the op refuses before any collective (every rank runs the same
+    graph, so every rank raises). The block's group is set directly: nothing distributed runs."""
+    from sparse_compile.parallel import _SEQUENCE_GROUP
+
+    q, k, v = _qkv(n=16)
+    mask = torch.ones(2, 1, 16, 16, dtype=torch.bool).tril()
+    config = sparse_compile.ops.config_to_json(KEEP_ALL)
+    token = _SEQUENCE_GROUP.set(object())
+    try:
+        with pytest.raises(RuntimeError, match="graph input.*sequence_parallel"):
+            torch.ops.sparse_compile.causal_attention(q, k, v, None, False, "s", config, None, None, True, False,
+                                                      True, mask)
+    finally:
+        _SEQUENCE_GROUP.reset(token)
