@@ -12,8 +12,9 @@ tensor), against the one form the sparse path computes::
 ``key_valid`` is read from the last query row, which sees every key any row sees; the offset is where that row's
 last visible key puts the queries (keys past it, a static cache's empty slots, are masked for every row and
 dropped), or the queries at the last keys. The comparison runs in chunks of query rows (no temporary larger than
-``CHECK_ELEMENTS``), every head compared. Rows that see no key under that form are not compared: every
-implementation leaves them undefined (the op returns zeros there, as for proven masks). Anything else (a sliding
+``CHECK_ELEMENTS``), every head compared. A row that sees no key under that form (a padded query) must see no
+key or every key (implementations that unmask such rows); its output is undefined in every implementation, and
+the op returns zeros there, as for proven masks. Anything else (a sliding
 window, packed documents, other values) runs dense SDPA with the mask, exactly as the original call, and says why.
 """
 
@@ -100,11 +101,13 @@ def _check(mask: Tensor, batch: int, num_queries: int, num_keys: int) -> MaskVer
         if finfo_limit is not None:
             bad_values |= ~((chunk == 0) | (chunk <= finfo_limit)).all()
         allowed = _allowed(chunk)
+        # a row that sees no key under the form must see none or all (implementations that unmask such rows)
+        partial = allowed.any(-1, keepdim=True) & ~allowed.all(-1, keepdim=True)
         for c in range(2):
             reach = rows + offsets[c]  # (rows,): the last key each query may see
             expected = last[:, None, None, :] & (keys <= reach[:, None])[None, None]
             compared = (first_seen[:, None] <= reach[None, :])[:, None, :, None]  # rows that see some key
-            mismatch[c] |= ((allowed != expected) & compared).any()
+            mismatch[c] |= ((allowed != expected) & compared).any() | (partial & ~compared).any()
     summary = torch.cat([offsets, mismatch.to(offsets.dtype), bad_values.to(offsets.dtype)[None],
                          seen.any().to(offsets.dtype)[None]]).tolist()  # the one device-to-host read
     offset_by_last, offset_last_keys, miss_by_last, miss_last_keys, bad, any_seen = summary

@@ -176,3 +176,21 @@ def test_run_time_mask_refused_inside_sequence_parallel():
                                                       True, mask)
     finally:
         _SEQUENCE_GROUP.reset(token)
+
+
+def test_rows_the_form_leaves_empty_must_see_nothing_or_everything():
+    """A padded query row is undefined (zeros here); a row that sees some keys but not all is a real row: dense."""
+    q, k, v = _qkv(n=16)
+    config = sparse_compile.ops.config_to_json(KEEP_ALL)
+    mask = torch.ones(16, 16, dtype=torch.bool).tril()[None, None].repeat(2, 1, 1, 1)
+    mask[0, :, :, :4] = False  # left padding: rows 0-3 of batch 0 see nothing
+    for row, path in ((torch.ones(16, dtype=torch.bool), "sparse"), (torch.arange(16) == 9, "dense")):
+        mask[0, 0, 2] = row
+        sparse_compile.reset_runtime_stats()
+        with torch.no_grad():
+            out = torch.ops.sparse_compile.causal_attention(q, k, v, None, False, "s", config, None, None, True,
+                                                            False, True, mask)
+        (stats,) = sparse_compile.runtime_stats().values()
+        assert stats.last_path == path, stats.last_reason
+        if path == "dense":
+            torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), equal_nan=True)
