@@ -221,9 +221,9 @@ def _counting_plain_sdpa(compiled: Callable, left_as_sdpa: list[SiteRecord]) -> 
 # What the user can do about a site kept as plain SDPA, by the rewrite rule it failed (``rules.REWRITE_RULES``).
 _REMEDIES = {
     "causal": "for causal attention pass is_causal=True, or build the causal mask inside the compiled function",
-    "mask_proven": "build the mask inside the compiled function from the inputs' sizes (a mask that arrives as a "
-                   "graph input, passed in or built before a graph break, cannot be proven causal), or pass "
-                   "is_causal=True without a mask",
+    "mask_proven": "build the mask inside the compiled function from the inputs' sizes, or pass it in as a 4-D "
+                   "bool or float tensor (a graph input is checked at run time), or pass is_causal=True without a "
+                   "mask",
     "no_dropout": "call model.eval() (attention dropout must be off)",
     "inference": "run under torch.no_grad() or torch.inference_mode()",
     "dtype": "run attention in float16, bfloat16 or float32",

@@ -29,9 +29,11 @@ def dense_attention(
     is_causal: bool = True,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
+    attn_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Exactly the ``scaled_dot_product_attention`` call the rewrite replaced (top-left causal alignment)."""
-    return _sdpa(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    """Exactly the ``scaled_dot_product_attention`` call the rewrite replaced (top-left causal alignment, or the
+    call's own mask)."""
+    return _sdpa(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, attn_mask=attn_mask)
 
 
 def dense_causal_attention(

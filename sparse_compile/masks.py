@@ -682,11 +682,12 @@ def _space(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set) -> _
             shape_env = x.node.shape_env
     for node in nodes:
         value = _example(node)
-        if isinstance(value, torch.SymInt):
-            all_symbols |= _symbols(value)
-        elif isinstance(value, torch.Tensor):
-            for d in value.shape:
-                all_symbols |= _symbols(d)
+        sizes = [value] if isinstance(value, torch.SymInt) else list(value.shape) if isinstance(value, torch.Tensor) else []
+        for d in sizes:
+            all_symbols |= _symbols(d)
+            if shape_env is None and isinstance(d, torch.SymInt):
+                # static q/k with a dynamic size elsewhere in the slice (a dynamic batch): its values live there
+                shape_env = d.node.shape_env
     length_symbols = _symbols(nq) | _symbols(nk) | set(tied_to_keys)
     base: dict = {}
     for s in all_symbols - length_symbols:
@@ -754,8 +755,8 @@ def _check_other_sizes(ordered: list, others: set) -> None:
         used = [a for a in node.all_input_nodes if a in indexes]
         if not used:
             continue
-        if name in ("getitem", "__getitem__") and node.args and node.args[0] not in used:
-            continue  # rows selected by it
+        if name in ("getitem", "__getitem__", "index") and node.args and node.args[0] not in used:
+            continue  # rows selected by it (aten.index: the vmapped indexing of transformers 4.53-4.57)
         if name in _NO_COMPARISON or name in ("getitem", "__getitem__"):
             indexes.add(node)  # a view of it, or vmap's batching of it
             continue

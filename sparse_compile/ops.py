@@ -29,6 +29,7 @@ from .dense import dense_attention, dense_causal_attention
 from .breakeven import HISTORY, break_even_density, has_table, lowest_density, plan_shape
 from .padding import PaddingLayout, check_query_positions, padding_layout
 from .plan import causal_tile_count, execute_plan
+from .runtime_mask import check_runtime_mask
 from .registry import method_spec
 from .rules import RUNTIME_RULES, SUPPORTED_DTYPES, CallInfo, first_failure, validate_qkv
 from .parallel import active_sequence_group, is_dtensor, register_dtensor_sharding, run_sequence_parallel
@@ -241,15 +242,15 @@ def run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseC
 
 
 def dispatch(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
-             dense: Callable[[], Tensor], *, chunked_allowed: bool = False) -> Tensor:
-    """Decide, run the method or ``dense()``, and record what happened at ``site``."""
+             dense: Callable[[], Tensor], *, chunked_allowed: bool = False, note: str = "") -> Tensor:
+    """Decide, run the method or ``dense()``, and record what happened at ``site`` (``note`` appended)."""
     out, path, reason, density = run(q, k, v, scale, config, site, dense, chunked_allowed=chunked_allowed)
-    report.record_call(site, path, reason, tuple(q.shape), density)
+    report.record_call(site, path, reason + note, tuple(q.shape), density)
     return out
 
 
 def padded_dispatch(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
-                    layout: PaddingLayout) -> Tensor:
+                    layout: PaddingLayout, note: str = "") -> Tensor:
     """Causal attention with key padding, queries at the last positions: each group of rows with the same valid
     keys runs as an ordinary causal prefill over those keys (``padding.py``); padded query rows give zeros."""
     offset = k.shape[-2] - q.shape[-2]  # absolute position of query row 0
@@ -282,7 +283,8 @@ def padded_dispatch(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], con
             densities.append(density)
     path = SPARSE if SPARSE in paths else DENSE
     distinct = sorted(set(reasons))
-    reason = f"{distinct[0] if len(distinct) == 1 else ' | '.join(distinct)} (padded batch: {layout.describe()})"
+    reason = (f"{distinct[0] if len(distinct) == 1 else ' | '.join(distinct)} (padded batch: {layout.describe()})"
+              f"{note}")
     density = [sum(col) / len(col) for col in zip(*densities)] if densities else None
     report.record_call(site, path, reason, tuple(q.shape), density)
     return out
@@ -297,7 +299,7 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 def causal_attention(
     q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], enable_gqa: bool, site: str, config: str,
     key_padding: Optional[Tensor] = None, query_positions: Optional[Tensor] = None, from_mask: bool = False,
-    binary_padding: bool = False, heads_inner: bool = True,
+    binary_padding: bool = False, heads_inner: bool = True, runtime_mask: Optional[Tensor] = None,
 ) -> Tensor:
     """Drop-in for the attention call the rewrite replaced.
 
@@ -307,10 +309,12 @@ def causal_attention(
     ``query_positions`` is the ``cache_position`` input the mask read, held to ``arange(kv_len - q_len, kv_len)``.
     ``binary_padding``: the mask was proven for 0/1 padding values only; other values are an error.
     ``heads_inner``: the output's memory layout, the one the replaced call returned (see ``output_layout``).
+    ``runtime_mask``: the call's ``attn_mask``, a graph input the rewrite could not prove: checked here, per forward
+    pass (``runtime_mask.py``); causal AND key padding runs as a proven mask, anything else as the original call.
     """
     # an empty call, or (is_causal, top-left) more queries than keys: valid SDPA calls, run dense (RUNTIME_RULES)
     validate_qkv(q, k, v, who=f"sparse_compile.causal_attention ({site})", empty_ok=True,
-                 longer_queries_ok=not from_mask)
+                 longer_queries_ok=not from_mask or runtime_mask is not None)
     if forward_ad._current_level >= 0:
         # PyTorch's custom ops drop forward-mode tangents silently: refuse rather than return a tangent-less result
         # (the backend runs a graph called under forward AD without this op, and sparse_attention goes dense)
@@ -322,19 +326,28 @@ def causal_attention(
     # sequence parallelism (parallel.sequence_parallel): q/k/v are this rank's chunk of one sequence; the Ulysses
     # all-to-all runs _causal_attention on whole sequences for this rank's share of the heads
     group = active_sequence_group()
+    if group is not None and runtime_mask is not None:
+        # each rank holds its chunk of the mask: it cannot be checked for, or applied to, the whole sequence
+        raise RuntimeError(
+            f"sparse_compile.causal_attention ({site}): this site's attn_mask arrives as a graph input (checked at "
+            "run time), which sequence_parallel does not support: each rank's mask covers its own chunk only. "
+            "Build the mask inside the compiled function, or pass is_causal=True."
+        )
     if group is not None:
         out = run_sequence_parallel(_causal_attention, group, q, k, v, key_padding, query_positions, scale=scale,
                                     enable_gqa=enable_gqa, site=site, config=config, from_mask=from_mask,
                                     binary_padding=binary_padding)
     else:
         out = _causal_attention(q, k, v, scale, enable_gqa, site, config, key_padding, query_positions, from_mask,
-                                binary_padding)
+                                binary_padding, runtime_mask)
     return in_output_layout(out, heads_inner)
 
 
 def _causal_attention(q, k, v, scale, enable_gqa, site, config, key_padding=None, query_positions=None,
-                      from_mask=False, binary_padding=False):
+                      from_mask=False, binary_padding=False, runtime_mask=None):
     config_in_force = resolve(config_from_json(config)).for_site(site)
+    if runtime_mask is not None:
+        return _checked_mask_attention(q, k, v, scale, enable_gqa, site, config_in_force, runtime_mask)
     if not from_mask:
         return dispatch(q, k, v, scale, config_in_force, site,
                         lambda: dense_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa))
@@ -352,6 +365,23 @@ def _causal_attention(q, k, v, scale, enable_gqa, site, config, key_padding=None
     else:
         out = padded_dispatch(q, k, v, scale, config_in_force, site, layout)
     return out
+
+
+def _checked_mask_attention(q, k, v, scale, enable_gqa, site, config: SparseConfig, mask: Tensor) -> Tensor:
+    """The call ``sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)`` with a mask checked here."""
+    verdict = check_runtime_mask(mask, q.shape[0], q.shape[1], q.shape[-2], k.shape[-2])
+    if not verdict.causal:
+        out = dense_attention(q, k, v, is_causal=False, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+        report.record_call(site, DENSE, verdict.reason, tuple(q.shape))
+        return out
+    kept = verdict.num_keys  # keys past the last query's reach are masked for every row: not attended
+    k, v = k[:, :, :kept], v[:, :, :kept]
+    note = f"; {verdict.reason}"
+    layout = padding_layout(verdict.key_valid, kept)
+    if layout.all_valid:
+        return dispatch(q, k, v, scale, config, site, lambda: dense_causal_attention(q, k, v, scale=scale),
+                        chunked_allowed=True, note=note)
+    return padded_dispatch(q, k, v, scale, config, site, layout, note=note)
 
 
 def output_layout(example: Tensor) -> bool:
@@ -394,7 +424,7 @@ def in_output_layout(out: Tensor, heads_inner: bool = True) -> Tensor:
 
 @causal_attention.register_fake
 def _causal_attention_fake(q, k, v, scale, enable_gqa, site, config, key_padding=None, query_positions=None,
-                           from_mask=False, binary_padding=False, heads_inner=True):
+                           from_mask=False, binary_padding=False, heads_inner=True, runtime_mask=None):
     if heads_inner:
         return q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1])).transpose(1, 2)
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[-1]))

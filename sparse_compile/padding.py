@@ -99,7 +99,8 @@ def owned_mask(mask: Tensor) -> Tensor:
     layer of the pass receives): its summary is then read once and kept for the object's lifetime, as inside a
     ``forward_scope``. Returns ``mask``."""
     key = id(mask)
-    _OWNED[key] = (weakref.ref(mask, lambda _, key=key: _OWNED.pop(key, None)), {})
+    # the dict is bound now: at interpreter exit the module global may already be None when the callback runs
+    _OWNED[key] = (weakref.ref(mask, lambda _, key=key, owned=_OWNED: owned.pop(key, None)), {})
     return mask
 
 

@@ -65,8 +65,9 @@ class sequence_parallel:
 
     Every attention must be rewritten: a graph compiled by ``sparse_prefill`` that left a site as plain SDPA
     (``skip_layers``, an unproven mask, a decode step; see ``explain``) raises inside the block, on every rank,
-    since that site would attend within the chunk alone. Ranks must run the same graphs: same model, same
-    compile settings.
+    since that site would attend within the chunk alone. So does a site whose ``attn_mask`` is a graph input
+    checked at run time (``runtime_mask.py``): each rank's mask covers its own chunk only. Ranks must run the same
+    graphs (same model, same compile settings), so every rank raises the same error before any collective.
     """
 
     def __init__(self, group=None) -> None:
@@ -268,7 +269,7 @@ def _head_shards(spec) -> int:
 
 
 def _causal_attention_sharding(q, k, v, scale, enable_gqa, site, config, key_padding=None, query_positions=None,
-                               from_mask=False, binary_padding=False, heads_inner=True):
+                               from_mask=False, binary_padding=False, heads_inner=True, runtime_mask=None):
     """Acceptable (output, inputs) placements per mesh dim; DTensor picks the one that moves the least data."""
     from torch.distributed.tensor import Replicate, Shard
 
@@ -278,9 +279,12 @@ def _causal_attention_sharding(q, k, v, scale, enable_gqa, site, config, key_pad
         _check_whole_groups(q.shape[1], k.shape[1], ways, f"sparse_compile ({site}) on DTensors")
 
     def strategy(qkv, padding):
+        mask = None
+        if runtime_mask is not None:  # (batch or 1, heads or 1, q_len, kv_len): split with q where it has the dim
+            mask = qkv if isinstance(qkv, Shard) and runtime_mask.shape[qkv.dim] > 1 else Replicate()
         inputs = [qkv, qkv, qkv, None, None, None, None,
                   padding if key_padding is not None else None,
-                  Replicate() if query_positions is not None else None, None, None, None]
+                  Replicate() if query_positions is not None else None, None, None, None, mask]
         return [qkv], inputs
 
     # replicated first: DTensor keeps the first of equally cheap strategies, so replicated inputs stay replicated

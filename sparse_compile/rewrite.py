@@ -5,7 +5,9 @@ that fails any rule is left exactly as it was, and its ``SiteRecord`` says why. 
 
 A site is causal either by ``is_causal=True`` or by an ``attn_mask`` built inside the graph that ``masks.py``
 proves to be the causal mask, or the causal mask AND a key-padding mask read from one ``(batch, kv_len)`` input
-(what transformers builds when traced). Such a site gets the padding input instead of the mask, so the whole mask
+(what transformers builds when traced). A mask that arrives as a graph input (built outside the compiled function
+or before a graph break) cannot be proven from the graph: the op receives it and checks its values at run time
+(``runtime_mask.py``), running sparse only where they are causal AND key padding. Such a site gets the padding input instead of the mask, so the whole mask
 subgraph becomes dead and is removed: no N x N mask is allocated. K/V that the model repeated to the query heads
 (``repeat_kv``) are replaced by the originals and attention runs GQA-native.
 """
@@ -73,6 +75,20 @@ class SdpaCall:
         return arg
 
     @property
+    def runtime_mask(self) -> Optional[fx.Node]:
+        """The ``attn_mask`` node when the graph cannot prove it but the op can check it at run time: a 4-D bool
+        or floating mask that is a graph input, or views and dtype conversions of one (a mask built outside the
+        compiled function or before a graph break). None otherwise."""
+        arg = self.args["attn_mask"]
+        if not isinstance(arg, fx.Node) or not isinstance(self.mask, NotProven):
+            return None
+        example = self.value("attn_mask")
+        if not (isinstance(example, torch.Tensor) and example.dim() == 4
+                and (example.dtype == torch.bool or example.dtype.is_floating_point)):
+            return None
+        return arg if _input_derived(arg) else None
+
+    @property
     def q(self):
         return self.value("query")
 
@@ -83,6 +99,21 @@ class SdpaCall:
     @property
     def v(self):
         return self.value("value")
+
+
+def _input_derived(node: fx.Node) -> bool:
+    """Whether ``node`` is a graph input seen through views and dtype conversions only."""
+    from .masks import _VIEW_FUNCTIONS, _VIEW_METHODS
+
+    while True:
+        if node.op == "placeholder":
+            return True
+        if not ((node.op == "call_method" and node.target in _VIEW_METHODS)
+                or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS)):
+            return False
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            return False
+        node = node.args[0]
 
 
 def _analyse_cached(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q, k):
@@ -194,6 +225,7 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
             dropped |= set(repeat_chain)
             record["k_shape"] = _shape(key.meta.get("example_value", key.meta.get("val")))
         padding = positions = None
+        checked = call.runtime_mask if isinstance(mask, NotProven) else None
         if isinstance(mask, MaskMatch):
             padding, positions = mask.key_padding, mask.query_positions
             dropped |= set(mask.nodes)
@@ -202,7 +234,7 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
                 torch.ops.sparse_compile.causal_attention.default,
                 (call.args["query"], key, value, call.args["scale"], gqa, call.site, config_json, padding, positions,
                  mask is not None, isinstance(mask, MaskMatch) and mask.binary_padding,
-                 _heads_inner(call)),
+                 _heads_inner(call), checked),
             )
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
@@ -210,6 +242,9 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
         how = f"rewritten: method {config.method}"
         if isinstance(mask, MaskMatch):
             how += f"; {mask.reason}"
+        elif checked is not None:
+            how += (f"; attn_mask checked at run time (a graph input, not provable from the graph: {mask.reason}): "
+                    "causal AND key padding runs sparse, any other mask dense SDPA with it")
         if gqa and not call.args["enable_gqa"]:
             how += "; repeated K/V undone (GQA native)"
         records.append(SiteRecord(rewritten=True, reason=how, **record))

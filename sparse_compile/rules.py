@@ -146,7 +146,7 @@ def _mask_problem(call) -> Optional[str]:
     from .masks import NotProven  # the analysis runs only for sites that passed every other rule
 
     mask = call.mask
-    if isinstance(mask, NotProven):
+    if isinstance(mask, NotProven) and call.runtime_mask is None:
         return f"explicit attn_mask not proven causal: {mask.reason}"
     return None
 
@@ -173,7 +173,10 @@ REWRITE_RULES: tuple[Rule, ...] = (
     Rule("scale", lambda c: scale_problem(c.args["scale"]) is None, lambda c: scale_problem(c.args["scale"]) or ""),
     Rule("layer_selected", lambda c: excluded(c.site, c.config.skip_layers) is None,
          lambda c: excluded(c.site, c.config.skip_layers) or ""),
-    # last: the only rule that evaluates anything (the mask's slice at small sizes)
+    # last: the only rule that evaluates anything (the mask's slice at small sizes). A mask the graph cannot prove
+    # passes when it is a graph input (a view or dtype conversion of one), 4-D, bool or floating: the op checks
+    # its values at run time (mask checked at run time: causal AND key padding sparse, anything else dense SDPA
+    # with the mask, reason recorded)
     Rule("mask_proven", lambda c: _mask_problem(c) is None, lambda c: _mask_problem(c) or ""),
 )
 

@@ -142,7 +142,7 @@ def test_masks_proven_causal_are_rewritten(kind):
 
 @pytest.mark.parametrize("kind, why", [
     ("prefix_lm", "keeps key"), ("window", "masks key"), ("documents", "masks key"), ("pad_id_5", "keeps key"),
-    ("bias", "a bias, not a mask"), ("input", "by value"),
+    ("bias", "a bias, not a mask"),
 ])
 def test_masks_that_are_not_causal_stay_dense_with_a_reason(kind, why):
     q = torch.randn(2, 2, 33, 16)
@@ -152,6 +152,23 @@ def test_masks_that_are_not_causal_stay_dense_with_a_reason(kind, why):
     assert len(records) == 1 and not records[0].rewritten
     assert "not proven causal" in records[0].reason and why in records[0].reason, records[0].reason
     torch.testing.assert_close(out, MaskedAttention(kind)(q, q, q, ids, custom), equal_nan=True)
+
+
+def test_mask_passed_in_is_checked_at_run_time():
+    """A mask the caller passes in cannot be proven from the graph: the op checks its values. A random one runs
+    dense SDPA with it (exactly the original call), a causal one sparse."""
+    import sparse_compile
+
+    q = torch.randn(2, 2, 33, 16)
+    sparse_compile.reset_runtime_stats()
+    for custom, path in ((torch.rand(2, 1, 33, 33) > 0.3, "dense"), (torch.ones(33, 33).tril().bool()[None, None],
+                                                                      "sparse")):
+        records, out = traced_records(MaskedAttention("input"), q, q, q, None, custom,
+                                      config=SparseConfig(min_seq_len=2))
+        assert len(records) == 1 and records[0].rewritten and "checked at run time" in records[0].reason
+        torch.testing.assert_close(out, MaskedAttention("input")(q, q, q, None, custom), equal_nan=True)
+        (stats,) = sparse_compile.runtime_stats().values()
+        assert stats.last_path == path and "attn_mask checked at run time" in stats.last_reason, stats.last_reason
 
 
 def test_rewritten_site_allocates_no_n_by_n_mask():

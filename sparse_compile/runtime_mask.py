@@ -1,0 +1,146 @@
+"""Masks proven at run time: an ``attn_mask`` that reaches attention as a graph input.
+
+A mask built outside the compiled graph (transformers' static cache builds it outside the compiled forward) or
+before a graph break (dynamic rope scaling, MoE routing on older transformers) arrives as an input: the graph says
+nothing about its values, so ``masks.py`` cannot prove it. The op then checks the values themselves, on their
+device, once per mask tensor and forward pass (``padding._cached``: every layer of the pass receives the same
+tensor), against the one form the sparse path computes::
+
+    allowed[b, h, i, j] == key_valid[b, j] AND j <= i + offset        for one integer offset >= 0
+
+(``allowed``: True for a bool mask; 0 for a float mask, whose other values must be masked, ``<= finfo.min / 2``).
+``key_valid`` is read from the last query row, which sees every key any row sees; the offset is where that row's
+last visible key puts the queries (keys past it, a static cache's empty slots, are masked for every row and
+dropped), or the queries at the last keys. The comparison runs in chunks of query rows (no temporary larger than
+``CHECK_ELEMENTS``), every head compared. A row that sees no key under that form (a padded query) must see no
+key or every key (implementations that unmask such rows); its output is undefined in every implementation, and
+the op returns zeros there, as for proven masks. Anything else (a sliding
+window, packed documents, other values) runs dense SDPA with the mask, exactly as the original call, and says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .padding import _cached
+
+__all__ = ["MaskVerdict", "check_runtime_mask", "CHECK_ELEMENTS", "CHECKED", "NOT_CAUSAL"]
+
+CHECK_ELEMENTS = 1 << 26  # the largest temporary the check allocates (elements)
+CHECKED = "attn_mask checked at run time"
+NOT_CAUSAL = f"{CHECKED}: not causal: "
+
+
+@dataclass(frozen=True)
+class MaskVerdict:
+    """``causal``: the mask is ``key_valid AND j <= i + offset``; keep ``num_keys`` = q_len + offset keys."""
+
+    causal: bool
+    reason: str
+    num_keys: int = 0
+    key_valid: Optional[Tensor] = None  # (batch, num_keys) bool, when causal
+
+
+def check_runtime_mask(mask: Tensor, batch: int, heads: int, num_queries: int, num_keys: int) -> MaskVerdict:
+    """Whether ``mask`` (what SDPA received as ``attn_mask``) is causal AND key padding for these sizes. One
+    device-to-host read per mask tensor per forward scope."""
+    problem = _shape_problem(mask, batch, heads, num_queries, num_keys)
+    if problem is not None:
+        return MaskVerdict(False, NOT_CAUSAL + problem)
+    # layers often receive their own view of one mask tensor (transformers slices it to kv_len per layer): the
+    # verdict is kept on the viewed tensor, for this view's geometry (a view shares its base's version counter)
+    anchor = mask._base if mask._base is not None else mask
+    tag = ("runtime_mask", batch, heads, num_queries, num_keys, mask.dtype, mask.storage_offset(),
+           tuple(mask.shape), tuple(mask.stride()))
+    return _cached(anchor, tag, lambda: _check(mask, batch, num_queries, num_keys))
+
+
+def _shape_problem(mask: Tensor, batch: int, heads: int, num_queries: int, num_keys: int) -> Optional[str]:
+    if mask.dim() != 4:
+        return f"{mask.dim()}-D mask (expected (batch, 1 or heads, q_len, kv_len))"
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        return f"mask dtype {mask.dtype} (bool or floating expected)"
+    b, h, nq, nk = mask.shape
+    if b not in (1, batch) or h not in (1, heads) or nq != num_queries or nk != num_keys:
+        return (f"mask shape {tuple(mask.shape)} for q_len {num_queries}, kv_len {num_keys} (expected ({batch} or "
+                f"1, {heads} or 1, {num_queries}, {num_keys}))")
+    if num_queries > num_keys:
+        return f"q_len {num_queries} > kv_len {num_keys}"
+    if mask.numel() == 0:
+        return "empty mask"
+    return None
+
+
+def _allowed(mask: Tensor) -> Tensor:
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+def _check(mask: Tensor, batch: int, num_queries: int, num_keys: int) -> MaskVerdict:
+    device = mask.device
+    b, h, nq, nk = mask.shape
+    last = _allowed(mask[:, 0, nq - 1, :])  # (b, nk): the keys the last query sees
+    keys = torch.arange(nk, device=device)
+    seen = last.any(1)
+    last_seen = torch.where(last, keys, -1).amax(1)  # per row; -1 when the row sees nothing
+    first_seen = torch.where(last, keys, nk).amin(1)
+    # candidate offsets: the last visible key puts the last query there (trailing keys masked everywhere: a static
+    # cache's empty slots), or the queries are the last keys (the usual case, and right padding in every row)
+    by_last = (last_seen.amax() - (nq - 1)).clamp(0, nk - nq)
+    offsets = torch.stack([by_last, torch.full_like(by_last, nk - nq)])  # (2,)
+    rows_per_chunk = max(1, CHECK_ELEMENTS // max(1, b * h * nk * 2))
+    mismatch = torch.zeros(2, dtype=torch.bool, device=device)
+    bad_values = torch.zeros((), dtype=torch.bool, device=device)
+    finfo_limit = torch.finfo(mask.dtype).min / 2 if mask.dtype.is_floating_point else None
+    for start in range(0, nq, rows_per_chunk):
+        chunk = mask[:, :, start:start + rows_per_chunk, :]
+        rows = torch.arange(start, start + chunk.shape[2], device=device)
+        if finfo_limit is not None:
+            bad_values |= ~((chunk == 0) | (chunk <= finfo_limit)).all()
+        allowed = _allowed(chunk)
+        # a row that sees no key under the form must see none or all (implementations that unmask such rows)
+        partial = allowed.any(-1, keepdim=True) & ~allowed.all(-1, keepdim=True)
+        for c in range(2):
+            reach = rows + offsets[c]  # (rows,): the last key each query may see
+            expected = last[:, None, None, :] & (keys <= reach[:, None])[None, None]
+            compared = (first_seen[:, None] <= reach[None, :])[:, None, :, None]  # rows that see some key
+            mismatch[c] |= ((allowed != expected) & compared).any() | (partial & ~compared).any()
+    summary = torch.cat([offsets, mismatch.to(offsets.dtype), bad_values.to(offsets.dtype)[None],
+                         seen.any().to(offsets.dtype)[None]]).tolist()  # the one device-to-host read
+    offset_by_last, offset_last_keys, miss_by_last, miss_last_keys, bad, any_seen = summary
+    if bad:
+        return MaskVerdict(False, NOT_CAUSAL + f"float values other than 0 (attend) and <= finfo.min / 2 (masked): "
+                                  "an additive bias, not a mask")
+    if not any_seen:
+        return MaskVerdict(False, NOT_CAUSAL + "the last query row sees no key")
+    for offset, miss in ((offset_by_last, miss_by_last), (offset_last_keys, miss_last_keys)):
+        if not miss:
+            kept = nq + int(offset)
+            valid = last[:, :kept]
+            if valid.shape[0] != batch:
+                valid = valid.expand(batch, kept)
+            return MaskVerdict(True, f"{CHECKED}: causal AND key padding", kept, valid)
+    return MaskVerdict(False, NOT_CAUSAL + _first_difference(mask, int(offset_last_keys)))
+
+
+def _first_difference(mask: Tensor, offset: int) -> str:
+    """Where the mask first differs from causal AND the last row's keys, queries at the last keys (a dense call's
+    diagnosis only)."""
+    b, h, nq, nk = mask.shape
+    keys = torch.arange(nk, device=mask.device)
+    last = _allowed(mask[:, 0, nq - 1, :])[:, None, None, :]
+    rows_per_chunk = max(1, CHECK_ELEMENTS // max(1, b * h * nk * 2))
+    for start in range(0, nq, rows_per_chunk):
+        allowed = _allowed(mask[:, :, start:start + rows_per_chunk, :])
+        rows = torch.arange(start, start + allowed.shape[2], device=mask.device)
+        expected = last & (keys[None, :] <= (rows + offset)[:, None])[None, None]
+        for what, where in (("sees key", allowed & ~expected), ("hides key", expected & ~allowed)):
+            found = where.nonzero()
+            if found.numel():
+                bi, hi, i, j = found[0].tolist()
+                return (f"query row {start + i} (batch {bi}, head {hi}) {what} {j}, unlike causal AND the keys "
+                        "the last query sees (a sliding window, a block or document mask, heads that differ)")
+    return "no single causal offset fits every query row"
