@@ -82,12 +82,20 @@ def test_plain_sdpa_sites_are_listed_counted_and_warned_once_per_graph():
 
 
 def test_decode_steps_and_skipped_layers_are_listed_not_warned():
-    def step(q, k, v, q2):
-        prefill = F.scaled_dot_product_attention(q2, q2, q2, is_causal=True)  # left dense by skip_layers
-        return F.scaled_dot_product_attention(q, k, v), prefill  # one query against the cache: a decode step
+    class Prefill(torch.nn.Module):
+        def forward(self, q):
+            return F.scaled_dot_product_attention(q, q, q, is_causal=True)  # left dense by skip_layers
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.prefill = Prefill()
+
+        def forward(self, q, k, v, q2):
+            return F.scaled_dot_product_attention(q, k, v), self.prefill(q2)  # one query against the cache: decode
 
     q, kv, q2 = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 24, 16), torch.randn(1, 2, 24, 16)
-    compiled = torch.compile(step, backend="sparse_prefill", options={**OPTIONS, "skip_layers": ["prefill"]})
+    compiled = torch.compile(Step(), backend="sparse_prefill", options={**OPTIONS, "skip_layers": ["prefill"]})
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
         compiled(q, kv, kv, q2)
