@@ -27,6 +27,7 @@ from .config import SparseConfig
 from .context import resolve
 from .dense import dense_attention, dense_causal_attention
 from .breakeven import HISTORY, break_even_density, has_table, lowest_density, plan_shape
+from .masks import _example as example_value  # a graph node's traced (fake) value
 from .padding import PaddingLayout, check_query_positions, padding_layout
 from .plan import causal_tile_count, execute_plan
 from .runtime_mask import check_runtime_mask
@@ -457,7 +458,7 @@ def precompile_kernels(gm: torch.fx.GraphModule, config: SparseConfig) -> int:
     prompt's attention. CPU graphs are left alone (the reference path compiles nothing). Returns how many ran."""
     ran = 0
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.sparse_compile.causal_attention.default):
-        q, k, v = (_example(arg) for arg in node.args[:3])
+        q, k, v = (example_value(arg) for arg in node.args[:3])
         if not all(isinstance(t, Tensor) and t.device.type == "cuda" for t in (q, k, v)):
             continue
         dims = (q.shape[1], k.shape[1], q.shape[-1], v.shape[-1])
@@ -496,10 +497,6 @@ def precompile(max_len: int, *, methods=None, head_dim: int = 128, group: int = 
         length *= 2
     torch.cuda.synchronize(device)
     return time.perf_counter() - started
-
-
-def _example(node):
-    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else node
 
 
 # -- eager entry point ----------------------------------------------------------------------------------------
