@@ -14,7 +14,15 @@ whole sequences for ``H/P`` heads between two all-to-alls. Settings, each timed 
 * ``<method>``: a method at its defaults (the break-even dispatch may send its calls to cuDNN);
 * ``<method>@<density>``: the method's density knob calibrated on this length's layer-1 queries and keys
   (rank 0's heads) so that its plan keeps about that share of the causal tiles;
-* ``floor`` (always measured, first): attention doing nothing, the all-to-alls kept: everything but attention.
+* ``floor`` (always measured, first): attention doing nothing, the all-to-alls kept: everything but attention;
+* ``ring`` (several GPUs, ``--parallel sequence``): dense attention through PyTorch's own ring attention
+  (``torch.distributed.tensor.experimental.context_parallel``, load-balanced causal shards) on the same model run
+  eagerly (the context manager intercepts eager SDPA calls, not a compiled graph's): the dense a user of PyTorch's
+  context parallelism gets.
+
+``--parallel tensor`` times tensor parallelism instead: the model parallelised with ``parallelize_module`` (q/k/v and
+gate/up ``ColwiseParallel``, o/down ``RowwiseParallel``: each rank runs ``H/P`` heads of every layer on the whole
+prompt, one all-reduce after each attention and MLP block), compiled as above, no ``sequence_parallel``.
 
 Per setting and length: the first call (compile of the graph reported apart: Dynamo's and Inductor's time from
 ``torch._dynamo.utils.compilation_time_metrics``), ``--reps`` timed calls (TTFT: the slowest rank), sparse
@@ -70,6 +78,9 @@ class Runner:
         torch.manual_seed(0)  # the same weights on every rank
         self.model = build_model(args.smoke, self.device, dtype, num_layers=args.layers)
         self.layers = self.model.config.num_hidden_layers
+        self.tensor_parallel = args.parallel == "tensor" and self.world > 1
+        if self.tensor_parallel:
+            parallelize_heads(self.model, self.mesh())
         if args.smoke:
             self.base = sparse_compile.SparseConfig(min_seq_len=64, pbs={"block_size": 32, "segment_size": 64},
                                                     sampled={"block_size": 32})
@@ -82,14 +93,26 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
+    def mesh(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not hasattr(self, "_mesh"):
+            self._mesh = init_device_mesh(self.device.type, (self.world,))
+        return self._mesh
+
     def prompt(self, n: int):
         generator = torch.Generator().manual_seed(n)
         ids = torch.randint(0, self.model.config.vocab_size, (1, n), generator=generator)
         positions = torch.arange(n)[None]
-        if self.world > 1:
+        if self.world > 1 and not self.tensor_parallel:
             ids = ids.tensor_split(self.world, dim=1)[self.rank]
             positions = positions.tensor_split(self.world, dim=1)[self.rank]
         return ids.contiguous().to(self.device), positions.contiguous().to(self.device)
+
+    def whole_prompt(self, n: int):
+        generator = torch.Generator().manual_seed(n)
+        ids = torch.randint(0, self.model.config.vocab_size, (1, n), generator=generator)
+        return ids.to(self.device), torch.arange(n, device=self.device)[None]
 
     def max_over_ranks(self, value: float) -> list:
         """Every rank's value (a list in rank order)."""
@@ -101,11 +124,22 @@ class Runner:
 
     def call(self, prompt, region: dict):
         ids, positions = prompt
-        parallel = sparse_compile.sequence_parallel() if self.world > 1 else contextlib.nullcontext()
+        sequence = self.world > 1 and not self.tensor_parallel
+        parallel = sparse_compile.sequence_parallel() if sequence else contextlib.nullcontext()
         with torch.no_grad(), parallel, sparse_compile.sparsity(**region):
             return self.compiled(ids, position_ids=positions, logits_to_keep=1)
 
-    def timed(self, prompt, region: dict) -> dict:
+    def ring_call(self, n: int):
+        """Dense attention through PyTorch's context parallelism (ring attention), the eager model, whole prompt
+        given; the context manager shards it (load-balanced for causal attention) and SDPA rings K/V."""
+        from torch.distributed.tensor.experimental import context_parallel
+
+        ids, positions = self.whole_prompt(n)
+        with torch.no_grad(), context_parallel(self.mesh(), buffers=[ids, positions], buffer_seq_dims=[1, 1],
+                                               no_restore_buffers={ids, positions}):
+            return self.model(ids, position_ids=positions, logits_to_keep=1, use_cache=False)
+
+    def timed(self, prompt, region: dict, call=None) -> dict:
         """One call on every rank: wall seconds (slowest rank), sparse calls per rank, compile seconds inside."""
         sparse_compile.reset_runtime_stats()
         compiled_before = _compile_seconds()
@@ -113,7 +147,10 @@ class Runner:
             dist.barrier()
         self.sync()
         started = time.perf_counter()
-        self.call(prompt, region)
+        if call is None:
+            self.call(prompt, region)
+        else:
+            call()
         self.sync()
         seconds = time.perf_counter() - started
         stats = sparse_compile.runtime_stats()
@@ -124,6 +161,20 @@ class Runner:
         return dict(seconds=max(r[0] for r in per_rank), seconds_per_rank=[round(r[0], 3) for r in per_rank],
                     sparse_calls_per_rank=[r[1] for r in per_rank],
                     graph_compile_s=max(r[2] for r in per_rank), dense_reasons=per_rank[0][3])
+
+
+def parallelize_heads(model, mesh) -> None:
+    """Tensor parallelism as commonly planned: q/k/v and gate/up split by output features (heads), o/down by input
+    features; attention sees each rank's local heads as plain tensors."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {}
+    for layer in range(model.config.num_hidden_layers):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"model.layers.{layer}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{layer}.{name}"] = RowwiseParallel()
+    parallelize_module(model, mesh, plan)
 
 
 @contextlib.contextmanager
@@ -221,16 +272,18 @@ def report(store: Path, out: Path) -> str:
         if not line.strip():
             continue
         row = json.loads(line)
-        wide = runs.setdefault((row["date"], row["command"], row["gpus"], row["N"], row["setting"]), {
+        parallel = row.get("parallel") or ("sequence" if row["gpus"] > 1 else "none")
+        wide = runs.setdefault((row["date"], row["command"], row["gpus"], parallel, row["N"], row["setting"]), {
             key: value for key, value in row.items() if key not in ("metric", "value")})
         wide[row["metric"]] = row["value"]
-    latest: dict = {}
-    for wide in runs.values():  # the last measurement of each (gpus, N, setting)
+        wide["parallel"] = parallel
+    latest: dict = {}  # (GPUs, parallelism) -> the last measurement of each (N, setting)
+    for wide in runs.values():
         for key, value in wide.items():
             if isinstance(value, str) and value[:1] == "[":
                 wide[key] = json.loads(value)
-        latest[(wide["gpus"], wide["N"], wide["setting"])] = wide
-    single = {n: r["ttft_s"] for (g, n, s), r in latest.items() if g == 1 and s == "dense"}
+        if "ttft_s" in wide:
+            latest[((wide["gpus"], wide["parallel"]), wide["N"], wide["setting"])] = wide
     lines = ["| GPUs | N | setting | density | TTFT s | vs dense | first call / steady | sparse calls per rank "
              "| peak GiB per GPU | attention spread across ranks | scaling vs 1 GPU |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -246,6 +299,11 @@ def report(store: Path, out: Path) -> str:
                 m, r = timed[-1]
                 attention = r["ttft_s"] - floors[m]
                 dense_at[(gpus, n)] = (floors[n] + attention * (n / m) ** 2, True)
+
+    def label(gpus) -> str:
+        return f"{gpus[0]}" + (" (tensor)" if gpus[1] == "tensor" else "")
+
+    one = (1, "none")
     for (gpus, n, setting), row in sorted(latest.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "dense")):
         if setting == "floor":
             continue
@@ -256,17 +314,17 @@ def report(store: Path, out: Path) -> str:
         peak = max(row.get("peak_gib_per_rank") or [0])
         spread = row.get("attention_spread")
         scaling = "-"
-        if gpus > 1 and (1, n, setting) in latest:
-            scaling = f"{latest[(1, n, setting)]['ttft_s'] / (gpus * row['ttft_s']):.0%}"
+        if gpus != one and (one, n, setting) in latest:
+            scaling = f"{latest[(one, n, setting)]['ttft_s'] / (gpus[0] * row['ttft_s']):.0%}"
         density = row.get("density")
-        lines.append(f"| {gpus} | {_tokens(n)} | {setting} | {density:.3f} |" if density else
-                     f"| {gpus} | {_tokens(n)} | {setting} | - |")
+        lines.append(f"| {label(gpus)} | {_tokens(n)} | {setting} | {density:.3f} |" if density else
+                     f"| {label(gpus)} | {_tokens(n)} | {setting} | - |")
         lines[-1] += (f" {row['ttft_s']:.2f} | {ratio} | {f'{first:.2f}' if first else '-'} | "
                       f"{', '.join(str(c) for c in calls[0]) if calls else '-'} | {peak:.1f} | "
                       f"{f'{spread:.1%}' if spread is not None else '-'} | {scaling} |")
     for (gpus, n), (seconds, fitted) in sorted(dense_at.items()):
         if fitted:
-            lines.append(f"| {gpus} | {_tokens(n)} | dense (fit) | - | {seconds:.1f} | 1.00x | - | - | - | - | - |")
+            lines.append(f"| {label(gpus)} | {_tokens(n)} | dense (fit) | - | {seconds:.1f} | 1.00x | - | - | - | - | - |")
     table = "\n".join(lines)
     (out / "bench_parallel.md").write_text(table + "\n")
     try:
@@ -285,7 +343,8 @@ def report(store: Path, out: Path) -> str:
             points = sorted((n, r["ttft_s"]) for (g, n, s), r in latest.items() if g == gpus and s == setting)
             if len(points) > 1:
                 axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=colors[setting],
-                          linestyle=styles.get(gpus, "-."), label=f"{setting}, {gpus} GPU")
+                          linestyle="-." if gpus[1] == "tensor" else styles.get(gpus[0], "-."),
+                          label=f"{setting}, {label(gpus)} GPU")
     axis.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="time to first token (s)",
              title="Llama-3.1-8B shape, Ulysses over 1 / 2 / 4 H200s")
     axis.minorticks_off()
@@ -299,9 +358,9 @@ def report(store: Path, out: Path) -> str:
 
 def parse_setting(text: str) -> tuple[str, float | None]:
     method, _, density = text.partition("@")
-    if method != "dense" and method not in sparse_compile.registry.registered_methods():
-        raise SystemExit(f"unknown setting {text!r}: dense, a method ({list(sparse_compile.registry.registered_methods())})"
-                         " or method@density")
+    if method not in ("dense", "ring") and method not in sparse_compile.registry.registered_methods():
+        raise SystemExit(f"unknown setting {text!r}: dense, ring, a method "
+                         f"({list(sparse_compile.registry.registered_methods())}) or method@density")
     return method, float(density) if density else None
 
 
@@ -311,6 +370,8 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=["dense", "pbs@0.1", "pbs@0.05", "sampled"])
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's 32)")
+    parser.add_argument("--parallel", choices=("sequence", "tensor"), default="sequence",
+                        help="several GPUs: Ulysses sequence parallelism (default) or tensor parallelism")
     parser.add_argument("--balance", nargs="*", default=[], help="settings whose per-rank attention time is measured")
     parser.add_argument("--dense-max", type=int, default=1 << 30, help="longest length at which dense is timed")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU (gloo under torchrun)")
@@ -323,6 +384,8 @@ def main() -> None:
         print(report(Path(args.out) / "bench_parallel.jsonl", Path(args.out)))
         return
     settings = [parse_setting(s) for s in args.settings]
+    if args.parallel == "tensor" and any(method == "ring" for method, _ in settings):
+        raise SystemExit("the ring setting is sequence parallelism: not with --parallel tensor")
 
     if "WORLD_SIZE" in os.environ:
         cuda = torch.cuda.is_available() and not args.smoke
@@ -332,30 +395,53 @@ def main() -> None:
     if args.smoke:
         args.lengths = [n for n in args.lengths if n <= 512] or [256]
     runner = Runner(args)
-    meta = dict(gpus=runner.world, tag=args.tag, layers=runner.layers)
+    meta = dict(gpus=runner.world, tag=args.tag, layers=runner.layers,
+                parallel=args.parallel if runner.world > 1 else "none")
     out = Path(args.out)
 
     def emit(row: dict) -> None:
         row = dict(meta, **row)
         if runner.rank == 0:
-            append_store("bench_parallel", [row], params=("N", "gpus", "layers"), out_dir=out)
+            append_store("bench_parallel", [row], params=("N", "gpus", "layers", "parallel"), out_dir=out)
             brief = {k: row.get(k) for k in ("N", "setting", "ttft_s", "first_call_s", "graph_compile_s",
                                               "first_call_per_rank", "first_call_op_s_per_rank",
                                               "first_call_kernels_per_rank",
                                               "density", "sparse_calls_per_rank", "peak_gib_per_rank",
-                                              "attention_s_per_rank")}
+                                              "attention_s_per_rank", "error")}
             print(json.dumps(brief, default=str), flush=True)
 
     for n in args.lengths:
         prompt = runner.prompt(n)
         if runner.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        floor, qk = floor_and_capture(runner, prompt)
-        emit(dict(N=n, setting="floor", ttft_s=round(floor["seconds"], 3), seconds_per_rank=floor["seconds_per_rank"],
-                  first_call_s=round(floor["first_seconds"], 3), graph_compile_s=round(floor["graph_compile_s"], 2)))
+        floor, qk = {"seconds": None}, None
+        if any(method != "ring" for method, _ in settings):  # ring alone runs the eager model: no floor to compile
+            floor, qk = floor_and_capture(runner, prompt)
+            emit(dict(N=n, setting="floor", ttft_s=round(floor["seconds"], 3),
+                      seconds_per_rank=floor["seconds_per_rank"], first_call_s=round(floor["first_seconds"], 3),
+                      graph_compile_s=round(floor["graph_compile_s"], 2)))
         for method, density in settings:
             name = method if density is None else f"{method}@{density}"
-            if method == "dense" and n > args.dense_max:
+            if method in ("dense", "ring") and n > args.dense_max:
+                continue
+            if method == "ring":
+                if runner.world == 1:
+                    continue
+                if runner.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                try:
+                    first = runner.timed(None, {}, call=functools.partial(runner.ring_call, n))
+                    steady = min((runner.timed(None, {}, call=functools.partial(runner.ring_call, n))
+                                  for _ in range(args.reps)), key=lambda r: r["seconds"])
+                except Exception as error:  # PyTorch's context parallelism where it does not run: say so
+                    print(f"rank {runner.rank}: ring failed: {type(error).__name__}: {error}", file=sys.stderr)
+                    emit(dict(N=n, setting=name, error=f"{type(error).__name__}: {str(error)[:300]}"))
+                    continue
+                peak = torch.cuda.max_memory_allocated() / 2**30 if runner.device.type == "cuda" else 0.0
+                emit(dict(N=n, setting=name, ttft_s=round(steady["seconds"], 3),
+                          seconds_per_rank=steady["seconds_per_rank"], first_call_s=round(first["seconds"], 3),
+                          sparse_calls_per_rank=[steady["sparse_calls_per_rank"]],
+                          peak_gib_per_rank=runner.max_over_ranks(round(peak, 2)), sm_clock_mhz=sm_clock_mhz()))
                 continue
             region: dict = {"enabled": False} if method == "dense" else {"method": method}
             achieved = None

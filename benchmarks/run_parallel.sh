@@ -4,6 +4,7 @@
 # benchmarks/results/bench_parallel.jsonl, then `python benchmarks/bench_parallel.py --report` (table and plot).
 #   bash benchmarks/run_parallel.sh OUT short   # 1 GPU and 2 GPUs side by side (128K-512K), then 4 GPUs at 256K
 #   bash benchmarks/run_parallel.sh OUT long    # 4 GPUs at 512K and 1M
+#   bash benchmarks/run_parallel.sh OUT tensor  # GPUs 0-1: tensor parallelism, then PyTorch's ring attention (dense)
 set -u
 out=${1:?results folder}
 part=${2:-short}
@@ -35,5 +36,12 @@ long)
     timeout 500 torchrun --nproc-per-node 4 --master-port 29514 $bench --lengths 524288 1048576 \
         --dense-max 524288 --settings $core --balance pbs@0.1 --out "$out/g4" > "$out/g4/log.txt" 2>&1
     ;;
+tensor)
+    mkdir -p "$out/tp" "$out/ring"
+    CUDA_VISIBLE_DEVICES=0,1 timeout 360 torchrun --nproc-per-node 2 --master-port 29516 $bench --parallel tensor \
+        --lengths 131072 262144 --settings dense pbs@0.1 --balance pbs@0.1 --out "$out/tp" > "$out/tp/log.txt" 2>&1
+    CUDA_VISIBLE_DEVICES=0,1 timeout 150 torchrun --nproc-per-node 2 --master-port 29518 $bench \
+        --lengths 131072 262144 --settings ring --out "$out/ring" > "$out/ring/log.txt" 2>&1
+    ;;
 esac
-for f in "$out"/g*/log.txt; do echo "== $f"; grep -E '^\{|Error|error|Traceback' "$f" | tail -30; done
+for f in "$out"/*/log.txt; do echo "== $f"; grep -E '^\{|Error|error|Traceback' "$f" | tail -30; done
