@@ -693,6 +693,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds of training steps; the step count is calibrated from measured step times")
     parser.add_argument("--steps", type=int, default=None, help="fixed total step count (overrides --time-budget)")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="stop training after this many seconds whatever the step count (recorded as stopped)")
     parser.add_argument("--phase-steps", type=int, nargs="+", default=None, metavar="N",
                         help="fixed step count of each phase (overrides the calibrated or --steps counts): a "
                              "timed run's recorded counts repeat its schedule; the calibration still runs, so the "
@@ -906,8 +908,15 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     running_n = 0
     t_train = time.time()
     model.train()
+    stopped_at = None
     for phase, n_steps in zip(phases, phase_steps):
+        if stopped_at is not None:
+            break
         for phase_step in range(n_steps):
+            if args.max_seconds is not None and time.time() - t_train > args.max_seconds:
+                stopped_at = step  # a hard wall-clock limit: keep what was trained, say where it stopped
+                print(f"stopped at step {step}/{total_steps}: --max-seconds {args.max_seconds} reached", flush=True)
+                break
             seq, batch = phase.shapes[phase_step % len(phase.shapes)]
             factor = lr_at(step, total_steps, 1.0, min(args.warmup, max(1, total_steps // 10)), 0.1)
             lr = args.lr * factor
@@ -936,6 +945,10 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
     sync()
     train_seconds = time.time() - t_train
 
+    out_dir = args.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out_dir / f"{args.name}.pt"
+    save_checkpoint(model, ckpt_path, {"steps": step})  # the weights first: an evaluation cut short keeps them
     final = {}
     for seq, batch in sorted(dict(shapes).items()):  # one evaluation per context length
         final[str(seq)] = {
@@ -956,9 +969,6 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
             retrieval = evaluate_retrieval(model, corpus.heldout, lengths, per_task, args.seed + 9, amp, device,
                                            styles=("vkey",) + tuple(s for s in styles if s != "vkey"))
 
-    out_dir = args.out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_path = out_dir / f"{args.name}.pt"
     phase_records = [_phase_record(p, n) for p, n in zip(phases, phase_steps)]
     record = {
         "checkpoint": ckpt_path.name,
@@ -980,6 +990,7 @@ def _train(args, device, smoke, phases, max_train_bytes, steps_total, time_budge
             "time_budget_s": None if args.steps is not None or args.phase_steps is not None else time_budget,
             "calibrated_step_seconds": {f"{s}x{b}": t for (s, b), t in step_times.items()},
             "train_seconds": round(train_seconds, 1),
+            "stopped_at_step": stopped_at,
             "total_seconds": None,  # filled below
             "log": log,
         },
