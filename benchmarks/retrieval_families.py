@@ -43,7 +43,7 @@ import retrieval_tasks as rt
 
 __all__ = ["Family", "FAMILIES", "TRAIN_FAMILIES", "HELDOUT_FAMILIES", "SCHEMES", "ALPHABETS", "make_instance",
            "make_batch", "skeleton", "natural_positions", "score_natural", "NATURAL_DISTANCES", "NATURAL_NGRAM",
-           "bucket_name"]
+           "bucket_name", "compose", "training_weights"]
 
 # names and values: separate vocabularies, so that a value never reads like a key
 KEY_WORDS = ("max", "min", "retry", "count", "timeout", "buffer", "cache", "size", "limit", "user", "session",
@@ -82,6 +82,10 @@ class Family:
     queries   query forms, each with exactly one ``{value}`` (the scored bytes) and ending in a newline
     alias     multi-hop: a line naming ``{ref}`` as ``{key}``; the value stays on ``{key}``'s needle
     schemes   naming schemes its keys may use; quotes: the quote characters its ``{q}`` may be
+    composed  the needle and query templates are drawn per instance (``compose``), not fixed: a syntax of random
+              parts, so that what trains is "find the key, skip what separates it, copy the value" rather than
+              one template; ``needle``/``queries`` are then only examples
+    weight    its share of training draws relative to a fixed family (``training_weights``)
     """
 
     name: str
@@ -91,6 +95,8 @@ class Family:
     schemes: tuple[str, ...] = tuple(SCHEMES)
     quotes: tuple[str, ...] = ('"', "'")
     alias: Optional[str] = None
+    composed: bool = False
+    weight: float = 1.0
 
 
 TRAIN_FAMILIES = (
@@ -116,6 +122,8 @@ TRAIN_FAMILIES = (
            ("kebab", "snake")),
     Family("log", "train", "[INFO] {key} initialised with {value}\n", ("grep {key} app.log  # {value}\n",),
            quotes=("",)),
+    Family("composed", "train", "set {key} -> {q}{value}{q}\n", ("check {key} gives {q}{value}{q}\n",),
+           composed=True, weight=11.0),
 )
 HELDOUT_FAMILIES = (
     Family("yaml", "heldout", "  {key}: {value}\n",
@@ -133,6 +141,43 @@ HELDOUT_FAMILIES = (
            ("snake", "dotted", "kebab"), alias="  {ref}: ${{{key}}}\n"),
 )
 FAMILIES = {f.name: f for f in TRAIN_FAMILIES + HELDOUT_FAMILIES}
+
+# the parts ``compose`` draws from. None of them is a held-out family's separator or query word (no ": ", "|",
+# "lookup", "->", "getattr", "INSERT", "resolve", "assertEqual", "def "): the held-out skeletons stay unseen, which
+# tests check on rendered instances.
+_LINE_LEADS = ("", "", "    ", "  ", "- ", "* ", "set ", "let ", "var ", "@", "#define ", "% ", "; ", "val ",
+               "const ", ">> ")
+_KEY_QUOTES = ("", "", '"', "'", "`", "[", "<", "(")
+_CLOSE = {"": "", '"': '"', "'": "'", "`": "`", "[": "]", "<": ">", "(": ")"}
+_SEPARATORS = (" = ", "=", " := ", " => ", ", ", " is ", " to ", " <- ", "\t", " ~ ", " as ", " ", " == ",
+               "::", " <= ", " equals ", " maps to ", " / ", "; ")
+_VALUE_QUOTES = ("", "", '"', "'", "`", "[", "<", "(")
+_LINE_ENDS = ("", "", ";", ",", " .", " //", " #ok", ")")
+_QUERY_LEADS = ("", "check ", "assert ", "# ", "// ", "echo ", "expect ", "print ", "fetch ", "read ", "query ",
+                ">>> ", "-- ", "want ", "get ")
+_QUERY_MIDS = (" == ", " gives ", " returns ", " is ", " = ", " => ", ": got ", " was ", ", ", " yields ", " -> ",
+               " says ")
+
+
+def compose(rng: random.Random) -> tuple[str, tuple[str, ...]]:
+    """A needle template and one query template of random parts: a line lead, the key quoted or not, a
+    separator, the value quoted or not, a line end; the query quotes and separates independently of the needle."""
+    def part(choices):
+        return rng.choice(choices)
+
+    kq, vq = part(_KEY_QUOTES), part(_VALUE_QUOTES)
+    needle = (f"{part(_LINE_LEADS)}{kq}{{key}}{_CLOSE[kq]}{part(_SEPARATORS)}{vq}{{value}}{_CLOSE[vq]}"
+              f"{part(_LINE_ENDS)}\n")
+    kq2, vq2 = part(_KEY_QUOTES), part(_VALUE_QUOTES)
+    mid = part(tuple(m for m in _QUERY_MIDS if m != " -> "))  # "-> " answers the held-out table's query
+    query = f"{part(_QUERY_LEADS)}{kq2}{{key}}{_CLOSE[kq2]}{mid}{vq2}{{value}}{_CLOSE[vq2]}\n"
+    return needle, (query,)  # the parts hold no braces: the templates format as they are
+
+
+def training_weights(names: Sequence[str]) -> list[float]:
+    """Each named family's share of training draws (``Family.weight``)."""
+    return [FAMILIES[n].weight for n in names]
+
 
 _CLASSES = {"key": r"[A-Za-z0-9_.\-]+", "ref": r"[A-Za-z0-9_.\-]+", "value": r"[A-Za-z0-9\-]+", "q": r"[\"']?",
             "obj": r"[A-Za-z_][A-Za-z0-9_]*", "Obj": r"[A-Za-z_][A-Za-z0-9_]*", "fn": r"[A-Za-z_][A-Za-z0-9_]*"}
@@ -199,6 +244,9 @@ def make_instance(family: str, filler: bytes, length: int, rng: random.Random, q
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; valid: {list(FAMILIES)}")
     fam = FAMILIES[family]
+    if fam.composed:
+        needle, queries_ = compose(rng)
+        fam = dataclasses.replace(fam, needle=needle, queries=queries_)
     scheme, quote = rng.choice(fam.schemes), rng.choice(fam.quotes)
     alphabet, value_len = rng.choice(sorted(ALPHABETS)), rng.choice(VALUE_LENGTHS)
     obj = rng.choice(CONTAINER_WORDS)

@@ -387,7 +387,8 @@ def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: 
         if families and rng.random() < task_share:
             # extra lookups become more queries: the 3 of an evaluation prompt plus extra_lookups per 64K
             queries = 3 + extra_lookups_at(seq_len, extra_lookups, rng)
-            instance = rf.make_instance(rng.choice(families), window, seq_len + 1, rng, queries)
+            family = rng.choices(families, weights=rf.training_weights(families))[0]
+            instance = rf.make_instance(family, window, seq_len + 1, rng, queries)
             rows.append(instance.tokens)
             if weights is not None:
                 for answer in instance.answers:

@@ -46,8 +46,20 @@ def test_no_heldout_skeleton_appears_in_training_samples():
         for name, pattern in skeletons:
             match = pattern.search(text)
             assert match is None, f"training family {fam.name} renders held-out {name}'s skeleton: {match.group()!r}"
-        # each training family is matched by its own skeletons (the check can see a template)
-        assert rf.skeleton(fam.needle).search(text) and all(rf.skeleton(q).search(text) for q in fam.queries)
+        # each fixed training family is matched by its own skeletons (the check can see a template)
+        if not fam.composed:
+            assert rf.skeleton(fam.needle).search(text) and all(rf.skeleton(q).search(text) for q in fam.queries)
+
+
+def test_composed_family_draws_its_syntax_per_instance():
+    rng = random.Random(2)
+    needles = {rf.compose(rng)[0] for _ in range(200)}
+    queries = {rf.compose(rng)[1][0] for _ in range(200)}
+    assert len(needles) > 150 and len(queries) > 150
+    for needle in needles:  # every draw formats as a template: one key, one value, one line
+        text = needle.format(key="k_1", value="v1v1v1v1")
+        assert text.endswith("\n") and text.count("\n") == 1 and "k_1" in text and "v1v1v1v1" in text
+    assert rf.training_weights(["assign", "composed"]) == [1.0, rf.FAMILIES["composed"].weight]
 
 
 @pytest.mark.parametrize("family", list(rf.FAMILIES))
