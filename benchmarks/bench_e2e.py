@@ -4,7 +4,7 @@
     python benchmarks/bench_e2e.py --lengths 65536 131072 --budget-lengths 65536 131072 --budgets-only
     python benchmarks/bench_e2e.py --from-jsonl results/runs/e2e.jsonl   # table + plot from (merged) rows
     python benchmarks/bench_e2e.py --smoke                          # CPU: tiny model, seconds
-    python benchmarks/bench_e2e.py --front-door --lengths 65536 131072 --methods pbs --budgets 0.1 0.3 --skip-defaults
+    python benchmarks/bench_e2e.py --front-door --lengths 65536 --budget-lengths 65536 --budgets 0.1 --methods pbs
 
 A ``transformers`` ``LlamaForCausalLM`` built from a config (random bf16 weights, no download), batch 1, logits of
 the last position only, called as ``model(ids)`` with its default cache. The whole model is compiled once

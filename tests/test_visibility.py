@@ -298,5 +298,6 @@ def test_attention_computed_without_sdpa_is_found_in_aten_graphs():
         heads = make_fx(ClassifierHeads().eval())(x)
     assert any(n.target is torch.ops.aten.bmm.default for n in eager.graph.nodes)  # aten-level: bmm, _softmax
     [record] = find_eager_attention(eager)
-    assert record.rule == SOFTCAP_RULE and not record.rewritten and record.q_shape == (4, 12, 16)  # batch and heads flattened
+    # aten-level: batch and heads flattened for bmm
+    assert record.rule == SOFTCAP_RULE and not record.rewritten and record.q_shape == (4, 12, 16)
     assert find_eager_attention(heads) == []
