@@ -71,14 +71,14 @@ def _value(arg: Any) -> Any:
 def _operands(node: fx.Node) -> list:
     """The two multiplied tensors of a matmul-like node (None where it has not two)."""
     name = _name(node)
-    if name == "baddbmm":
-        args = list(node.args[1:3])
+    if name == "baddbmm":  # input (a bias: Bloom's ALiBi), batch1, batch2; often by keyword
+        args = [*node.args[1:3], *(node.kwargs[k] for k in ("batch1", "batch2") if k in node.kwargs)]
     elif name == "einsum":
         args = list(node.args[1:])
         if len(args) == 1 and isinstance(args[0], (list, tuple)):
             args = list(args[0])
     else:
-        args = list(node.args[:2])
+        args = [*node.args[:2], *(node.kwargs[k] for k in ("other", "mat2") if k in node.kwargs)]
     return args if len(args) == 2 and all(isinstance(a, fx.Node) for a in args) else []
 
 
