@@ -4,6 +4,7 @@
     python benchmarks/bench_e2e.py --lengths 65536 131072 --budget-lengths 65536 131072 --budgets-only
     python benchmarks/bench_e2e.py --from-jsonl results/runs/e2e.jsonl   # table + plot from (merged) rows
     python benchmarks/bench_e2e.py --smoke                          # CPU: tiny model, seconds
+    python benchmarks/bench_e2e.py --front-door --lengths 65536 --budget-lengths 65536 --budgets 0.1 --methods pbs
 
 A ``transformers`` ``LlamaForCausalLM`` built from a config (random bf16 weights, no download), batch 1, logits of
 the last position only, called as ``model(ids)`` with its default cache. The whole model is compiled once
@@ -32,6 +33,11 @@ number of layers), and end-to-end efficiency ``(t_floor + ρ·t_attn) / TTFT`` w
 ``t_attn = TTFT_inductor − t_floor``: the share of the possible gain the system delivers at its density.
 The meta block records each compiled contender's first call (compile included). ``--mask-overhead`` times, at
 the op, one layer's worth of calls per model layer with a tokenizer's all-ones ``attention_mask`` against none.
+``--front-door`` times instead transformers' ``"sparse_prefill"`` attention implementation (no torch.compile:
+``enable_transformers_attention(model, config)``, i.e. ``model.set_attn_implementation("sparse_prefill")``, run
+eagerly) against the compiled model with the same configuration and the same ``sparsity(method=..., ...)`` region
+at each setting, the dense compiled model (``inductor``) and transformers' SDPA (``eager``); rows carry
+``mode: front_door``.
 Writes the run's ``e2e.json``/``.md``/``.jsonl`` and a PNG plot (when matplotlib is present) under ``--out``
 (default ``benchmarks/results/runs/``) and appends its rows to the store ``benchmarks/results/bench_e2e.jsonl``.
 """
@@ -329,6 +335,9 @@ def main() -> None:
                         help="compile each decoder layer (regional compilation) instead of the whole model")
     parser.add_argument("--mask-overhead", action="store_true",
                         help="also time the op with an all-ones attention_mask against none (no model compile)")
+    parser.add_argument("--front-door", action="store_true",
+                        help="transformers' 'sparse_prefill' attention implementation (eager, no torch.compile) "
+                             "against the compiled model, at the same settings")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, for testing the script")
     parser.add_argument("--out", default=None, help="this run's files and its store rows (default: the run's files in "
                         "benchmarks/results/runs, the rows in benchmarks/results/bench_e2e.jsonl)")
@@ -373,6 +382,8 @@ def main() -> None:
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
         torch._dynamo.config.accumulated_recompile_limit = max(
             getattr(torch._dynamo.config, "accumulated_recompile_limit", 0), 8 * limit)
+    if args.front_door:
+        return front_door(model, base, options, args, device, dtype)
     noop = register_noop_attention()
     run = lambda m: (lambda ids: m(ids, logits_to_keep=1))  # noqa: E731
 
@@ -505,6 +516,123 @@ def main() -> None:
         meta["mask_overhead"] = mask_overhead(model, args.lengths, device, dtype, args.smoke)
         print("all-ones attention_mask at the op:", json.dumps(meta["mask_overhead"]))
     summarize(rows, args, meta=meta)
+
+
+def front_door(model, base, options: dict, args, device: str, dtype) -> None:
+    """``--front-door``: per length and setting (each method at its defaults, and at the fixed densities at the
+    budget lengths, calibrated once and given to both), transformers' ``"sparse_prefill"`` attention run eagerly
+    against the compiled model, alternated with the dense compiled model and transformers' SDPA."""
+    num_layers = model.config.num_hidden_layers
+    compiled = torch.compile(model, backend=functools.partial(sparse_compile.sparse_prefill, options=options),
+                             dynamic=True)
+    sparse_compile.enable_transformers_attention(model, base)  # the front door's configuration: the same as compiled
+    model.config._attn_implementation = "sdpa"  # what the compiled model traces; the front door switches per call
+
+    def front(ids):
+        model.config._attn_implementation = "sparse_prefill"
+        try:
+            return model(ids, logits_to_keep=1)
+        finally:
+            model.config._attn_implementation = "sdpa"
+
+    def in_region(fn, **region):
+        def call(ids):
+            with sparse_compile.sparsity(**region):
+                return fn(ids)
+        return call
+
+    def compiled_run(ids):
+        return compiled(ids, logits_to_keep=1)
+
+    rows: list = []
+    first_call: dict = {}
+    partial = (Path(args.out) if args.out else RUNS_DIR) / f"{args.name}.jsonl"
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text("")
+    for n in args.lengths:
+        ids = torch.randint(0, model.config.vocab_size, (1, n), device=device)
+        entries = []  # (row, fn)
+        if "inductor" not in first_call:  # the compile, timed once, outside every measurement
+            sync()
+            started = time.perf_counter()
+            with torch.no_grad():
+                in_region(compiled_run, enabled=False)(ids)
+            sync()
+            first_call["inductor"] = round(time.perf_counter() - started, 1)
+        if not args.skip_eager:
+            entries.append(({"contender": "eager", "path": "eager"}, lambda ids: model(ids, logits_to_keep=1)))
+        entries.append(({"contender": "inductor", "path": "compiled dense"}, in_region(compiled_run, enabled=False)))
+        settings = [(m, None, {}) for m in args.methods if not args.skip_defaults]
+        if n in args.budget_lengths and args.budgets:
+            qk = capture_qkv(model, ids)[:2]
+            settings += [(m, b, calibrate(m, b, [qk], base)[0]) for b in args.budgets for m in args.methods]
+        for method, budget, params in settings:
+            setting = method if budget is None else f"{method}@{budget}"
+            for path, fn in (("front door", front), ("compiled", compiled_run)):
+                row = {"contender": f"{path} {setting}", "path": path, "setting": setting,
+                       "params": ", ".join(f"{k}={v:.4g}" for k, v in params.items())}
+                try:  # one recorded run each (not timed): the density, and every layer's call counted
+                    row["density"], row["sparse_calls"] = recorded_density(fn, ids, method, params)
+                except torch.cuda.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+                    row["ttft_s"] = "OOM"
+                    continue
+                if budget is not None and row["sparse_calls"] != num_layers:
+                    print(f"warning: {row['contender']} at {n}: {row['sparse_calls']} of {num_layers} attention "
+                          "layers ran sparse", file=sys.stderr)
+                entries.append((row, in_region(fn, method=method, **params)))
+        live = [(row, fn) for row, fn in entries if row.get("ttft_s") != "OOM"]
+        times: dict = {id(row): [] for row, _ in entries}
+        clocks: dict = {id(row): [] for row, _ in entries}
+        with torch.no_grad():
+            for row, fn in live:  # warm-up: density recording ran other kernel variants; eager once per process
+                if "setting" in row or (row["path"] == "eager" and n == args.lengths[0]):
+                    fn(ids)
+            for order in alternating_rounds(live, args.reps):
+                for row, fn in order:
+                    sparse_compile.reset_runtime_stats()
+                    sync()
+                    started = time.perf_counter()
+                    fn(ids)
+                    sync()
+                    times[id(row)].append(time.perf_counter() - started)
+                    clocks[id(row)].append(sm_clock_mhz())
+                    if "setting" in row:  # the timed run's own count: the recorded one used other kernel variants
+                        stats = sparse_compile.runtime_stats()
+                        row["dispatch"] = dispatch_summary(stats)
+                        row["timed_sparse_calls"] = sum(c for s in stats.values()
+                                                        for (p, _), c in s.calls.items() if p == "sparse")
+        reference = None
+        for row, _ in entries:
+            row.update(N=n, mode="front_door")
+            if times[id(row)]:
+                t = sorted(times[id(row)])
+                row["ttft_s"] = t[len(t) // 2]
+                row["ttft_ms"] = row["ttft_s"] * 1e3
+                mhz = [c for c in clocks[id(row)] if c]
+                row["sm_clock_mhz"] = round(sum(mhz) / len(mhz)) if mhz else None
+                if row["contender"] == "inductor":
+                    reference = row["ttft_s"]
+        for row, _ in entries:
+            if isinstance(row.get("ttft_s"), float) and reference:
+                row["speedup_vs_inductor"] = reference / row["ttft_s"]
+            rows.append(row)
+            with partial.open("a") as f:  # row by row: a run cut short still leaves its measurements
+                f.write(json.dumps(row) + "\n")
+    # the compiled path against the front door, per setting and length: > 1 where the front door is slower
+    by_key = {(r["N"], r.get("path"), r.get("setting")): r.get("ttft_s") for r in rows}
+    for row in rows:
+        other = by_key.get((row["N"], "compiled", row.get("setting")))
+        if row.get("path") == "front door" and isinstance(other, float) and isinstance(row.get("ttft_s"), float):
+            row["front_door_over_compiled"] = row["ttft_s"] / other
+    meta = {"model": "Llama-3.1-8B shape" if not args.smoke else "tiny", "dtype": str(dtype), "batch": 1,
+            "reps": args.reps, "min_seq_len": base.min_seq_len, "device": device, "mode": "front door",
+            "first_call_s": first_call}
+    columns = ["N", "contender", "ttft_ms", "speedup_vs_inductor", "front_door_over_compiled", "density",
+               "sparse_calls", "timed_sparse_calls", "dispatch", "sm_clock_mhz", "params"]
+    skip_store = args.smoke and not args.out  # a smoke run leaves the repository's store alone
+    print(write_results(args.name, rows, meta=meta, columns=columns, out_dir=args.out,
+                        store=None if skip_store else "bench_e2e", params=("N",)))
 
 
 def mask_overhead(model, lengths, device, dtype, smoke: bool, rounds: int = 5) -> list:

@@ -18,6 +18,7 @@ from torch.autograd import forward_ad
 
 from . import report
 from .config import SparseConfig
+from .eager_attention import EAGER_RULE, SOFTCAP_RULE, find_eager_attention, is_eager
 from .padding import per_forward
 from .report import SiteRecord
 from .rewrite import rewrite_graph
@@ -126,8 +127,8 @@ def sparse_prefill(
     the valid ones, raised at the first call (torch.compile hands the options to the backend only then). Eligible
     causal self-attention calls become ``torch.ops.sparse_compile.causal_attention``; everything else, and the
     rewritten graph, is compiled by Inductor (``compile_fx``) with ``mode``'s Inductor options. Attention sites
-    kept as plain SDPA are listed in ``runtime_stats()`` with the reason, their calls counted, and one warning
-    per graph names them.
+    kept as plain SDPA, and attention the graph computes without SDPA (matmul, softmax, matmul: never rewritten),
+    are listed in ``runtime_stats()`` with the reason, their calls counted, and one warning per graph names them.
     """
     try:
         config = SparseConfig.from_options(options)
@@ -141,6 +142,7 @@ def sparse_prefill(
     before = gm.code if want_diff else ""
     original = _graph_copy(gm)
     records = rewrite_graph(gm, config)
+    records += find_eager_attention(gm)  # attention computed by hand: listed and warned about, never rewritten
     diff = graph_diff(before, gm.code) if want_diff else ""
     _log_records(records, diff)
     for listener in list(_LISTENERS):
@@ -206,7 +208,8 @@ def _shape_of(shape: tuple) -> tuple:
 def _counting_plain_sdpa(compiled: Callable, left_as_sdpa: list[SiteRecord]) -> Callable:
     """Register the sites now, and count each call of the compiled graph as one dense call of each: a plain SDPA
     call has no hook of its own, the graph call is the cheapest place (one lock per call)."""
-    calls = tuple((r.site, r.reason, _shape_of(r.q_shape)) for r in left_as_sdpa)
+    calls = tuple((r.site, r.reason, _shape_of(r.q_shape), _KEPT.get(r.rule, report.PLAIN_SDPA_REASON) + r.reason)
+                  for r in left_as_sdpa)
     for r in left_as_sdpa:
         report.register_plain_sdpa(r.site, r.reason)
 
@@ -218,6 +221,9 @@ def _counting_plain_sdpa(compiled: Callable, left_as_sdpa: list[SiteRecord]) -> 
     return counted
 
 
+# how a call's reason starts where the site is no SDPA call (else report.PLAIN_SDPA_REASON)
+_KEPT = {rule: "left dense at compile time: " for rule in (EAGER_RULE, SOFTCAP_RULE)}
+
 # What the user can do about a site kept as plain SDPA, by the rewrite rule it failed (``rules.REWRITE_RULES``).
 _REMEDIES = {
     "causal": "for causal attention pass is_causal=True, or build the causal mask inside the compiled function",
@@ -228,6 +234,8 @@ _REMEDIES = {
     "inference": "run under torch.no_grad() or torch.inference_mode()",
     "dtype": "run attention in float16, bfloat16 or float32",
     "heads": "pass enable_gqa=True to scaled_dot_product_attention",
+    EAGER_RULE: "compute it with torch.nn.functional.scaled_dot_product_attention; a transformers model: set "
+                "attn_implementation='sdpa' where the model supports it",
 }
 
 _WARNED_LOCK = threading.Lock()
@@ -265,15 +273,16 @@ def _warn_plain_sdpa(gm: fx.GraphModule, records: list[SiteRecord]) -> None:
     """One warning per graph naming its sites that will never run sparse, why, and what to do. Not said: sites the
     user left dense (skip_layers) and decode steps (one query: nothing to gain)."""
     unexpected = [r for r in records if not r.rewritten and r.rule != "layer_selected"
-                  and not (len(r.q_shape) == 4 and isinstance(r.q_shape[-2], int) and r.q_shape[-2] == 1)]
+                  and not (len(r.q_shape) >= 3 and isinstance(r.q_shape[-2], int) and r.q_shape[-2] == 1)]
     if not unexpected:
         return
     lines = []
     for r in unexpected:
         remedy = _REMEDIES.get(r.rule)
         lines.append(f"  {r.site}: {r.reason}" + (f" (to run it sparse: {remedy})" if remedy else ""))
-    message = (f"sparse_compile: {len(unexpected)} of {len(records)} attention sites of this compiled graph stay "
-               f"plain SDPA and will never run sparse:\n" + "\n".join(lines) +
+    how = "stay plain SDPA" if not any(map(is_eager, unexpected)) else "stay dense"
+    message = (f"sparse_compile: {len(unexpected)} of {len(records)} attention sites of this compiled graph {how} "
+               f"and will never run sparse:\n" + "\n".join(lines) +
                "\nruntime_stats() lists them (SiteRuntime.plain_sdpa); sparse_compile.explain(model, *inputs) shows "
                "every site and the graph diff")
     if _first_time(gm, message):

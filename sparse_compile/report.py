@@ -79,12 +79,12 @@ def register_plain_sdpa(site: str, reason: str) -> None:
 
 
 def record_plain_sdpa_calls(calls: tuple) -> None:
-    """One call of a compiled graph that kept sites as plain SDPA: ``calls`` holds ``(site, reason, shape)`` per
-    such site (the compile-time reason and shape, symbolic sizes by name). One lock for the whole graph call."""
+    """One call of a compiled graph that kept sites dense: ``calls`` holds ``(site, reason, shape, said)`` per such
+    site (the compile-time reason and shape, symbolic sizes by name, and the call's reason, e.g. PLAIN_SDPA_REASON
+    + reason). One lock for the whole graph call."""
     with _LOCK:
-        for site, reason, shape in calls:
+        for site, reason, shape, said in calls:
             entry = _RUNTIME.setdefault(site, SiteRuntime())
-            said = PLAIN_SDPA_REASON + reason
             entry.calls[(PLAIN_SDPA, said)] += 1
             entry.last_shape, entry.last_path, entry.last_reason = shape, PLAIN_SDPA, said
             if reason not in entry.plain_sdpa:  # registered before a reset_runtime_stats()
@@ -93,8 +93,9 @@ def record_plain_sdpa_calls(calls: tuple) -> None:
 
 def runtime_stats() -> dict[str, SiteRuntime]:
     """A snapshot of the run-time log: site -> ``SiteRuntime``. Every attention site of every graph compiled by
-    ``sparse_prefill`` is there: a rewritten one from its first call, one the rewrite kept as plain SDPA from
-    compile time on, with the reason in ``plain_sdpa`` and its calls counted on the path ``"dense"``."""
+    ``sparse_prefill`` is there: a rewritten one from its first call, one the rewrite kept as plain SDPA (or
+    attention the graph computes by hand, without SDPA) from compile time on, with the reason in ``plain_sdpa`` and
+    its calls counted on the path ``"dense"``."""
     with _LOCK:
         return {
             site: SiteRuntime(Counter(e.calls), e.last_shape, e.last_path, e.last_reason, e.density_sum,

@@ -154,6 +154,24 @@ def test_e2e_benchmark_smoke_regional_runs_every_layer_sparse(tmp_path):
         assert r["sparse_calls"] == 10, r
 
 
+def test_e2e_benchmark_smoke_front_door_against_compiled(tmp_path):
+    # transformers' "sparse_prefill" attention (no torch.compile) and the compiled model at the same settings, both
+    # counted sparse at every layer, alternated with the dense baselines; rows into the store under --out
+    _run_script(["benchmarks/bench_e2e.py", "--smoke", "--front-door", "--lengths", "256", "--methods", "pbs",
+                 "--budgets", "0.5", "--skip-defaults", "--skip-eager", "--reps", "1", "--out", str(tmp_path)],
+                tmp_path)
+    rows = {r["contender"]: r for r in map(json.loads, (tmp_path / "e2e.jsonl").read_text().splitlines())}
+    assert set(rows) == {"inductor", "front door pbs@0.5", "compiled pbs@0.5"}
+    front, compiled = rows["front door pbs@0.5"], rows["compiled pbs@0.5"]
+    for r in (front, compiled):
+        assert r["sparse_calls"] == r["timed_sparse_calls"] == 2 and r["ttft_s"] > 0, r
+    assert front["params"] == compiled["params"] and front["density"] == pytest.approx(compiled["density"])
+    stored = [json.loads(line) for line in (tmp_path / "bench_e2e.jsonl").read_text().splitlines()]
+    assert {(r["contender"], r["mode"]) for r in stored if r["metric"] == "ttft_s"} == {
+        (c, "front_door") for c in rows}
+    assert any(r["metric"] == "front_door_over_compiled" for r in stored)
+
+
 def test_profile_layer_smoke(tmp_path):
     _run_script(["benchmarks/profile_layer.py", "--smoke", "--methods", "bfla", "--no-profile", "--out",
                  str(tmp_path)], tmp_path)

@@ -190,3 +190,114 @@ def test_unknown_option_is_a_plain_value_error_at_the_first_call():
     assert "TORCHDYNAMO_VERBOSE" not in str(info.value)  # no advice for reporting a PyTorch bug
     with pytest.raises(ValueError, match=r"SparseConfig.min_seq_len: must be an integer in \[2, \d+\], got 0"):
         torch.compile(lambda a: a + 1, backend="sparse_prefill", options={"min_seq_len": 0})(torch.ones(3))
+
+
+# -- attention computed without SDPA (matmul, softmax, matmul): listed and warned about, never rewritten ------------
+class EagerAttention(nn.Module):
+    """Attention as transformers' eager implementation computes it, with optional tanh soft-capping."""
+
+    def __init__(self, softcap=None):
+        super().__init__()
+        self.softcap = softcap
+        self.proj = nn.Linear(32, 96)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.proj(x).view(b, n, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(2, 3)) * 16 ** -0.5
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = F.dropout(probs, p=0.0, training=self.training)
+        return torch.matmul(probs, v).transpose(1, 2).reshape(b, n, 32)
+
+
+class ClassifierHeads(nn.Module):
+    """SDPA attention, then softmax layers that are not attention: x @ W (a weight) -> softmax -> @ E, and a batched
+    product -> softmax whose output no matmul reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = Attention(causal=True)
+        self.w = nn.Parameter(torch.randn(32, 8))
+        self.e = nn.Parameter(torch.randn(8, 32))
+
+    def forward(self, x):
+        h = self.attn(x)
+        mixed = torch.matmul(F.softmax(torch.matmul(h, self.w), dim=-1), self.e)
+        gram = torch.softmax(torch.bmm(h, h.transpose(1, 2)), dim=-1).sum(-1, keepdim=True)
+        return mixed + gram
+
+
+def test_attention_computed_without_sdpa_is_listed_and_warned_once():
+    model, x = EagerAttention().eval(), torch.randn(1, 24, 32)
+    compiled = torch.compile(model, backend="sparse_prefill", options=OPTIONS)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        out = compiled(x)
+        compiled(x)
+    said = ours(caught)
+    assert len(said) == 1, said
+    assert "1 of 1 attention sites" in said[0] and "without scaled_dot_product_attention" in said[0]
+    assert "attn_implementation='sdpa'" in said[0]
+    torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)  # not rewritten
+
+    stats = sparse_compile.runtime_stats()
+    assert list(stats) == ["<softmax>"]
+    entry = stats["<softmax>"]
+    assert len(entry.plain_sdpa) == 1 and "eager attention" in entry.plain_sdpa[0]
+    assert entry.last_path == "dense" and sum(entry.calls.values()) == 2 and entry.last_shape == (1, 2, 24, 16)
+
+    rows = sparse_compile.explain(compiled, x).rows()
+    assert len(rows) == 1 and rows[0]["rewrite"] == "left dense" and "eager attention" in rows[0]["reason"]
+
+
+def test_soft_capped_attention_of_gemma2_is_warned_with_its_reason():
+    import transformers as T
+
+    config = T.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8)
+    model, ids = T.Gemma2ForCausalLM(config).eval(), torch.randint(0, 64, (1, 24))
+    compiled = torch.compile(model, backend="sparse_prefill", options=OPTIONS)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        logits = compiled(ids).logits
+        compiled(ids)
+        expected = model(ids).logits
+    said = ours(caught)
+    assert len(said) == 1, said
+    assert "2 of 2 attention sites" in said[0] and "soft-capping" in said[0]
+    assert "model.layers.0.self_attn" in said[0] and "model.layers.1.self_attn" in said[0]
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+    stats = sparse_compile.runtime_stats()
+    assert set(stats) == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+    assert all("soft-capping" in s.plain_sdpa[0] and sum(s.calls.values()) == 2 for s in stats.values())
+
+
+def test_softmax_layers_that_are_not_attention_are_not_reported():
+    model, x = ClassifierHeads().eval(), torch.randn(1, 24, 32)
+    compiled = torch.compile(model, backend="sparse_prefill", options=OPTIONS)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        compiled(x)
+    assert ours(caught) == []
+    stats = sparse_compile.runtime_stats()
+    assert list(stats) == ["attn"] and stats["attn"].last_path == "sparse"
+
+
+def test_attention_computed_without_sdpa_is_found_in_aten_graphs():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from sparse_compile.eager_attention import SOFTCAP_RULE, find_eager_attention
+
+    x = torch.randn(2, 12, 32)
+    with torch.no_grad():
+        eager = make_fx(EagerAttention(softcap=30.0).eval())(x)
+        heads = make_fx(ClassifierHeads().eval())(x)
+    assert any(n.target is torch.ops.aten.bmm.default for n in eager.graph.nodes)  # aten-level: bmm, _softmax
+    [record] = find_eager_attention(eager)
+    # aten-level: batch and heads flattened for bmm
+    assert record.rule == SOFTCAP_RULE and not record.rewritten and record.q_shape == (4, 12, 16)
+    assert find_eager_attention(heads) == []
