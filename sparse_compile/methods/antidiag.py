@@ -178,8 +178,7 @@ def antidiag_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: 
     # key groups visible to reduced row g: c <= last[g] (all S keys at or before the group's first position)
     last = torch.div(off + torch.arange(num_rows, device=q.device) * rows + 1, stride, rounding_mode="floor") - 1
     step = chunk_count(batch * heads_q * per_q * groups) * per_q  # reduced rows per chunk: whole query blocks
-    neg = torch.finfo(cdt).min
-    zero = torch.zeros((), dtype=cdt, device=q.device)
+    low = torch.finfo(cdt).min
     nan = torch.full((), float("nan"), dtype=cdt, device=q.device)
     out = torch.empty((batch, heads_q, nqb, nkt), dtype=cdt, device=q.device)
     for r0 in range(0, num_rows, step):
@@ -191,19 +190,23 @@ def antidiag_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: 
             continue
         qc = rq[:, :, r0:r1].to(mdt) * (scale * factor)
         z = group_scores(qc, rk[:, :, :seen_groups]).to(cdt)  # (B, Hq, r1-r0, seen_groups)
-        seen = torch.arange(seen_groups, device=q.device)[None, :] <= last[r0:r1, None]
-        bad = (seen & (torch.isnan(z) | (z == float("inf")))).any(-1)
-        weighed = seen & torch.isfinite(z)
-        z = torch.where(weighed, z, neg)
-        p = torch.where(weighed, torch.exp(z - z.amax(-1, keepdim=True)), zero)
-        p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(cdt).tiny)
-        # rows and key groups padded to whole blocks and tiles; sums over each (block, tile) rectangle
-        row_pad, col_pad = (b1 - b0) * per_q - (r1 - r0), -seen_groups % per_k
-        tiles = (seen_groups + col_pad) // per_k
-        p = torch.nn.functional.pad(p, (0, col_pad, 0, row_pad)).view(batch, heads_q, b1 - b0, per_q, tiles, per_k)
-        mass = torch.zeros((batch, heads_q, b1 - b0, nkt), dtype=cdt, device=q.device)
-        mass[..., :tiles] = p.sum((3, 5))
-        block_bad = torch.nn.functional.pad(bad, (0, row_pad)).view(batch, heads_q, b1 - b0, per_q).any(-1)
+        # in place, the fewest passes over the chunk (it is the selection's memory traffic): unseen groups weigh
+        # nothing; a NaN or +inf score a row sees turns its max or its sum NaN (the block's scores become NaN);
+        # the max is clamped so that a row that sees nothing (or only -inf) gets mass 0 rather than NaN
+        z.masked_fill_(torch.arange(seen_groups, device=q.device)[None, :] > last[r0:r1, None], float("-inf"))
+        z.sub_(z.amax(-1, keepdim=True).clamp_(min=low)).exp_()
+        total = z.sum(-1)  # (B, Hq, r1-r0)
+        # sums over each key tile's groups, then over each block's rows, then normalised per row (linear)
+        full, rest = divmod(seen_groups, per_k)
+        per_tile = z[..., :full * per_k].unflatten(-1, (full, per_k)).sum(-1)
+        if rest:
+            per_tile = torch.cat([per_tile, z[..., full * per_k:].sum(-1, keepdim=True)], -1)
+        per_tile = per_tile / total.clamp_min(torch.finfo(cdt).tiny)[..., None]
+        row_pad = (b1 - b0) * per_q - (r1 - r0)
+        mass = torch.nn.functional.pad(per_tile, (0, nkt - per_tile.shape[-1], 0, row_pad))
+        mass = mass.view(batch, heads_q, b1 - b0, per_q, nkt).sum(3)
+        block_bad = torch.nn.functional.pad(torch.isnan(total), (0, row_pad)).view(batch, heads_q, b1 - b0,
+                                                                                  per_q).any(-1)
         out[:, :, b0:b1] = torch.where(block_bad[..., None], nan, torch.log(mass + TINY))
     return out
 
