@@ -11,7 +11,7 @@ formats the model never trained on) and the trained task styles. Per contender: 
 to dense) and the measured plan density; and, from the dense run's (q, k), for every row that predicts a value byte,
 whether the contender's plan of its reading head (the (layer, head) putting the most mass on the needle) lists the
 needle byte that head reads (``rows_listed``; needs no sparse forward, so it is free of the model's cascade).
-Rows: ``results/bench_selectors.jsonl`` (``harness.append_store``).
+Rows: ``results/bench_selectors.jsonl`` (``harness.append_store``, one contender at a time).
 """
 
 from __future__ import annotations
@@ -112,6 +112,13 @@ def main(argv=None) -> None:
     corpus = tsl.build_corpus(1 << 20)
     base = sparse_compile.SparseConfig(min_seq_len=1024, dense_when_faster=False, record_density=True)
     rows = []
+    extra = {"checkpoint": Path(args.checkpoint).name, "per_family": args.per_family, "per_task": args.per_task}
+
+    def done(row):  # each row stored as it comes: a long run stopped early keeps what it measured
+        rows.append(row)
+        print(row, flush=True)
+        append_store("bench_selectors", [row], params=("N",), out_dir=args.out, extra=extra)
+
     for length in args.lengths:
         frng, trng = random.Random(5_555_555 + length), random.Random(7_777_777 + length)
         instances = [i for f in rf.HELDOUT_FAMILIES for i in rf.make_batch([f.name] * args.per_family,
@@ -127,9 +134,10 @@ def main(argv=None) -> None:
             results += [r["exact"] for r in rt.score(logits.float(), inst)]
             dense_layers.append(capture)
         dense_exact = sum(results) / len(results)
-        rows.append({"N": length, "contender": "dense", "exact": dense_exact, "relative": 1.0, "values": len(results),
-                     "seconds": round(time.perf_counter() - started, 1)})
-        print(rows[-1], flush=True)
+        readers = [[x for answer in inst.answers for x in reading_heads(layers, answer)]
+                   for inst, layers in zip(instances, dense_layers)]
+        done({"N": length, "contender": "dense", "exact": dense_exact, "relative": 1.0, "values": len(results),
+              "seconds": round(time.perf_counter() - started, 1)})
         contenders = []
         if "sampled" in args.baselines:
             contenders.append(("sampled", base.with_overrides("sampled", {"budget": args.budget}),
@@ -164,9 +172,8 @@ def main(argv=None) -> None:
                 plans = [build_plan(q, k, None, config) for q, k in dense_layers[n]]
                 if all(p.key_index is None and p.query_index is None for p in plans):
                     heads = dense_layers[n][0][0].shape[1]
-                    for answer in inst.answers:
-                        for row, (layer, head, key) in reading_heads(dense_layers[n], answer):
-                            listed_rows.append(listed(plans[layer], head, heads, row, key))
+                    for row, (layer, head, key) in readers[n]:
+                        listed_rows.append(listed(plans[layer], head, heads, row, key))
             exact = sum(results) / len(results)
             row = {"N": length, "contender": name, "exact": exact, "relative": exact / dense_exact if dense_exact
                    else None, "values": len(results), "density": sum(values) / len(values) if values else None,
@@ -174,12 +181,8 @@ def main(argv=None) -> None:
                    "params": ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in params.items()),
                    "seconds": round(time.perf_counter() - started, 1)}
-            rows.append(row)
-            print(row, flush=True)
+            done(row)
     print(format_table(rows, ["N", "contender", "exact", "relative", "density", "rows_listed", "values", "params"]))
-    append_store("bench_selectors", rows, params=("N",), out_dir=args.out,
-                 extra={"checkpoint": Path(args.checkpoint).name, "per_family": args.per_family,
-                        "per_task": args.per_task})
 
 
 if __name__ == "__main__":

@@ -30,17 +30,25 @@ Per query head (queries are the last Nq of Nk positions):
 5. Keep the forced tiles (diagonal, and the sink tile 0 if ``keep_first_block``) and the block's ceil(budget x
    visible tiles) (at least one) other tiles of highest m_ij, as ``sampled`` does; budget >= 1 keeps every tile.
 
-Cost: the matmul is 2 N^2 D H / S flops before causality, about half with it: 1/S of dense QK^T, no P.V; exp runs on
-(N/R)(N/S) / 2 elements per head, 1/(R S) of dense attention's. At S = 16, R = 2 and 128K that is about 3% of dense
-attention's flops and 3% of its exps (``sampled``: 2/8 of QK^T and 2/8 of the exps). Half-precision inputs are
-scored in their own dtype (tensor cores, float32 accumulation) after folding the scale into q; the softmax and the
-masses run in float32.
+Cost: the matmul is 2 (N/R)(N/S)(R D) H = 2 N^2 D H / S flops before causality and about half with it (each chunk
+of rows scores only the key groups it sees): 1/S of dense QK^T, no P.V, so 1/(2S) of dense attention's flops; exp
+runs on (N/R)(N/S)/2 elements per head, 1/(R S) of dense attention's. At the defaults (S = 8, R = 2) both are 1/16
+(6%) of dense attention's work; ``sampled`` does 2/8 of QK^T and 2/8 of the exps (two passes over every 8th row).
+XAttention's S = R = 16 would be 3% and 0.4%. Half-precision inputs are scored in their own dtype (tensor cores,
+float32 accumulation) after folding the scale into q; the softmax and the masses run in float32. In PyTorch the
+softmax over the reduced table is a few passes of memory traffic over (N/R)(N/S)/2 floats per head; a fused kernel
+(matmul, online softmax, per-tile sums) would remove it.
 
-Measured (``benchmarks/bench_selectors.py``, retrieval model, 8K, 11 prompts, budget 0.1, from the dense run's
-(q, k): the share of value-predicting rows whose reading head's plan lists the needle byte it reads): ``sampled``
-0.99; S = 16: R = 2 0.72, R = 1 0.67, R = 4 0.62, R = 16 (XAttention's square) 0.39-0.46; S = 8, R = 8: 0.65-0.75;
-S = 4, R = 4: 0.90-0.95; S = 32: 0.16-0.37. Summing 16 keys' logits drowns one key on this model, and the copies
-here are shorter than 16 rows; temperature 1 beat 1/S in 5 of 6 pairs.
+Measured (CPU, ``benchmarks/bench_selectors.py``: the retrieval model at 8K, 11 prompts (the seven held-out families,
+the four trained tasks), 18 values, dense 12; budget 0.1, density 0.17): values retrieved relative to dense, and in
+brackets the share of value-predicting rows whose reading head's plan lists the needle byte it reads (from the dense
+run's q, k). ``sampled`` 1.00 (0.99). S = 4: R = 1 1.00 (0.97), R = 2 1.00 (0.95). S = 8: R = 1 0.92 (0.91),
+R = 2 0.92 (0.91). S = 16: R = 1 0.58 (0.67), R = 2 0.75 (0.72); XAttention's square (R = 16, two antidiagonals)
+0.33 (0.39) with temperature 1, 0.25 (0.42) with 1/S. S = 32: 0.17-0.25 (0.31-0.34). PBS's selector without its
+permutation at the same density 0.42 (0.82). Why: summing the logits of S keys drowns a single key on this model once
+S reaches 16, and its copies (a value's bytes) are shorter than 16 rows, so a square's antidiagonal often misses
+them. Temperature 1 (the sum of the logits) beat 1/S (XAttention's mean) in 7 of 10 pairs of the plan-only measure (one tie).
+The defaults (S = 8, R = 2, one antidiagonal, temperature 1) are the cheapest setting that kept >= 90%.
 
 GQA: per query head (each query head scores against its KV head's reduced keys, never repeated).
 
@@ -99,12 +107,12 @@ class AntidiagParams(MethodParams):
     visible tiles) other tiles of highest mass; ``budget=1.0`` keeps every causal block. ``block_size`` is the query
     block and the key tile. ``row_stride == score_stride`` is XAttention's square antidiagonal, ``row_stride=1``
     scores every row. ``temperature_factor`` multiplies the reduced logits (None: 1/``score_stride``);
-    ``antidiagonals=2`` adds the adjacent antidiagonal (slash lines of both parities). The defaults are the best of
-    those measured at ``score_stride=16`` (module docstring); they keep less retrieval than ``sampled``.
+    ``antidiagonals=2`` adds the adjacent antidiagonal (slash lines of both parities). The defaults are the best
+    measured trade (module docstring): half ``sampled``'s matmul, a quarter of its exponentials, less retrieval.
     """
 
     block_size: int = 128
-    score_stride: int = 16
+    score_stride: int = 8
     row_stride: int = 2
     antidiagonals: int = 1
     temperature_factor: Optional[float] = 1.0
