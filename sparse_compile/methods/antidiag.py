@@ -45,10 +45,10 @@ brackets the share of value-predicting rows whose reading head's plan lists the 
 run's q, k). ``sampled`` 1.00 (0.99). S = 4: R = 1 1.00 (0.97), R = 2 1.00 (0.95). S = 8: R = 1 0.92 (0.91),
 R = 2 0.92 (0.91). S = 16: R = 1 0.58 (0.67), R = 2 0.75 (0.72); XAttention's square (R = 16, two antidiagonals)
 0.33 (0.39) with temperature 1, 0.25 (0.42) with 1/S. S = 32: 0.17-0.25 (0.31-0.34). PBS's selector without its
-permutation at the same density 0.42 (0.82), SpargeAttn's 0.25 (0.71). Why: summing the logits of S keys drowns a single key on this model once
-S reaches 16, and its copies (a value's bytes) are shorter than 16 rows, so a square's antidiagonal often misses
-them. Temperature 1 (the sum of the logits) beat 1/S (XAttention's mean) in 7 of 10 pairs of the plan-only measure (one tie).
-The defaults (S = 8, R = 2, one antidiagonal, temperature 1) are the cheapest setting that kept >= 90%.
+permutation at the same density 0.42 (0.82), SpargeAttn's 0.25 (0.71). Why: summing the logits of S keys drowns a
+single key on this model once S reaches 16, and its copies (a value's bytes) are shorter than 16 rows, so a square's
+antidiagonal often misses them. Temperature 1 (the sum of the logits) beat 1/S (XAttention's mean) in 7 of 10 pairs
+of the plan-only measure (one tie). The defaults (S = 8, R = 2, one antidiagonal, temperature 1) are the cheapest setting that kept >= 90%.
 
 GQA: per query head (each query head scores against its KV head's reduced keys, never repeated).
 
