@@ -48,7 +48,8 @@ R = 2 0.92 (0.91). S = 16: R = 1 0.58 (0.67), R = 2 0.75 (0.72); XAttention's sq
 permutation at the same density 0.42 (0.82), SpargeAttn's 0.25 (0.71). Why: summing the logits of S keys drowns a
 single key on this model once S reaches 16, and its copies (a value's bytes) are shorter than 16 rows, so a square's
 antidiagonal often misses them. Temperature 1 (the sum of the logits) beat 1/S (XAttention's mean) in 7 of 10 pairs
-of the plan-only measure (one tie). The defaults (S = 8, R = 2, one antidiagonal, temperature 1) are the cheapest setting that kept >= 90%.
+of the plan-only measure (one tie). The defaults (S = 8, R = 2, one antidiagonal, temperature 1) are the cheapest
+setting that kept >= 90%.
 
 GQA: per query head (each query head scores against its KV head's reduced keys, never repeated).
 
