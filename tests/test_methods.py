@@ -11,6 +11,7 @@ from sparse_compile.methods import Unsupported, build_plan
 from sparse_compile.kernels.host import hash32, segmented_argsort_desc
 from sparse_compile.kernels.validate import expand_heads
 from sparse_compile.methods._common import block_self_similarity, top_mass
+from sparse_compile.methods.antidiag import AntidiagParams
 from sparse_compile.methods.bfla import RANDOM_SALT, bfla_block_scores
 from sparse_compile.methods.pbs import pbs_key_importance, reorder_pbs
 from sparse_compile.methods.s2o import reorder_s2o, s2o_segment_tensors
@@ -34,10 +35,11 @@ SMALL = dict(
     bfla=BFLAParams(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16, local_tiles=1, stride=4),
     s2o=S2OParams(segment_size=64, block_size_q=16, block_size_kv=16),
     sampled=SampledParams(block_size=16, sample_every=4, budget=0.3),
+    antidiag=AntidiagParams(block_size=16, score_stride=4, row_stride=2, budget=0.3),
 )
 PAIRS = sorted(valid_pairs())
 PRESETS = {"pbs": ("pbs", "pbs"), "sparge": ("none", "sparge"), "bfla": ("none", "bfla"), "s2o": ("s2o", "s2o"),
-           "sampled": ("none", "sampled")}
+           "sampled": ("none", "sampled"), "antidiag": ("none", "antidiag")}
 SHAPES = [
     # batch, Hq, Hkv, Nq, Nk, D
     (2, 4, 1, 201, 201, 16),  # GQA 4, ragged
@@ -734,3 +736,118 @@ def test_sampled_budget_keeps_forced_tiles_and_a_fixed_share_of_the_others():
     keep = keep_top_budget(torch.zeros(1, 4), torch.ones(1, 4, dtype=torch.bool), torch.zeros(1, 4, dtype=torch.bool),
                            0.01)
     assert keep.tolist() == [[True, False, False, False]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the antidiagonal selector
+
+
+@pytest.mark.parametrize("stride,rows,antidiagonals", [(4, 4, 1), (4, 4, 2), (8, 2, 1), (8, 1, 1)])
+def test_antidiag_matmul_is_the_explicit_antidiagonal_sums(stride, rows, antidiagonals):
+    """One matmul of the reduced rows and keys sums, for every R x S rectangle of QK^T, the entries on its
+    antidiagonal(s): row t of the rectangle with key j where (t + j) mod R is R-1 (or R-2)."""
+    from sparse_compile.methods.antidiag import reduced_keys, reduced_queries
+
+    q, k, _ = random_qkv(1, 2, 2, 21, 30, 8, dtype=torch.float64)  # ragged at both ends
+    got = reduced_queries(q, rows) @ reduced_keys(k, stride, rows, antidiagonals).transpose(-1, -2)
+    full = q @ k.transpose(-1, -2)
+    want = torch.zeros_like(got)
+    for g in range(got.shape[2]):
+        for c in range(got.shape[3]):
+            for t in range(rows):
+                for j in range(stride):
+                    r, key = g * rows + t, c * stride + j
+                    on = (t + j) % rows == rows - 1 or (antidiagonals == 2 and (t + j) % rows == (rows - 2) % rows)
+                    if on and r < 21 and key < 30:
+                        want[..., g, c] += full[..., r, key]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    if (stride, rows, antidiagonals) == (4, 4, 1):  # XAttention's form: q_{gS+t} . k_{cS+S-1-t}
+        assert got[0, 0, 1, 2] == pytest.approx(sum(float(full[0, 0, 4 + t, 11 - t]) for t in range(4)))
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 2, 75, 75, 8), (1, 2, 1, 40, 90, 16)], ids=["gqa-ragged", "chunked"])
+@pytest.mark.parametrize("rows,factor", [(4, 1.0), (2, None)])
+def test_antidiag_tile_mass_is_the_reduced_rows_softmax(shape, rows, factor, monkeypatch):
+    from sparse_compile.methods.antidiag import TINY, antidiag_tile_logits, slot_mask
+
+    B, Hq, Hkv, Nq, Nk, D = shape
+    q, k, _ = random_qkv(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float64)
+    block, stride = 16, 4
+    monkeypatch.setattr(common, "CHUNK_ELEMENTS", 300)  # several row chunks
+    got = antidiag_tile_logits(q, k, 0.3, block, stride, rows, 1, factor)
+    # brute force: full logits, each R x S rectangle summed along its antidiagonal
+    nr, ng = -(-Nq // rows), -(-Nk // stride)
+    full = q @ k.repeat_interleave(Hq // Hkv, 1).transpose(-1, -2)
+    full = torch.nn.functional.pad(full, (0, ng * stride - Nk, 0, nr * rows - Nq)).view(B, Hq, nr, rows, ng, stride)
+    a = torch.einsum("bhgtcj,tj->bhgc", full, slot_mask(stride, rows, 1, torch.float64))
+    z = a * 0.3 * (1.0 / stride if factor is None else factor)
+    first_position = torch.arange(nr) * rows + (Nk - Nq)
+    last_key = torch.arange(ng) * stride + stride - 1
+    visible = last_key[None, :] <= first_position[:, None]
+    p = torch.softmax(z.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)  # rows that see no group: 0
+    nqb, nkt = -(-Nq // block), -(-Nk // block)
+    p = torch.nn.functional.pad(p, (0, nkt * block // stride - ng, 0, nqb * block // rows - nr))
+    want = p.view(B, Hq, nqb, block // rows, nkt, block // stride).sum((3, 5))
+    torch.testing.assert_close(got, torch.log(want + TINY), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("nq,nk", [(150, 150), (70, 150)], ids=["prefill", "chunked"])
+def test_antidiag_head_dims_keep_all_and_defaults(dim, nq, nk):
+    q, k, v = random_qkv(2, 4, 2, nq, nk, dim)
+    small = {"block_size": 16, "score_stride": 8, "row_stride": 4}
+    keep = build_plan(q, k, None, SparseConfig(method="antidiag", antidiag={**small, "budget": 1.0}))
+    assert rel_error(reference_attention(q, k, v, keep), dense_reference(q, k, v)) < 1e-5
+    plan = build_plan(q, k, None, SparseConfig(method="antidiag", antidiag=small))
+    check_plan(plan, q, k)
+    assert bool(torch.isfinite(reference_attention(q, k, v, plan)).all())
+    assert float(plan_density(plan, nq, nk).mean()) < 0.8
+
+
+def _lookup_prompt(seed, n=512, dim=32, needle=37, reader=16 * 25 + 3):
+    """One query row looks up one far key (a retrieval); every row also leans on a sink (tile 0), as real heads do."""
+    torch.manual_seed(seed)
+    q, k, _ = random_qkv(1, 1, 1, n, n, dim)
+    q[..., 0] += 2.0
+    k[0, 0, :16, 0] += 4.0
+    k[0, 0, needle] = torch.randn(dim) * 2.5
+    q[0, 0, reader] = k[0, 0, needle]
+    return q, k
+
+
+def test_antidiag_keeps_a_planted_lookup_that_mean_pooling_loses():
+    """Rows scored one by one against groups of 8 keys (``row_stride=1``) keep the needle's tile at budget 0.1 on
+    every draw; PBS's mean-pooled selector (without its permutation) at the same density misses it on half."""
+    antidiag = SparseConfig(method="antidiag", antidiag={"block_size": 16, "score_stride": 8, "row_stride": 1,
+                                                         "budget": 0.1})
+    pooled = SparseConfig(method="pbs", reorder="none", pbs={"block_size": 16, "segment_size": 32, "threshold": 0.3})
+    kept = {"antidiag": 0, "pbs": 0}
+    density = {"antidiag": 0.0, "pbs": 0.0}
+    draws = 10
+    for seed in range(draws):
+        q, k = _lookup_prompt(seed)
+        for name, config in (("antidiag", antidiag), ("pbs", pooled)):
+            plan = build_plan(q, k, None, config)
+            row = 16 * 25 + 3
+            listed = plan.tile_offsets[0, 0, row // 16, :int(plan.tile_counts[0, 0, row // 16])] // 16
+            kept[name] += int(37 // 16 in listed.tolist())
+            density[name] += float(plan_density(plan, 512, 512).mean()) / draws
+    assert kept["antidiag"] == draws and kept["pbs"] <= draws - 3, kept
+    assert density["antidiag"] <= density["pbs"] + 0.01, density
+
+
+def test_antidiag_non_finite_inputs_keep_every_tile_of_the_blocks_they_reach():
+    config = SparseConfig(method="antidiag", antidiag={"block_size": 16, "score_stride": 4, "row_stride": 2,
+                                                       "budget": 0.1})
+    q, k, _ = random_qkv(1, 2, 1, 160, 160, 8)
+    visible = causal_plan(1, 1, 160, 160, 16, 16).tile_counts[0, 0]
+    k_nan = k.clone()
+    k_nan[0, 0, 50] = float("nan")  # key group 12 (keys 48-51), tile 3: fully seen from row 52, block 3
+    plan = build_plan(q, k_nan, None, config)
+    assert torch.equal(plan.tile_counts[0, :, 3:], visible[3:].expand(2, -1))
+    assert bool((plan.tile_counts[0, :, :3] == build_plan(q, k, None, config).tile_counts[0, :, :3]).all())
+    q_nan = q.clone()
+    q_nan[0, 1, 100] = float("inf")  # a row of block 6, head 1
+    plan = build_plan(q_nan, k, None, config)
+    assert int(plan.tile_counts[0, 1, 6]) == int(visible[6])
+    assert torch.equal(plan.tile_counts[0, 0], build_plan(q, k, None, config).tile_counts[0, 0])

@@ -1,8 +1,8 @@
 """The sparse methods, one module each, and ``build_plan``: reorder, then select, into one ``BlockPlan``.
 
-Each module (``pbs``, ``sparge``, ``bfla``, ``s2o``, and ``sampled``, our own selector) declares its parameters,
-its stages and ends with one ``register_method(...)`` call (``registry.py``); importing it below is its one line
-here. A method registered from outside the package joins the same way.
+Each module (``pbs``, ``sparge``, ``bfla``, ``s2o``, and our own selectors ``sampled`` and ``antidiag``) declares
+its parameters, its stages and ends with one ``register_method(...)`` call (``registry.py``); importing it below is
+its one line here. A method registered from outside the package joins the same way.
 ``build_plan(q, k, scale, config)`` runs ``config.reorder_stage`` then ``config.select_stage`` and returns the
 plan that ``plan.execute_plan`` runs. Everything here is exact PyTorch, vectorised over batch and heads,
 deterministic and free of host syncs; memory is O(N*D) plus block-level tables.
@@ -33,6 +33,7 @@ from ..registry import NO_REORDER, check_stage_pair, method_spec
 from . import _fast
 from ._common import Reordering, Unsupported
 # the built-in methods, one line each: importing a method's module registers it
+from . import antidiag  # noqa: F401,E402
 from . import bfla  # noqa: F401,E402
 from . import pbs  # noqa: F401,E402
 from . import s2o  # noqa: F401,E402

@@ -1,6 +1,8 @@
-"""Block-table helpers of the select stages: visibility, always-kept tiles, and the plan itself."""
+"""Block-table helpers of the select stages: visibility, always-kept tiles, the fixed-share rule, and the plan."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -8,7 +10,7 @@ from ..kernels.validate import cdiv, expand_heads
 from ..plan import VISIBLE_NONE, VISIBLE_PARTIAL, BlockPlan, block_visibility, plan_from_block_mask
 from ._common import Reordering
 
-__all__ = ["visibility", "diagonal_tiles", "first_key_tile", "finish_plan"]
+__all__ = ["visibility", "diagonal_tiles", "first_key_tile", "finish_plan", "keep_top_budget", "finish_budget_plan"]
 
 
 def visibility(num_queries: int, num_keys: int, block_m: int, block_n: int, reordering: Reordering, batch: int,
@@ -65,3 +67,36 @@ def finish_plan(keep: torch.Tensor, vis: torch.Tensor, block_m: int, block_n: in
     """The BlockPlan of a keep mask: invisible tiles dropped, partial ones first (masked), ascending order."""
     return plan_from_block_mask(keep & (vis != VISIBLE_NONE), vis, block_m, block_n, key_index=reordering.key_index,
                                 query_index=reordering.query_index, **options)
+
+
+def keep_top_budget(scores: torch.Tensor, visible: torch.Tensor, forced: torch.Tensor,
+                    budget: float) -> torch.Tensor:
+    """Each row keeps its forced tiles and its ceil(budget x visible) (at least one) highest-scoring other visible
+    tiles (ties: lower index first); NaN scores are kept."""
+    allowed = torch.clamp(torch.ceil(budget * visible.sum(-1, keepdim=True) - 1e-9), min=1)
+    forced = forced & visible
+    unreadable = visible & torch.isnan(scores)
+    ranked = visible & ~forced & ~unreadable
+    key = torch.where(ranked, scores, torch.full((), float("-inf"), dtype=scores.dtype, device=scores.device))
+    order = torch.argsort(key, dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
+                                            .expand_as(order))
+    return ((rank < allowed) & ranked) | unreadable | forced
+
+
+def finish_budget_plan(scores: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, reordering: Reordering,
+                       params) -> BlockPlan:
+    """The plan of a fixed-share selector (``params``: ``block_size``, ``budget``, ``keep_first_block``) from its
+    (B, Hq, nqb, nkt) tile scores: each query block keeps its diagonal tiles, the sink tile (``keep_first_block``)
+    and ``keep_top_budget`` of the others; ``scores`` None keeps every visible tile."""
+    bs = params.block_size
+    batch, heads_q, num_queries, _ = q.shape
+    num_keys = k.shape[2]
+    vis = visibility(num_queries, num_keys, bs, bs, reordering, batch, heads_q, q.device)
+    visible = vis != VISIBLE_NONE
+    if scores is None:
+        return finish_plan(visible, vis, bs, bs, reordering)
+    forced = diagonal_tiles(vis, reordering, num_queries, num_keys, bs, bs)
+    if params.keep_first_block:
+        forced = forced | first_key_tile(reordering, num_keys, bs, batch, heads_q, q.device)
+    return finish_plan(keep_top_budget(scores, visible, forced, params.budget), vis, bs, bs, reordering)

@@ -42,14 +42,14 @@ attention. The kernel needs no per-score test for this: such a score turns its r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import torch
 
 from ..config import MAX_BLOCK, MethodParams, block_field, check_int, fail
-from ..plan import VISIBLE_NONE, BlockPlan
+from ..plan import BlockPlan
 from ..registry import DensityKnob, Method, register_method
-from ._blocks import diagonal_tiles, finish_plan, first_key_tile, visibility
+from ._blocks import finish_budget_plan, keep_top_budget  # noqa: F401 (keep_top_budget: step 5)
 from ._common import Reordering, chunk_count, compute_dtype, group_scores
 
 __all__ = ["SampledParams", "sampled_rows", "sampled_tile_logits", "select_sampled", "select_sampled_fast"]
@@ -149,42 +149,11 @@ def sampled_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: i
     return torch.where(block_bad[..., None], torch.full((), float("nan"), dtype=cdt, device=q.device), out)
 
 
-def keep_top_budget(scores: torch.Tensor, visible: torch.Tensor, forced: torch.Tensor,
-                    budget: float) -> torch.Tensor:
-    """Each row keeps its forced tiles and its ceil(budget x visible) (at least one) highest-scoring other visible
-    tiles (ties: lower index first); NaN scores are kept."""
-    allowed = torch.clamp(torch.ceil(budget * visible.sum(-1, keepdim=True) - 1e-9), min=1)
-    forced = forced & visible
-    unreadable = visible & torch.isnan(scores)
-    ranked = visible & ~forced & ~unreadable
-    key = torch.where(ranked, scores, torch.full((), float("-inf"), dtype=scores.dtype, device=scores.device))
-    order = torch.argsort(key, dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
-                                            .expand_as(order))
-    return ((rank < allowed) & ranked) | unreadable | forced
-
-
-def _finish(scores: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, reordering: Reordering,
-            params) -> BlockPlan:
-    """Steps 4-5: the kept tiles of the scores (None: every visible tile), and the plan."""
-    bs = params.block_size
-    batch, heads_q, num_queries, _ = q.shape
-    num_keys = k.shape[2]
-    vis = visibility(num_queries, num_keys, bs, bs, reordering, batch, heads_q, q.device)
-    visible = vis != VISIBLE_NONE
-    if scores is None:
-        return finish_plan(visible, vis, bs, bs, reordering)
-    forced = diagonal_tiles(vis, reordering, num_queries, num_keys, bs, bs)
-    if params.keep_first_block:
-        forced = forced | first_key_tile(reordering, num_keys, bs, batch, heads_q, q.device)
-    return finish_plan(keep_top_budget(scores, visible, forced, params.budget), vis, bs, bs, reordering)
-
-
 def select_sampled(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
     params = config.params_of(SampledParams)
     keep_all = params.budget >= 1.0
     scores = None if keep_all else sampled_tile_logits(q, k, scale, params.block_size, params.sample_every)
-    return _finish(scores, q, k, reordering, params)
+    return finish_budget_plan(scores, q, k, reordering, params)
 
 
 # -- GPU fast path: the masses from a Triton kernel -------------------------------------------------------------
@@ -200,7 +169,7 @@ def select_sampled_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reorderi
     bs = params.block_size
     keep_all = params.budget >= 1.0
     scores = None if keep_all else sampled_mass_logits(q, k, scale, bs, bs, params.sample_every)
-    return _finish(scores, q, k, reordering, params)
+    return finish_budget_plan(scores, q, k, reordering, params)
 
 
 register_method(Method(

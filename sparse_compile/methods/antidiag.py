@@ -1,0 +1,239 @@
+"""Antidiagonal mass selection (XAttention-style scoring, our fixed share per block): tiles ranked by a softmax over
+key groups, each (row group, key group) rectangle of QK^T scored by the sum of its antidiagonal(s), one matmul.
+
+Why: a retrieval lookup is one query row reading one key, and a copy continues as a slash line (row i+1 reads key
+j+1); other heads read vertical lines (one key for many rows). Mean pooling (PBS, SpargeAttn, S2O) averages the one
+row and the one key 128-fold. An antidiagonal of an S x S square meets every row and every key of the square once,
+so it crosses every vertical line and every slash line at least S long (of one parity; see ``antidiagonals``), and
+a strong entry there adds its whole logit to the square's score. That is XAttention's scoring (Xu et al., 2025);
+the selection is ``sampled``'s fixed share per query block, which kept retrieval where cumulative-mass thresholds
+did not. Generalised here to R x S rectangles (R = ``row_stride`` rows, S = ``score_stride`` keys, R <= S): the
+matmul's cost is set by S alone, while R sets what the score can see: a single entry (a lookup) is on the
+antidiagonal with probability 1/R, a slash line is met once it spans R rows. R = S is XAttention's square, R = 1
+scores every query row against the sum of each group's keys.
+
+Per query head (queries are the last Nq of Nk positions):
+
+1. Reduced row g = rows gR..gR+R-1 concatenated, (Nq/R, R*D); reduced key c = for each slot t < R, the sum of the
+   keys j of group c (keys cS..cS+S-1) with (j + t) mod R = R-1 (``slot_mask``; with ``antidiagonals=2`` also
+   R-2), (Nk/S, R*D). Their dot product a_gc is the sum of the rectangle's antidiagonal entries of QK^T, so scoring
+   is ONE plain matmul with inner dim R*D: 1/S of QK^T's flops, on the tensor cores. Ragged ends are zero-padded.
+   The second antidiagonal: a slash line r - j = d meets (j + t) mod R = R-1 only for one parity of d when R is
+   even; the adjacent antidiagonal meets the others, at no extra matmul (the keys are added before it).
+2. z_gc = a_gc * scale * ``temperature_factor`` (None: 1/S, XAttention's mean of the logits; 1: their sum);
+   key group c is visible to reduced row g when all its keys are visible to the group's first row (the partly
+   visible groups lie in the forced diagonal tiles).
+3. p_gc = softmax over the visible key groups of z_g (float32; chunks of whole query blocks, never the whole table;
+   each chunk scores only the key groups it sees).
+4. m_ij = sum of p_gc over the reduced rows of query block i (B = ``block_size`` rows) and the key groups of key
+   tile j; the score is log(m_ij + TINY).
+5. Keep the forced tiles (diagonal, and the sink tile 0 if ``keep_first_block``) and the block's ceil(budget x
+   visible tiles) (at least one) other tiles of highest m_ij, as ``sampled`` does; budget >= 1 keeps every tile.
+
+Cost: the matmul is 2 (N/R)(N/S)(R D) H = 2 N^2 D H / S flops before causality and about half with it (each chunk
+of rows scores only the key groups it sees): 1/S of dense QK^T, no P.V, so 1/(2S) of dense attention's flops; exp
+runs on (N/R)(N/S)/2 elements per head, 1/(R S) of dense attention's. At the defaults (S = 8, R = 2) both are 1/16
+(6%) of dense attention's work; ``sampled`` does 2/8 of QK^T and 2/8 of the exps (two passes over every 8th row).
+XAttention's S = R = 16 would be 3% and 0.4%. Half-precision inputs are scored in their own dtype (tensor cores,
+float32 accumulation) after folding the scale into q; the softmax and the masses run in float32. In PyTorch the
+softmax over the reduced table is a few passes of memory traffic over (N/R)(N/S)/2 floats per head; a fused kernel
+(matmul, online softmax, per-tile sums) would remove it.
+
+Measured (CPU, ``benchmarks/bench_selectors.py``: the retrieval model at 8K, 11 prompts (the seven held-out families,
+the four trained tasks), 18 values, dense 12; budget 0.1, density 0.17): values retrieved relative to dense, and in
+brackets the share of value-predicting rows whose reading head's plan lists the needle byte it reads (from the dense
+run's q, k). ``sampled`` 1.00 (0.99). S = 4: R = 1 1.00 (0.97), R = 2 1.00 (0.95). S = 8: R = 1 0.92 (0.91),
+R = 2 0.92 (0.91). S = 16: R = 1 0.58 (0.67), R = 2 0.75 (0.72); XAttention's square (R = 16, two antidiagonals)
+0.33 (0.39) with temperature 1, 0.25 (0.42) with 1/S. S = 32: 0.17-0.25 (0.31-0.34). PBS's selector without its
+permutation at the same density 0.42 (0.82), SpargeAttn's 0.25 (0.71). Why: summing the logits of S keys drowns a
+single key on this model once S reaches 16, and its copies (a value's bytes) are shorter than 16 rows, so a square's
+antidiagonal often misses them. Temperature 1 (the sum of the logits) beat 1/S (XAttention's mean) in 7 of 10 pairs
+of the plan-only measure (one tie). The defaults (S = 8, R = 2, one antidiagonal, temperature 1) are the cheapest
+setting that kept >= 90%.
+
+GQA: per query head (each query head scores against its KV head's reduced keys, never repeated).
+
+Non-finite inputs (kept confined as in dense attention): a block whose reduced rows score a visible key group NaN
+or +inf keeps every visible tile (its scores are NaN, and NaN scores are kept). So a NaN key reaches every block
+that sees its group fully (the others see it only in their forced diagonal tiles), and a NaN query row makes its
+block keep everything. A -inf score weighs nothing, as in dense attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+
+from ..config import MAX_BLOCK, MethodParams, block_field, check_finite, check_int, fail
+from ..plan import BlockPlan
+from ..registry import DensityKnob, Method, register_method
+from ._blocks import finish_budget_plan
+from ._common import Reordering, chunk_count, compute_dtype, group_scores
+
+__all__ = ["AntidiagParams", "reduced_queries", "reduced_keys", "slot_mask", "antidiag_tile_logits", "select_antidiag"]
+
+#: added to a tile's mass before the log: a tile with no mass keeps a finite score
+TINY = 1e-30
+
+
+def _stride(owner: str, name: str, value) -> None:
+    check_int(owner, name, value, low=1, high=MAX_BLOCK)
+    if value & (value - 1):
+        fail(owner, name, f"must be a power of two in [1, {MAX_BLOCK}] (and <= block_size), got {value!r}")
+
+
+def _budget(owner: str, name: str, value) -> None:
+    if not 0.0 < value <= 1.0:
+        fail(owner, name, f"must be a number in (0, 1], got {value!r}")
+
+
+def _antidiagonals(owner: str, name: str, value) -> None:
+    if value not in (1, 2) or isinstance(value, bool):
+        fail(owner, name, f"must be 1 or 2, got {value!r}")
+
+
+def _temperature(owner: str, name: str, value) -> None:
+    if value is not None:
+        check_finite(owner, name, value, sign=1)
+
+
+@dataclass(frozen=True)
+class AntidiagParams(MethodParams):
+    """Antidiagonal mass selection: ``row_stride`` x ``score_stride`` rectangles of QK^T scored by their antidiagonal
+    sums (one matmul at 1/``score_stride`` of QK^T's flops), a fixed share of tiles per block.
+
+    Each query block keeps its diagonal tile(s), the sink tile (``keep_first_block``) and its ceil(``budget`` x
+    visible tiles) other tiles of highest mass; ``budget=1.0`` keeps every causal block. ``block_size`` is the query
+    block and the key tile. ``row_stride == score_stride`` is XAttention's square antidiagonal, ``row_stride=1``
+    scores every row. ``temperature_factor`` multiplies the reduced logits (None: 1/``score_stride``);
+    ``antidiagonals=2`` adds the adjacent antidiagonal (slash lines of both parities). The defaults are the best
+    measured trade (module docstring): half ``sampled``'s matmul, a quarter of its exponentials, less retrieval.
+    """
+
+    block_size: int = 128
+    score_stride: int = 8
+    row_stride: int = 2
+    antidiagonals: int = 1
+    temperature_factor: Optional[float] = 1.0
+    budget: float = 0.1
+    keep_first_block: bool = True
+
+    field_checks: ClassVar[dict] = {"block_size": block_field(), "score_stride": _stride, "row_stride": _stride,
+                                    "budget": _budget, "antidiagonals": _antidiagonals,
+                                    "temperature_factor": _temperature}
+
+    def check_fields(self) -> None:
+        if self.score_stride > self.block_size:
+            fail("AntidiagParams", "score_stride",
+                 f"must be a power of two <= block_size={self.block_size}, got {self.score_stride}")
+        if self.row_stride > self.score_stride:
+            fail("AntidiagParams", "row_stride",
+                 f"must be a power of two <= score_stride={self.score_stride}, got {self.row_stride}")
+
+
+def reduced_queries(q: torch.Tensor, rows: int) -> torch.Tensor:
+    """(B, Hq, ceil(Nq/R), R*D): each group of R = ``rows`` query rows concatenated (ragged end zero-padded)."""
+    batch, heads, n, dim = q.shape
+    pad = -n % rows
+    if pad:
+        q = torch.nn.functional.pad(q, (0, 0, 0, pad))
+    return q.reshape(batch, heads, (n + pad) // rows, rows * dim)
+
+
+def slot_mask(stride: int, rows: int, antidiagonals: int, dtype=torch.float32, device=None) -> torch.Tensor:
+    """(R, S) 0/1: key j of a group is summed into slot t (the partner of the group's t-th row) when
+    (j + t) mod R is R-1 (the antidiagonal) or, with ``antidiagonals=2``, R-2 (the adjacent one)."""
+    t = torch.arange(rows, device=device)[:, None]
+    j = torch.arange(stride, device=device)[None, :]
+    hit = (j + t) % rows == rows - 1
+    if antidiagonals == 2 and rows > 1:
+        hit = hit | ((j + t) % rows == (rows - 2) % rows)
+    return hit.to(dtype)
+
+
+def reduced_keys(k: torch.Tensor, stride: int, rows: int, antidiagonals: int) -> torch.Tensor:
+    """(B, Hkv, ceil(Nk/S), R*D): per group of S keys (ragged end zero-padded), slot t holds the sum of the keys
+    ``slot_mask`` gives to the group's t-th query row, so that ``reduced_queries . reduced_keys`` sums the
+    antidiagonal(s) of each R x S rectangle of QK^T."""
+    batch, heads, n, dim = k.shape
+    pad = -n % stride
+    groups = (n + pad) // stride
+    kp = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(batch, heads, groups, stride, dim)
+    if rows == 1:
+        return kp.sum(3)
+    mask = slot_mask(stride, rows, antidiagonals, k.dtype, k.device)
+    return torch.einsum("tj,bhcjd->bhctd", mask, kp).reshape(batch, heads, groups, rows * dim)
+
+
+def antidiag_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: int, stride: int, rows: int,
+                         antidiagonals: int = 2, temperature_factor: Optional[float] = 1.0) -> torch.Tensor:
+    """(B, Hq, nqb, nkt) in the compute dtype: log(mass of each key tile + ``TINY``) per query block (steps 1-4 of
+    the module docstring); NaN in every tile of a block whose reduced rows score a visible key group NaN or +inf.
+    Chunks of whole query blocks; each chunk scores only the key groups its rows see."""
+    batch, heads_q, num_queries, _ = q.shape
+    num_keys = k.shape[2]
+    cdt = compute_dtype(q)
+    factor = 1.0 / stride if temperature_factor is None else float(temperature_factor)
+    # half precision: the matmul on the tensor cores with the scale folded into q (moderate magnitudes), then float32
+    mdt = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else cdt
+    rq = reduced_queries(q, rows)  # (B, Hq, Nq/R, R*D)
+    rk = reduced_keys(k.to(mdt), stride, rows, antidiagonals)  # (B, Hkv, Nk/S, R*D)
+    num_rows, groups = rq.shape[2], rk.shape[2]
+    per_q, per_k = block // rows, block // stride  # reduced rows per query block, key groups per tile
+    nqb, nkt = -(-num_queries // block), -(-num_keys // block)
+    off = num_keys - num_queries
+    # key groups visible to reduced row g: c <= last[g] (all S keys at or before the group's first position)
+    last = torch.div(off + torch.arange(num_rows, device=q.device) * rows + 1, stride, rounding_mode="floor") - 1
+    step = chunk_count(batch * heads_q * per_q * groups) * per_q  # reduced rows per chunk: whole query blocks
+    low = torch.finfo(cdt).min
+    nan = torch.full((), float("nan"), dtype=cdt, device=q.device)
+    out = torch.empty((batch, heads_q, nqb, nkt), dtype=cdt, device=q.device)
+    for r0 in range(0, num_rows, step):
+        r1 = min(r0 + step, num_rows)
+        seen_groups = min(groups, (off + (r1 - 1) * rows + 1) // stride)  # = last[r1 - 1] + 1
+        b0, b1 = r0 // per_q, -(-r1 // per_q)
+        if seen_groups <= 0:
+            out[:, :, b0:b1] = torch.log(torch.full((), TINY, dtype=cdt, device=q.device))
+            continue
+        qc = rq[:, :, r0:r1].to(mdt) * (scale * factor)
+        z = group_scores(qc, rk[:, :, :seen_groups]).to(cdt)  # (B, Hq, r1-r0, seen_groups)
+        # in place, the fewest passes over the chunk (it is the selection's memory traffic): unseen groups weigh
+        # nothing; a NaN or +inf score a row sees turns its max or its sum NaN (the block's scores become NaN);
+        # the max is clamped so that a row that sees nothing (or only -inf) gets mass 0 rather than NaN
+        z.masked_fill_(torch.arange(seen_groups, device=q.device)[None, :] > last[r0:r1, None], float("-inf"))
+        z.sub_(z.amax(-1, keepdim=True).clamp_(min=low)).exp_()
+        total = z.sum(-1)  # (B, Hq, r1-r0)
+        # sums over each key tile's groups, then over each block's rows, then normalised per row (linear)
+        full, rest = divmod(seen_groups, per_k)
+        per_tile = z[..., :full * per_k].unflatten(-1, (full, per_k)).sum(-1)
+        if rest:
+            per_tile = torch.cat([per_tile, z[..., full * per_k:].sum(-1, keepdim=True)], -1)
+        per_tile = per_tile / total.clamp_min(torch.finfo(cdt).tiny)[..., None]
+        row_pad = (b1 - b0) * per_q - (r1 - r0)
+        mass = torch.nn.functional.pad(per_tile, (0, nkt - per_tile.shape[-1], 0, row_pad))
+        mass = mass.view(batch, heads_q, b1 - b0, per_q, nkt).sum(3)
+        block_bad = torch.nn.functional.pad(torch.isnan(total), (0, row_pad)).view(batch, heads_q, b1 - b0,
+                                                                                  per_q).any(-1)
+        out[:, :, b0:b1] = torch.where(block_bad[..., None], nan, torch.log(mass + TINY))
+    return out
+
+
+def select_antidiag(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
+    if reordering.key_index is not None or reordering.query_index is not None:
+        raise ValueError("the antidiag selector takes keys and queries in order (reorder 'none')")
+    params = config.params_of(AntidiagParams)
+    keep_all = params.budget >= 1.0
+    scores = None if keep_all else antidiag_tile_logits(q, k, scale, params.block_size, params.score_stride,
+                                                        params.row_stride, params.antidiagonals,
+                                                        params.temperature_factor)
+    return finish_budget_plan(scores, q, k, reordering, params)
+
+
+register_method(Method(
+    name="antidiag", params=AntidiagParams, select=select_antidiag,
+    density=DensityKnob("budget"), keep_all={"budget": 1.0},
+    description="antidiagonal mass: key groups scored by antidiagonal sums (one matmul, 1/S of QK^T), "
+                "a fixed share of tiles per block",
+))
