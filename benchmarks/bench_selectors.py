@@ -12,6 +12,14 @@ to dense) and the measured plan density; and, from the dense run's (q, k), for e
 whether the contender's plan of its reading head (the (layer, head) putting the most mass on the needle) lists the
 needle byte that head reads (``rows_listed``; needs no sparse forward, so it is free of the model's cascade).
 Rows: ``results/bench_selectors.jsonl`` (``harness.append_store``, one contender at a time).
+
+``--plan-only`` skips the sparse forwards and scores only ``rows_listed`` for the sampled-row ranking at each
+``--sample-every``, two ways: ``mass`` (the ``sampled`` selector: each tile's softmax mass, two passes with exp) and
+``max`` (each tile's largest score minus its row's max over the block's sampled rows: one pass, no exp), the
+question being whether a cheaper one-pass planner ranks tiles as well:
+
+    python benchmarks/bench_selectors.py --plan-only --sample-every 8 16 32 64 \
+        --checkpoint benchmarks/checkpoints/retrieval_families_lm.pt                   # CPU: ~3 min
 """
 
 from __future__ import annotations
@@ -38,6 +46,23 @@ from harness import append_store, format_table  # noqa: E402
 from sparse_compile.methods import build_plan  # noqa: E402
 
 NEEDLE_BYTES = 50  # a needle line's span: its key and its value
+
+
+def sampled_max_scores(q, k, scale: float, block: int, every: int) -> torch.Tensor:
+    """(B, Hq, nqb, nkt): per query block and key tile, the max over the block's sampled rows (``sampled``'s rows)
+    of the tile's largest causal score minus the row's largest score; one pass, no exp (a reference, O(rows x N))."""
+    from sparse_compile.methods.sampled import sampled_rows
+
+    batch, heads, num_queries, _ = q.shape
+    num_keys = k.shape[2]
+    rows = sampled_rows(num_queries, block, every, q.device)
+    per = max(1, block // every)
+    z = q[:, :, rows].float() @ k.float().repeat_interleave(heads // k.shape[1], 1).transpose(-1, -2) * scale
+    z = z.masked_fill(torch.arange(num_keys)[None, :] > (rows + num_keys - num_queries)[:, None], float("-inf"))
+    z = z - z.amax(-1, keepdim=True)
+    tiles = -(-num_keys // block)
+    z = torch.nn.functional.pad(z, (0, tiles * block - num_keys), value=float("-inf"))
+    return z.view(batch, heads, -1, per, tiles, block).amax(-1).amax(-2)
 
 
 @contextlib.contextmanager
@@ -91,6 +116,33 @@ def listed(plan, head: int, heads: int, row: int, key: int) -> bool:
     return bool(((offsets <= key) & (key < offsets + plan.block_n)).any())
 
 
+def plan_only(args, base, instances, dense_layers, readers, length, done) -> None:
+    """``--plan-only``: rows_listed of the sampled-row ranking by mass and by max at each sample rate."""
+    from sparse_compile.methods._blocks import finish_budget_plan
+    from sparse_compile.methods._common import Reordering
+    from sparse_compile.methods.sampled import SampledParams, sampled_tile_logits
+    from sparse_compile.registry import NO_REORDER
+
+    for every in args.sample_every:
+        params = base.with_overrides("sampled", {"budget": args.budget, "sample_every": every}).params_of(
+            SampledParams)
+        for score in ("mass", "max"):
+            started, listed_rows = time.perf_counter(), []
+            for n, layers in enumerate(dense_layers):
+                plans = []
+                for q, k in layers:
+                    scale = 1.0 / math.sqrt(q.shape[-1])
+                    scores = (sampled_tile_logits(q, k, scale, params.block_size, every) if score == "mass" else
+                              sampled_max_scores(q, k, scale, params.block_size, every))
+                    plans.append(finish_budget_plan(scores, q, k, Reordering(NO_REORDER), params))
+                heads = layers[0][0].shape[1]
+                listed_rows += [listed(plans[layer], head, heads, row, key) for row, (layer, head, key) in readers[n]]
+            done({"N": length, "contender": f"sampled/{score}/every{every}", "rows_listed":
+                  sum(listed_rows) / len(listed_rows), "rows": len(listed_rows),
+                  "params": f"budget={args.budget}, sample_every={every}, score={score}",
+                  "seconds": round(time.perf_counter() - started, 1)})
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192])
@@ -106,6 +158,9 @@ def main(argv=None) -> None:
     parser.add_argument("--baselines", nargs="*", default=["sampled", "pbs-noperm", "pbs", "sparge"])
     parser.add_argument("--checkpoint", default=str(tsl.REPO / "benchmarks" / "checkpoints" / "retrieval_lm.pt"))
     parser.add_argument("--out", default=None, help="store folder (default benchmarks/results)")
+    parser.add_argument("--plan-only", action="store_true",
+                        help="rows_listed of the sampled-row ranking (mass and max) at each --sample-every only")
+    parser.add_argument("--sample-every", type=int, nargs="+", default=[8, 16, 32])
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     model, _ = tsl.load_checkpoint(args.checkpoint, device="cpu", dtype=torch.float32)
@@ -138,6 +193,9 @@ def main(argv=None) -> None:
                    for inst, layers in zip(instances, dense_layers)]
         done({"N": length, "contender": "dense", "exact": dense_exact, "relative": 1.0, "values": len(results),
               "seconds": round(time.perf_counter() - started, 1)})
+        if args.plan_only:
+            plan_only(args, base, instances, dense_layers, readers, length, done)
+            continue
         contenders = []
         if "sampled" in args.baselines:
             contenders.append(("sampled", base.with_overrides("sampled", {"budget": args.budget}),
