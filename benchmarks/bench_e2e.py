@@ -113,6 +113,46 @@ def sync():
         torch.cuda.synchronize()
 
 
+def in_region(fn, **region):
+    """``fn(ids)`` called inside ``sparse_compile.sparsity(**region)``."""
+    def call(ids):
+        with sparse_compile.sparsity(**region):
+            return fn(ids)
+    return call
+
+
+def with_attention(model, implementation: str, fn):
+    """``fn(ids)`` with the model's attention implementation switched to ``implementation`` for that call only
+    (back to ``"sdpa"``, what the compiled contenders traced, after it)."""
+    def call(ids):
+        model.config._attn_implementation = implementation
+        try:
+            return fn(ids)
+        finally:
+            model.config._attn_implementation = "sdpa"
+    return call
+
+
+def partial_rows_file(args) -> Path:
+    """The run's row-by-row file (emptied): a run cut short still leaves its measurements."""
+    partial = (Path(args.out) if args.out else RUNS_DIR) / f"{args.name}.jsonl"
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text("")
+    return partial
+
+
+def time_first_call(first_call: dict, key: str, fn, ids) -> None:
+    """The first call of ``key`` (Dynamo's and Inductor's compile included), timed once into ``first_call``,
+    outside every measurement."""
+    if key not in first_call:
+        sync()
+        started = time.perf_counter()
+        with torch.no_grad():
+            fn(ids)
+        sync()
+        first_call[key] = round(time.perf_counter() - started, 1)
+
+
 def ttft(fn, ids, reps: int) -> float:
     """Median seconds of ``fn(ids)`` over ``reps`` runs after one warm-up run."""
     with torch.no_grad():
@@ -397,33 +437,11 @@ def main() -> None:
     def floor_compiled(ids):
         return compiled_floor(ids, logits_to_keep=1)
 
-    partial = (Path(args.out) if args.out else RUNS_DIR) / f"{args.name}.jsonl"
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    partial.write_text("")
+    partial = partial_rows_file(args)
     rows: list = []
     first_call: dict = {}  # compiled callable -> seconds of its first call (Dynamo + Inductor compile included)
 
-    def with_region(fn, **region):
-        def call(ids):
-            with sparse_compile.sparsity(**region):
-                return fn(ids)
-        return call
-
-    def eager_floor(ids):
-        model.config._attn_implementation = noop
-        try:
-            return run(model)(ids)
-        finally:
-            model.config._attn_implementation = "sdpa"
-
-    def first(key, fn, ids):
-        if key not in first_call:  # the compile, timed once, outside every measurement
-            sync()
-            started = time.perf_counter()
-            with torch.no_grad():
-                fn(ids)
-            sync()
-            first_call[key] = round(time.perf_counter() - started, 1)
+    eager_floor = with_attention(model, noop, run(model))
 
     total = sum((0 if args.budgets_only else 4 - args.skip_eager + args.eager_floor + bool(inductor)
                  + len(args.methods) * (not args.skip_defaults))
@@ -438,12 +456,12 @@ def main() -> None:
                 entries.append(({"contender": "eager"}, run(model), args.reps))
             if args.eager_floor:
                 entries.append(({"contender": "floor (eager)"}, eager_floor, args.reps))
-            first("sparse_prefill", with_region(run(compiled), enabled=False), ids)
-            entries.append(({"contender": "inductor", "sparse_calls": 0}, with_region(run(compiled), enabled=False),
+            time_first_call(first_call, "sparse_prefill", in_region(run(compiled), enabled=False), ids)
+            entries.append(({"contender": "inductor", "sparse_calls": 0}, in_region(run(compiled), enabled=False),
                             args.reps))
             entries.append(({"contender": "floor"}, floor_compiled, args.reps))
             if inductor is not None:
-                first("inductor", run(inductor), ids)
+                time_first_call(first_call, "inductor", run(inductor), ids)
                 entries.append(({"contender": "inductor (backend=inductor)"}, run(inductor), args.reps))
         budgets = ([None] * (not (args.budgets_only or args.skip_defaults))
                    + (list(args.budgets) if n in args.budget_lengths else []))
@@ -457,7 +475,7 @@ def main() -> None:
                         qk = qk or capture_qkv(model, ids)[:2]
                         params, _ = calibrate(method, budget, [qk], base)
                         row["params"] = ", ".join(f"{k}={v:.4g}" for k, v in params.items())
-                    first("sparse_prefill", run(compiled), ids)
+                    time_first_call(first_call, "sparse_prefill", run(compiled), ids)
                     row["density"], row["sparse_calls"] = recorded_density(run(compiled), ids, method, params)
                 except torch.cuda.OutOfMemoryError:
                     torch.cuda.empty_cache()
@@ -467,7 +485,7 @@ def main() -> None:
                 if budget is not None and row.get("sparse_calls") != num_layers:
                     print(f"warning: {method} at {n}: {row.get('sparse_calls')} of {num_layers} attention layers "
                           "ran sparse", file=sys.stderr)
-                entries.append((row, with_region(run(compiled), method=method, **params),
+                entries.append((row, in_region(run(compiled), method=method, **params),
                                 args.reps if budget is None else args.budget_reps))
         times: dict = {id(row): [] for row, _, _ in entries}
         clocks: dict = {id(row): [] for row, _, _ in entries}
@@ -528,37 +546,18 @@ def front_door(model, base, options: dict, args, device: str, dtype) -> None:
     sparse_compile.enable_transformers_attention(model, base)  # the front door's configuration: the same as compiled
     model.config._attn_implementation = "sdpa"  # what the compiled model traces; the front door switches per call
 
-    def front(ids):
-        model.config._attn_implementation = "sparse_prefill"
-        try:
-            return model(ids, logits_to_keep=1)
-        finally:
-            model.config._attn_implementation = "sdpa"
-
-    def in_region(fn, **region):
-        def call(ids):
-            with sparse_compile.sparsity(**region):
-                return fn(ids)
-        return call
+    front = with_attention(model, "sparse_prefill", lambda ids: model(ids, logits_to_keep=1))
 
     def compiled_run(ids):
         return compiled(ids, logits_to_keep=1)
 
     rows: list = []
     first_call: dict = {}
-    partial = (Path(args.out) if args.out else RUNS_DIR) / f"{args.name}.jsonl"
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    partial.write_text("")
+    partial = partial_rows_file(args)
     for n in args.lengths:
         ids = torch.randint(0, model.config.vocab_size, (1, n), device=device)
         entries = []  # (row, fn)
-        if "inductor" not in first_call:  # the compile, timed once, outside every measurement
-            sync()
-            started = time.perf_counter()
-            with torch.no_grad():
-                in_region(compiled_run, enabled=False)(ids)
-            sync()
-            first_call["inductor"] = round(time.perf_counter() - started, 1)
+        time_first_call(first_call, "inductor", in_region(compiled_run, enabled=False), ids)
         if not args.skip_eager:
             entries.append(({"contender": "eager", "path": "eager"}, lambda ids: model(ids, logits_to_keep=1)))
         entries.append(({"contender": "inductor", "path": "compiled dense"}, in_region(compiled_run, enabled=False)))
