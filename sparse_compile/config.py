@@ -56,6 +56,20 @@ def check_fraction(owner: str, name: str, value: Any, *, low: float = 0.0, high:
         fail(owner, name, f"must be a number in [{low}, {high}], got {value!r}")
 
 
+def check_stride(owner: str, name: str, value: Any) -> None:
+    """A power of two in [1, MAX_BLOCK]: a sampling or scoring stride inside a tile (the params check it against
+    their ``block_size``)."""
+    check_int(owner, name, value, low=1, high=MAX_BLOCK)
+    if value & (value - 1):
+        fail(owner, name, f"must be a power of two in [1, {MAX_BLOCK}] (and <= block_size), got {value!r}")
+
+
+def check_share(owner: str, name: str, value: Any) -> None:
+    """A share in (0, 1]: a fixed-share selector's budget (1 keeps everything, 0 would keep nothing)."""
+    if not 0.0 < value <= 1.0:
+        fail(owner, name, f"must be a number in (0, 1], got {value!r}")
+
+
 def check_int(owner: str, name: str, value: Any, *, low: int = 0, high: int = MAX_INT) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not (low <= value <= high):
         fail(owner, name, f"must be an integer in [{low}, {high}], got {value!r}")

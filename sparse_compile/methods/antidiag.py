@@ -66,7 +66,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from ..config import MAX_BLOCK, MethodParams, block_field, check_finite, check_int, fail
+from ..config import MethodParams, block_field, check_finite, check_share, check_stride, fail
 from ..plan import BlockPlan
 from ..registry import DensityKnob, Method, register_method
 from ._blocks import finish_budget_plan
@@ -76,17 +76,6 @@ __all__ = ["AntidiagParams", "reduced_queries", "reduced_keys", "slot_mask", "an
 
 #: added to a tile's mass before the log: a tile with no mass keeps a finite score
 TINY = 1e-30
-
-
-def _stride(owner: str, name: str, value) -> None:
-    check_int(owner, name, value, low=1, high=MAX_BLOCK)
-    if value & (value - 1):
-        fail(owner, name, f"must be a power of two in [1, {MAX_BLOCK}] (and <= block_size), got {value!r}")
-
-
-def _budget(owner: str, name: str, value) -> None:
-    if not 0.0 < value <= 1.0:
-        fail(owner, name, f"must be a number in (0, 1], got {value!r}")
 
 
 def _antidiagonals(owner: str, name: str, value) -> None:
@@ -120,8 +109,8 @@ class AntidiagParams(MethodParams):
     budget: float = 0.1
     keep_first_block: bool = True
 
-    field_checks: ClassVar[dict] = {"block_size": block_field(), "score_stride": _stride, "row_stride": _stride,
-                                    "budget": _budget, "antidiagonals": _antidiagonals,
+    field_checks: ClassVar[dict] = {"block_size": block_field(), "score_stride": check_stride,
+                                    "row_stride": check_stride, "budget": check_share, "antidiagonals": _antidiagonals,
                                     "temperature_factor": _temperature}
 
     def check_fields(self) -> None:

@@ -46,7 +46,7 @@ from typing import ClassVar
 
 import torch
 
-from ..config import MAX_BLOCK, MethodParams, block_field, check_int, fail
+from ..config import MethodParams, block_field, check_share, check_stride, fail
 from ..plan import BlockPlan
 from ..registry import DensityKnob, Method, register_method
 from ._blocks import finish_budget_plan, keep_top_budget  # noqa: F401 (keep_top_budget: step 5)
@@ -56,17 +56,6 @@ __all__ = ["SampledParams", "sampled_rows", "sampled_tile_logits", "select_sampl
 
 #: added to a tile's mass before the log (= ``kernels.sampled.TINY``): a tile with no mass keeps a finite score
 TINY = 1e-30
-
-
-def _sample_every(owner: str, name: str, value) -> None:
-    check_int(owner, name, value, low=1, high=MAX_BLOCK)
-    if value & (value - 1):
-        fail(owner, name, f"must be a power of two in [1, {MAX_BLOCK}] (and <= block_size), got {value!r}")
-
-
-def _budget(owner: str, name: str, value) -> None:
-    if not 0.0 < value <= 1.0:
-        fail(owner, name, f"must be a number in (0, 1], got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -84,8 +73,8 @@ class SampledParams(MethodParams):
     budget: float = 0.1
     keep_first_block: bool = True
 
-    field_checks: ClassVar[dict] = {"block_size": block_field(), "sample_every": _sample_every,
-                                    "budget": _budget}
+    field_checks: ClassVar[dict] = {"block_size": block_field(), "sample_every": check_stride,
+                                    "budget": check_share}
 
     def check_fields(self) -> None:
         if self.sample_every > self.block_size:
