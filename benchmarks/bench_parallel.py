@@ -100,19 +100,19 @@ class Runner:
             self._mesh = init_device_mesh(self.device.type, (self.world,))
         return self._mesh
 
-    def prompt(self, n: int):
-        generator = torch.Generator().manual_seed(n)
-        ids = torch.randint(0, self.model.config.vocab_size, (1, n), generator=generator)
-        positions = torch.arange(n)[None]
-        if self.world > 1 and not self.tensor_parallel:
-            ids = ids.tensor_split(self.world, dim=1)[self.rank]
-            positions = positions.tensor_split(self.world, dim=1)[self.rank]
-        return ids.contiguous().to(self.device), positions.contiguous().to(self.device)
-
     def whole_prompt(self, n: int):
+        """The length-``n`` prompt (the same on every rank and run) and its positions, on this rank's device."""
         generator = torch.Generator().manual_seed(n)
         ids = torch.randint(0, self.model.config.vocab_size, (1, n), generator=generator)
         return ids.to(self.device), torch.arange(n, device=self.device)[None]
+
+    def prompt(self, n: int):
+        """What this rank feeds the model: its chunk of the prompt under sequence parallelism, else all of it."""
+        ids, positions = self.whole_prompt(n)
+        if self.world > 1 and not self.tensor_parallel:
+            ids = ids.tensor_split(self.world, dim=1)[self.rank].contiguous()
+            positions = positions.tensor_split(self.world, dim=1)[self.rank].contiguous()
+        return ids, positions
 
     def max_over_ranks(self, value: float) -> list:
         """Every rank's value (a list in rank order)."""

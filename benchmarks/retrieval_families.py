@@ -147,30 +147,25 @@ FAMILIES = {f.name: f for f in TRAIN_FAMILIES + HELDOUT_FAMILIES}
 # tests check on rendered instances.
 _LINE_LEADS = ("", "", "    ", "  ", "- ", "* ", "set ", "let ", "var ", "@", "#define ", "% ", "; ", "val ",
                "const ", ">> ")
-_KEY_QUOTES = ("", "", '"', "'", "`", "[", "<", "(")
+_QUOTES = ("", "", '"', "'", "`", "[", "<", "(")  # around a key or a value, each drawn on its own
 _CLOSE = {"": "", '"': '"', "'": "'", "`": "`", "[": "]", "<": ">", "(": ")"}
 _SEPARATORS = (" = ", "=", " := ", " => ", ", ", " is ", " to ", " <- ", "\t", " ~ ", " as ", " ", " == ",
                "::", " <= ", " equals ", " maps to ", " / ", "; ")
-_VALUE_QUOTES = ("", "", '"', "'", "`", "[", "<", "(")
 _LINE_ENDS = ("", "", ";", ",", " .", " //", " #ok", ")")
 _QUERY_LEADS = ("", "check ", "assert ", "# ", "// ", "echo ", "expect ", "print ", "fetch ", "read ", "query ",
                 ">>> ", "-- ", "want ", "get ")
-_QUERY_MIDS = (" == ", " gives ", " returns ", " is ", " = ", " => ", ": got ", " was ", ", ", " yields ", " -> ",
-               " says ")
+_QUERY_MIDS = (" == ", " gives ", " returns ", " is ", " = ", " => ", ": got ", " was ", ", ", " yields ", " says ")
 
 
 def compose(rng: random.Random) -> tuple[str, tuple[str, ...]]:
     """A needle template and one query template of random parts: a line lead, the key quoted or not, a
     separator, the value quoted or not, a line end; the query quotes and separates independently of the needle."""
-    def part(choices):
-        return rng.choice(choices)
-
-    kq, vq = part(_KEY_QUOTES), part(_VALUE_QUOTES)
-    needle = (f"{part(_LINE_LEADS)}{kq}{{key}}{_CLOSE[kq]}{part(_SEPARATORS)}{vq}{{value}}{_CLOSE[vq]}"
-              f"{part(_LINE_ENDS)}\n")
-    kq2, vq2 = part(_KEY_QUOTES), part(_VALUE_QUOTES)
-    mid = part(tuple(m for m in _QUERY_MIDS if m != " -> "))  # "-> " answers the held-out table's query
-    query = f"{part(_QUERY_LEADS)}{kq2}{{key}}{_CLOSE[kq2]}{mid}{vq2}{{value}}{_CLOSE[vq2]}\n"
+    kq, vq = rng.choice(_QUOTES), rng.choice(_QUOTES)
+    needle = (f"{rng.choice(_LINE_LEADS)}{kq}{{key}}{_CLOSE[kq]}{rng.choice(_SEPARATORS)}{vq}{{value}}{_CLOSE[vq]}"
+              f"{rng.choice(_LINE_ENDS)}\n")
+    kq2, vq2 = rng.choice(_QUOTES), rng.choice(_QUOTES)
+    mid = rng.choice(_QUERY_MIDS)
+    query = f"{rng.choice(_QUERY_LEADS)}{kq2}{{key}}{_CLOSE[kq2]}{mid}{vq2}{{value}}{_CLOSE[vq2]}\n"
     return needle, (query,)  # the parts hold no braces: the templates format as they are
 
 
