@@ -138,6 +138,16 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return l1 / max(ref_l1, 1e-30), sq / out.numel()
 
 
+def method_config(spec: str) -> SparseConfig:
+    """``name`` (the method's defaults) or ``name:field=value,...`` (e.g. ``peak:sample_every=8``)."""
+    name, _, fields = spec.partition(":")
+    params = {}
+    for item in filter(None, fields.split(",")):
+        key, _, value = item.partition("=")
+        params[key] = json.loads(value.lower() if value in ("True", "False") else value)
+    return SparseConfig(method=name, **({name: params} if params else {}))
+
+
 def bench_params(n: int):
     # warmup/rep in ms: long calls need only a few repetitions for a stable median
     return (25, 100) if n <= 32768 else (50, 200)
@@ -156,7 +166,7 @@ def sweep(args) -> list[dict]:
                          listed=1.0, rel_l1=0.0, mse=0.0, speedup=1.0))
         log(f"N={n}: sdpa {t_sdpa:.2f} ms")
         for method in args.methods:
-            cfg = SparseConfig(method=method)
+            cfg = method_config(method)
             row = dict(N=n, method=method)
             plan = build_plan(q, k, scale, cfg, implementation="fast")
             row["sel_fast_ms"] = time_ms(lambda: build_plan(q, k, scale, cfg, implementation="fast"), warmup=warm,
@@ -212,7 +222,7 @@ def profile(args) -> dict:
         q, k, v = structured_inputs(n, seed=args.seed)
         scale = 1.0 / math.sqrt(D)
         for method in args.methods:
-            cfg = SparseConfig(method=method)
+            cfg = method_config(method)
             for _ in range(3):
                 build_plan(q, k, scale, cfg, implementation="fast")
             torch.cuda.synchronize()
@@ -242,7 +252,8 @@ def profile(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=list(METHODS),
+                    help="method names, or name:field=value,... for non-default parameters")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-ref", action="store_true", help="skip timing the PyTorch references")
     ap.add_argument("--queued-reps", type=int, default=21, help="rounds of the queued selection timing")

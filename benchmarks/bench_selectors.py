@@ -120,20 +120,22 @@ def plan_only(args, base, instances, dense_layers, readers, length, done) -> Non
     """``--plan-only``: rows_listed of the sampled-row ranking by mass and by max at each sample rate."""
     from sparse_compile.methods._blocks import finish_budget_plan
     from sparse_compile.methods._common import Reordering
+    from sparse_compile.methods.peak import peak_tile_scores
     from sparse_compile.methods.sampled import SampledParams, sampled_tile_logits
     from sparse_compile.registry import NO_REORDER
 
     for every in args.sample_every:
         params = base.with_overrides("sampled", {"budget": args.budget, "sample_every": every}).params_of(
             SampledParams)
-        for score in ("mass", "max"):
+        for score in ("mass", "max", "peak"):
             started, listed_rows = time.perf_counter(), []
             for n, layers in enumerate(dense_layers):
                 plans = []
                 for q, k in layers:
                     scale = 1.0 / math.sqrt(q.shape[-1])
                     scores = (sampled_tile_logits(q, k, scale, params.block_size, every) if score == "mass" else
-                              sampled_max_scores(q, k, scale, params.block_size, every))
+                              sampled_max_scores(q, k, scale, params.block_size, every) if score == "max" else
+                              peak_tile_scores(q, k, scale, params.block_size, every, params.keep_first_block))
                     plans.append(finish_budget_plan(scores, q, k, Reordering(NO_REORDER), params))
                 heads = layers[0][0].shape[1]
                 listed_rows += [listed(plans[layer], head, heads, row, key) for row, (layer, head, key) in readers[n]]

@@ -6,9 +6,9 @@ sampled row's softmax over every key it sees is computed exactly, and the mass i
 BLOCK_N keys is averaged over the block's sampled rows. The selector ranks tiles by that mass: a lookup is one
 query row and one key, and pooled means dilute both, where sampled rows see them whole.
 
-One program serves BLOCKS consecutive query blocks of one head (BLOCKS * BLOCK_M / EVERY rows on the tensor
-cores) in two passes over the keys they see: the rows' max and sum of exp, then each tile's mass; tiles that every
-row sees whole skip the position test. Output: the log of the mass (plus ``TINY``) per visible tile, so the mass
+One program serves BLOCKS consecutive query blocks of HEADS query heads of one KV head (HEADS * BLOCKS * BLOCK_M /
+EVERY rows on the tensor cores, each key tile loaded once for all of them) in two passes over the keys they see:
+the rows' max and sum of exp, then each tile's mass; tiles that every row sees whole skip the position test. Output: the log of the mass (plus ``TINY``) per visible tile, so the mass
 selection's softmax of it is the mass itself. A sampled row that scores a key it sees as NaN or +inf makes its
 row sum NaN, hence every tile of its block NaN: the block keeps every visible tile (as a block with non-finite
 pooled statistics does everywhere in selection); no score is tested one by one. A -inf score weighs nothing, as in
@@ -21,27 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot, dot_precision, interpreting, launchable, load_head_rows, query_block_bounds, split_heads
+from .common import dot, dot_precision, launchable
+from .strided_rows import load_key_tile, program_blocks, program_rows, program_shape, rows_per_block
 from .validate import cdiv
 
-__all__ = ["TINY", "sampled_rows_per_block", "sampled_mass_logits"]
+__all__ = ["TINY", "sampled_mass_logits"]
 
 _LOG2E = 1.4426950408889634
 #: added to a tile's mass before the log, so that a tile with no mass has a finite (very low) score
 TINY = 1e-30
-
-
-def sampled_rows_per_block(block_m: int, every: int) -> int:
-    """Rows scored per query block."""
-    return max(1, block_m // every)
-
-
-@triton.jit
-def _load_keys(k_base, t, stride_kn, stride_kd, NUM_KEYS, d, dmask, BLOCK_N: tl.constexpr):
-    keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
-    kt = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_kn + d[None, :] * stride_kd,
-                 mask=(keys < NUM_KEYS)[:, None] & dmask[None, :], other=0.0)
-    return keys, kt
 
 
 @triton.jit
@@ -50,7 +38,7 @@ def _row_stats_inner(q, k_base, m, s, qpos, t0, t1, stride_kn, stride_kd, NUM_KE
     """Pass 1 over key tiles [t0, t1): each row's running max (unscaled) and sum of exp2, online. Only MASKED
     tiles compare positions; a NaN or +inf score makes its row's sum NaN (no per-score finiteness test)."""
     for t in range(t0, t1):
-        keys, kt = _load_keys(k_base, t, stride_kn, stride_kd, NUM_KEYS, d, dmask, BLOCK_N)
+        keys, kt = load_key_tile(k_base, t, stride_kn, stride_kd, NUM_KEYS, d, dmask, BLOCK_N)
         z = dot(q, tl.trans(kt), PREC)
         if MASKED:
             z = tl.where(keys[None, :] <= qpos[:, None], z, float("-inf"))
@@ -61,18 +49,18 @@ def _row_stats_inner(q, k_base, m, s, qpos, t0, t1, stride_kn, stride_kd, NUM_KE
 
 
 @triton.jit
-def _mass_inner(q, k_base, mb, inv, qpos, blocks, qmax, out_rows, t0, t1, stride_kn, stride_kd, NUM_KEYS,
-                NUM_QUERY_BLOCKS, qk_scale, tiny, d, dmask, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
-                ROWS: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
-    """Pass 2 over key tiles [t0, t1): each tile's mass, summed over each block's rows, stored as its log."""
+def _mass_inner(q, k_base, mb, inv, qpos, live_blocks, qmax, out_rows, t0, t1, stride_kn, stride_kd, NUM_KEYS,
+                qk_scale, tiny, d, dmask, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, ROWS: tl.constexpr,
+                MASKED: tl.constexpr, PREC: tl.constexpr):
+    """Pass 2 over key tiles [t0, t1): each tile's mass, summed over each (head, block)'s rows, stored as its log."""
     for t in range(t0, t1):
-        keys, kt = _load_keys(k_base, t, stride_kn, stride_kd, NUM_KEYS, d, dmask, BLOCK_N)
+        keys, kt = load_key_tile(k_base, t, stride_kn, stride_kd, NUM_KEYS, d, dmask, BLOCK_N)
         z = dot(q, tl.trans(kt), PREC)
         p = tl.exp2(z * qk_scale - mb[:, None])
         if MASKED:
             p = tl.where(keys[None, :] <= qpos[:, None], p, 0.0)
-        mass = tl.sum(tl.reshape(tl.sum(p, 1) * inv, (BLOCKS, ROWS)), 1)
-        tl.store(out_rows + t, tl.log(mass + tiny), mask=(blocks < NUM_QUERY_BLOCKS) & (t * BLOCK_N <= qmax))
+        mass = tl.sum(tl.reshape(tl.sum(p, 1) * inv, (GROUPS, ROWS)), 1)
+        tl.store(out_rows + t, tl.log(mass + tiny), mask=live_blocks & (t * BLOCK_N <= qmax))
 
 
 @triton.jit
@@ -82,32 +70,18 @@ def _sampled_mass_kernel(
     out_ptr,
     HQ, GROUP, NUM_QUERY_BLOCKS, NUM_KEY_TILES, NUM_QUERIES, NUM_KEYS, NUM_PROGRAMS, qk_scale, tiny,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVERY: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr, PREC: tl.constexpr,
+    HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PREC: tl.constexpr,
 ):
     tl.static_assert(ROWS * EVERY <= BLOCK_M)
-    tl.static_assert(BLOCKS * ROWS >= 16)  # tl.dot's smallest M
-    M: tl.constexpr = BLOCKS * ROWS
-    # the latest query blocks see the most keys: launch them first
-    g = NUM_PROGRAMS - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b, h, hk = split_heads(bh, HQ, GROUP)
-    slot = tl.arange(0, M)
-    blk = g * BLOCKS + slot // ROWS
-    live = blk < NUM_QUERY_BLOCKS
-    row = blk * BLOCK_M + (EVERY - 1) + (slot % ROWS) * EVERY
-    row = tl.where(live, tl.minimum(row, tl.minimum(blk * BLOCK_M + BLOCK_M, NUM_QUERIES) - 1), 0)
-    qpos = row + (NUM_KEYS - NUM_QUERIES)
+    tl.static_assert(HEADS * BLOCKS * ROWS >= 16)  # tl.dot's smallest M
+    GROUPS: tl.constexpr = HEADS * BLOCKS
+    M: tl.constexpr = GROUPS * ROWS
+    q, qpos, live, b, h0, hk, g, blk, whole, num_tiles = program_rows(
+        q_ptr, stride_qb, stride_qh, stride_qn, stride_qd, HQ, GROUP, NUM_QUERY_BLOCKS, NUM_QUERIES, NUM_KEYS,
+        NUM_PROGRAMS, BLOCK_M, BLOCK_N, EVERY, ROWS, BLOCKS, HEADS, D, D_PAD)
     d = tl.arange(0, D_PAD)
     dmask = d < D
-    q = load_head_rows(q_ptr, b, h, row, live, d, dmask, stride_qb, stride_qh, stride_qn, stride_qd)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-    # tiles every row of the program sees whole (no position test), then the tiles up to the latest row's
-    last = tl.minimum(g * BLOCKS + BLOCKS, NUM_QUERY_BLOCKS) - 1
-    _, qmax_last = query_block_bounds(last, BLOCK_M, NUM_QUERIES, NUM_KEYS)
-    num_tiles = tl.minimum(qmax_last // BLOCK_N + 1, NUM_KEY_TILES)
-    earliest = tl.min(tl.where(live, qpos, NUM_KEYS), 0)
-    whole = tl.minimum((earliest + 1) // BLOCK_N, num_tiles)
-
     m = tl.full([M], -1.0e30, tl.float32)
     s = tl.zeros([M], tl.float32)
     m, s = _row_stats_inner(q, k_base, m, s, qpos, 0, whole, stride_kn, stride_kd, NUM_KEYS, qk_scale, d, dmask,
@@ -117,13 +91,12 @@ def _sampled_mass_kernel(
     # each row's share of its block's mean: 1 / (sum of exp * rows); a NaN sum stays NaN (the block keeps all)
     inv = 1.0 / (s * ROWS)
     mb = m * qk_scale
-    blocks = g * BLOCKS + tl.arange(0, BLOCKS)
-    _, qmax = query_block_bounds(blocks, BLOCK_M, NUM_QUERIES, NUM_KEYS)
-    out_rows = out_ptr + (bh.to(tl.int64) * NUM_QUERY_BLOCKS + blocks) * NUM_KEY_TILES
-    _mass_inner(q, k_base, mb, inv, qpos, blocks, qmax, out_rows, 0, whole, stride_kn, stride_kd, NUM_KEYS,
-                NUM_QUERY_BLOCKS, qk_scale, tiny, d, dmask, BLOCK_N, BLOCKS, ROWS, False, PREC)
-    _mass_inner(q, k_base, mb, inv, qpos, blocks, qmax, out_rows, whole, num_tiles, stride_kn, stride_kd, NUM_KEYS,
-                NUM_QUERY_BLOCKS, qk_scale, tiny, d, dmask, BLOCK_N, BLOCKS, ROWS, True, PREC)
+    out_rows, live_blocks, qmax = program_blocks(out_ptr, b, h0, g, HQ, NUM_QUERY_BLOCKS, NUM_KEY_TILES,
+                                                 NUM_QUERIES, NUM_KEYS, BLOCK_M, BLOCKS, HEADS)
+    _mass_inner(q, k_base, mb, inv, qpos, live_blocks, qmax, out_rows, 0, whole, stride_kn, stride_kd, NUM_KEYS,
+                qk_scale, tiny, d, dmask, BLOCK_N, GROUPS, ROWS, False, PREC)
+    _mass_inner(q, k_base, mb, inv, qpos, live_blocks, qmax, out_rows, whole, num_tiles, stride_kn, stride_kd,
+                NUM_KEYS, qk_scale, tiny, d, dmask, BLOCK_N, GROUPS, ROWS, True, PREC)
 
 
 def sampled_mass_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block_m: int, block_n: int,
@@ -141,16 +114,15 @@ def sampled_mass_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block_m:
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     nqb, nkt = cdiv(Nq, block_m), cdiv(Nk, block_n)
-    rows = sampled_rows_per_block(block_m, every)
-    # 128 rows on the tensor cores per program (16 under the interpreter, where every element costs time)
-    blocks = max(1, (16 if interpreting() else 128) // rows)
+    rows = rows_per_block(block_m, every)
+    heads, blocks, warps, stages = program_shape(Hq // Hkv, rows)
     out = torch.empty(B, Hq, nqb, nkt, dtype=torch.float32, device=q.device)
     programs = cdiv(nqb, blocks)
     d_pad = max(16, triton.next_power_of_2(D))
-    _sampled_mass_kernel[(programs, B * Hq)](
+    _sampled_mass_kernel[(programs, B * Hq // heads)](
         q, *q.stride(), k, *k.stride(), out,
         Hq, Hq // Hkv, nqb, nkt, Nq, Nk, programs, float(scale) * _LOG2E, TINY,
-        BLOCK_M=block_m, BLOCK_N=block_n, EVERY=every, ROWS=rows, BLOCKS=blocks, D=D, D_PAD=d_pad,
-        PREC=dot_precision(q.dtype), num_warps=8 if rows * blocks >= 128 else 4, num_stages=2,
+        BLOCK_M=block_m, BLOCK_N=block_n, EVERY=every, ROWS=rows, BLOCKS=blocks, HEADS=heads, D=D, D_PAD=d_pad,
+        PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
     )
     return out

@@ -30,10 +30,11 @@ SMALL = dict(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32},
              bfla={"coarse_block_size": 32, "group_size": 8, "tile_size_q": 16, "tile_size_kv": 16},
              s2o={"segment_size": 32, "block_size_q": 16, "block_size_kv": 16},
              sampled={"block_size": 16, "sample_every": 4},
-             antidiag={"block_size": 16, "score_stride": 4, "row_stride": 2})
+             antidiag={"block_size": 16, "score_stride": 4, "row_stride": 2},
+             peak={"block_size": 16, "sample_every": 4})
 
 
-BUILT_IN = ("pbs", "sparge", "bfla", "s2o", "sampled", "antidiag")
+BUILT_IN = ("pbs", "sparge", "bfla", "s2o", "sampled", "antidiag", "peak")
 
 
 def _compile(fn, **options):
@@ -263,6 +264,9 @@ def test_scale_the_kernels_cannot_take_runs_dense_as_sdpa_does(scale):
     ({"antidiag": {"score_stride": 8, "row_stride": 16}}, "row_stride"),
     ({"antidiag": {"antidiagonals": 3}}, "antidiagonals"),
     ({"antidiag": {"temperature_factor": 0.0}}, "temperature_factor"),
+    ({"peak": {"sample_every": 3}}, "sample_every"),
+    ({"peak": {"block_size": 16, "sample_every": 32}}, "sample_every"),
+    ({"peak": {"budget": 0.0}}, "budget"),
 ])
 def test_method_parameters_out_of_range_are_refused_naming_the_field(params, field):
     with pytest.raises(ValueError, match=f"{field}: must be"):

@@ -22,6 +22,7 @@ SMALL_BLOCKS = {
     "s2o": {"segment_size": 32, "block_size_q": 16, "block_size_kv": 16},
     "sampled": {"block_size": 16, "sample_every": 4},
     "antidiag": {"block_size": 16, "score_stride": 4, "row_stride": 2},
+    "peak": {"block_size": 16, "sample_every": 4},
 }
 # every registered method, with the setting its registration says keeps every causal block
 KEEP_ALL = {name: dict(spec.keep_all) for name, spec in sparse_compile.registry.registered_methods().items()}

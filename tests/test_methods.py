@@ -12,6 +12,7 @@ from sparse_compile.kernels.host import hash32, segmented_argsort_desc
 from sparse_compile.kernels.validate import expand_heads
 from sparse_compile.methods._common import block_self_similarity, top_mass
 from sparse_compile.methods.antidiag import AntidiagParams
+from sparse_compile.methods.peak import PeakParams
 from sparse_compile.methods.bfla import RANDOM_SALT, bfla_block_scores
 from sparse_compile.methods.pbs import pbs_key_importance, reorder_pbs
 from sparse_compile.methods.s2o import reorder_s2o, s2o_segment_tensors
@@ -36,10 +37,11 @@ SMALL = dict(
     s2o=S2OParams(segment_size=64, block_size_q=16, block_size_kv=16),
     sampled=SampledParams(block_size=16, sample_every=4, budget=0.3),
     antidiag=AntidiagParams(block_size=16, score_stride=4, row_stride=2, budget=0.3),
+    peak=PeakParams(block_size=16, sample_every=4, budget=0.3),
 )
 PAIRS = sorted(valid_pairs())
 PRESETS = {"pbs": ("pbs", "pbs"), "sparge": ("none", "sparge"), "bfla": ("none", "bfla"), "s2o": ("s2o", "s2o"),
-           "sampled": ("none", "sampled"), "antidiag": ("none", "antidiag")}
+           "sampled": ("none", "sampled"), "antidiag": ("none", "antidiag"), "peak": ("none", "peak")}
 SHAPES = [
     # batch, Hq, Hkv, Nq, Nk, D
     (2, 4, 1, 201, 201, 16),  # GQA 4, ragged

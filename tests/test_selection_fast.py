@@ -46,6 +46,7 @@ from sparse_compile.methods._common import (
 )
 from sparse_compile.methods.bfla import bfla_block_scores, block_softmax_scale
 from sparse_compile.methods.pbs import pbs_key_importance
+from sparse_compile.methods.peak import PeakParams, peak_tile_scores
 from sparse_compile.methods.sampled import sampled_tile_logits
 from sparse_compile.plan import VISIBLE_NONE, block_visibility, check_plan, execute_plan, reference_attention
 
@@ -60,9 +61,10 @@ SMALL = dict(
     bfla=BFLAParams(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16, local_tiles=1, stride=4),
     s2o=S2OParams(segment_size=64, block_size_q=16, block_size_kv=16),
     sampled=SampledParams(block_size=16, sample_every=4, budget=0.3),
+    peak=PeakParams(block_size=16, sample_every=4, budget=0.3),
 )
 PRESETS = {"pbs": ("pbs", "pbs"), "sparge": ("none", "sparge"), "bfla": ("none", "bfla"), "s2o": ("s2o", "s2o"),
-           "sampled": ("none", "sampled")}
+           "sampled": ("none", "sampled"), "peak": ("none", "peak")}
 
 
 def _config(reorder, select, params=SMALL, **kw):
@@ -195,18 +197,23 @@ def reference_bounds(select, q, k, scale, r, config):
         sure = torch.where(rows_amb, diag, sure | forced)
         maybe = torch.where(rows_amb, visible, maybe | forced)
         return sure & visible, maybe & visible
-    elif select == "sampled":  # a fixed share per block: a tile's rank is known up to near-equal masses
-        p = config.params_of(SampledParams)
+    elif select in ("sampled", "peak"):  # a fixed share per block: a tile's rank is known up to near-equal scores
+        p = config.params_of(SampledParams if select == "sampled" else PeakParams)
         bs = p.block_size
         vis = visibility(Nq, Nk, bs, bs, r, B, Hq, q.device)
         visible = vis != VISIBLE_NONE
-        mass = torch.where(visible, sampled_tile_logits(qd, kd, scale, bs, p.sample_every).exp(), -1.0)
+        if select == "sampled":
+            mass = torch.where(visible, sampled_tile_logits(qd, kd, scale, bs, p.sample_every).exp(), -1.0)
+            tol = EPS_P * mass.clamp_min(0) + 1e-12
+        else:  # peaks are differences of logits: an absolute margin
+            mass = peak_tile_scores(qd, kd, scale, bs, p.sample_every, p.keep_first_block)
+            mass = torch.where(visible, mass, mass.new_full((), float("-inf")))
+            tol = EPS_ORDER * 10 * (mass.abs().nan_to_num(0.0, 0.0, 0.0) + 1)
         forced = diagonal_tiles(vis, r, Nq, Nk, bs, bs)
         if p.keep_first_block:
             forced = forced | first_key_tile(r, Nk, bs, B, Hq, q.device)
         forced = forced & visible
         allowed = torch.clamp(torch.ceil(p.budget * visible.sum(-1, keepdim=True) - 1e-9), min=1)
-        tol = EPS_P * mass.clamp_min(0) + 1e-12
         others = (visible & ~forced)[..., None, :]
         above_sure = ((mass[..., None, :] > mass[..., :, None] + tol[..., :, None]) & others).sum(-1)
         above_maybe = ((mass[..., None, :] >= mass[..., :, None] - tol[..., :, None]) & others).sum(-1) - 1
@@ -468,7 +475,7 @@ def test_exact_ties_follow_the_stable_order():
     q = torch.randn(B, Hq, N, D)
     k = torch.randn(1, 1, 1, D).expand(B, Hkv, N, D).contiguous()
     k[:, :, :3] = torch.randn(3, D) * 2  # a few distinct keys in the first tile
-    for method in ("pbs", "sparge", "bfla", "sampled"):
+    for method in ("pbs", "sparge", "bfla", "sampled", "peak"):
         cfg = _config(*PRESETS[method])
         p_fast = build_plan(q, k, None, cfg, implementation="fast")
         p_ref = build_plan(q, k, None, cfg, implementation="reference")
@@ -610,7 +617,7 @@ try:
     from triton.compiler import ASTSource
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
-from sparse_compile.kernels import pooling, mass, sorting, pbs, bfla, s2o, sampled, permute
+from sparse_compile.kernels import pooling, mass, sorting, pbs, bfla, s2o, sampled, permute, peak, budget
 
 def compile_kernel(fn, pointers, floats, const, warps=4):
     sig = {}
@@ -659,10 +666,18 @@ for pos, keep_all in ((False, False), (True, False), (False, True)):
                    offs_ptr="i32", cnt_ptr="i32", msk_ptr="i32"), set(),
                    dict(TILE_Q=128, TILE_K=64, COARSE=256, W=512, ROWS=2, HAS_POSITIONS=pos, STRIDE_ON=True,
                         RANDOM_ON=True, KEEP_ALL=keep_all), warps=1)
-for every, blocks in ((8, 8), (4, 4), (16, 16)):
+for every, blocks, heads in ((8, 4, 4), (4, 4, 2), (16, 32, 1)):
     compile_kernel(sampled._sampled_mass_kernel, dict(q_ptr="bf16", k_ptr="bf16", out_ptr="fp32"), {"qk_scale", "tiny"},
-                   dict(BLOCK_M=128, BLOCK_N=128, EVERY=every, ROWS=128 // every, BLOCKS=blocks, D=128, D_PAD=128,
-                        PREC="none"), warps=8)
+                   dict(BLOCK_M=128, BLOCK_N=128, EVERY=every, ROWS=128 // every, BLOCKS=blocks, HEADS=heads, D=128,
+                        D_PAD=128, PREC="none"), warps=8)
+for every, blocks, heads, first in ((8, 4, 4, True), (16, 32, 1, False), (4, 2, 4, True)):
+    compile_kernel(peak._peak_kernel, dict(q_ptr="bf16", k_ptr="bf16", out_ptr="fp32"), {"scale"},
+                   dict(BLOCK_M=128, BLOCK_N=128, EVERY=every, ROWS=128 // every, BLOCKS=blocks, HEADS=heads,
+                        KEEP_FIRST=first, D=128, D_PAD=128, PREC="none"), warps=8)
+for keep_all in (False, True):
+    compile_kernel(budget._budget_select_kernel, dict(score_ptr="fp32", offs_ptr="i32", cnt_ptr="i32",
+                   msk_ptr="i32"), {"budget"}, dict(BLOCK_M=128, BLOCK_N=128, W=1024, ROWS=1, KEEP_FIRST_KEY=True,
+                   KEEP_ALL=keep_all), warps=1)
 compile_kernel(s2o._s2o_rank_keys_kernel, dict(k_ptr="bf16", qm_ptr="fp32", out_ptr="i32"), set(),
                dict(BLOCK_T=64, G_PAD=64, D=128, D_PAD=128, PREC="tf32x3"))
 compile_kernel(s2o._s2o_segment_of_kernel, dict(slot_ptr="i64", out_ptr="i16"), set(), dict(BLOCK=1024))
@@ -706,7 +721,7 @@ def test_gpu_bf16_agreement(method, shape):
     B, Hq, Hkv, N, D = shape
     dev = "cuda"
     reorder, select = PRESETS[method]
-    block = {"pbs": 128, "sparge": 64, "bfla": 64, "s2o": 128, "sampled": 128}[method]
+    block = {"pbs": 128, "sparge": 64, "bfla": 64, "s2o": 128, "sampled": 128, "peak": 128}[method]
     q, k = structured_qk(B, Hq, Hkv, N, N, D, block, seed=9, dtype=torch.bfloat16, device=dev)
     cfg = SparseConfig(method=method)
     scale = 1 / math.sqrt(D)
@@ -731,7 +746,7 @@ def test_gpu_bf16_agreement(method, shape):
     p_fast = stage_functions(reorder, select, True)[1](q, k, scale, r_ref, cfg)
     assert_plan_layout(p_fast, p_ref)
     check_plan(p_fast, q, k)
-    if method in ("pbs", "sparge", "sampled") and not plans_identical(p_fast, p_ref):
+    if method in ("pbs", "sparge", "sampled", "peak") and not plans_identical(p_fast, p_ref):
         sure, maybe = reference_bounds(select, q, k, scale, r_ref, cfg)
         assert_keep_agrees(keep_table(p_fast, sure.shape[-1]), sure, maybe, what=method, max_ambiguous_rows=0.25)
     if method == "bfla":
@@ -806,8 +821,8 @@ def _confinement(method, cfg, batch, head, row, heads_q, heads_kv):
     region = torch.zeros(2, heads_q, NAN_N, dtype=torch.bool)
     group = heads_q // heads_kv
     group_heads = slice(head // group * group, head // group * group + group)
-    if method in ("pbs", "sampled"):  # its query block, in its head
-        size = cfg.pbs.block_size if method == "pbs" else cfg.params_of(SampledParams).block_size
+    if method in ("pbs", "sampled", "peak"):  # its query block, in its head
+        size = cfg.pbs.block_size if method == "pbs" else cfg.params_of(method).block_size
         region[batch, head, row // size * size: row // size * size + size] = True
     elif method == "sparge":
         size = cfg.sparge.block_size_q
@@ -838,9 +853,9 @@ def test_nan_query_row_stays_confined(method, planner):
     torch.testing.assert_close(out[outside], clean[outside], rtol=1e-5, atol=1e-6)
     # the selectors: a query block with non-finite pooled statistics keeps every visible tile (the sampled
     # selector: when the row is one it scores; an unsampled NaN row leaves the plan as it was)
-    sampled = cfg.params_of(SampledParams)
+    sampled = cfg.params_of(method if method in ("sampled", "peak") else "sampled")
     sampled_row = (row % sampled.block_size) % sampled.sample_every == sampled.sample_every - 1
-    if method != "s2o" and (method != "sampled" or sampled_row):
+    if method != "s2o" and (method not in ("sampled", "peak") or sampled_row):
         vis = block_visibility(NAN_N, NAN_N, plan.block_m, plan.block_n, key_index=plan.key_index, batch=2,
                                heads=plan.tile_counts.shape[1])
         visible = expand_heads((vis != VISIBLE_NONE).sum(-1, dtype=torch.int32), plan.tile_counts.shape[1])

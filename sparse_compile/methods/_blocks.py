@@ -10,7 +10,7 @@ from ..kernels.validate import cdiv, expand_heads
 from ..plan import VISIBLE_NONE, VISIBLE_PARTIAL, BlockPlan, block_visibility, plan_from_block_mask
 from ._common import Reordering
 
-__all__ = ["visibility", "diagonal_tiles", "first_key_tile", "finish_plan", "keep_top_budget", "finish_budget_plan"]
+__all__ = ["strided_rows", "visibility", "diagonal_tiles", "first_key_tile", "finish_plan", "keep_top_budget", "finish_budget_plan"]
 
 
 def visibility(num_queries: int, num_keys: int, block_m: int, block_n: int, reordering: Reordering, batch: int,
@@ -79,6 +79,9 @@ def keep_top_budget(scores: torch.Tensor, visible: torch.Tensor, forced: torch.T
     ranked = visible & ~forced & ~unreadable
     key = torch.where(ranked, scores, torch.full((), float("-inf"), dtype=scores.dtype, device=scores.device))
     order = torch.argsort(key, dim=-1, descending=True, stable=True)
+    # ranked tiles first (a ranked tile scored -inf must not lose its place to an unranked one)
+    order = order.gather(-1, torch.argsort(ranked.gather(-1, order).to(torch.int8), dim=-1, descending=True,
+                                           stable=True))
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
                                             .expand_as(order))
     return ((rank < allowed) & ranked) | unreadable | forced
@@ -100,3 +103,14 @@ def finish_budget_plan(scores: Optional[torch.Tensor], q: torch.Tensor, k: torch
     if params.keep_first_block:
         forced = forced | first_key_tile(reordering, num_keys, bs, batch, heads_q, q.device)
     return finish_plan(keep_top_budget(scores, visible, forced, params.budget), vis, bs, bs, reordering)
+
+
+def strided_rows(num_queries: int, block: int, every: int, device=None) -> torch.Tensor:
+    """int64 (nqb * block // every,) query rows a strided-row selector scores, block by block: rows every-1,
+    2*every-1, ..., block-1 of each query block (the block's last row among them, so every key any row of the block
+    sees is seen by a sampled row); in a ragged last block, rows past its end are replaced by its last row."""
+    nqb = -(-num_queries // block)
+    per = max(1, block // every)
+    start = torch.arange(nqb, device=device)[:, None] * block
+    rows = start + (every - 1) + torch.arange(per, device=device)[None, :] * every
+    return torch.minimum(rows, torch.clamp(start + block, max=num_queries) - 1).reshape(-1)

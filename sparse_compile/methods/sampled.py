@@ -49,7 +49,9 @@ import torch
 from ..config import MethodParams, block_field, check_share, check_stride, fail
 from ..plan import BlockPlan
 from ..registry import DensityKnob, Method, register_method
-from ._blocks import finish_budget_plan, keep_top_budget  # noqa: F401 (keep_top_budget: step 5)
+from ._blocks import finish_budget_plan, keep_top_budget, strided_rows  # noqa: F401 (keep_top_budget: step 5)
+
+sampled_rows = strided_rows  # step 1's rows
 from ._common import Reordering, chunk_count, compute_dtype, group_scores
 
 __all__ = ["SampledParams", "sampled_rows", "sampled_tile_logits", "select_sampled", "select_sampled_fast"]
@@ -80,15 +82,6 @@ class SampledParams(MethodParams):
         if self.sample_every > self.block_size:
             fail("SampledParams", "sample_every",
                  f"must be a power of two <= block_size={self.block_size}, got {self.sample_every}")
-
-
-def sampled_rows(num_queries: int, block: int, every: int, device=None) -> torch.Tensor:
-    """int64 (nqb * block // every,) query rows scored, block by block (step 1 of the module docstring)."""
-    nqb = -(-num_queries // block)
-    per = max(1, block // every)
-    start = torch.arange(nqb, device=device)[:, None] * block
-    rows = start + (every - 1) + torch.arange(per, device=device)[None, :] * every
-    return torch.minimum(rows, torch.clamp(start + block, max=num_queries) - 1).reshape(-1)
 
 
 def sampled_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: int, every: int) -> torch.Tensor:
@@ -148,17 +141,20 @@ def select_sampled(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: R
 # -- GPU fast path: the masses from a Triton kernel -------------------------------------------------------------
 def select_sampled_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering,
                         config) -> BlockPlan:
-    """= ``select_sampled``: the masses from ``kernels.sampled`` (the selection's cost), ranked in PyTorch (one
-    sort of the block-level table)."""
+    """= ``select_sampled``: the masses from ``kernels.sampled`` (the selection's cost), the ranking and the plan
+    rows from ``kernels.budget``."""
+    from ..kernels.budget import budget_select
     from ..kernels.sampled import sampled_mass_logits
+    from ._fast import plan_from_tables, tile_grid
 
     if reordering.key_index is not None or reordering.query_index is not None:
         raise ValueError("the sampled selector takes keys and queries in order (reorder 'none')")
     params = config.params_of(SampledParams)
     bs = params.block_size
-    keep_all = params.budget >= 1.0
-    scores = None if keep_all else sampled_mass_logits(q, k, scale, bs, bs, params.sample_every)
-    return finish_budget_plan(scores, q, k, reordering, params)
+    grid = tile_grid(q, k, reordering, bs, bs)
+    scores = None if params.budget >= 1.0 else sampled_mass_logits(q, k, scale, bs, bs, params.sample_every)
+    tables = budget_select(grid, scores, params.budget, keep_first_key=params.keep_first_block)
+    return plan_from_tables(bs, bs, tables, reordering)
 
 
 register_method(Method(

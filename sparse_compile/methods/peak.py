@@ -1,0 +1,150 @@
+"""Sampled-row peak selection (built here): tiles ranked by the best exact score of a sample of query rows,
+measured against what those rows already read in the tiles every plan keeps. One pass over the keys, no exp.
+
+Why: ``sampled`` keeps retrieval because it scores sampled rows exactly (a lookup is one row and one key, and
+pooling dilutes both), but its two passes with exp cost about 2/k of dense attention's QK^T and exp. Ranking the
+same rows' tiles by their largest score instead of their softmax mass lists the same lookups (the sampled-row
+rankings by mass and by max agree at every sample rate, ``benchmarks/bench_selectors.py --plan-only``,
+docs/methods.md), and a max needs neither exp nor the row's final normaliser when it is measured against a level
+known before the pass: the row's best score in the tiles the plan keeps anyway.
+
+Per query head h and query block i of B rows (keys in order; queries are the last Nq of Nk positions):
+
+1. Sampled rows: ``sampled``'s (rows k-1, 2k-1, ..., B-1 of the block; k = ``sample_every``).
+2. Each sampled row r: its level L_r = max of its exact scores q_r . k_j * scale over the keys j <= its position
+   in the block's diagonal tiles (the tiles holding the block's own positions) and, if ``keep_first_block``, in
+   tile 0 (the attention sink): the keys the plan keeps whatever the ranking says.
+3. s_ij = max over the block's sampled rows r and the keys j <= r's position in tile j of (score - L_r): how far
+   the tile's best key rises above what the row reads anyway (> 0: it would take the row's softmax over).
+4. The forced tiles (the diagonal tiles; tile 0 if ``keep_first_block``) and the block's ceil(budget x visible
+   tiles) (at least one) other tiles of highest s_ij (ties: lower tile first), as ``sampled``.
+
+Cost on the GPU (``kernels.peak``): one pass of QK^T over 1/k of the rows with a row max per tile (no exp), plus
+the diagonal tiles once more for the levels; all of a KV head's query heads share each key tile load. The ranking
+and the plan rows come from one fused top-share kernel (``kernels.budget``).
+
+Non-finite inputs: a block whose sampled rows score any key they see as NaN or +inf, or whose level is not finite,
+keeps every visible tile (its scores are NaN). So a NaN or +inf key reaches every row that sees it (the block's
+last row sees it), and a block whose sampled row is NaN keeps every visible tile. A -inf score weighs nothing.
+
+GQA: per query head (the keys of its KV head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..config import MethodParams, block_field, check_share, check_stride, fail
+from ..plan import BlockPlan
+from ..registry import DensityKnob, Method, register_method
+from ._blocks import finish_budget_plan, strided_rows
+from ._common import Reordering, chunk_count, compute_dtype, group_scores
+
+__all__ = ["PeakParams", "peak_tile_scores", "select_peak", "select_peak_fast"]
+
+
+@dataclass(frozen=True)
+class PeakParams(MethodParams):
+    """Sampled-row peak selection: every ``sample_every``-th row's best score per key tile, above the row's level in
+    the tiles always kept; a fixed share of tiles per block.
+
+    Each query block keeps its diagonal tile(s), the sink tile (``keep_first_block``) and its ceil(``budget`` x
+    visible tiles) other tiles of highest peak; ``budget=1.0`` keeps every causal block. ``block_size`` is the
+    query block and the key tile.
+    """
+
+    block_size: int = 128
+    sample_every: int = 8
+    budget: float = 0.1
+    keep_first_block: bool = True
+
+    field_checks: ClassVar[dict] = {"block_size": block_field(), "sample_every": check_stride,
+                                    "budget": check_share}
+
+    def check_fields(self) -> None:
+        if self.sample_every > self.block_size:
+            fail("PeakParams", "sample_every",
+                 f"must be a power of two <= block_size={self.block_size}, got {self.sample_every}")
+
+
+def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int, every: int,
+                     keep_first_block: bool) -> torch.Tensor:
+    """(B, Hq, nqb, nkt) in the compute dtype: s_ij of the module docstring (steps 1-3); NaN in every tile of a
+    block whose sampled rows see a NaN or +inf score or have a non-finite level. Key chunks at a time (levels, then
+    peaks); never the (rows x Nk) matrix whole."""
+    batch, heads_q, num_queries, _ = q.shape
+    num_keys = k.shape[2]
+    cdt = compute_dtype(q)
+    dev = q.device
+    rows = strided_rows(num_queries, block, every, dev)
+    per = max(1, block // every)
+    nqb, nkt = -(-num_queries // block), -(-num_keys // block)
+    qs = q[:, :, rows].to(cdt)  # (B, Hq, R, D)
+    offset = num_keys - num_queries
+    positions = rows + offset
+    diagonal_start = ((rows // block) * block + offset) // block * block  # first key of the block's first diagonal
+    step = chunk_count(batch * heads_q * rows.numel() * block) * block  # keys per chunk: whole tiles
+    minus_inf = torch.full((), float("-inf"), dtype=cdt, device=dev)
+    chunks = [(c0, min(c0 + step, num_keys)) for c0 in range(0, num_keys, step)]
+
+    def seen_scores(c0: int, c1: int):
+        keys = torch.arange(c0, c1, device=dev)
+        z = group_scores(qs, k[:, :, c0:c1].to(cdt)) * scale
+        kept = keys[None, :] >= diagonal_start[:, None]
+        if keep_first_block:
+            kept = kept | (keys < block)[None, :]
+        return torch.where(keys[None, :] <= positions[:, None], z, minus_inf), kept
+
+    level = torch.full((batch, heads_q, rows.numel()), float("-inf"), dtype=cdt, device=dev)
+    top = level.clone()
+    for c0, c1 in chunks:
+        z, kept = seen_scores(c0, c1)
+        level = torch.maximum(level, torch.where(kept, z, minus_inf).amax(-1))
+        top = torch.maximum(top, z.amax(-1))  # NaN propagates
+    bad = ~(torch.isfinite(top) & torch.isfinite(level))
+    out = torch.empty((batch, heads_q, nqb, nkt), dtype=cdt, device=dev)
+    for c0, c1 in chunks:
+        z, _ = seen_scores(c0, c1)
+        pad = -(c1 - c0) % block
+        tiles = (c1 - c0 + pad) // block
+        z = torch.nn.functional.pad(z, (0, pad), value=float("-inf")).view(batch, heads_q, -1, tiles, block)
+        peak = z.amax(-1) - level[..., None]
+        out[..., c0 // block: c0 // block + tiles] = peak.view(batch, heads_q, nqb, per, tiles).amax(-2)
+    block_bad = bad.view(batch, heads_q, nqb, per).any(-1)
+    return torch.where(block_bad[..., None], torch.full((), float("nan"), dtype=cdt, device=dev), out)
+
+
+def select_peak(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
+    params = config.params_of(PeakParams)
+    keep_all = params.budget >= 1.0
+    scores = None if keep_all else peak_tile_scores(q, k, scale, params.block_size, params.sample_every,
+                                                    params.keep_first_block)
+    return finish_budget_plan(scores, q, k, reordering, params)
+
+
+def select_peak_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering,
+                     config) -> BlockPlan:
+    """= ``select_peak``: the peaks from ``kernels.peak``, the ranking and the plan rows from ``kernels.budget``."""
+    from ..kernels.budget import budget_select
+    from ..kernels.peak import peak_tile_scores as peak_kernel
+    from ._fast import plan_from_tables, tile_grid
+
+    if reordering.key_index is not None or reordering.query_index is not None:
+        raise ValueError("the peak selector takes keys and queries in order (reorder 'none')")
+    params = config.params_of(PeakParams)
+    bs = params.block_size
+    grid = tile_grid(q, k, reordering, bs, bs)
+    scores = None if params.budget >= 1.0 else peak_kernel(q, k, scale, bs, params.sample_every,
+                                                           params.keep_first_block)
+    tables = budget_select(grid, scores, params.budget, keep_first_key=params.keep_first_block)
+    return plan_from_tables(bs, bs, tables, reordering)
+
+
+register_method(Method(
+    name="peak", params=PeakParams, select=select_peak, fast_select=select_peak_fast,
+    density=DensityKnob("budget"), keep_all={"budget": 1.0},
+    description="strided-row peak: every k-th query row's best score per key tile above its kept tiles, one pass",
+))
