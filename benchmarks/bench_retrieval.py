@@ -64,7 +64,7 @@ import retrieval_families as rf  # noqa: E402
 import retrieval_tasks as rt  # noqa: E402
 import train_small_lm as tsl  # noqa: E402
 from bench_e2e import calibrate  # noqa: E402
-from harness import RUNS_DIR, write_results  # noqa: E402
+from harness import RUNS_DIR, format_table, read_store, write_results  # noqa: E402
 
 # bisection steps of a density knob: on a model with concentrated attention, mass thresholds must come within 1e-4
 # of 1 (and S2O's early stop within 1e-5 of 0) before ρ 0.2-0.3 is kept; 10 steps end at 0.999 / 0.0005
@@ -395,7 +395,8 @@ def run(args) -> list[dict]:
     return rows
 
 
-def plot(rows: list, path: Path, metric: str = "exact", ylabel: str = "values retrieved exactly") -> None:
+def plot(rows: list, path: Path, metric: str = "exact", ylabel: str = "values retrieved exactly",
+         ylim: Optional[tuple] = (-0.02, 1.02)) -> None:
     try:
         import matplotlib
 
@@ -419,13 +420,37 @@ def plot(rows: list, path: Path, metric: str = "exact", ylabel: str = "values re
         ax.set_title(f"{n // 1024}K", fontsize=9)
         ax.set_xlabel("density (kept causal tiles)")
         ax.set_ylabel(ylabel)
-        ax.set_ylim(-0.02, 1.02)
+        if ylim is not None:
+            ax.set_ylim(*ylim)
         ax.grid(alpha=0.3)
-    if axes[0][-1].get_legend_handles_labels()[0]:  # a dense-only length or a metric with no values has none
-        axes[0][-1].legend(fontsize=7)
+    # the legend on the panel with the most curves (a dense-only length or a metric with no values has none)
+    fullest = max(axes[0], key=lambda ax: len(ax.get_legend_handles_labels()[0]))
+    if fullest.get_legend_handles_labels()[0]:
+        fullest.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def report(commits: list, name: str) -> None:
+    """``--report``: the format-family table and its plots from the store's rows of ``commits`` (the latest row per
+    length, contender and metric wins), into ``results/<name>_*.png``."""
+    wide: dict = {}
+    for r in read_store("bench_retrieval"):
+        if r.get("commit") in commits and "--families" in r.get("command", ""):
+            key = (r["N"], r["contender"])
+            row = wide.setdefault(key, {"N": r["N"], "contender": r["contender"], "params": r.get("params")})
+            if r["date"] >= row.get("_date", {}).get(r["metric"], ""):
+                row[r["metric"]] = r["value"]
+                row.setdefault("_date", {})[r["metric"]] = r["date"]
+    rows = sorted(wide.values(), key=lambda r: (r["N"], r["contender"] != "dense", r["contender"]))
+    for r in rows:
+        r.pop("_date", None)
+    print(format_table(rows, ["N", "contender", "density", "family_train", "family_heldout", "natural_bpb.4K-16K",
+                              "natural_bpb.16K+", "params"]))
+    out = tsl.REPO / "benchmarks" / "results"
+    plot(rows, out / f"{name}_family_heldout.png", "family_heldout", "held-out families: exact")
+    plot(rows, out / f"{name}_natural.png", "natural_bpb.4K-16K", "natural bytes 4K-16K back: bits/byte", None)
 
 
 def main(argv=None) -> None:
@@ -473,7 +498,11 @@ def main(argv=None) -> None:
                              "--natural), seconds (minutes with a checkpoint); options given explicitly are kept")
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default="retrieval")
+    parser.add_argument("--report", nargs="+", default=None, metavar="COMMIT",
+                        help="only the table and plots of the format-family rows of these commits in the store")
     args = parser.parse_args(argv)
+    if args.report:
+        return report(args.report, args.name)
     args.families = families_of(args.families)
     if args.smoke:
         smoke = {"lengths": [2048] if args.families or args.natural else [1024], "per_task": 1,

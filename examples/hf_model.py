@@ -48,7 +48,8 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     parser.add_argument("--arch", default="llama", choices=sorted(ARCHS))
     parser.add_argument("--seq-len", type=int, default=32768 if cuda else 2048)
-    parser.add_argument("--method", default="pbs", choices=list(sparse_compile.registry.registered_methods()))
+    parser.add_argument("--method", default=sparse_compile.config.DEFAULT_METHOD,
+                        choices=list(sparse_compile.registry.registered_methods()))
     parser.add_argument("--full-size", action="store_true", help="Llama-3.1-8B shapes (GPU)")
     parser.add_argument("--generate", action="store_true", help="generate() on a left-padded batch")
     args = parser.parse_args()

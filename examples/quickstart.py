@@ -2,7 +2,7 @@
 
     python examples/quickstart.py                  # CPU: small model, 2K tokens (checks results, not speed)
     python examples/quickstart.py --seq-len 65536  # GPU: bf16, Triton kernels
-    python examples/quickstart.py --method sampled # any registered method
+    python examples/quickstart.py --method pbs     # any registered method
 
 Prints how close the last-token logits are with sparsity on and off, what each attention site ran, and its
 density: the share of the causal attention tiles the sparse path computed (1.0 = everything dense attention
@@ -80,7 +80,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cuda = torch.cuda.is_available()
     parser.add_argument("--seq-len", type=int, default=32768 if cuda else 2048)
-    parser.add_argument("--method", default="pbs", choices=list(sparse_compile.registry.registered_methods()))
+    parser.add_argument("--method", default=sparse_compile.config.DEFAULT_METHOD,
+                        choices=list(sparse_compile.registry.registered_methods()))
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
 

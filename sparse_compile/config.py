@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the built-in methods' parameter types, for the typed proper
     from .methods.s2o import S2OParams
     from .methods.sparge import SpargeParams
 
-__all__ = ["SparseConfig", "MethodParams", "KERNEL_NAMES", "PLANNER_NAMES", "MAX_BLOCK", "MAX_INT", "check_block",
+__all__ = ["SparseConfig", "DEFAULT_METHOD", "MethodParams", "KERNEL_NAMES", "PLANNER_NAMES", "MAX_BLOCK", "MAX_INT", "check_block",
            "check_fraction", "check_int", "check_finite", "fail", "normalize_site_params", "block_field",
            "fraction_field", "int_field", "finite_field", "optional_field", "check_skip_layers"]
 
@@ -243,11 +243,17 @@ def normalize_site_params(value: Any, owner: str = "SparseConfig.site_params") -
     return tuple(sorted(out))
 
 
+#: what a user gets with no options: the selector that keeps >= 95% of dense retrieval on formats the retrieval model
+#: never trained on, at 16K-64K (docs/results.md "Retrieval"); PBS, faster, keeps 0.2-0.6 of it at density 0.1
+DEFAULT_METHOD = "sampled"
+
+
 @dataclass(frozen=True, init=False)
 class SparseConfig:
     """Everything the ``sparse_prefill`` backend and ``sparse_attention`` need.
 
-    method          a registered method (``registry.py``): a preset of a reorder stage and a select stage.
+    method          a registered method (``registry.py``): a preset of a reorder stage and a select stage; default
+                    ``DEFAULT_METHOD`` (``sampled``).
     reorder/select  override the preset's stages (``method="pbs", reorder="none"``: PBS's selector without its
                     permutation; the valid pairs come from the registry).
     enabled         False runs exact dense attention everywhere.
@@ -273,7 +279,7 @@ class SparseConfig:
                     ``options`` take it: ``SparseConfig(threshold=0.5)`` is ``SparseConfig(pbs={"threshold": 0.5})``.
     """
 
-    method: str = "pbs"
+    method: str = DEFAULT_METHOD
     reorder: Optional[str] = None
     select: Optional[str] = None
     enabled: bool = True
@@ -286,7 +292,7 @@ class SparseConfig:
     site_params: tuple = ()
     params: tuple = ()
 
-    def __init__(self, method: str = "pbs", reorder: Optional[str] = None, select: Optional[str] = None,
+    def __init__(self, method: str = DEFAULT_METHOD, reorder: Optional[str] = None, select: Optional[str] = None,
                  enabled: bool = True, min_seq_len: int = 16384, skip_layers=(), kernel: str = "auto",
                  planner: str = "auto", record_density: bool = False, dense_when_faster: bool = True,
                  site_params=None, params=None, pbs: Union[PBSParams, Mapping[str, Any], None] = None,
@@ -418,7 +424,7 @@ class SparseConfig:
                              f"{type(options).__name__}")
         options = dict(options or {})
         valid = list(cls.field_names())
-        stage = options.get("select") or options.get("method", "pbs")
+        stage = options.get("select") or options.get("method", DEFAULT_METHOD)
         if isinstance(stage, str) and stage in registered_methods():  # its parameters by their own names
             valid += [name for name in method_spec(stage).params.field_names() if name not in valid]
         unknown = sorted(set(options) - set(valid) - {"params"})

@@ -126,7 +126,8 @@ def test_from_pretrained_attn_implementation_and_regions(tmp_path):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         assert calls("sparse") == {site: 0 for site in sites}
         assert all(r == {"q_len 64 < min_seq_len 16384"} for r in reasons("dense").values()), reasons("dense")
-        with sparse_compile.sparsity(min_seq_len=2, threshold=1.0, block_size=16, segment_size=32):
+        with sparse_compile.sparsity(method="pbs", min_seq_len=2, threshold=1.0, block_size=16,
+                                     segment_size=32):
             out = model(ids).logits  # a region applies as it does to compiled models
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         assert calls("sparse") == {site: 1 for site in sites}

@@ -423,7 +423,8 @@ def test_op_with_key_padding_on_gpu_equals_masked_dense(method):
 def test_break_even_runs_dense_where_the_last_plan_was_too_dense(monkeypatch):
     from sparse_compile import breakeven
 
-    config = SparseConfig(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32})  # threshold 0.9: dense plans
+    # PBS at threshold 0.9: dense plans
+    config = SparseConfig(method="pbs", min_seq_len=2, pbs={"block_size": 16, "segment_size": 32})
     shape = "16x16+keys"
     # a table for the CPU: the sparse kernel at every tile costs 1.25x dense, selection 10%: break-even 0.68 with
     # the 5% margin the sparse path must be predicted to gain
@@ -489,7 +490,7 @@ def test_early_stop_replan_runs_one_kv_group(monkeypatch):
 def test_break_even_below_any_plan_skips_planning(monkeypatch):
     from sparse_compile import breakeven, methods
 
-    config = SparseConfig(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32})
+    config = SparseConfig(method="pbs", min_seq_len=2, pbs={"block_size": 16, "segment_size": 32})
     # selection alone costs 1.5x dense: break-even 0, below the least density of any 16x16 plan
     monkeypatch.setattr(breakeven, "_TABLES", {"cpu": {"16x16+keys": {"64": {"kernel": 1.0, "select": 1.5}}}})
     breakeven.HISTORY.clear()

@@ -150,7 +150,7 @@ def test_calibrated_config_compiled_in_through_inductor(setup):
 
 def test_region_applies_calibration_without_recompiling(setup):
     model, ids, calibrations = setup
-    backend = Rewriter(SparseConfig(record_density=True, **SMALL))
+    backend = Rewriter(SparseConfig(method="pbs", record_density=True, **SMALL))
     compiled = torch.compile(model, backend=backend)
     with torch.no_grad():
         compiled(ids)
@@ -180,7 +180,7 @@ def test_region_applies_calibration_without_recompiling(setup):
 
 
 def test_site_params_belong_to_their_method():
-    config = SparseConfig(site_params={"a.0": {"threshold": 0.5}})
+    config = SparseConfig(method="pbs", site_params={"a.0": {"threshold": 0.5}})
     with sparsity(method="bfla", mass_threshold=0.9):  # another method: the pbs values stay behind
         assert resolve(config).method == "bfla" and not resolve(config).site_params
     with sparsity(threshold=0.7):  # the site's own value wins at the site
@@ -189,7 +189,7 @@ def test_site_params_belong_to_their_method():
     with sparsity(site_params={}):
         assert not resolve(config).site_params
     assert not config.keep_all().site_params
-    eager = SparseConfig(site_params={"sparse_attention": {"threshold": 1.0}}, **SMALL)
+    eager = SparseConfig(method="pbs", site_params={"sparse_attention": {"threshold": 1.0}}, **SMALL)
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
     torch.testing.assert_close(sparse_compile.sparse_attention(q, k, v, config=eager),
                                dense_causal_attention(q, k, v), rtol=1e-5, atol=1e-5)
@@ -197,7 +197,7 @@ def test_site_params_belong_to_their_method():
 
 
 def test_site_config_lookup_is_cached():
-    config = SparseConfig(site_params={"a.0": {"threshold": 0.5}})
+    config = SparseConfig(method="pbs", site_params={"a.0": {"threshold": 0.5}})
     assert config.for_site("a.0") is config.for_site("a.0")  # no rebuilding per call of the op
     assert config.for_site("a.1") is config
     plain = SparseConfig()
@@ -252,9 +252,9 @@ def test_bad_inputs_name_the_problem():
     with pytest.raises(ValueError, match=r"site_params\['a.0'\].*unknown parameter.*'mass_threshold'"):
         SparseConfig(site_params={"a.0": {"mass_threshold": 0.5}})
     with pytest.raises(ValueError, match=r"site_params\['a.0'\].*threshold.*\[0.0, 1.0\]"):
-        SparseConfig(site_params={"a.0": {"threshold": 2.0}})
+        SparseConfig(method="pbs", site_params={"a.0": {"threshold": 2.0}})
     with pytest.raises(ValueError, match="module paths"):
-        SparseConfig(site_params={3: {"threshold": 0.5}})
+        SparseConfig(method="pbs", site_params={3: {"threshold": 0.5}})
     with pytest.raises(ValueError, match="must be a dict"):
         SparseConfig(site_params=["a.0"])
     with pytest.raises(ValueError, match=r"sparsity\(site_params=...\)\['a.0'\]: unknown parameter.*'bogus'"):
@@ -263,7 +263,8 @@ def test_bad_inputs_name_the_problem():
 
 def test_site_params_for_no_site_of_the_graph_warn():
     model, ids = tiny_llama()
-    config = SparseConfig(site_params={"layers.0.self_attn": {"threshold": 0.5}}, **SMALL)  # paths of model.model
+    # paths of model.model
+    config = SparseConfig(method="pbs", site_params={"layers.0.self_attn": {"threshold": 0.5}}, **SMALL)
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
         torch.compile(model, backend=Rewriter(config))(ids)

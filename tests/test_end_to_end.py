@@ -123,8 +123,8 @@ def test_generate_prefill_sparse_decode_dense_tokens_equal_eager():
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=6, do_sample=False)
         model.forward = torch.compile(model.forward, backend="sparse_prefill",
-                                      options=dict(SMALL_BLOCKS, pbs={"block_size": 16, "segment_size": 32,
-                                                                      "threshold": 1.0}))
+                                      options=dict(SMALL_BLOCKS, method="pbs",
+                                                   pbs={"block_size": 16, "segment_size": 32, "threshold": 1.0}))
         out = model.generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(out, ref)
     stats = sparse_compile.runtime_stats()

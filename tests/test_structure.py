@@ -166,7 +166,8 @@ def _code_mentions(path: Path, word: str) -> list[int]:
 
 def test_a_method_with_kernels_is_its_own_files_and_one_line():
     """``sampled`` (a method with fast stages and kernels of its own) is named in code only by its two files, its
-    registration line in ``methods/__init__.py`` and the package's public name of its parameters."""
+    registration line in ``methods/__init__.py``, the package's public name of its parameters and the package
+    default (``DEFAULT_METHOD = "sampled"`` in ``config.py``)."""
     own = {ROOT / "sparse_compile" / "methods" / "sampled.py", ROOT / "kernels" / "sampled.py"}
     found = {}
     for path in _modules().values():
@@ -177,6 +178,9 @@ def test_a_method_with_kernels_is_its_own_files_and_one_line():
     assert public and all("SampledParams" in init[n - 1] for n in public), public
     registration = found.pop("sparse_compile/methods/__init__.py", [])
     assert len(registration) == 1, registration
+    config = (ROOT / "sparse_compile" / "config.py").read_text().splitlines()
+    default = found.pop("sparse_compile/config.py", [])  # ``DEFAULT_METHOD = "sampled"``: the package default
+    assert default and all("DEFAULT_METHOD" in config[n - 1] for n in default), default
     assert found == {}, f"code outside the method's files that names it: {found}"
 
 

@@ -44,12 +44,12 @@ def test_input_requiring_grad_takes_the_differentiable_dense_path():
 
 # 2. a nested region re-enabled sparsity
 def test_nested_region_inherits_disabled():
-    base = SparseConfig(**SMALL)
+    base = SparseConfig(method="pbs", **SMALL)
     with sparsity(enabled=False):
         with sparsity(threshold=0.5):
             assert resolve(base).enabled is False and resolve(base).pbs.threshold == 0.5
     model = small_model()
-    compiled = torch.compile(model, backend="sparse_prefill", options=dict(SMALL, enabled=False))
+    compiled = torch.compile(model, backend="sparse_prefill", options=dict(SMALL, method="pbs", enabled=False))
     with torch.no_grad(), sparsity(threshold=0.5):
         compiled(torch.randint(0, 64, (1, 40)))
     stats = sparse_compile.runtime_stats()

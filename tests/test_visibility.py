@@ -137,7 +137,7 @@ def test_recompile_limit_that_drops_attention_to_dense_is_warned(low_recompile_l
 @pytest.mark.parametrize("how", ["torch.compile", "model.compile", "bound backend"])
 def test_explain_uses_the_compiled_models_options(how):
     model, x = EncoderDecoder().eval(), torch.randn(1, 24, 32)
-    options = {**OPTIONS, "threshold": 0.5}
+    options = {**OPTIONS, "method": "pbs", "threshold": 0.5}
     if how == "torch.compile":
         compiled = torch.compile(model, backend="sparse_prefill", options=options)
     elif how == "bound backend":  # the README's way to pass mode= too
@@ -155,19 +155,20 @@ def test_explain_uses_the_compiled_models_options(how):
 
 
 def test_one_vocabulary_for_options_sparseconfig_and_sparsity():
-    expected = SparseConfig(pbs={"threshold": 0.5})
-    assert SparseConfig(threshold=0.5) == expected
-    assert SparseConfig.from_options({"threshold": 0.5}) == expected
+    expected = SparseConfig(method="pbs", pbs={"threshold": 0.5})
+    assert SparseConfig(method="pbs", threshold=0.5) == expected
+    assert SparseConfig.from_options({"method": "pbs", "threshold": 0.5}) == expected
     with sparsity(threshold=0.5):
-        assert resolve(SparseConfig()) == expected
+        assert resolve(SparseConfig(method="pbs")) == expected
     bfla = SparseConfig.from_options({"method": "bfla", "mass_threshold": 0.9})
     assert bfla.bfla.mass_threshold == 0.9 and SparseConfig(method="bfla", mass_threshold=0.9) == bfla
-    assert SparseConfig(threshold=0.5).replace(threshold=0.7).pbs.threshold == 0.7
+    assert SparseConfig(method="pbs", threshold=0.5).replace(threshold=0.7).pbs.threshold == 0.7
 
     # a name that belongs to no method, or to another method than the configured one: refused, naming the valid
-    with pytest.raises(ValueError, match=r"unknown key.*'bogus'.*valid keys.*'min_seq_len'.*'threshold'"):
+    # (with no method given, those of the default method, sampled)
+    with pytest.raises(ValueError, match=r"unknown key.*'bogus'.*valid keys.*'min_seq_len'.*'budget'"):
         SparseConfig.from_options({"bogus": 1})
-    with pytest.raises(ValueError, match=r"unknown field.*'bogus'.*valid.*'min_seq_len'.*'threshold'"):
+    with pytest.raises(ValueError, match=r"unknown field.*'bogus'.*valid.*'min_seq_len'.*method 'sampled'.*'budget'"):
         SparseConfig(bogus=1)
     with pytest.raises(ValueError, match=r"unknown parameter.*'bogus'.*valid.*'min_seq_len'.*'threshold'"):
         sparsity(bogus=1)
@@ -176,7 +177,7 @@ def test_one_vocabulary_for_options_sparseconfig_and_sparsity():
     with pytest.raises(ValueError, match=r"unknown field.*'threshold'.*method 'bfla'.*'mass_threshold'"):
         SparseConfig(method="bfla", threshold=0.5)
     with pytest.raises(ValueError, match=r"PBSParams.threshold: must be a number in \[0.0, 1.0\], got 2.0"):
-        SparseConfig.from_options({"threshold": 2.0})
+        SparseConfig.from_options({"method": "pbs", "threshold": 2.0})
 
 
 def test_unknown_option_is_a_plain_value_error_at_the_first_call():
@@ -184,7 +185,7 @@ def test_unknown_option_is_a_plain_value_error_at_the_first_call():
 
     compiled = torch.compile(lambda a: a + 1, backend="sparse_prefill", options={"bogus": 1})
     with pytest.raises(ValueError, match=r"^sparse_prefill options: unknown key\(s\) \['bogus'\]; valid keys: "
-                                         r"\[.*'min_seq_len'.*'threshold'") as info:
+                                         r"\[.*'min_seq_len'.*'budget'") as info:
         compiled(torch.ones(3))
     assert not isinstance(info.value, BackendCompilerFailed)
     assert "TORCHDYNAMO_VERBOSE" not in str(info.value)  # no advice for reporting a PyTorch bug
