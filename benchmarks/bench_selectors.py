@@ -66,16 +66,19 @@ def sampled_max_scores(q, k, scale: float, block: int, every: int) -> torch.Tens
 
 
 @contextlib.contextmanager
-def attention_by(model, config, capture=None):
+def attention_by(model, config, capture=None, values: bool = False):
     """Inside the block the model's attention calls run ``sparse_compile.sparse_attention`` with ``config`` (None:
-    dense SDPA); ``capture`` collects each call's (q, k). Only this model's module sees the replacement."""
+    dense SDPA); ``capture`` collects each call's (q, k), or (q, k, v) with ``values``. Only this model's module sees
+    the replacement."""
     module = sys.modules[type(model.layers[0].attention).__module__]
     functional = module.F
 
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         assert is_causal and attn_mask is None, "the example model's call only"
         if capture is not None:
-            capture.append((q.detach().clone(), k.detach().clone()))
+            # the readers of a capture score it at the default scale 1/sqrt(D)
+            assert scale is None, "a captured call must use the default scale"
+            capture.append(tuple(x.detach().clone() for x in ((q, k, v) if values else (q, k))))
         if config is None:
             return functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                            enable_gqa=enable_gqa)

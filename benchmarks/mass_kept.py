@@ -37,12 +37,10 @@ Rows: ``results/mass_kept.jsonl`` (``harness.append_store``), one per (prompt, l
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import random
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -53,6 +51,7 @@ import sparse_compile  # noqa: E402
 import retrieval_families as rf  # noqa: E402
 import train_small_lm as tsl  # noqa: E402
 from bench_e2e import calibrate  # noqa: E402
+from bench_selectors import attention_by  # noqa: E402
 from harness import append_store, format_table  # noqa: E402
 from sparse_compile.kernels.validate import expand_heads  # noqa: E402
 from sparse_compile.methods import build_plan  # noqa: E402
@@ -67,26 +66,6 @@ CONTENDERS = {  # name: (method, reorder override, fixed parameters)
     "sampled": ("sampled", None, {}),
     "peak": ("peak", None, {}),
 }
-
-
-@contextlib.contextmanager
-def capturing_qkv(model, capture: list):
-    """Dense SDPA inside the block, each attention call's (q, k, v) appended to ``capture``; as
-    ``bench_selectors.attention_by``, only the model's module sees the replacement of its ``F``."""
-    module = sys.modules[type(model.layers[0].attention).__module__]
-    functional = module.F
-
-    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        assert is_causal and attn_mask is None and scale is None, "the example model's call only"
-        capture.append((q.detach().clone(), k.detach().clone(), v.detach().clone()))
-        return functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
-
-    module.F = types.SimpleNamespace(**{n: getattr(functional, n) for n in dir(functional) if not n.startswith("__")})
-    module.F.scaled_dot_product_attention = sdpa
-    try:
-        yield
-    finally:
-        module.F = functional
 
 
 def dense_probs(q: torch.Tensor, k: torch.Tensor, head: int) -> torch.Tensor:
@@ -312,7 +291,7 @@ def main(argv=None) -> None:
     prompts = []
     for inst in instances:
         capture = []
-        with capturing_qkv(model, capture):
+        with attention_by(model, None, capture, values=True):
             model(inst.tokens[None].long())
         prompts.append(capture)
     layers = args.layers if args.layers is not None else list(range(len(prompts[0])))

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import ClassVar, Optional
 
 import torch
 
+from ..config import MethodParams, block_field, check_share, check_stride, fail
 from ..kernels.validate import cdiv, expand_heads
 from ..plan import VISIBLE_NONE, VISIBLE_PARTIAL, BlockPlan, block_visibility, plan_from_block_mask
 from ._common import Reordering
 
-__all__ = ["strided_rows", "visibility", "diagonal_tiles", "first_key_tile", "finish_plan", "keep_top_budget", "finish_budget_plan"]
+__all__ = ["StridedRowParams", "strided_rows", "visibility", "diagonal_tiles", "first_key_tile", "finish_plan", "keep_top_budget", "finish_budget_plan"]
 
 
 def visibility(num_queries: int, num_keys: int, block_m: int, block_n: int, reordering: Reordering, batch: int,
@@ -114,3 +116,23 @@ def strided_rows(num_queries: int, block: int, every: int, device=None) -> torch
     start = torch.arange(nqb, device=device)[:, None] * block
     rows = start + (every - 1) + torch.arange(per, device=device)[None, :] * every
     return torch.minimum(rows, torch.clamp(start + block, max=num_queries) - 1).reshape(-1)
+
+
+@dataclass(frozen=True)
+class StridedRowParams(MethodParams):
+    """The fields of a selector that scores every ``sample_every``-th row of each query block exactly and keeps a
+    fixed share of tiles per block (``sampled``, ``peak``): ``block_size`` is the query block and the key tile,
+    ``budget`` the share (1.0 keeps every causal block), ``keep_first_block`` keeps the sink tile."""
+
+    block_size: int = 128
+    sample_every: int = 8
+    budget: float = 0.1
+    keep_first_block: bool = True
+
+    field_checks: ClassVar[dict] = {"block_size": block_field(), "sample_every": check_stride,
+                                    "budget": check_share}
+
+    def check_fields(self) -> None:
+        if self.sample_every > self.block_size:
+            fail(type(self).__name__, "sample_every",
+                 f"must be a power of two <= block_size={self.block_size}, got {self.sample_every}")

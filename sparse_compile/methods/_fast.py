@@ -34,7 +34,7 @@ from ..kernels.validate import SUPPORTED_DTYPES
 from ..plan import BlockPlan
 from ._common import Reordering
 
-__all__ = ["available", "tile_grid", "plan_from_tables", "segment_bound", "check_selectable"]
+__all__ = ["available", "tile_grid", "plan_from_tables", "segment_bound", "check_selectable", "budget_plan"]
 
 
 def available(q: torch.Tensor, k: torch.Tensor) -> Optional[str]:
@@ -77,3 +77,17 @@ def plan_from_tables(block_m: int, block_n: int, tables, reordering: Reordering,
                      tile_counts=tables.tile_counts, masked_counts=tables.masked_counts,
                      key_index=reordering.key_index, query_index=reordering.query_index, **options)
 
+
+def budget_plan(scores_of, q, k, reordering: Reordering, params, selector: str) -> BlockPlan:
+    """= ``_blocks.finish_budget_plan`` on the GPU: ``scores_of()`` (B, Hq, nqb, nkt) float32 tile scores, called
+    only when ``params.budget`` keeps a share, ranked and written into plan rows by ``kernels.budget``. Keys and
+    queries in order (``selector`` names the refusal otherwise)."""
+    from ..kernels.budget import budget_select
+
+    if reordering.key_index is not None or reordering.query_index is not None:
+        raise ValueError(f"the {selector} selector takes keys and queries in order (reorder 'none')")
+    bs = params.block_size
+    scores = None if params.budget >= 1.0 else scores_of()
+    tables = budget_select(tile_grid(q, k, reordering, bs, bs), scores, params.budget,
+                           keep_first_key=params.keep_first_block)
+    return plan_from_tables(bs, bs, tables, reordering)

@@ -33,21 +33,19 @@ GQA: per query head (the keys of its KV head).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from ..config import MethodParams, block_field, check_share, check_stride, fail
 from ..plan import BlockPlan
 from ..registry import DensityKnob, Method, register_method
-from ._blocks import finish_budget_plan, strided_rows
+from ._blocks import StridedRowParams, finish_budget_plan, strided_rows
 from ._common import Reordering, chunk_count, compute_dtype, group_scores
 
 __all__ = ["PeakParams", "peak_tile_scores", "select_peak", "select_peak_fast"]
 
 
 @dataclass(frozen=True)
-class PeakParams(MethodParams):
+class PeakParams(StridedRowParams):
     """Sampled-row peak selection: every ``sample_every``-th row's best score per key tile, above the row's level in
     the tiles always kept; a fixed share of tiles per block.
 
@@ -55,19 +53,6 @@ class PeakParams(MethodParams):
     visible tiles) other tiles of highest peak; ``budget=1.0`` keeps every causal block. ``block_size`` is the
     query block and the key tile.
     """
-
-    block_size: int = 128
-    sample_every: int = 8
-    budget: float = 0.1
-    keep_first_block: bool = True
-
-    field_checks: ClassVar[dict] = {"block_size": block_field(), "sample_every": check_stride,
-                                    "budget": check_share}
-
-    def check_fields(self) -> None:
-        if self.sample_every > self.block_size:
-            fail("PeakParams", "sample_every",
-                 f"must be a power of two <= block_size={self.block_size}, got {self.sample_every}")
 
 
 def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int, every: int,
@@ -128,19 +113,12 @@ def select_peak(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reor
 def select_peak_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering,
                      config) -> BlockPlan:
     """= ``select_peak``: the peaks from ``kernels.peak``, the ranking and the plan rows from ``kernels.budget``."""
-    from ..kernels.budget import budget_select
     from ..kernels.peak import peak_tile_scores as peak_kernel
-    from ._fast import plan_from_tables, tile_grid
+    from ._fast import budget_plan
 
-    if reordering.key_index is not None or reordering.query_index is not None:
-        raise ValueError("the peak selector takes keys and queries in order (reorder 'none')")
     params = config.params_of(PeakParams)
-    bs = params.block_size
-    grid = tile_grid(q, k, reordering, bs, bs)
-    scores = None if params.budget >= 1.0 else peak_kernel(q, k, scale, bs, params.sample_every,
-                                                           params.keep_first_block)
-    tables = budget_select(grid, scores, params.budget, keep_first_key=params.keep_first_block)
-    return plan_from_tables(bs, bs, tables, reordering)
+    return budget_plan(lambda: peak_kernel(q, k, scale, params.block_size, params.sample_every,
+                                           params.keep_first_block), q, k, reordering, params, "peak")
 
 
 register_method(Method(

@@ -42,26 +42,25 @@ attention. The kernel needs no per-score test for this: such a score turns its r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from ..config import MethodParams, block_field, check_share, check_stride, fail
 from ..plan import BlockPlan
 from ..registry import DensityKnob, Method, register_method
-from ._blocks import finish_budget_plan, keep_top_budget, strided_rows  # noqa: F401 (keep_top_budget: step 5)
-
-sampled_rows = strided_rows  # step 1's rows
+from ._blocks import (StridedRowParams, finish_budget_plan, keep_top_budget,  # noqa: F401 (keep_top_budget: step 5)
+                      strided_rows)
 from ._common import Reordering, chunk_count, compute_dtype, group_scores
 
 __all__ = ["SampledParams", "sampled_rows", "sampled_tile_logits", "select_sampled", "select_sampled_fast"]
+
+sampled_rows = strided_rows  # step 1's rows
 
 #: added to a tile's mass before the log (= ``kernels.sampled.TINY``): a tile with no mass keeps a finite score
 TINY = 1e-30
 
 
 @dataclass(frozen=True)
-class SampledParams(MethodParams):
+class SampledParams(StridedRowParams):
     """Sampled-row mass selection: exact softmax of every ``sample_every``-th row, a fixed share of tiles per block.
 
     Each query block keeps its diagonal tile(s), the sink tile (``keep_first_block``) and its ceil(``budget`` x
@@ -69,19 +68,6 @@ class SampledParams(MethodParams):
     block and the key tile. The defaults keep >= 95% of dense retrieval at 16K-64K (README); ``sample_every=4``
     keeps more (98-99%) at twice the selection cost.
     """
-
-    block_size: int = 128
-    sample_every: int = 8
-    budget: float = 0.1
-    keep_first_block: bool = True
-
-    field_checks: ClassVar[dict] = {"block_size": block_field(), "sample_every": check_stride,
-                                    "budget": check_share}
-
-    def check_fields(self) -> None:
-        if self.sample_every > self.block_size:
-            fail("SampledParams", "sample_every",
-                 f"must be a power of two <= block_size={self.block_size}, got {self.sample_every}")
 
 
 def sampled_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: int, every: int) -> torch.Tensor:
@@ -143,18 +129,13 @@ def select_sampled_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reorderi
                         config) -> BlockPlan:
     """= ``select_sampled``: the masses from ``kernels.sampled`` (the selection's cost), the ranking and the plan
     rows from ``kernels.budget``."""
-    from ..kernels.budget import budget_select
     from ..kernels.sampled import sampled_mass_logits
-    from ._fast import plan_from_tables, tile_grid
+    from ._fast import budget_plan
 
-    if reordering.key_index is not None or reordering.query_index is not None:
-        raise ValueError("the sampled selector takes keys and queries in order (reorder 'none')")
     params = config.params_of(SampledParams)
     bs = params.block_size
-    grid = tile_grid(q, k, reordering, bs, bs)
-    scores = None if params.budget >= 1.0 else sampled_mass_logits(q, k, scale, bs, bs, params.sample_every)
-    tables = budget_select(grid, scores, params.budget, keep_first_key=params.keep_first_block)
-    return plan_from_tables(bs, bs, tables, reordering)
+    return budget_plan(lambda: sampled_mass_logits(q, k, scale, bs, bs, params.sample_every), q, k, reordering,
+                       params, "sampled")
 
 
 register_method(Method(
