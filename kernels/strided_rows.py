@@ -84,12 +84,13 @@ def heads_per_program(group: int, rows: int, target: int) -> int:
     return heads
 
 
-def program_shape(group: int, rows: int) -> tuple[int, int, int, int]:
+def program_shape(group: int, rows: int, fp8: bool = False) -> tuple[int, int, int, int]:
     """(heads, blocks, num_warps, num_stages) of a program of the sampled-row kernels: 256 rows on the tensor cores
-    (16 under the interpreter, where every element costs time); at 128K on an H100 the one-pass kernel ran 7.9 ms
-    with 256 rows, 8 warps and 3 stages, 8.5-11.8 ms with 128 rows (docs/kernels.md)."""
-    target = 16 if interpreting() else 256
+    in bf16, 128 in FP8 (16 under the interpreter, where every element costs time). At 128K on an H100: the bf16
+    one-pass kernel at every 16th row ran 7.9 ms with 256 rows, 8 warps and 3 stages, 8.5-11.8 ms with 128 rows; the
+    FP8 one at every 8th row 9.3 ms with 128 rows, 4 warps, 3 stages, 10.5 ms with 256 rows (docs/kernels.md)."""
+    target = 16 if interpreting() else (128 if fp8 else 256)
     heads = heads_per_program(group, rows, target)
     blocks = max(1, target // (heads * rows), -(-16 // (heads * rows)))
     m = heads * blocks * rows
-    return heads, blocks, (8 if m >= 256 else 4), (3 if m >= 256 else 2)
+    return heads, blocks, (8 if m >= 256 else 4), (3 if m >= (128 if fp8 else 256) else 2)

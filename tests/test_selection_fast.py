@@ -46,7 +46,7 @@ from sparse_compile.methods._common import (
 )
 from sparse_compile.methods.bfla import bfla_block_scores, block_softmax_scale
 from sparse_compile.methods.pbs import pbs_key_importance
-from sparse_compile.methods.peak import PeakParams, peak_tile_scores
+from sparse_compile.methods.peak import PeakParams, peak_tile_scores, scores_in_fp8
 from sparse_compile.methods.sampled import sampled_tile_logits
 from sparse_compile.plan import VISIBLE_NONE, block_visibility, check_plan, execute_plan, reference_attention
 
@@ -205,10 +205,11 @@ def reference_bounds(select, q, k, scale, r, config):
         if select == "sampled":
             mass = torch.where(visible, sampled_tile_logits(qd, kd, scale, bs, p.sample_every).exp(), -1.0)
             tol = EPS_P * mass.clamp_min(0) + 1e-12
-        else:  # peaks are differences of logits: an absolute margin
-            mass = peak_tile_scores(qd, kd, scale, bs, p.sample_every, p.keep_first_block)
+        else:  # peaks are differences of logits: an absolute margin (FP8 products summed in another order: wider)
+            fp8 = scores_in_fp8(p, q)
+            mass = peak_tile_scores(qd, kd, scale, bs, p.sample_every, p.keep_first_block, fp8).double()
             mass = torch.where(visible, mass, mass.new_full((), float("-inf")))
-            tol = EPS_ORDER * 10 * (mass.abs().nan_to_num(0.0, 0.0, 0.0) + 1)
+            tol = (2e-3 if fp8 else EPS_ORDER * 10) * (mass.abs().nan_to_num(0.0, 0.0, 0.0) + 1)
         forced = diagonal_tiles(vis, r, Nq, Nk, bs, bs)
         if p.keep_first_block:
             forced = forced | first_key_tile(r, Nk, bs, B, Hq, q.device)
@@ -617,7 +618,7 @@ try:
     from triton.compiler import ASTSource
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
-from sparse_compile.kernels import pooling, mass, sorting, pbs, bfla, s2o, sampled, permute, peak, budget
+from sparse_compile.kernels import pooling, mass, sorting, pbs, bfla, s2o, sampled, permute, peak, budget, fp8
 
 def compile_kernel(fn, pointers, floats, const, warps=4):
     sig = {}
@@ -671,9 +672,16 @@ for every, blocks, heads in ((8, 4, 4), (4, 4, 2), (16, 32, 1)):
                    dict(BLOCK_M=128, BLOCK_N=128, EVERY=every, ROWS=128 // every, BLOCKS=blocks, HEADS=heads, D=128,
                         D_PAD=128, PREC="none"), warps=8)
 for every, blocks, heads, first in ((8, 4, 4, True), (16, 32, 1, False), (4, 2, 4, True)):
-    compile_kernel(peak._peak_kernel, dict(q_ptr="bf16", k_ptr="bf16", out_ptr="fp32"), {"scale"},
+    compile_kernel(peak._peak_kernel, dict(q_ptr="bf16", k_ptr="bf16", k_scale_ptr="fp32", out_ptr="fp32"), {"scale"},
                    dict(BLOCK_M=128, BLOCK_N=128, EVERY=every, ROWS=128 // every, BLOCKS=blocks, HEADS=heads,
-                        KEEP_FIRST=first, D=128, D_PAD=128, PREC="none"), warps=8)
+                        KEEP_FIRST=first, D=128, D_PAD=128, PREC="none", FP8=False), warps=8)
+for every, blocks, heads, d in ((8, 2, 4, 128), (16, 16, 1, 64)):
+    compile_kernel(peak._peak_kernel, dict(q_ptr="bf16", k_ptr="fp8e4nv", k_scale_ptr="fp32", out_ptr="fp32"),
+                   {"scale"}, dict(BLOCK_M=128, BLOCK_N=128, EVERY=every, ROWS=128 // every, BLOCKS=blocks, HEADS=heads,
+                   KEEP_FIRST=True, D=d, D_PAD=d, PREC="none", FP8=True), warps=4)
+compile_kernel(fp8._amax_kernel, dict(x_ptr="bf16", amax_ptr="fp32"), set(), dict(D=128, D_PAD=128, BLOCK=64))
+compile_kernel(fp8._quantize_kernel, dict(x_ptr="bf16", amax_ptr="fp32", out_ptr="fp8e4nv"), set(),
+               dict(D=96, D_PAD=128, BLOCK=64, MAX=448.0))
 for keep_all in (False, True):
     compile_kernel(budget._budget_select_kernel, dict(score_ptr="fp32", offs_ptr="i32", cnt_ptr="i32",
                    msk_ptr="i32"), {"budget"}, dict(BLOCK_M=128, BLOCK_N=128, W=1024, ROWS=1, KEEP_FIRST_KEY=True,

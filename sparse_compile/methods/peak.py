@@ -41,7 +41,10 @@ from ..registry import DensityKnob, Method, register_method
 from ._blocks import StridedRowParams, finish_budget_plan, strided_rows
 from ._common import Reordering, chunk_count, compute_dtype, group_scores
 
-__all__ = ["PeakParams", "peak_tile_scores", "select_peak", "select_peak_fast"]
+#: the largest finite e4m3 value (= ``kernels.fp8.FP8_MAX``; the package's references import no Triton)
+FP8_MAX = 448.0
+
+__all__ = ["PeakParams", "scores_in_fp8", "peak_tile_scores", "select_peak", "select_peak_fast"]
 
 
 @dataclass(frozen=True)
@@ -51,23 +54,58 @@ class PeakParams(StridedRowParams):
 
     Each query block keeps its diagonal tile(s), the sink tile (``keep_first_block``) and its ceil(``budget`` x
     visible tiles) other tiles of highest peak; ``budget=1.0`` keeps every causal block. ``block_size`` is the
-    query block and the key tile.
+    query block and the key tile. ``fp8_scores``: score in FP8 (e4m3) where the GPU multiplies it on its tensor
+    cores (compute capability 8.9+; ``scores_in_fp8``), bf16 elsewhere.
     """
+
+    fp8_scores: bool = True
+
+
+def scores_in_fp8(params: PeakParams, q: torch.Tensor) -> bool:
+    """Rule: the peaks come from FP8 QK^T when asked for and the device multiplies FP8 on its tensor cores (twice
+    the bf16 rate); a ranking by the best score needs the scores' order, which 3 mantissa bits keep for a lookup
+    that stands out. Elsewhere (CPU, older GPUs, the interpreter) the scores are exact, the same plan up to
+    near-equal tiles."""
+    if not params.fp8_scores or not q.is_cuda:
+        return False
+    from ..kernels.fp8 import fp8_tensor_cores
+
+    return fp8_tensor_cores(q.device)
+
+
+def _fp8_round(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (float32) rounded as ``kernels.fp8`` quantizes it, with the scale of largest finite magnitude ``amax``
+    (broadcast against x): (x in e4m3 values as float32, the scale)."""
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    y = (x / scale).clamp(-FP8_MAX, FP8_MAX)
+    y = torch.where(torch.isfinite(x), y, torch.full((), float("nan"), device=x.device))
+    return y.to(torch.float8_e4m3fn).float(), scale
+
+
+def _finite_amax(x: torch.Tensor, dims) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x.abs(), torch.zeros((), device=x.device)).amax(dim=dims, keepdim=True)
 
 
 def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int, every: int,
-                     keep_first_block: bool) -> torch.Tensor:
+                     keep_first_block: bool, fp8: bool = False) -> torch.Tensor:
     """(B, Hq, nqb, nkt) in the compute dtype: s_ij of the module docstring (steps 1-3); NaN in every tile of a
     block whose sampled rows see a NaN or +inf score or have a non-finite level. Key chunks at a time (levels, then
-    peaks); never the (rows x Nk) matrix whole."""
+    peaks); never the (rows x Nk) matrix whole. ``fp8``: q rows and keys rounded to e4m3 as ``kernels.fp8`` does
+    (a scale per row, per (batch, KV head)), the products summed in float32."""
     batch, heads_q, num_queries, _ = q.shape
     num_keys = k.shape[2]
-    cdt = compute_dtype(q)
+    cdt = torch.float32 if fp8 else compute_dtype(q)
     dev = q.device
     rows = strided_rows(num_queries, block, every, dev)
     per = max(1, block // every)
     nqb, nkt = -(-num_queries // block), -(-num_keys // block)
     qs = q[:, :, rows].to(cdt)  # (B, Hq, R, D)
+    row_scale = torch.full((), scale, dtype=cdt, device=dev)
+    if fp8:
+        qs, q_scale = _fp8_round(qs, _finite_amax(qs, -1))
+        k, k_scale = _fp8_round(k.float(), _finite_amax(k.float(), (-2, -1)))
+        group = heads_q // k.shape[1]
+        row_scale = q_scale[..., 0] * k_scale.repeat_interleave(group, 1)[..., 0] * scale  # (B, Hq, R)
     offset = num_keys - num_queries
     positions = rows + offset
     diagonal_start = ((rows // block) * block + offset) // block * block  # first key of the block's first diagonal
@@ -75,9 +113,9 @@ def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int,
     minus_inf = torch.full((), float("-inf"), dtype=cdt, device=dev)
     chunks = [(c0, min(c0 + step, num_keys)) for c0 in range(0, num_keys, step)]
 
-    def seen_scores(c0: int, c1: int):
+    def seen_scores(c0: int, c1: int):  # in each row's units (times row_scale: logits)
         keys = torch.arange(c0, c1, device=dev)
-        z = group_scores(qs, k[:, :, c0:c1].to(cdt)) * scale
+        z = group_scores(qs, k[:, :, c0:c1].to(cdt))
         kept = keys[None, :] >= diagonal_start[:, None]
         if keep_first_block:
             kept = kept | (keys < block)[None, :]
@@ -96,7 +134,7 @@ def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int,
         pad = -(c1 - c0) % block
         tiles = (c1 - c0 + pad) // block
         z = torch.nn.functional.pad(z, (0, pad), value=float("-inf")).view(batch, heads_q, -1, tiles, block)
-        peak = z.amax(-1) - level[..., None]
+        peak = (z.amax(-1) - level[..., None]) * (row_scale[..., None] if fp8 else row_scale)
         out[..., c0 // block: c0 // block + tiles] = peak.view(batch, heads_q, nqb, per, tiles).amax(-2)
     block_bad = bad.view(batch, heads_q, nqb, per).any(-1)
     return torch.where(block_bad[..., None], torch.full((), float("nan"), dtype=cdt, device=dev), out)
@@ -106,7 +144,7 @@ def select_peak(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reor
     params = config.params_of(PeakParams)
     keep_all = params.budget >= 1.0
     scores = None if keep_all else peak_tile_scores(q, k, scale, params.block_size, params.sample_every,
-                                                    params.keep_first_block)
+                                                    params.keep_first_block, scores_in_fp8(params, q))
     return finish_budget_plan(scores, q, k, reordering, params)
 
 
@@ -118,7 +156,8 @@ def select_peak_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering:
 
     params = config.params_of(PeakParams)
     return budget_plan(lambda: peak_kernel(q, k, scale, params.block_size, params.sample_every,
-                                           params.keep_first_block), q, k, reordering, params, "peak")
+                                           params.keep_first_block, scores_in_fp8(params, q)), q, k, reordering,
+                       params, "peak")
 
 
 register_method(Method(
