@@ -262,11 +262,8 @@ def _tokens(n: int) -> str:
     return f"{n >> 20}M" if n % (1 << 20) == 0 else f"{n >> 10}K"
 
 
-def report(store: Path, out: Path) -> str:
-    """The table (markdown) and the plot (TTFT against length, one line per setting and GPU count) from a store.
-
-    Dense at lengths it was not timed at is extrapolated from the longest timed length on the same GPU count,
-    as the floor (measured, linear in N) plus dense attention scaled by N^2; such cells are marked "fit"."""
+def latest_runs(store: Path) -> dict:
+    """(GPUs, parallelism), N, setting -> the last measurement of that cell, one wide row (lists decoded)."""
     runs: dict = {}  # long rows -> one wide row per measurement (a run's command and date, GPUs, N, setting)
     for line in store.read_text().splitlines():
         if not line.strip():
@@ -277,16 +274,19 @@ def report(store: Path, out: Path) -> str:
             key: value for key, value in row.items() if key not in ("metric", "value")})
         wide[row["metric"]] = row["value"]
         wide["parallel"] = parallel
-    latest: dict = {}  # (GPUs, parallelism) -> the last measurement of each (N, setting)
-    for wide in runs.values():
+    latest: dict = {}
+    for wide in sorted(runs.values(), key=lambda w: w["date"]):
         for key, value in wide.items():
             if isinstance(value, str) and value[:1] == "[":
                 wide[key] = json.loads(value)
         if "ttft_s" in wide:
             latest[((wide["gpus"], wide["parallel"]), wide["N"], wide["setting"])] = wide
-    lines = ["| GPUs | N | setting | density | TTFT s | vs dense | first call / steady | sparse calls per rank "
-             "| peak GiB per GPU | attention spread across ranks | scaling vs 1 GPU |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    return latest
+
+
+def dense_seconds(latest: dict) -> dict:
+    """(GPUs, parallelism), N -> (dense TTFT seconds, fitted?): measured where dense ran, else the floor (measured,
+    linear in N) plus dense attention at the longest timed length on the same GPUs scaled by N^2."""
     dense_at: dict = {}
     for gpus in sorted({g for g, _, _ in latest}):
         timed = sorted((n, r) for (g, n, s), r in latest.items() if g == gpus and s == "dense")
@@ -299,6 +299,18 @@ def report(store: Path, out: Path) -> str:
                 m, r = timed[-1]
                 attention = r["ttft_s"] - floors[m]
                 dense_at[(gpus, n)] = (floors[n] + attention * (n / m) ** 2, True)
+    return dense_at
+
+
+def report(store: Path, out: Path) -> str:
+    """The table (markdown) and the plot (TTFT against length, one line per setting and GPU count) from a store.
+
+    Dense at lengths it was not timed at is extrapolated (``dense_seconds``); such cells are marked "fit"."""
+    latest = latest_runs(store)
+    lines = ["| GPUs | N | setting | density | TTFT s | vs dense | first call / steady | sparse calls per rank "
+             "| peak GiB per GPU | attention spread across ranks | scaling vs 1 GPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    dense_at = dense_seconds(latest)
 
     def label(gpus) -> str:
         return f"{gpus[0]}" + (" (tensor)" if gpus[1] == "tensor" else "")
