@@ -14,6 +14,7 @@ Modules (``validate`` and ``host`` import no Triton; the others are imported on 
 * ``mass``: the cumulative-mass selection (``MassRule``, ``mass_select``) into plan rows;
 * ``sorting``: the segmented argsort in registers;
 * ``permute``: the permuted K/V copy (keys in a key index's order) that both attention kernels read;
+* ``fp8``: e4m3 operands for score-only matmuls (``quantize_heads``, ``quantize_rows``) where the GPU has FP8;
 * one module per method with selection kernels of its own (``kernels/<name>.py``, called by the fast stages of
   ``sparse_compile/methods/<name>.py``).
 """

@@ -21,11 +21,14 @@ Per query head h and query block i of B rows (keys in order; queries are the las
 
 Cost on the GPU (``kernels.peak``): one pass of QK^T over 1/k of the rows with a row max per tile (no exp), plus
 the diagonal tiles once more for the levels; all of a KV head's query heads share each key tile load. The ranking
-and the plan rows come from one fused top-share kernel (``kernels.budget``).
+and the plan rows come from one fused top-share kernel (``kernels.budget``). Where the GPU multiplies FP8
+(``scores_in_fp8``), QK^T runs in e4m3: keys rounded with one scale per (batch, KV head), each sampled row with its
+own (``kernels.fp8``); 35% less selection time at 128K on an H100, the same retrieval (docs/methods.md).
 
 Non-finite inputs: a block whose sampled rows score any key they see as NaN or +inf, or whose level is not finite,
 keeps every visible tile (its scores are NaN). So a NaN or +inf key reaches every row that sees it (the block's
-last row sees it), and a block whose sampled row is NaN keeps every visible tile. A -inf score weighs nothing.
+last row sees it), and a block whose sampled row is NaN keeps every visible tile. A -inf score weighs nothing
+(in FP8 any non-finite element becomes NaN: its blocks keep every visible tile).
 
 GQA: per query head (the keys of its KV head).
 """
