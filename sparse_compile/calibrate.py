@@ -377,7 +377,7 @@ def _search(site: str, calls: list[_Call], config: SparseConfig, knob: DensityKn
     return SiteCalibration(site, float(good), good_result[1], good_result[0], len(calls))
 
 
-def calibrate(model: Callable, example_inputs: Any, *, method: str, target_error: float,
+def calibrate(model: Callable, example_inputs: Any, *, method: Optional[str] = None, target_error: float,
               config: Optional[SparseConfig] = None, metric: str = "relative_l1", steps: int = 10,
               offload: bool = False) -> Calibration:
     """Per attention site, the sparsest value of ``method``'s density knob whose error on the sample stays at most
@@ -389,7 +389,8 @@ def calibrate(model: Callable, example_inputs: Any, *, method: str, target_error
     example_inputs the user's sample: a tensor (``model(input_ids)``), a dict (``model(**kwargs)``) or a tuple
                    (``model(*args)``). Run once under ``torch.no_grad()``, attention dense.
     method         a registered method; its knob is ``Method.density`` (pbs ``threshold``, sparge
-                   ``cdf_threshold``, bfla ``mass_threshold``, s2o ``early_stop``).
+                   ``cdf_threshold``, bfla ``mass_threshold``, s2o ``early_stop``, the strided-row selectors'
+                   ``budget``). Default: ``config``'s method, or ``SparseConfig()``'s (the default method).
     target_error   the most error allowed per site, in ``metric``: "relative_l1" (``sum |sparse - dense| /
                    sum |dense|`` of the attention output over the site's calls) or "relative_l2". 0 leaves every
                    site dense.
@@ -405,6 +406,10 @@ def calibrate(model: Callable, example_inputs: Any, *, method: str, target_error
     errors of earlier sites still move the inputs of later ones when all run sparse. The sample's length need not
     reach ``min_seq_len``; the configuration keeps the base's.
     """
+    if config is not None and not isinstance(config, SparseConfig):
+        raise ValueError(f"calibrate(config=...): must be a SparseConfig, got {type(config).__name__}")
+    if method is None:
+        method = (config or SparseConfig()).method
     methods = registered_methods()
     if method not in methods:
         raise ValueError(f"calibrate: unknown method {method!r}; valid: {list(methods)}")
@@ -413,8 +418,6 @@ def calibrate(model: Callable, example_inputs: Any, *, method: str, target_error
         raise ValueError(f"calibrate: unknown metric {metric!r}; valid: {list(METRICS)}")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"calibrate(steps=...): must be an integer >= 1, got {steps!r}")
-    if config is not None and not isinstance(config, SparseConfig):
-        raise ValueError(f"calibrate(config=...): must be a SparseConfig, got {type(config).__name__}")
     base = SparseConfig(method=method) if config is None else config
     if base.method != method:
         base = base.with_overrides(method)

@@ -98,6 +98,22 @@ def test_every_site_meets_its_target_measured_independently(setup, method):
         assert any(not s.dense and s.density < 1.0 for s in calibration.sites), str(calibration)
 
 
+def test_method_defaults_to_the_configs_then_the_default_one():
+    """``calibrate(model, x, target_error=...)`` searches the default method's knob (what a user compiles with no
+    options); with a ``config`` and no ``method``, the config's method; every site within the target."""
+    model, ids = tiny_llama()
+    default = SparseConfig().method
+    small = {default: {"block_size": 16, "sample_every": 4}}
+    calibration = sparse_compile.calibrate(model, ids, target_error=LOOSE,
+                                           config=SparseConfig(min_seq_len=2, **small))
+    assert calibration.method == default
+    assert calibration.knob == sparse_compile.registry.method_spec(default).density.name
+    assert all(s.error <= LOOSE for s in calibration.sites)
+    assert any(not s.dense and s.density < 1.0 for s in calibration.sites), str(calibration)
+    pbs = sparse_compile.calibrate(model, ids, target_error=LOOSE, config=SparseConfig(method="pbs", **SMALL))
+    assert pbs.method == "pbs" and pbs.knob == "threshold"
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_looser_target_keeps_less(setup, method):
     _, _, calibrations = setup

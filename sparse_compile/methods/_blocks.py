@@ -10,9 +10,10 @@ import torch
 from ..config import MethodParams, block_field, check_share, check_stride, fail
 from ..kernels.validate import cdiv, expand_heads
 from ..plan import VISIBLE_NONE, VISIBLE_PARTIAL, BlockPlan, block_visibility, plan_from_block_mask
+from ..registry import DensityKnob
 from ._common import Reordering
 
-__all__ = ["StridedRowParams", "strided_rows", "visibility", "diagonal_tiles", "first_key_tile", "finish_plan", "keep_top_budget", "finish_budget_plan"]
+__all__ = ["BUDGET_KNOB", "StridedRowParams", "strided_rows", "visibility", "diagonal_tiles", "first_key_tile", "finish_plan", "keep_top_budget", "finish_budget_plan"]
 
 
 def visibility(num_queries: int, num_keys: int, block_m: int, block_n: int, reordering: Reordering, batch: int,
@@ -116,6 +117,11 @@ def strided_rows(num_queries: int, block: int, every: int, device=None) -> torch
     start = torch.arange(nqb, device=device)[:, None] * block
     rows = start + (every - 1) + torch.arange(per, device=device)[None, :] * every
     return torch.minimum(rows, torch.clamp(start + block, max=num_queries) - 1).reshape(-1)
+
+
+#: the density knob of the fixed-share selectors (``sampled``, ``peak``, ``antidiag``): the share itself. A share
+#: must be > 0, so the sparsest end is one tile in 1024; every block still keeps at least one ranked tile.
+BUDGET_KNOB = DensityKnob("budget", low=2 ** -10)
 
 
 @dataclass(frozen=True)

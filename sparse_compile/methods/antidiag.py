@@ -68,8 +68,8 @@ import torch
 
 from ..config import MethodParams, block_field, check_finite, check_share, check_stride, fail
 from ..plan import BlockPlan
-from ..registry import DensityKnob, Method, register_method
-from ._blocks import finish_budget_plan
+from ..registry import Method, register_method
+from ._blocks import BUDGET_KNOB, finish_budget_plan
 from ._common import Reordering, chunk_count, compute_dtype, group_scores
 
 __all__ = ["AntidiagParams", "reduced_queries", "reduced_keys", "slot_mask", "antidiag_tile_logits", "select_antidiag"]
@@ -222,7 +222,7 @@ def select_antidiag(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: 
 
 register_method(Method(
     name="antidiag", params=AntidiagParams, select=select_antidiag,
-    density=DensityKnob("budget"), keep_all={"budget": 1.0},
+    density=BUDGET_KNOB, keep_all={"budget": 1.0},
     description="antidiagonal mass: key groups scored by antidiagonal sums (one matmul, 1/S of QK^T), "
                 "a fixed share of tiles per block",
 ))

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from ..plan import BlockPlan
-from ..registry import DensityKnob, Method, register_method
-from ._blocks import StridedRowParams, finish_budget_plan, strided_rows
+from ..registry import Method, register_method
+from ._blocks import BUDGET_KNOB, StridedRowParams, finish_budget_plan, strided_rows
 from ._common import Reordering, chunk_count, compute_dtype, group_scores
 
 #: the largest finite e4m3 value (= ``kernels.fp8.FP8_MAX``; the package's references import no Triton)
@@ -165,6 +165,6 @@ def select_peak_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering:
 
 register_method(Method(
     name="peak", params=PeakParams, select=select_peak, fast_select=select_peak_fast,
-    density=DensityKnob("budget"), keep_all={"budget": 1.0},
+    density=BUDGET_KNOB, keep_all={"budget": 1.0},
     description="strided-row peak: every k-th query row's best score per key tile above its kept tiles, one pass",
 ))

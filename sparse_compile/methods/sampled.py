@@ -46,8 +46,8 @@ from dataclasses import dataclass
 import torch
 
 from ..plan import BlockPlan
-from ..registry import DensityKnob, Method, register_method
-from ._blocks import (StridedRowParams, finish_budget_plan, keep_top_budget,  # noqa: F401 (keep_top_budget: step 5)
+from ..registry import Method, register_method
+from ._blocks import (BUDGET_KNOB, StridedRowParams, finish_budget_plan, keep_top_budget,  # noqa: F401 (keep_top_budget: step 5)
                       strided_rows)
 from ._common import Reordering, chunk_count, compute_dtype, group_scores
 
@@ -140,6 +140,6 @@ def select_sampled_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reorderi
 
 register_method(Method(
     name="sampled", params=SampledParams, select=select_sampled, fast_select=select_sampled_fast,
-    density=DensityKnob("budget"), keep_all={"budget": 1.0},
+    density=BUDGET_KNOB, keep_all={"budget": 1.0},
     description="sampled-row mass: exact softmax of every k-th query row, a fixed share of tiles per block",
 ))
