@@ -35,33 +35,38 @@ def fp8_tensor_cores(device: torch.device) -> bool:
 
 
 @triton.jit
+def _scale_of(amax, MAX: tl.constexpr):
+    """The scale that maps the largest finite magnitude ``amax`` to MAX (1 where there is none)."""
+    return tl.where(amax > 0, amax / MAX, 1.0)
+
+
+@triton.jit
+def _to_e4m3(x, scale, MAX: tl.constexpr):
+    """float32 ``x`` / ``scale``, saturated to +-MAX, in e4m3; NaN and inf elements become NaN."""
+    y = tl.minimum(tl.maximum(x / scale, -MAX), MAX)
+    return tl.where(is_finite(x), y, float("nan")).to(tl.float8e4nv)
+
+
+@triton.jit
+def _finite_amax(x, axis):
+    return tl.max(tl.where(is_finite(x), tl.abs(x), 0.0), axis)
+
+
+@triton.jit
 def quantize_rows(x):
     """(M, D) float -> ((M, D) e4m3, (M,) float32 scale): each row over its largest finite magnitude / 448 (1 for a
     zero row); NaN and inf elements become NaN."""
     MAX: tl.constexpr = 448.0  # FP8_MAX (a jit function reads no module globals)
     xf = x.to(tl.float32)
-    amax = tl.max(tl.where(is_finite(xf), tl.abs(xf), 0.0), 1)
-    scale = tl.where(amax > 0, amax / MAX, 1.0)
-    y = tl.minimum(tl.maximum(xf / scale[:, None], -MAX), MAX)
-    y = tl.where(is_finite(xf), y, float("nan"))
-    return y.to(tl.float8e4nv), scale
+    scale = _scale_of(_finite_amax(xf, 1), MAX)
+    return _to_e4m3(xf, scale[:, None], MAX), scale
 
 
 @triton.jit
-def _amax_kernel(x_ptr, stride_b, stride_h, stride_n, stride_d, amax_ptr, H, N,
-                 D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    bh = tl.program_id(1)
-    d = tl.arange(0, D_PAD)
-    base = x_ptr + (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
-    x = tl.load(base + rows.to(tl.int64)[:, None] * stride_n + d[None, :] * stride_d,
-                mask=(rows < N)[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
-    tl.atomic_max(amax_ptr + bh, tl.max(tl.max(tl.where(is_finite(x), tl.abs(x), 0.0), 1), 0))
-
-
-@triton.jit
-def _quantize_kernel(x_ptr, stride_b, stride_h, stride_n, stride_d, amax_ptr, out_ptr, H, N,
-                     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, MAX: tl.constexpr):
+def _head_rows(x_ptr, stride_b, stride_h, stride_n, stride_d, H, N, D: tl.constexpr, D_PAD: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """This program's BLOCK rows of head ``bh`` (float32, 0 outside), their offsets in a contiguous (B, H, N, D)
+    tensor and their mask; and ``bh``."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     bh = tl.program_id(1)
     d = tl.arange(0, D_PAD)
@@ -69,12 +74,24 @@ def _quantize_kernel(x_ptr, stride_b, stride_h, stride_n, stride_d, amax_ptr, ou
     base = x_ptr + (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
     x = tl.load(base + rows.to(tl.int64)[:, None] * stride_n + d[None, :] * stride_d, mask=inside,
                 other=0.0).to(tl.float32)
-    amax = tl.load(amax_ptr + bh)
-    scale = tl.where(amax > 0, amax / MAX, 1.0)
-    y = tl.minimum(tl.maximum(x / scale, -MAX), MAX)
-    y = tl.where(is_finite(x), y, float("nan"))
-    out = out_ptr + bh.to(tl.int64) * N * D + rows.to(tl.int64)[:, None] * D + d[None, :]
-    tl.store(out, y.to(tl.float8e4nv), mask=inside)
+    return x, bh.to(tl.int64) * N * D + rows.to(tl.int64)[:, None] * D + d[None, :], inside, bh
+
+
+@triton.jit
+def _amax_kernel(x_ptr, stride_b, stride_h, stride_n, stride_d, amax_ptr, H, N,
+                 D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    x, _, _, bh = _head_rows(x_ptr, stride_b, stride_h, stride_n, stride_d, H, N, D, D_PAD, BLOCK)
+    tl.atomic_max(amax_ptr + bh, tl.max(_finite_amax(x, 1), 0))
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, stride_b, stride_h, stride_n, stride_d, amax_ptr, out_ptr, scale_ptr, H, N,
+                     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, MAX: tl.constexpr):
+    x, offsets, inside, bh = _head_rows(x_ptr, stride_b, stride_h, stride_n, stride_d, H, N, D, D_PAD, BLOCK)
+    scale = _scale_of(tl.load(amax_ptr + bh), MAX)
+    tl.store(out_ptr + offsets, _to_e4m3(x, scale, MAX), mask=inside)
+    if tl.program_id(0) == 0:  # the scale the values were divided by, once per head
+        tl.store(scale_ptr + bh, scale)
 
 
 def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,10 +104,10 @@ def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, N, D = x.shape
     amax = torch.zeros(B * H, dtype=torch.float32, device=x.device)
     out = torch.empty(B, H, N, D, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(B, H, dtype=torch.float32, device=x.device)
     block = 64
     d_pad = triton.next_power_of_2(D)
     grid = (cdiv(N, block), B * H)
     _amax_kernel[grid](x, *x.stride(), amax, H, N, D=D, D_PAD=d_pad, BLOCK=block)
-    _quantize_kernel[grid](x, *x.stride(), amax, out, H, N, D=D, D_PAD=d_pad, BLOCK=block, MAX=FP8_MAX)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return out, scale.view(B, H)
+    _quantize_kernel[grid](x, *x.stride(), amax, out, scale, H, N, D=D, D_PAD=d_pad, BLOCK=block, MAX=FP8_MAX)
+    return out, scale

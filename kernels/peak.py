@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .common import dot, dot_precision, is_finite, launchable
 from .fp8 import quantize_heads, quantize_rows
-from .strided_rows import load_key_tile, program_blocks, program_rows, program_shape, rows_per_block
+from .strided_rows import load_key_tile, program_blocks, program_keys, program_rows, program_shape, rows_per_block
 from .validate import cdiv
 
 __all__ = ["peak_tile_scores"]
@@ -78,16 +78,12 @@ def _peak_kernel(
     HEADS: tl.constexpr, KEEP_FIRST: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    tl.static_assert(ROWS * EVERY <= BLOCK_M)
-    tl.static_assert(HEADS * BLOCKS * ROWS >= 16)  # tl.dot's smallest M
     GROUPS: tl.constexpr = HEADS * BLOCKS
     M: tl.constexpr = GROUPS * ROWS
     q, qpos, live, b, h0, hk, g, blk, whole, num_tiles = program_rows(
         q_ptr, stride_qb, stride_qh, stride_qn, stride_qd, HQ, GROUP, NUM_QUERY_BLOCKS, NUM_QUERIES, NUM_KEYS,
         NUM_PROGRAMS, BLOCK_M, BLOCK_N, EVERY, ROWS, BLOCKS, HEADS, D, D_PAD)
-    d = tl.arange(0, D_PAD)
-    dmask = d < D
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    k_base, d, dmask = program_keys(k_ptr, b, hk, stride_kb, stride_kh, D, D_PAD)
     if FP8:  # rows quantized here, keys before the launch (kernels.fp8); scores in each row's units
         q, q_scale = quantize_rows(q)
         row_scale = q_scale * tl.load(k_scale_ptr + b * (HQ // GROUP) + hk) * scale

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .common import dot, dot_precision, launchable
-from .strided_rows import load_key_tile, program_blocks, program_rows, program_shape, rows_per_block
+from .strided_rows import load_key_tile, program_blocks, program_keys, program_rows, program_shape, rows_per_block
 from .validate import cdiv
 
 __all__ = ["TINY", "sampled_mass_logits"]
@@ -72,16 +72,12 @@ def _sampled_mass_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVERY: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr,
     HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, PREC: tl.constexpr,
 ):
-    tl.static_assert(ROWS * EVERY <= BLOCK_M)
-    tl.static_assert(HEADS * BLOCKS * ROWS >= 16)  # tl.dot's smallest M
     GROUPS: tl.constexpr = HEADS * BLOCKS
     M: tl.constexpr = GROUPS * ROWS
     q, qpos, live, b, h0, hk, g, blk, whole, num_tiles = program_rows(
         q_ptr, stride_qb, stride_qh, stride_qn, stride_qd, HQ, GROUP, NUM_QUERY_BLOCKS, NUM_QUERIES, NUM_KEYS,
         NUM_PROGRAMS, BLOCK_M, BLOCK_N, EVERY, ROWS, BLOCKS, HEADS, D, D_PAD)
-    d = tl.arange(0, D_PAD)
-    dmask = d < D
-    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    k_base, d, dmask = program_keys(k_ptr, b, hk, stride_kb, stride_kh, D, D_PAD)
     m = tl.full([M], -1.0e30, tl.float32)
     s = tl.zeros([M], tl.float32)
     m, s = _row_stats_inner(q, k_base, m, s, qpos, 0, whole, stride_kn, stride_kd, NUM_KEYS, qk_scale, d, dmask,

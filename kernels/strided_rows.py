@@ -14,7 +14,8 @@ import triton.language as tl
 
 from .common import interpreting, query_block_bounds
 
-__all__ = ["rows_per_block", "load_key_tile", "program_rows", "program_blocks", "heads_per_program", "program_shape"]
+__all__ = ["rows_per_block", "load_key_tile", "program_rows", "program_keys", "program_blocks", "heads_per_program",
+           "program_shape"]
 
 
 def rows_per_block(block_m: int, every: int) -> int:
@@ -39,6 +40,8 @@ def program_rows(q_ptr, stride_qb, stride_qh, stride_qn, stride_qd, HQ, GROUP, N
     query heads of one KV head, ROWS rows per (head, block), row fastest. Returns the (M, D_PAD) query tile, each
     row's position and liveness, the batch, the first head, the KV head, the query block index, the tiles every
     row sees whole and the tiles the latest row sees."""
+    tl.static_assert(ROWS * EVERY <= BLOCK_M)
+    tl.static_assert(HEADS * BLOCKS * ROWS >= 16)  # tl.dot's smallest M
     M: tl.constexpr = HEADS * BLOCKS * ROWS
     g = NUM_PROGRAMS - 1 - tl.program_id(0)  # the latest query blocks see the most keys: launch them first
     bh = tl.program_id(1)  # (batch, group of HEADS query heads)
@@ -61,6 +64,13 @@ def program_rows(q_ptr, stride_qb, stride_qh, stride_qn, stride_qd, HQ, GROUP, N
     earliest = tl.min(tl.where(live, qpos, NUM_KEYS), 0)
     whole = tl.minimum((earliest + 1) // BLOCK_N, num_tiles)
     return q, qpos, live, b, h0, h0 // GROUP, g, blk, whole, num_tiles
+
+
+@triton.jit
+def program_keys(k_ptr, b, hk, stride_kb, stride_kh, D: tl.constexpr, D_PAD: tl.constexpr):
+    """The keys of a program's KV head: their base pointer, the head-dim range and its mask (for ``load_key_tile``)."""
+    d = tl.arange(0, D_PAD)
+    return k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh, d, d < D
 
 
 @triton.jit

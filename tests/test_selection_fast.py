@@ -680,7 +680,7 @@ for every, blocks, heads, d in ((8, 2, 4, 128), (16, 16, 1, 64)):
                    {"scale"}, dict(BLOCK_M=128, BLOCK_N=128, EVERY=every, ROWS=128 // every, BLOCKS=blocks, HEADS=heads,
                    KEEP_FIRST=True, D=d, D_PAD=d, PREC="none", FP8=True), warps=4)
 compile_kernel(fp8._amax_kernel, dict(x_ptr="bf16", amax_ptr="fp32"), set(), dict(D=128, D_PAD=128, BLOCK=64))
-compile_kernel(fp8._quantize_kernel, dict(x_ptr="bf16", amax_ptr="fp32", out_ptr="fp8e4nv"), set(),
+compile_kernel(fp8._quantize_kernel, dict(x_ptr="bf16", amax_ptr="fp32", out_ptr="fp8e4nv", scale_ptr="fp32"), set(),
                dict(D=96, D_PAD=128, BLOCK=64, MAX=448.0))
 for keep_all in (False, True):
     compile_kernel(budget._budget_select_kernel, dict(score_ptr="fp32", offs_ptr="i32", cnt_ptr="i32",

@@ -106,7 +106,8 @@ def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int,
     row_scale = torch.full((), scale, dtype=cdt, device=dev)
     if fp8:
         qs, q_scale = _fp8_round(qs, _finite_amax(qs, -1))
-        k, k_scale = _fp8_round(k.float(), _finite_amax(k.float(), (-2, -1)))
+        kf = k.float()
+        k, k_scale = _fp8_round(kf, _finite_amax(kf, (-2, -1)))
         group = heads_q // k.shape[1]
         row_scale = q_scale[..., 0] * k_scale.repeat_interleave(group, 1)[..., 0] * scale  # (B, Hq, R)
     offset = num_keys - num_queries
@@ -137,7 +138,7 @@ def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int,
         pad = -(c1 - c0) % block
         tiles = (c1 - c0 + pad) // block
         z = torch.nn.functional.pad(z, (0, pad), value=float("-inf")).view(batch, heads_q, -1, tiles, block)
-        peak = (z.amax(-1) - level[..., None]) * (row_scale[..., None] if fp8 else row_scale)
+        peak = (z.amax(-1) - level[..., None]) * row_scale[..., None]  # per row, or one scale (0-d: broadcasts)
         out[..., c0 // block: c0 // block + tiles] = peak.view(batch, heads_q, nqb, per, tiles).amax(-2)
     block_bad = bad.view(batch, heads_q, nqb, per).any(-1)
     return torch.where(block_bad[..., None], torch.full((), float("nan"), dtype=cdt, device=dev), out)
