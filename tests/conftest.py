@@ -1,9 +1,10 @@
-"""Shared test set-up: Triton runs in its interpreter on machines without CUDA.
+"""Shared test set-up: Triton runs in its interpreter on machines without CUDA; every test has its own fixed seed.
 
 TRITON_INTERPRET must be set before any ``@triton.jit`` runs, so it is set here, before the package imports.
 """
 
 import os
+import zlib
 
 import pytest
 
@@ -17,6 +18,9 @@ except Exception:  # pragma: no cover
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+#: run every test with this seed instead of its own (``SPARSE_COMPILE_TEST_SEED=123 pytest ...``)
+SEED_VARIABLE = "SPARSE_COMPILE_TEST_SEED"
+
 
 def pytest_collection_modifyitems(config, items):
     if _HAS_CUDA:
@@ -27,14 +31,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def seed_of(nodeid: str) -> int:
+    """A test's seed: ``SPARSE_COMPILE_TEST_SEED`` if set, else a hash of its id. The same in every run, worker and
+    order, so a test's random inputs never depend on luck or on what ran before it."""
+    given = os.environ.get(SEED_VARIABLE)
+    if given:
+        return int(given)
+    return zlib.crc32(nodeid.encode())
+
+
 @pytest.fixture(autouse=True)
-def _fresh_seed():
-    # fresh random inputs per test, reproducible from the printed seed on failure
+def _fixed_seed(request):
     import random
 
-    seed = random.randrange(2**31)
+    seed = seed_of(request.node.nodeid)
+    random.seed(seed)
     torch.manual_seed(seed)
+    request.node.user_properties.append(("seed", seed))
     yield seed
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        seeds = [value for name, value in item.user_properties if name == "seed"]
+        if seeds:
+            report.sections.append(("seed", f"{SEED_VARIABLE}={seeds[0]} (rerun with it to repeat this test's inputs)"))
+    return report
 
 
 @pytest.fixture
