@@ -168,6 +168,25 @@ def ttft(fn, ids, reps: int) -> float:
     return times[len(times) // 2]
 
 
+def method_spec(spec: str) -> str:
+    """``name`` or ``name:field=value,...`` (checked here: an unknown method or field fails at the command line)."""
+    name, extra = split_spec(spec)
+    if name not in METHODS:
+        raise argparse.ArgumentTypeError(f"unknown method {name!r}; registered: {', '.join(METHODS)}")
+    sparse_compile.SparseConfig(method=name, **({name: extra} if extra else {}))
+    return spec
+
+
+def split_spec(spec: str) -> tuple[str, dict]:
+    """(method, parameters) of ``name:field=value,...`` (values parsed as JSON: numbers, true/false)."""
+    name, _, fields = spec.partition(":")
+    params = {}
+    for item in filter(None, fields.split(",")):
+        key, _, value = item.partition("=")
+        params[key] = json.loads(value.lower() if value in ("True", "False") else value)
+    return name, params
+
+
 def recorded_density(fn, ids, method: str, params: dict) -> tuple[float, int]:
     """(mean density over sites and heads, number of sparse attention calls) of one run.
 
@@ -357,7 +376,8 @@ def summarize(rows: list, args, meta: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), type=method_spec,
+                        help="method names, or name:field=value,... for non-default parameters at the defaults' row")
     parser.add_argument("--budgets", type=float, nargs="*", default=[0.1, 0.3, 0.5])
     parser.add_argument("--budget-lengths", type=int, nargs="*", default=[32768, 131072],
                         help="lengths at which the fixed-density runs are made")
@@ -467,9 +487,11 @@ def main() -> None:
                    + (list(args.budgets) if n in args.budget_lengths else []))
         qk = None  # this length's captured query/key, for calibration
         for budget in budgets:
-            for method in args.methods:
-                row = {"contender": method if budget is None else f"{method}@{budget}", "params": ""}
-                params = {}
+            for spec in args.methods:
+                method, params = split_spec(spec)
+                row = {"contender": spec if budget is None else f"{method}@{budget}", "params": ""}
+                if params and budget is not None:
+                    continue  # a fixed density calibrates the method's own knob from its defaults
                 try:
                     if budget is not None:
                         qk = qk or capture_qkv(model, ids)[:2]

@@ -4,7 +4,8 @@ scoring other tiles of a row of tile scores, written straight into plan rows (no
 The rule of ``methods._blocks.keep_top_budget`` (the specification): keys in order; the diagonal (partially
 visible) tiles and, with ``keep_first_key``, tile 0 are forced; a visible tile whose score is NaN is kept; of the
 other visible tiles, the ``allowed`` = max(1, ceil(budget x visible tiles)) highest scores are kept, ties to the
-lower tile. The ``allowed``-th highest score is found by a 32-step bisection on the scores' bit patterns (ordered
+lower tile; with ``local`` > 0 the ``local`` tiles just before the diagonal are forced too. The ``allowed``-th
+highest score is found by a 32-step bisection on the scores' bit patterns (ordered
 like the floats), one row reduction per step; ties at it are kept in tile order by a prefix count.
 """
 
@@ -47,7 +48,7 @@ def _budget_select_kernel(
     score_ptr, stride_sb, stride_sh, stride_si,
     offs_ptr, stride_pb, stride_ph, stride_pi,
     cnt_ptr, msk_ptr,
-    H, NUM_QUERY_BLOCKS, NUM_KEY_TILES, NUM_QUERIES, NUM_KEYS, ROW0, ROW1, budget,
+    H, NUM_QUERY_BLOCKS, NUM_KEY_TILES, NUM_QUERIES, NUM_KEYS, ROW0, ROW1, budget, local,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr,
     KEEP_FIRST_KEY: tl.constexpr, KEEP_ALL: tl.constexpr,
 ):
@@ -65,6 +66,8 @@ def _budget_select_kernel(
     forced = vis & part
     if KEEP_FIRST_KEY:
         forced = forced | (vis & (j == 0)[None, :])
+    first_diagonal = qmin // BLOCK_N  # the tile holding the block's first query position
+    forced = forced | (vis & (j[None, :] >= (first_diagonal - local)[:, None]) & (j[None, :] < first_diagonal[:, None]))
     if KEEP_ALL:
         keep = vis
     else:
@@ -80,9 +83,11 @@ def _budget_select_kernel(
     store_plan_rows(keep, part, j, jin, rin, obase, cnt_ptr, msk_ptr, row, NUM_KEY_TILES, BLOCK_N, W)
 
 
-def budget_select(grid: TileGrid, scores: Optional[torch.Tensor], budget: float, *, keep_first_key: bool):
+def budget_select(grid: TileGrid, scores: Optional[torch.Tensor], budget: float, *, keep_first_key: bool,
+                  local: int = 0):
     """``PlanTables`` of the fixed-share rule on ``scores`` (B, heads, nqb, nkt) float32 (only visible tiles are
-    read; None, or ``budget`` >= 1, keeps every visible tile). Keys and queries in order."""
+    read; None, or ``budget`` >= 1, keeps every visible tile). Keys and queries in order; ``local`` tiles before
+    each block's diagonal are forced."""
     B, H, nqb, nkt = grid.batch, grid.heads, grid.num_query_blocks, grid.num_key_tiles
     keep_all = scores is None or budget >= 1.0
     tables = empty_plan_tables(B, H, nqb, nkt, grid.device)
@@ -96,7 +101,7 @@ def budget_select(grid: TileGrid, scores: Optional[torch.Tensor], budget: float,
         _budget_select_kernel[(triton.cdiv(r1 - r0, rows), B * H)](
             sc, sc.stride(0), sc.stride(1), sc.stride(2),
             offs, offs.stride(0), offs.stride(1), offs.stride(2), cnt, msk,
-            H, nqb, nkt, grid.num_queries, grid.num_keys, r0, r1, float(budget),
+            H, nqb, nkt, grid.num_queries, grid.num_keys, r0, r1, float(budget), int(local),
             BLOCK_M=grid.block_m, BLOCK_N=grid.block_n, W=width, ROWS=rows, KEEP_FIRST_KEY=keep_first_key,
             KEEP_ALL=keep_all, num_warps=row_warps(rows, width),
         )

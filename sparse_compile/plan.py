@@ -23,6 +23,9 @@ Every method ends in a ``BlockPlan``; the Triton kernel (``sparse_compile.kernel
   never depends on the other rows of the block; V is still read (0 · NaN is NaN, as for masked keys). The
   kernels do not run a skip that cannot show in the output (Nk · e^λ · max|v| under 1/16 of the output dtype's
   epsilon: ``kernels.attention.pv_skip_is_negligible``; bf16 at λ = −20 up to 236K keys); the reference runs it.
+* Exact tail (``exact_tail = T > 0``). The last ``T`` physical query rows (the prompt's last positions, whose
+  outputs give the logits that generation reads) attend exactly to every key they see, whatever the tables list:
+  dense causal attention over all keys, run after the tables. O(T·Nk) work, O(T·D) memory.
 * Rows that see no key produce zeros.
 * Non-finite values behave as in dense attention: a row whose visited scores include a NaN or an infinity
   outputs non-finite values, and such a row does not keep an early-stop walk going (it is non-finite whatever
@@ -57,6 +60,9 @@ __all__ = [
     "causal_plan",
     "block_visibility",
     "causal_tile_count",
+    "tail_blocks",
+    "causal_tiles_per_block",
+    "apply_exact_tail",
     "VISIBLE_NONE",
     "VISIBLE_PARTIAL",
     "VISIBLE_FULL",
@@ -79,6 +85,7 @@ class BlockPlan:
     query_index: Optional[torch.Tensor] = None  # int32 (B, Hq', Nq)
     early_stop: float = 0.0
     pv_skip: Optional[float] = None
+    exact_tail: int = 0  # the last query rows computed exactly (module docstring)
 
     @property
     def num_query_blocks(self) -> int:
@@ -117,6 +124,8 @@ class BlockPlan:
             parts.append(f"early stop {self.early_stop:g}")
         if self.pv_skip is not None:
             parts.append(f"P.V skip {self.pv_skip:g}")
+        if self.exact_tail > 0:
+            parts.append(f"last {self.exact_tail} query rows exact")
         return f"BlockPlan({', '.join(parts)})"
 
 
@@ -204,6 +213,7 @@ def plan_from_block_mask(
     order_scores: Optional[torch.Tensor] = None,
     early_stop: float = 0.0,
     pv_skip: Optional[float] = None,
+    exact_tail: int = 0,
 ) -> BlockPlan:
     """Turn a boolean block mask ``(B, H, n_query_blocks, n_key_tiles)`` into a ``BlockPlan``.
 
@@ -234,6 +244,7 @@ def plan_from_block_mask(
         query_index=query_index,
         early_stop=early_stop,
         pv_skip=pv_skip,
+        exact_tail=exact_tail,
     )
 
 
@@ -263,6 +274,14 @@ def causal_tile_count(num_queries: int, num_keys: int, block_m: int, block_n: in
     return total
 
 
+def causal_tiles_per_block(blocks: int, num_queries: int, num_keys: int, block_m: int, block_n: int) -> torch.Tensor:
+    """int64 (blocks,): the key tiles dense causal attention computes for each query block (identity order)."""
+    offset = num_keys - num_queries
+    last = torch.clamp((torch.arange(blocks) + 1) * block_m, max=num_queries) - 1 + offset
+    counts = torch.clamp(last // block_n + 1, max=-(-num_keys // block_n))
+    return torch.where(last >= 0, counts, torch.zeros_like(counts))
+
+
 def plan_density(plan: BlockPlan, num_queries: int, num_keys: int, num_heads: Optional[int] = None) -> torch.Tensor:
     """Fraction of the causal tiles that ``plan`` lists, per (batch, query head): float32 (B, H).
 
@@ -276,9 +295,45 @@ def plan_density(plan: BlockPlan, num_queries: int, num_keys: int, num_heads: Op
     heads = num_heads
     if heads is None:
         heads = max(x.shape[1] for x in (plan.tile_counts, plan.key_index, plan.query_index) if x is not None)
-    counts = expand_heads(plan.tile_counts, heads).sum(-1, dtype=torch.int64)
+    counts = expand_heads(plan.tile_counts, heads)
+    tail = tail_blocks(plan, num_queries)
+    if tail:  # the exact tail's blocks cost what dense attention computes for them
+        causal = causal_tiles_per_block(counts.shape[-1], num_queries, num_keys, plan.block_m, plan.block_n)
+        counts = torch.cat([counts[..., :-tail], causal[-tail:].to(counts.device, counts.dtype)
+                            .expand(*counts.shape[:-1], tail)], dim=-1)
     total = causal_tile_count(num_queries, num_keys, plan.block_m, plan.block_n)
-    return counts.to(torch.float32) / max(total, 1)
+    return counts.sum(-1, dtype=torch.int64).to(torch.float32) / max(total, 1)
+
+
+def tail_blocks(plan: BlockPlan, num_queries: int) -> int:
+    """How many of the last query blocks (identity order) hold rows of the plan's exact tail."""
+    if plan.exact_tail <= 0 or num_queries <= 0:
+        return 0
+    first_row = max(num_queries - plan.exact_tail, 0)
+    return cdiv(num_queries, plan.block_m) - first_row // plan.block_m
+
+
+def apply_exact_tail(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan,
+                     scale: Optional[float], visited: Optional[torch.Tensor] = None):
+    """The plan's exact tail written over ``out`` (module docstring); ``visited`` (per query block) then counts
+    the tail's blocks as every causal tile (identity order: what dense attention computes for them)."""
+    rows = min(plan.exact_tail, q.shape[-2])
+    if rows <= 0:
+        return out, visited
+    q_tail = q[:, :, -rows:]
+    if q.is_cuda:  # the fused SDPA kernels mask by assignment: a non-finite key a row does not see stays unseen
+        from .dense import dense_causal_attention
+
+        tail = dense_causal_attention(q_tail, k, v, scale=scale)
+    else:  # PyTorch's CPU path adds the mask as a bias, and NaN - inf is NaN: the reference masks exactly
+        tail = reference_attention(q_tail, k, v, causal_plan(q.shape[0], q.shape[1], rows, k.shape[-2], plan.block_m,
+                                                             plan.block_n, device=q.device), scale)
+    out[:, :, -rows:] = tail.to(out.dtype)
+    if visited is not None:
+        tail = tail_blocks(plan, q.shape[-2])
+        causal = causal_tiles_per_block(visited.shape[-1], q.shape[-2], k.shape[-2], plan.block_m, plan.block_n)
+        visited[..., -tail:] = causal[-tail:].to(visited.device, visited.dtype)
+    return out, visited
 
 
 def runs_on_kernels(q: torch.Tensor, kernel: str) -> bool:
@@ -309,11 +364,18 @@ def execute_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockP
     if runs_on_kernels(q, kernel):
         from .kernels import block_sparse_attention
 
-        return block_sparse_attention(
+        result = block_sparse_attention(
             q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts, block_m=plan.block_m,
             block_n=plan.block_n, key_index=plan.key_index, query_index=plan.query_index, scale=scale,
             early_stop=plan.early_stop, pv_skip=plan.pv_skip, return_visited=return_visited, key_mode=key_mode,
             config=config, out=out, lse=lse, resume=resume, skip_masked=skip_masked)
+        if plan.exact_tail <= 0:
+            return result
+        if lse is not None or resume:
+            raise ValueError("execute_plan: a plan with an exact tail runs in one pass (no lse= or resume=)")
+        output, visited = result if return_visited else (result, None)
+        output, visited = apply_exact_tail(output, q, k, v, plan, scale, visited)
+        return (output, visited) if return_visited else output
     if out is not None or lse is not None or resume or skip_masked:
         raise ValueError("execute_plan: out=, lse=, resume= and skip_masked= need a kernel (kernel='triton' or "
                          "CUDA inputs); the reference runs a plan in one pass")
@@ -453,6 +515,7 @@ def reference_attention(
             o, vis = _sequential_tiles(s, vb, live, is_masked, plan.early_stop, plan.pv_skip)
             visited[:, :, i] = vis
         out.scatter_(2, phys_rows[..., None].expand(B, Hq, m, D), o)
+    out, visited = apply_exact_tail(out, q, k, v, plan, scale, visited)
     out = out.to(q.dtype)
     return (out, visited) if return_visited else out
 

@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from .plan import causal_tiles_per_block  # noqa: F401 (public here since before)
+
 __all__ = ["SiteRecord", "SiteRuntime", "runtime_stats", "reset_runtime_stats", "record_call", "register_plain_sdpa",
            "record_plain_sdpa_calls", "density_from_visits", "causal_tiles_per_block", "PLAIN_SDPA"]
 
@@ -123,11 +125,3 @@ def density_from_visits(visited: torch.Tensor, plan, num_queries: int, num_keys:
     kept = torch.minimum(visited.to(torch.float64), causal.to(visited.device, torch.float64))
     per_head = kept.sum(dim=2).mean(dim=0) / max(total, 1)
     return [float(x) for x in per_head.cpu()]
-
-
-def causal_tiles_per_block(blocks: int, num_queries: int, num_keys: int, block_m: int, block_n: int) -> torch.Tensor:
-    """int64 (blocks,): the key tiles dense causal attention computes for each query block (identity order)."""
-    offset = num_keys - num_queries
-    last = torch.clamp((torch.arange(blocks) + 1) * block_m, max=num_queries) - 1 + offset
-    counts = torch.clamp(last // block_n + 1, max=-(-num_keys // block_n))
-    return torch.where(last >= 0, counts, torch.zeros_like(counts))

@@ -416,7 +416,9 @@ def test_pv_skip_decides_per_row():
     args = (q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts)
     whole = block_sparse_attention(*args, block_m=bm, block_n=b, pv_skip=-3.0, config=KernelConfig(bm, b))
     halves = block_sparse_attention(*args, block_m=bm, block_n=b, pv_skip=-3.0, config=KernelConfig(bm // 2, b))
-    torch.testing.assert_close(halves, whole, rtol=0, atol=0)
+    # a skip that depended on the other rows would move a row by ~e^-3 of its values; 16- and 32-row blocks may
+    # sum their dot products in another order (numpy's matmul under the interpreter picks kernels by shape)
+    torch.testing.assert_close(halves, whole, rtol=0, atol=1e-5)
     _assert_close(whole, _ref(q, k, v, plan)[0], torch.float32)
     exact = dense_reference(q, k, v)
     odd_error = rel_error(whole[:, :, 1::2], exact[:, :, 1::2])

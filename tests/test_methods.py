@@ -35,9 +35,11 @@ SMALL = dict(
     sparge=SpargeParams(block_size_q=32, block_size_kv=16),
     bfla=BFLAParams(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16, local_tiles=1, stride=4),
     s2o=S2OParams(segment_size=64, block_size_q=16, block_size_kv=16),
-    sampled=SampledParams(block_size=16, sample_every=4, budget=0.3),
-    antidiag=AntidiagParams(block_size=16, score_stride=4, row_stride=2, budget=0.3),
-    peak=PeakParams(block_size=16, sample_every=4, budget=0.3),
+    # tiny prompts: local tiles and the exact tail would cover most of them (tests of their own below)
+    sampled=SampledParams(block_size=16, sample_every=4, budget=0.3, local_tiles=0, exact_tail_blocks=0),
+    antidiag=AntidiagParams(block_size=16, score_stride=4, row_stride=2, budget=0.3, local_tiles=0,
+                            exact_tail_blocks=0),
+    peak=PeakParams(block_size=16, sample_every=4, budget=0.3, local_tiles=0, exact_tail_blocks=0),
 )
 PAIRS = sorted(valid_pairs())
 PRESETS = {"pbs": ("pbs", "pbs"), "sparge": ("none", "sparge"), "bfla": ("none", "bfla"), "s2o": ("s2o", "s2o"),
@@ -797,7 +799,7 @@ def test_antidiag_tile_mass_is_the_reduced_rows_softmax(shape, rows, factor, mon
 @pytest.mark.parametrize("nq,nk", [(150, 150), (70, 150)], ids=["prefill", "chunked"])
 def test_antidiag_head_dims_keep_all_and_defaults(dim, nq, nk):
     q, k, v = random_qkv(2, 4, 2, nq, nk, dim)
-    small = {"block_size": 16, "score_stride": 8, "row_stride": 4}
+    small = {"block_size": 16, "score_stride": 8, "row_stride": 4, "local_tiles": 0, "exact_tail_blocks": 0}
     keep = build_plan(q, k, None, SparseConfig(method="antidiag", antidiag={**small, "budget": 1.0}))
     assert rel_error(reference_attention(q, k, v, keep), dense_reference(q, k, v)) < 1e-5
     plan = build_plan(q, k, None, SparseConfig(method="antidiag", antidiag=small))
@@ -821,7 +823,7 @@ def test_antidiag_keeps_a_planted_lookup_that_mean_pooling_loses():
     """Rows scored one by one against groups of 8 keys (``row_stride=1``) keep the needle's tile at budget 0.1 on
     every draw; PBS's mean-pooled selector (without its permutation) at the same density misses it on half."""
     antidiag = SparseConfig(method="antidiag", antidiag={"block_size": 16, "score_stride": 8, "row_stride": 1,
-                                                         "budget": 0.1})
+                                                         "budget": 0.1, "local_tiles": 0, "exact_tail_blocks": 0})
     pooled = SparseConfig(method="pbs", reorder="none", pbs={"block_size": 16, "segment_size": 32, "threshold": 0.3})
     kept = {"antidiag": 0, "pbs": 0}
     density = {"antidiag": 0.0, "pbs": 0.0}

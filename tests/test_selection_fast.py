@@ -60,8 +60,9 @@ SMALL = dict(
     sparge=SpargeParams(block_size_q=32, block_size_kv=16),
     bfla=BFLAParams(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16, local_tiles=1, stride=4),
     s2o=S2OParams(segment_size=64, block_size_q=16, block_size_kv=16),
-    sampled=SampledParams(block_size=16, sample_every=4, budget=0.3),
-    peak=PeakParams(block_size=16, sample_every=4, budget=0.3),
+    # tiny prompts: local tiles and the exact tail would cover most of them (tests of their own below)
+    sampled=SampledParams(block_size=16, sample_every=4, budget=0.3, local_tiles=0, exact_tail_blocks=0),
+    peak=PeakParams(block_size=16, sample_every=4, budget=0.3, local_tiles=0, exact_tail_blocks=0),
 )
 PRESETS = {"pbs": ("pbs", "pbs"), "sparge": ("none", "sparge"), "bfla": ("none", "bfla"), "s2o": ("s2o", "s2o"),
            "sampled": ("none", "sampled"), "peak": ("none", "peak")}

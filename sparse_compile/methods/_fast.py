@@ -89,5 +89,6 @@ def budget_plan(scores_of, q, k, reordering: Reordering, params, selector: str) 
     bs = params.block_size
     scores = None if params.budget >= 1.0 else scores_of()
     tables = budget_select(tile_grid(q, k, reordering, bs, bs), scores, params.budget,
-                           keep_first_key=params.keep_first_block)
-    return plan_from_tables(bs, bs, tables, reordering)
+                           keep_first_key=params.keep_first_block, local=params.local_tiles)
+    tail = 0 if scores is None else params.exact_tail_blocks * bs  # keep-all: every row is exact already
+    return plan_from_tables(bs, bs, tables, reordering, exact_tail=tail)

@@ -66,7 +66,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from ..config import MethodParams, block_field, check_finite, check_share, check_stride, fail
+from ..config import MethodParams, block_field, check_finite, check_share, check_stride, fail, int_field
 from ..plan import BlockPlan
 from ..registry import Method, register_method
 from ._blocks import BUDGET_KNOB, finish_budget_plan
@@ -97,7 +97,8 @@ class AntidiagParams(MethodParams):
     visible tiles) other tiles of highest mass; ``budget=1.0`` keeps every causal block. ``block_size`` is the query
     block and the key tile. ``row_stride == score_stride`` is XAttention's square antidiagonal, ``row_stride=1``
     scores every row. ``temperature_factor`` multiplies the reduced logits (None: 1/``score_stride``);
-    ``antidiagonals=2`` adds the adjacent antidiagonal (slash lines of both parities). The defaults are the best
+    ``antidiagonals=2`` adds the adjacent antidiagonal (slash lines of both parities); ``local_tiles`` and
+    ``exact_tail_blocks`` as ``sampled``'s (``methods._blocks.StridedRowParams``). The defaults are the best
     measured trade (module docstring): half ``sampled``'s matmul, a quarter of its exponentials, less retrieval.
     """
 
@@ -108,10 +109,13 @@ class AntidiagParams(MethodParams):
     temperature_factor: Optional[float] = 1.0
     budget: float = 0.1
     keep_first_block: bool = True
+    local_tiles: int = 2
+    exact_tail_blocks: int = 1
 
     field_checks: ClassVar[dict] = {"block_size": block_field(), "score_stride": check_stride,
                                     "row_stride": check_stride, "budget": check_share, "antidiagonals": _antidiagonals,
-                                    "temperature_factor": _temperature}
+                                    "temperature_factor": _temperature, "local_tiles": int_field(),
+                                    "exact_tail_blocks": int_field()}
 
     def check_fields(self) -> None:
         if self.score_stride > self.block_size:

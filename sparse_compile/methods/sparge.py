@@ -12,7 +12,10 @@ Query blocks of ``block_size_q`` rows, key tiles of ``block_size_kv`` logical ke
 4. M[i, :] = 1 if s_qi < theta; M[:, j] = 1 if s_kj < theta (non-self-similar blocks are never skipped).
 5. Added for causal prefill (the paper targets mostly non-causal models and is silent): the diagonal tiles (the
    partially visible ones, or the on-diagonal segment under a PBS permutation) are always kept, so no query row
-   can end up seeing no key at all.
+   can end up seeing no key at all; and with ``keep_first_block`` (default) the tile holding key 0, the attention
+   sink. Mean pooling dilutes the sink key 64-fold in its tile's score, so TopCdf dropped it on a pretrained model
+   (SmolLM2-135M), and rows that lose their sink spread its mass over the rest: +0.95 nats per token at 8K
+   (docs/methods.md).
 6. The P.V skip lambda (``pv_threshold``) goes to the plan as ``pv_skip``: a row drops a tile's P.V share when
    its tile maximum is below its running maximum by more than |lambda| (plan.py's rule; the paper decides per
    warp's slice of rows and skips that warp's MMA, the plan per row, and our kernel keeps the MMA: a branch
@@ -39,7 +42,7 @@ from ..config import MethodParams, block_field, finite_field, fraction_field, op
 from ..kernels.validate import expand_heads
 from ..plan import VISIBLE_NONE, BlockPlan
 from ..registry import DensityKnob, Method, register_method
-from ._blocks import diagonal_tiles, finish_plan, visibility
+from ._blocks import diagonal_tiles, finish_plan, first_key_tile, visibility
 from ._common import Reordering, block_mean, block_self_similarity, compute_dtype, group_scores, logical_keys, mass_keep
 from ._fast import check_selectable, plan_from_tables, segment_bound, tile_grid
 
@@ -51,6 +54,7 @@ class SpargeParams(MethodParams):
     """SpargeAttn (Zhang et al. 2025): mean-pool + self-similarity judge + TopCdf, and the P·V skip.
 
     The paper tunes (τ, θ, λ) per layer; these defaults are a fixed, conservative point.
+    ``keep_first_block`` keeps the tile holding key 0 (the attention sink; not in the paper).
     ``cdf_threshold=1.0, pv_threshold=None`` keeps every causal block and never skips P·V.
     ``pv_threshold`` is λ < 0 in natural-log units: a row drops a tile's P·V share when its tile maximum is
     below its running maximum by more than |λ|.
@@ -61,6 +65,7 @@ class SpargeParams(MethodParams):
     cdf_threshold: float = 0.98
     similarity_threshold: float = 0.6
     pv_threshold: float | None = -20.0
+    keep_first_block: bool = True
 
     field_checks: ClassVar[dict] = {"block_size_q": block_field(), "block_size_kv": block_field(),
                                     "cdf_threshold": fraction_field(), "similarity_threshold": fraction_field(low=-1.0),
@@ -86,6 +91,8 @@ def select_sparge(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Re
     keep = mass_keep(pooled * scale, candidates, params.cdf_threshold)
     keep = keep | query_odd[..., None] | key_odd[:, :, None, :] | diagonal_tiles(vis, reordering, num_queries,
                                                                                  num_keys, bm, bn)
+    if params.keep_first_block:
+        keep = keep | first_key_tile(reordering, num_keys, bn, batch, heads_q, q.device)
     return finish_plan(keep, vis, bm, bn, reordering, pv_skip=params.pv_threshold)
 
 
@@ -100,7 +107,8 @@ def select_sparge_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reorderin
     bm, bn = params.block_size_q, params.block_size_kv
     grid = tile_grid(q, k, reordering, bm, bn)
     rule = MassRule(threshold=params.cdf_threshold, scale=scale, segment=reordering.segment_size or 0,
-                    keep_diagonal=True, similarity_threshold=params.similarity_threshold)
+                    keep_diagonal=True, keep_first_key=params.keep_first_block,
+                    similarity_threshold=params.similarity_threshold)
     permuted = reordering.key_index is not None
     key_tiles = logits = query_tiles = None
     if permuted or not rule.keeps_all:
