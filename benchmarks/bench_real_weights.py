@@ -38,14 +38,18 @@ printed.
 source and English prose): ``passkey`` ("The pass key is 71432. Remember it. 71432 is the pass key."),
 ``multikey`` (four "One of the special magic numbers for <word> is: <7 digits>." lines, one queried) and
 ``vartrack`` (a chain ``VAR ABCDE = 12345``, ``VAR FGHIJ = VAR ABCDE``, ... of four variables and a distractor chain
-of three, scattered; the question asks which variables hold the value; answer: the four names in chain order).
+of three, scattered; the question asks which variables hold the value; answer: the four names in chain order, as
+"A, B, C, and D").
 Each instance is exactly the target length in tokens (the haystack trimmed), needles start on a new line, and the
-target needle's depth is spread uniformly over 10-90% of the prompt (``by_depth`` bins). Prompts follow RULER's
-wording with its answer prefixes, in the model's chat template (``--prompt-style chat``; ``plain`` puts the same
-words in plain text): on the CPU at 2K with dense attention (24 instances per task) the chat template retrieved
-more (passkey ... vs ..., see the module's `PROMPT_STYLE` note). Scoring is teacher-forced: prompt and gold answer
-in one forward; an instance is correct when the argmax at every answer position reproduces the answer's tokens. A
-retrieval cell whose ``dense`` accuracy is below 0.5 is marked "not judged" in the report.
+target needle's depth is spread uniformly over 10-90% of the prompt (``by_depth`` bins; ``by_haystack`` splits code
+from prose). Prompts follow RULER's wording with its answer prefixes, in the model's chat template (``--prompt-style
+chat``; ``plain`` puts the same words in plain text). Scoring is teacher-forced: prompt and gold answer in one
+forward; an instance is correct when the argmax at every answer position reproduces the answer's tokens (a bare
+space token before digits belongs to the prompt: the model writes " a" there, "is a 5-digit ...", and then the
+digits). Dense at 2K on the CPU (float32, 8 instances per task, 2026-11-27): chat template passkey 1.00, multikey
+0.88, vartrack 0.00; plain text 1.00, 0.75, 0.00. Variable tracking fails at the answer's first token in every
+wording tried (the model starts a list on a new line and gets the first token of most names wrong), so its cells are
+"not judged" on this model: the report marks a retrieval cell whose ``dense`` accuracy is below 0.5 that way.
 
 **Next-token loss** (``nll_code``, ``nll_prose``): windows of the target length of concatenated standard-library
 source files (``sysconfig.get_paths()["stdlib"]``, Python Software Foundation License) and of English prose: the
@@ -55,11 +59,11 @@ differ even where a length needs more text than the prose source holds. Loss = m
 each window (nats/token); rows carry dense's ``nll`` and every contender's ``delta_nll`` against it, per kind.
 
 Every forward runs under ``torch.no_grad()`` and asks the model only for the logits it scores
-(``logits_to_keep``: 64 positions for the answers, 1,025 for the loss). Rows (one per length, contender and
-task/kind) go to the store ``benchmarks/results/bench_real_weights.jsonl`` after each length (so a run cut short
-keeps its finished lengths; with ``--out`` the store is written there instead, to append to the repository's); the
-run's table to ``--out`` (default ``benchmarks/results/runs/``). ``--smoke`` writes no store unless ``--out`` is
-given.
+(``logits_to_keep=1025``: the loss's positions, which hold every answer too; one value, so one compiled graph).
+Rows (one per length, contender and task/kind) go to the store ``benchmarks/results/bench_real_weights.jsonl``
+after each length (so a run cut short keeps its finished lengths; with ``--out`` the store is written there instead,
+to append to the repository's); the run's table to ``--out`` (default ``benchmarks/results/runs/``). ``--smoke``
+writes no store unless ``--out`` is given.
 
 **Time.** CPU (2 cores, float32, the PyTorch reference executor): ``--smoke`` (2K, 1 instance per task and 1 window
 per kind in one batch, sampled and pbs at their defaults and at ρ = 0.1) takes about ... min, most of it the sparse
@@ -105,7 +109,9 @@ YARN_FACTOR = 4.0
 TASKS = ("passkey", "multikey", "vartrack")
 NLL_KINDS = ("nll_code", "nll_prose")
 NLL_TOKENS = 1024  # the loss is the mean over each window's last NLL_TOKENS tokens
-ANSWER_LOGITS = 64  # logits kept for retrieval scoring: every answer is shorter
+# logits kept per forward: the loss's positions, which also cover every answer. One value for every call, so the
+# compiled model has one graph (each distinct logits_to_keep would compile another)
+KEPT_LOGITS = NLL_TOKENS + 1
 DEPTH_RANGE = (0.1, 0.9)
 DEPTH_BINS = (0.1, 0.26, 0.42, 0.58, 0.74, 0.9001)
 PROMPT_STYLES = ("chat", "plain")
@@ -469,14 +475,13 @@ def score_retrieval(model, instances: list, batch: int, device: str) -> list:
         group = instances[start:start + batch]
         ids = torch.stack([inst.tokens for inst in group]).to(device)
         with torch.no_grad():
-            logits = logits_of(model, ids, ANSWER_LOGITS)
-        predicted = logits.argmax(-1).cpu()
+            predicted = logits_of(model, ids, KEPT_LOGITS).argmax(-1).cpu()
         for row, inst in enumerate(group):
             a = inst.answer_len
-            if a + 1 > ANSWER_LOGITS:
-                raise ValueError(f"{inst.task}: answer of {a} tokens exceeds the {ANSWER_LOGITS} logits kept")
+            if a + 1 > KEPT_LOGITS:
+                raise ValueError(f"{inst.task}: answer of {a} tokens exceeds the {KEPT_LOGITS} logits kept")
             # the logit at position t predicts token t + 1: the answer's tokens from the positions just before them
-            guess = predicted[row, ANSWER_LOGITS - a - 1:ANSWER_LOGITS - 1]
+            guess = predicted[row, KEPT_LOGITS - a - 1:KEPT_LOGITS - 1]
             correct.append(bool(torch.equal(guess, inst.tokens[-a:])))
     return correct
 
@@ -487,7 +492,7 @@ def score_nll(model, windows: list, batch: int, device: str) -> list:
     for start in range(0, len(windows), batch):
         ids = torch.stack(windows[start:start + batch]).to(device)
         with torch.no_grad():
-            logits = logits_of(model, ids, NLL_TOKENS + 1)[:, :-1]
+            logits = logits_of(model, ids, KEPT_LOGITS)[:, -NLL_TOKENS - 1:-1]
             loss = F.cross_entropy(logits.transpose(1, 2), ids[:, -NLL_TOKENS:], reduction="none").mean(-1)
         out += loss.tolist()
     return out
@@ -515,7 +520,7 @@ def capture_layers(compiled, ids: torch.Tensor, stride: int) -> list:
         calls.append((q.detach().clone(), k.detach().clone()))
 
     with torch.no_grad(), sparse_compile.sparsity(enabled=False), sparse_compile.ops.capturing(keep):
-        compiled(ids, logits_to_keep=1, use_cache=False)
+        compiled(ids, logits_to_keep=KEPT_LOGITS, use_cache=False)
     return calls[::stride]
 
 
@@ -535,7 +540,7 @@ def contenders_at(compiled, sample: torch.Tensor, base, args) -> list:
     method = args.calibrate_method
     for error in args.calibrate_errors:
         started = time.perf_counter()
-        calibration = sparse_compile.calibrate(compiled, {"input_ids": sample, "logits_to_keep": 1,
+        calibration = sparse_compile.calibrate(compiled, {"input_ids": sample, "logits_to_keep": KEPT_LOGITS,
                                                           "use_cache": False},
                                                method=method, target_error=error,
                                                config=base.with_overrides(method), steps=args.calibrate_steps)
@@ -632,7 +637,7 @@ def run_length(length: int, compiled, builder: PromptBuilder, base, args, device
                          "delta_nll": nll - dense_nll[kind] if kind in dense_nll else None,
                          "windows": len(items), "source": source, **dispatch(contender), "params": contender.params})
         spent.append(time.perf_counter() - t0)
-        left = (len(contenders) - index - 1) * sum(spent) / len(spent)
+        left = (len(contenders) - index - 1) * spent[-1]  # the first includes compiling: the latest is the guide
         mine = [r for r in rows if r["contender"] == contender.name]
         summary = ", ".join(f"{r['task']} {r.get('accuracy', r.get('delta_nll')) or 0:.3f}" for r in mine)
         density = mine[0]["density"]
@@ -677,6 +682,11 @@ def wide_rows(rows: list) -> list:
 
 
 REPORT_COLUMNS = ["N", "rope", "contender", "density", *TASKS, *NLL_KINDS, "flag"]
+REPORT_NOTE = ("retrieval: share of instances whose answer the teacher-forced argmax reproduces (not judged: dense "
+               "< 0.5); nll_*: dense's NLL over the last 1,024 tokens (nats/token), other rows Δ NLL against it; "
+               "density: share of causal tiles computed, mean over sites and calls; flag: calls that ran the other "
+               "path")
+DENSITY_TICKS = (0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 def plot(rows: list, path: Path, methods: list) -> None:
@@ -706,6 +716,9 @@ def plot(rows: list, path: Path, methods: list) -> None:
             if metric == "accuracy" and dense and dense[0] is not None:
                 ax.axhline(dense[0], color="k", ls=":", lw=1, label="dense")
             ax.set_xscale("log")
+            ax.set_xlim(0.03, 1.1)
+            ax.set_xticks(DENSITY_TICKS, [f"{t:g}" for t in DENSITY_TICKS])
+            ax.minorticks_off()
             ax.set_title(f"{n // 1024}K  {label}", fontsize=8)
             ax.set_xlabel("density (kept causal tiles)", fontsize=7)
             ax.grid(alpha=0.3)
@@ -732,6 +745,7 @@ def report(commits: list, out_dir: Optional[str]) -> None:
     if not rows:
         raise SystemExit(f"no rows in the store {STORE}.jsonl" + (f" of commits {commits}" if commits else ""))
     print(format_table(wide_rows(rows), REPORT_COLUMNS))
+    print(f"\n{REPORT_NOTE}")
     methods = sorted({r["method"] for r in rows if r.get("method")})
     path = (Path(out_dir) if out_dir else RESULTS_DIR) / "real_weights.png"
     plot(rows, path, methods)
@@ -777,7 +791,7 @@ def main(argv=None) -> None:
     if args.smoke:
         smoke = {"lengths": [2048], "methods": [m for m in ("sampled", "pbs") if m in methods],
                  "densities": [0.1], "calibrate_errors": [], "instances": 1, "windows": 1,
-                 "knob_steps": 8, "knob_layer_stride": 5}
+                 "knob_steps": 6, "knob_layer_stride": 10}
         for name, value in smoke.items():  # only where the option was left at its default
             if getattr(args, name) == parser.get_default(name):
                 setattr(args, name, value)
@@ -826,6 +840,7 @@ def main(argv=None) -> None:
                               "prose": PROSE_SOURCE}))
     print()
     print(format_table(wide_rows(all_rows), REPORT_COLUMNS))
+    print(f"\n{REPORT_NOTE}")
     if store:
         print(f"rows appended to {(Path(args.out) if args.out else RESULTS_DIR) / (store + '.jsonl')}")
 
