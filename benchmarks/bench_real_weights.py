@@ -1,7 +1,8 @@
 """Quality of each sparse method on a real model: RULER-style retrieval and next-token loss on real text.
 
     python benchmarks/bench_real_weights.py --smoke                                  # CPU: 2K, 2 methods
-    python benchmarks/bench_real_weights.py --lengths 2048 4096 8192 --out $OUT      # GPU, native rope
+    python benchmarks/bench_real_weights.py --lengths 2048 4096 --out $OUT           # GPU, native rope
+    python benchmarks/bench_real_weights.py --lengths 8192 --out $OUT                # GPU, native rope
     python benchmarks/bench_real_weights.py --lengths 16384 --out $OUT               # GPU, YaRN x4
     python benchmarks/bench_real_weights.py --lengths 32768 --out $OUT               # GPU, YaRN x4
     python benchmarks/bench_real_weights.py --report                                 # table + plot from the store
@@ -65,11 +66,14 @@ after each length (so a run cut short keeps its finished lengths; with ``--out``
 to append to the repository's); the run's table to ``--out`` (default ``benchmarks/results/runs/``). ``--smoke``
 writes no store unless ``--out`` is given.
 
-**Time.** CPU (2 cores, float32, the PyTorch reference executor): ``--smoke`` (2K, 1 instance per task and 1 window
-per kind in one batch, sampled and pbs at their defaults and at ρ = 0.1) takes about ... min, most of it the sparse
-forwards (a sparse layer call costs ~10x a dense one there). GPU: the run prints an estimate after its first
-contender at each length; on an H100 the native-rope call (2K, 4K, 8K; 48 instances per task, 8 windows per kind,
-every method) should take a few minutes, 16K and 32K one call each (see ``--batch``).
+**Time.** CPU (2 cores shared with other work, float32; sparse layers run the PyTorch reference executor, several
+times a dense layer's cost): ``--smoke`` (2K, one passkey instance and one code window, sampled and pbs at their
+defaults and at ρ = 0.1) took SMOKE_MIN min on 2026-11-27: about 4 min compiling, capturing and fitting the knobs,
+then about 90 s per dense and 200 s per sparse 2K forward. GPU: the run prints, after each contender, its time and
+the minutes left at that length. A contender at 48 instances per task and 8 windows per kind makes 20 forwards at
+2K-8K (batch 8), 40 at 16K (batch 4), 80 at 32K (batch 2); with every registered method (7: 1 + 7 x 4 + 2 = 31
+contenders) run one length per GPU call from 8K on, and split a length's methods over calls (``--methods``, the
+calibrated contenders with one of them) when the printed estimate passes the call's limit.
 """
 
 from __future__ import annotations
@@ -77,7 +81,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import json
 import math
 import os
 import random
@@ -265,7 +268,11 @@ def code_texts() -> list:
 
 
 def prose_texts() -> list:
-    from pydoc_data.topics import topics
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as exc:
+        raise SystemExit(f"the prose source, the standard library's pydoc_data.topics, is missing from this Python "
+                         f"({exc}); --tasks without nll_prose still needs it for the prose haystacks") from exc
 
     return [topics[key].strip() for key in sorted(topics)]
 
@@ -780,8 +787,8 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-style", default="chat", choices=PROMPT_STYLES)
     parser.add_argument("--seed", type=int, default=20261127)
     parser.add_argument("--smoke", action="store_true",
-                        help="CPU: 2K, 1 instance per task, 1 window per kind, sampled and pbs at their defaults and "
-                             "at density 0.1, small blocks; options given explicitly are kept")
+                        help="CPU: 2K, one passkey instance and one code window, sampled and pbs at their defaults "
+                             "and at density 0.1, small blocks; options given explicitly are kept")
     parser.add_argument("--out", default=None, help="the run's table (and with it the store) go here")
     parser.add_argument("--report", nargs="*", default=None, metavar="COMMIT",
                         help="only the report: the store's rows (of these commits) as a table and a plot")
@@ -791,6 +798,7 @@ def main(argv=None) -> None:
     if args.smoke:
         smoke = {"lengths": [2048], "methods": [m for m in ("sampled", "pbs") if m in methods],
                  "densities": [0.1], "calibrate_errors": [], "instances": 1, "windows": 1,
+                 "tasks": ["passkey", "nll_code"],
                  "knob_steps": 6, "knob_layer_stride": 10}
         for name, value in smoke.items():  # only where the option was left at its default
             if getattr(args, name) == parser.get_default(name):
