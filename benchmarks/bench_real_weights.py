@@ -68,8 +68,8 @@ writes no store unless ``--out`` is given.
 
 **Time.** CPU (2 cores shared with other work, float32; sparse layers run the PyTorch reference executor, several
 times a dense layer's cost): ``--smoke`` (2K, one passkey instance and one code window, sampled and pbs at their
-defaults and at ρ = 0.1) took SMOKE_MIN min on 2026-11-27: about 4 min compiling, capturing and fitting the knobs,
-then about 90 s per dense and 200 s per sparse 2K forward. GPU: the run prints, after each contender, its time and
+defaults and at ρ = 0.1) took 28 min on 2026-11-27 (torch 2.13): 4 min compiling, capturing and fitting the knobs, then
+about 95 s per dense and 100-225 s per sparse 2K forward. GPU: the run prints, after each contender, its time and
 the minutes left at that length. A contender at 48 instances per task and 8 windows per kind makes 20 forwards at
 2K-8K (batch 8), 40 at 16K (batch 4), 80 at 32K (batch 2); with every registered method (7: 1 + 7 x 4 + 2 = 31
 contenders) run one length per GPU call from 8K on, and split a length's methods over calls (``--methods``, the
