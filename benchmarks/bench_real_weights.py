@@ -98,7 +98,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparse_compile  # noqa: E402
-from bench_e2e import calibrate as calibrate_density  # noqa: E402
+from bench_e2e import calibrate as calibrate_density, method_spec, split_spec  # noqa: E402
 from bench_retrieval import KNOB_STEPS, base_config  # noqa: E402
 from harness import RESULTS_DIR, RUNS_DIR, append_store, format_table, read_store, write_results  # noqa: E402
 
@@ -533,12 +533,15 @@ def capture_layers(compiled, ids: torch.Tensor, stride: int) -> list:
 
 def contenders_at(compiled, sample: torch.Tensor, base, args) -> list:
     out = [Contender("dense", None, "dense", {"enabled": False})]
-    out += [Contender(m, m, "defaults", {"method": m}) for m in args.methods]
-    if args.densities and args.methods:
+    for spec in args.methods:  # "name" at its defaults, or "name:field=value,..."
+        m, fields = split_spec(spec)
+        out.append(Contender(spec, m, "defaults" if not fields else "fields", {"method": m, **fields}))
+    plain = [m for m in args.methods if not split_spec(m)[1]]
+    if args.densities and plain:
         started = time.perf_counter()
         layers = capture_layers(compiled, sample, args.knob_layer_stride)
         for rho in args.densities:
-            for m in args.methods:
+            for m in plain:
                 params, reached = calibrate_density(m, rho, layers, base, steps=args.knob_steps)
                 shown = ", ".join(f"{k}={v:.4g}" for k, v in params.items())
                 out.append(Contender(f"{m}@{rho}", m, f"rho={rho}", {"method": m, **params}, shown))
@@ -617,6 +620,8 @@ def run_length(length: int, compiled, builder: PromptBuilder, base, args, device
     for index, contender in enumerate(contenders):
         t0 = time.perf_counter()
         for task, items in instances.items():
+            if contender.method is not None and dense_accuracy.get(task, 1.0) < args.judged_from and not args.all_tasks:
+                continue  # dense itself does not retrieve here: the cell is not judged, and not run
             sparse_compile.reset_runtime_stats()
             with sparse_compile.sparsity(**contender.region):
                 correct = score_retrieval(compiled, items, batch, device)
@@ -625,7 +630,7 @@ def run_length(length: int, compiled, builder: PromptBuilder, base, args, device
                 dense_accuracy[task] = accuracy
             row = {**common, "task": task, "contender": contender.name, "method": contender.method,
                    "setting": contender.setting, "accuracy": accuracy, "dense_accuracy": dense_accuracy.get(task),
-                   "judged": dense_accuracy.get(task, 0.0) >= 0.5, "instances": len(items),
+                   "judged": dense_accuracy.get(task, 0.0) >= args.judged_from, "instances": len(items),
                    "by_depth": bins_of([float(c) for c in correct], [i.depth for i in items]),
                    "by_haystack": {h: sum(c for c, i in zip(correct, items) if i.haystack == h)
                                    / max(1, sum(i.haystack == h for i in items)) for h in ("code", "prose")},
@@ -770,7 +775,11 @@ def main(argv=None) -> None:
     parser.add_argument("--cache-dir", default=None, help="where the converted model is kept (default "
                                                           "~/.cache/sparse_compile)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
-    parser.add_argument("--methods", nargs="*", default=methods, choices=methods)
+    parser.add_argument("--methods", nargs="*", default=methods, type=method_spec,
+                        help="registered methods, or name:field=value,... (run at that setting, no density fits)")
+    parser.add_argument("--judged-from", type=float, default=0.5,
+                        help="retrieval tasks whose dense accuracy is below this are not run for sparse contenders")
+    parser.add_argument("--all-tasks", action="store_true", help="run every task for every contender")
     parser.add_argument("--densities", type=float, nargs="*", default=[0.05, 0.1, 0.2])
     parser.add_argument("--calibrate-errors", type=float, nargs="*", default=[0.02, 0.05],
                         help="sparse_compile.calibrate targets (relative L1 per layer) of --calibrate-method")
@@ -822,6 +831,9 @@ def main(argv=None) -> None:
     base = base_config(args.smoke).replace(min_seq_len=1024, record_density=True)
     store = None if args.smoke and not args.out else STORE
     all_rows, compiled_by_rope, builder = [], {}, None
+    # batch sizes, the knob fits' captures and calibrate()'s calls each specialise the graph once; past Dynamo's
+    # default limit (8) the model would run uncompiled, i.e. dense, and calibration would find no site
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for length in args.lengths:
         rope = rope_of(length)
         if rope not in compiled_by_rope:
