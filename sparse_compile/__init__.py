@@ -43,10 +43,10 @@ from .config import MethodParams, SparseConfig  # noqa: E402
 from .context import sparsity  # noqa: E402
 from .calibrate import Calibration, SiteCalibration, calibrate  # noqa: E402
 from .explain import ExplainReport, explain  # noqa: E402
-from .ops import precompile, sparse_attention, ulysses_attention  # noqa: E402
+from .api import precompile, sparse_attention  # noqa: E402
 from .plan import BlockPlan, execute_plan  # noqa: E402
 from .registry import DensityKnob, Method, register_method  # noqa: E402
-from .parallel import sequence_parallel  # noqa: E402
+from .parallel import sequence_parallel, ulysses_attention  # noqa: E402
 from .report import reset_runtime_stats, runtime_stats  # noqa: E402
 from .transformers_attention import enable_transformers_attention, install_import_hook as _hook  # noqa: E402
 

@@ -35,8 +35,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["plan_shape", "break_even_density", "lowest_density", "has_table", "DensityHistory", "HISTORY", "MARGIN",
-           "PROBE_EVERY", "PROBE_MAX", "load_tables"]
+__all__ = ["Advice", "advise", "plan_shape", "break_even_density", "lowest_density", "has_table", "DensityHistory",
+           "HISTORY", "MARGIN", "PROBE_EVERY", "PROBE_MAX", "load_tables"]
 
 MARGIN = 0.05  # the predicted gain the sparse path needs (BFLA / SpargeAttn at 128K, density 1: 1.02-1.03x)
 PROBE_EVERY = 16  # dense calls before the first re-plan at a site that runs dense
@@ -207,3 +207,40 @@ class DensityHistory:
 
 
 HISTORY = DensityHistory()
+
+
+@dataclass(frozen=True)
+class Advice:
+    """What break-even says of one call before planning.
+
+    ``dense_reason``: why the call should run dense (None: plan and run the method); ``history_key``: where the
+    plan's density is remembered when the decision depends on history (None: it does not); ``replan``: plan again
+    although the call runs dense, so that the next call decides on a fresh density."""
+
+    dense_reason: Optional[str] = None
+    history_key: Optional[tuple] = None
+    replan: bool = False
+
+
+def advise(q: torch.Tensor, k: torch.Tensor, config, site: str) -> Advice:
+    """Break-even's advice for one call at ``site`` (``config.dense_when_faster``; module docstring)."""
+    if not config.dense_when_faster or not has_table(q.device):
+        return Advice()  # no measured table for this device: the configured method runs
+    num_queries, num_keys = q.shape[-2], k.shape[-2]
+    key = HISTORY.key(site, config, q, k)
+    predicted = HISTORY.prediction(key)
+    shape = predicted[1] if predicted is not None else HISTORY.shape_of(config)
+    limit = None if shape is None else break_even_density(q.device, shape, num_keys)
+    if limit is not None:
+        lowest = lowest_density(shape, num_queries, num_keys)
+        if limit < lowest:  # no plan can win at this length: do not even plan
+            return Advice(f"break-even density {limit:.2f} is below the least any {shape} plan keeps at {num_keys} "
+                          f"keys ({lowest:.2f})")
+    if predicted is None or limit is None:
+        return Advice(history_key=key)
+    density = predicted[0]
+    if density <= limit:
+        HISTORY.went_sparse(key)
+        return Advice(history_key=key)
+    reason = f"plan density {density:.2f} above break-even {limit:.2f} (this site's last plan, {shape} tiles)"
+    return Advice(reason, key, HISTORY.should_probe(key))

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, TypeVar, Union, overload
 
-from .registry import NO_REORDER, check_stage_pair, method_spec, registered_methods
+from .registry import NO_REORDER, check_stage_pair, method_spec, registered_methods, reserve_names
 
 if TYPE_CHECKING:  # the built-in methods' parameter types, for the typed properties (no import at run time)
     from .methods.bfla import BFLAParams
@@ -439,6 +440,16 @@ class SparseConfig:
         out.update({name: dataclasses.asdict(value) for name, value in self.params})
         return out
 
+    def to_json(self) -> str:
+        """Compact JSON: only the fields that differ from the defaults (``{}`` is the default configuration). The
+        compiled graph carries its configuration so: the graph describes itself."""
+        return json.dumps(_non_default(self.to_dict(), SparseConfig().to_dict()), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "SparseConfig":
+        """The configuration ``to_json`` wrote (cached: read on every call of the op)."""
+        return _from_json(text)
+
     def replace(self, **changes: Any) -> "SparseConfig":
         """A copy with some fields (or some methods' whole parameters) changed."""
         return SparseConfig(**{**self.to_dict(), **changes})
@@ -502,6 +513,28 @@ class SparseConfig:
         """The same configuration with every method's keep-everything setting: exact dense attention."""
         return self.replace(site_params=(), **{name: spec_params.updated(method_spec(name).keep_all)
                                                for name, spec_params in self.params})
+
+
+reserve_names(f.name for f in fields(SparseConfig))  # no method may be called as a field
+
+
+def _non_default(value: dict, default: dict) -> dict:
+    out = {}
+    for key, item in value.items():
+        if key not in default:  # an entry of a free-form mapping (site_params): kept whole
+            out[key] = item
+        elif isinstance(item, dict):
+            sub = _non_default(item, default[key])
+            if sub:
+                out[key] = sub
+        elif item != default[key]:
+            out[key] = list(item) if isinstance(item, tuple) else item
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _from_json(text: str) -> SparseConfig:
+    return SparseConfig(**json.loads(text))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -13,7 +13,7 @@ transformers' modules are loaded (an import hook: importing ``sparse_compile`` n
   Every other pattern (a window that binds, chunked or bidirectional attention, packed sequences, image-token
   overlays) gets transformers' own 4-D SDPA mask and a note saying why it runs dense.
 * an attention function (``AttentionInterface``). Causal calls go through the same run-time decision as the
-  compiled op (``ops.dispatch`` / ``ops.padded_dispatch``): the same rules, ``min_seq_len``, break-even, padded
+  compiled op (``pipeline.attend`` / ``pipeline.attend_causal``): the same rules, ``min_seq_len``, break-even, padded
   batches, ``sparsity(...)`` regions and ``runtime_stats()`` records; decode steps run dense. Calls it cannot prove
   causal, or that need what the sparse path lacks (dropout, soft-capping, attention sinks, a position bias), run
   transformers' SDPA function (the model's eager function where SDPA cannot serve them) and are recorded dense,
@@ -42,9 +42,9 @@ from torch import Tensor
 from . import report
 from .config import SparseConfig
 from .context import resolve
-from .dense import dense_causal_attention
-from .ops import DENSE, dispatch, in_output_layout, padded_dispatch
+from .attention_op import in_output_layout
 from .padding import owned_mask, padding_layout
+from .pipeline import DENSE, attend, attend_causal
 
 __all__ = ["NAME", "MIN_TRANSFORMERS", "enable_transformers_attention", "attention_forward", "mask_forward",
            "install_import_hook"]
@@ -489,13 +489,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     k, v = (key, value) if keys == kv_len else (key[:, :, :keys], value[:, :, :keys])
     gqa = query.shape[1] != k.shape[1]
     if padding is not None and q_len == 1:  # decode: one query sees every valid key; a (B, 1, 1, N) mask
-        out = dispatch(query, k, v, scaling, config, site, lambda: F.scaled_dot_product_attention(
+        out = attend(query, k, v, scaling, config, site, lambda: F.scaled_dot_product_attention(
             query, k, v, attn_mask=padding[:, None, None, :], scale=scaling, enable_gqa=gqa))
     else:
-        layout = None if padding is None else padding_layout(padding, keys)
-        if layout is None or layout.all_valid:
-            out = dispatch(query, k, v, scaling, config, site,
-                           lambda: dense_causal_attention(query, k, v, scale=scaling), chunked_allowed=True)
-        else:
-            out = padded_dispatch(query, k, v, scaling, config, site, layout)
+        out = attend_causal(query, k, v, scaling, config, site,
+                            None if padding is None else padding_layout(padding, keys))
     return in_output_layout(out).transpose(1, 2), None

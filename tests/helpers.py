@@ -25,3 +25,10 @@ def random_qkv(batch, heads_q, heads_kv, n_q, n_k, dim, dtype=torch.float32, dev
     k = torch.randn(batch, heads_kv, n_k, dim, dtype=dtype, device=device)
     v = torch.randn(batch, heads_kv, n_k, dim, dtype=dtype, device=device)
     return q, k, v
+
+
+def op_spec(site: str, config, **flags) -> str:
+    """The op's ``spec`` argument: a ``SiteSpec`` as the rewrite writes it (JSON)."""
+    from sparse_compile.site import SiteSpec
+
+    return SiteSpec(site, config, **flags).to_json()

@@ -14,7 +14,7 @@ from sparse_compile import Calibration, SparseConfig, sparsity
 from sparse_compile.calibrate import operator_error
 from sparse_compile.context import resolve
 from sparse_compile.dense import dense_causal_attention
-from sparse_compile.ops import capturing, config_from_json, config_to_json
+from sparse_compile.pipeline import capturing
 from sparse_compile.rewrite import rewrite_graph
 
 transformers = pytest.importorskip("transformers")
@@ -200,8 +200,8 @@ def test_site_params_belong_to_their_method():
     with sparsity(method="bfla", mass_threshold=0.9):  # another method: the pbs values stay behind
         assert resolve(config).method == "bfla" and not resolve(config).site_params
     with sparsity(threshold=0.7):  # the site's own value wins at the site
-        assert resolve(config).for_site("a.0").pbs.threshold == 0.5
-        assert resolve(config).for_site("a.1").pbs.threshold == 0.7
+        assert resolve(config).for_site("a.0").params_of("pbs").threshold == 0.5
+        assert resolve(config).for_site("a.1").params_of("pbs").threshold == 0.7
     with sparsity(site_params={}):
         assert not resolve(config).site_params
     assert not config.keep_all().site_params
@@ -224,9 +224,9 @@ def test_site_config_lookup_is_cached():
 def test_site_params_travel_in_the_graph_json():
     config = SparseConfig(method="bfla", bfla={"mass_threshold": 0.9}, site_params={"m.layers.3.attn": {
         "mass_threshold": 0.75}})
-    text = config_to_json(config)
+    text = config.to_json()
     assert json.loads(text)["site_params"] == {"m.layers.3.attn": {"mass_threshold": 0.75}}
-    assert config_from_json(text) == config and hash(config_from_json(text)) == hash(config)
+    assert SparseConfig.from_json(text) == config and hash(SparseConfig.from_json(text)) == hash(config)
     assert SparseConfig.from_options(config.to_dict()) == config
 
 

@@ -18,10 +18,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import sparse_compile
 from sparse_compile import SparseConfig, sparsity
 from sparse_compile.calibrate import Calibration
-from sparse_compile.ops import config_to_json
 from sparse_compile.registry import registered_methods
 
-from helpers import random_qkv
+from helpers import op_spec, random_qkv
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
@@ -152,8 +151,8 @@ def test_sparse_attention_under_forward_ad_jvp_and_vmap_runs_dense():
 def test_op_called_directly_under_forward_ad_refuses_rather_than_dropping_the_tangent():
     q, k, v = random_qkv(1, 2, 2, 32, 32, 16)
     with forward_ad.dual_level(), pytest.raises(RuntimeError, match="forward-mode AD"):
-        torch.ops.sparse_compile.causal_attention(forward_ad.make_dual(q, torch.randn_like(q)), k, v, None, False,
-                                                  "s", config_to_json(SparseConfig(**SMALL)))
+        torch.ops.sparse_compile.causal_attention(forward_ad.make_dual(q, torch.randn_like(q)), k, v, None,
+                                                  op_spec("s", SparseConfig(**SMALL)))
 
 
 # -- skip_layers entries name whole path components ------------------------------------------------------------
@@ -220,7 +219,7 @@ def test_empty_input_gives_an_empty_result_for_every_method(method, shape):
     config = SparseConfig(method=method, **SMALL)
     out = sparse_compile.sparse_attention(q, q, q, config=config)
     assert out.shape == shape
-    out = torch.ops.sparse_compile.causal_attention(q, q, q, None, False, "empty", config_to_json(config))
+    out = torch.ops.sparse_compile.causal_attention(q, q, q, None, op_spec("empty", config))
     assert out.shape == shape
     assert sparse_compile.runtime_stats()["empty"].last_path == "dense"
 
@@ -320,7 +319,7 @@ def test_is_causal_with_more_queries_than_keys_under_dynamic_shapes_runs_dense_a
 def test_op_with_no_queries_returns_sdpa_result():
     q = torch.randn(1, 2, 0, 16)
     k, v = torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
-    out = torch.ops.sparse_compile.causal_attention(q, k, v, None, False, "none", config_to_json(SparseConfig(**SMALL)))
+    out = torch.ops.sparse_compile.causal_attention(q, k, v, None, op_spec("none", SparseConfig(**SMALL)))
     assert out.shape == (1, 2, 0, 16)
     assert "empty input" in sparse_compile.runtime_stats()["none"].last_reason
 

@@ -77,7 +77,7 @@ def test_method_parameters_are_typed_and_read_without_getattr():
     from sparse_compile import PBSParams, SampledParams
 
     config = SparseConfig(method="sampled", sampled={"budget": 0.2}, pbs=PBSParams(threshold=0.5))
-    assert isinstance(config.pbs, PBSParams) and config.pbs.threshold == 0.5
+    assert isinstance(config.params_of("pbs"), PBSParams) and config.params_of("pbs").threshold == 0.5
     assert config.params_of(SampledParams).budget == 0.2 and config.params_of("sampled") is config.params_of(
         SampledParams)
     assert SparseConfig.pbs.fget.__annotations__["return"] == "PBSParams"  # what type checkers and IDEs read

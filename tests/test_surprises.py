@@ -47,7 +47,7 @@ def test_nested_region_inherits_disabled():
     base = SparseConfig(method="pbs", **SMALL)
     with sparsity(enabled=False):
         with sparsity(threshold=0.5):
-            assert resolve(base).enabled is False and resolve(base).pbs.threshold == 0.5
+            assert resolve(base).enabled is False and resolve(base).params_of("pbs").threshold == 0.5
     model = small_model()
     compiled = torch.compile(model, backend="sparse_prefill", options=dict(SMALL, method="pbs", enabled=False))
     with torch.no_grad(), sparsity(threshold=0.5):

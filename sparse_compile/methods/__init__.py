@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from ..config import SparseConfig
-from ..plan import BlockPlan
+from ..plan import BlockPlan, execute_plan
 from ..registry import NO_REORDER, check_stage_pair, method_spec
 from . import _fast
 from ._common import Reordering, Unsupported
@@ -41,7 +41,7 @@ from . import s2o  # noqa: F401,E402
 from . import sampled  # noqa: F401,E402
 from . import sparge  # noqa: F401,E402
 
-__all__ = ["build_plan", "Unsupported", "Reordering", "stage_functions"]
+__all__ = ["build_plan", "execute", "Unsupported", "Reordering", "stage_functions"]
 
 
 def _no_reorder(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reordering:
@@ -112,3 +112,12 @@ def build_plan(q: torch.Tensor, k: torch.Tensor, scale: Optional[float], config:
     with torch.no_grad():
         reordering = reorder_fn(q, k, scale, config)
         return select_fn(q, k, scale, reordering, config)
+
+
+def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: float, config: SparseConfig, *,
+            kernel: str, return_visited: bool = False):
+    """``plan`` through its method's own executor (S2O: segment chunks), else ``plan.execute_plan``."""
+    executor = method_spec(config.select_stage).execute
+    if executor is not None:
+        return executor(q, k, v, plan, scale, config, kernel=kernel, return_visited=return_visited)
+    return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited)

@@ -439,4 +439,5 @@ register_method(Method(
     fast_select=select_s2o_fast, execute=execute_s2o, select_after=(),
     density=DensityKnob("early_stop", 0.0, 0.5, higher_keeps_more=False),
     keep_all={"early_stop": 0.0}, description="S2O: query sort, per-segment ranked prefix, early stop in the kernel",
+    decided_at_run_time=lambda params: params.early_stop > 0,
 ))
