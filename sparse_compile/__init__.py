@@ -48,9 +48,9 @@ from .plan import BlockPlan, execute_plan  # noqa: E402
 from .registry import DensityKnob, Method, register_method  # noqa: E402
 from .parallel import sequence_parallel, ulysses_attention  # noqa: E402
 from .report import reset_runtime_stats, runtime_stats  # noqa: E402
-from .transformers_attention import enable_transformers_attention, install_import_hook as _hook  # noqa: E402
+from .transformers_attention import enable_transformers_attention, register as _register  # noqa: E402
 
-_hook()  # the "sparse_prefill" attention implementation, registered with transformers when that loads
+_register()  # the "sparse_prefill" attention implementation, where transformers is imported already
 
 __all__ = [
     "SparseConfig",

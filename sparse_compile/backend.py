@@ -21,6 +21,7 @@ from .padding import per_forward
 from .report import SiteRecord
 from .rewrite import rewrite_graph
 from .rules import forward_transform
+from .transformers_attention import register as register_transformers_attention
 
 __all__ = ["sparse_prefill", "on_rewrite", "LOG_ENV_VAR", "OptionsError"]
 
@@ -137,6 +138,7 @@ def sparse_prefill(
         raise error from None
     _check_environment()
     _maybe_enable_logging()
+    register_transformers_attention()  # the front door's name too, now that transformers may be imported
     want_diff = bool(_LISTENERS) or log.isEnabledFor(logging.INFO)
     before = gm.code if want_diff else ""
     original = _graph_copy(gm)

@@ -35,6 +35,8 @@ from typing import Optional
 
 import torch
 
+from .plan import causal_tile_count
+
 __all__ = ["Advice", "advise", "plan_shape", "break_even_density", "lowest_density", "has_table", "DensityHistory",
            "HISTORY", "MARGIN", "PROBE_EVERY", "PROBE_MAX", "load_tables"]
 
@@ -63,8 +65,6 @@ def plan_shape(plan, select: Optional[str] = None) -> str:
 @functools.lru_cache(maxsize=1024)
 def lowest_density(shape: str, num_queries: int, num_keys: int) -> float:
     """The least density a plan of ``shape`` can have: every query block keeps at least one tile."""
-    from .plan import causal_tile_count
-
     block_m, block_n = (int(side) for side in shape.split("@")[0].split("+")[0].split("x"))
     return -(-num_queries // block_m) / max(causal_tile_count(num_queries, num_keys, block_m, block_n), 1)
 
@@ -185,6 +185,13 @@ class DensityHistory:
             if entry is not None:
                 entry.interval = PROBE_EVERY
 
+    def remember(self, key, plan, config, num_queries: int, num_keys: int,
+                 visited: Optional[torch.Tensor] = None) -> None:
+        """Remember ``plan``'s density at ``key``: the share of the causal tiles it visited (``visited``, counted by
+        running it: early stop) or else lists, without waiting for it."""
+        shape = plan_shape(plan, config.select_stage)
+        self.record(key, _plan_density(plan, num_queries, num_keys, visited), shape, config)
+
     def record(self, key, density: torch.Tensor, shape: str, config=None) -> None:
         """Remember a plan's density (a 0-d tensor, on any device) without waiting for it."""
         if density.is_cuda:
@@ -204,6 +211,14 @@ class DensityHistory:
         with self._lock:
             self._entries.clear()
             self._shapes.clear()
+
+
+def _plan_density(plan, num_queries: int, num_keys: int, visited: Optional[torch.Tensor]) -> torch.Tensor:
+    """0-d, on the plan's device (no sync): the share of the causal tiles visited, else listed."""
+    if visited is None:
+        return plan.density(num_queries, num_keys).mean()
+    total = causal_tile_count(num_queries, num_keys, plan.block_m, plan.block_n) * visited[:, :, 0].numel()
+    return visited.sum(dtype=torch.float32) / max(total, 1)
 
 
 HISTORY = DensityHistory()

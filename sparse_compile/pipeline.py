@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -25,14 +26,13 @@ import torch
 from torch import Tensor
 
 from . import report
-from .breakeven import HISTORY, advise, plan_shape
+from .breakeven import HISTORY, advise
 from .config import SparseConfig
 from .context import resolve
-from .dense import dense_attention, dense_causal_attention
+from .dense import QUERIES_LAST, DenseForm, run_dense
 from . import methods  # its stages looked up per call: tools and tests may wrap them
 from .methods import Unsupported
 from .padding import PaddingLayout, check_query_positions, padding_layout
-from .plan import causal_tile_count
 from .registry import method_spec
 from .rules import RUNTIME_RULES, CallInfo, first_failure
 from .runtime_mask import check_runtime_mask
@@ -82,34 +82,45 @@ def attend_site(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], site: S
                 runtime_mask: Optional[Tensor] = None) -> Tensor:
     """One call of the op on whole sequences, in the form ``site`` says the replaced call had."""
     config = resolve(site.config).for_site(site.site)
-    if runtime_mask is not None:
-        return _checked_mask(q, k, v, scale, site, config, runtime_mask)
-    if not site.queries_last:  # is_causal=True: SDPA aligns the queries top-left
-        return attend(q, k, v, scale, config, site.site,
-                      lambda: dense_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=site.enable_gqa))
+    if runtime_mask is None and not site.queries_last:  # is_causal=True: SDPA aligns the queries top-left
+        return attend(q, k, v, scale, config, site.site, DenseForm(top_left=True, enable_gqa=site.enable_gqa))
+    keys = _keys_seen(site, q.shape, k.shape[-2], key_padding, query_positions, runtime_mask)
+    if keys.not_causal is not None:  # a mask checked at run time, not causal: the call as it was, with its mask
+        return attend(q, k, v, scale, config, site.site, DenseForm(enable_gqa=site.enable_gqa, mask=runtime_mask),
+                      dense_because=keys.not_causal)
+    if keys.count < k.shape[-2]:
+        k, v = k[:, :, :keys.count], v[:, :, :keys.count]
+    return attend_causal(q, k, v, scale, config, site.site, keys.layout, note=keys.note)
+
+
+@dataclass(frozen=True)
+class _Keys:
+    """What a call's mask says of its keys: causal over the first ``count``, valid where ``layout`` says (None:
+    all), ``note`` for the record; or, where a mask checked at run time is not causal, why (``not_causal``)."""
+
+    count: int
+    layout: Optional[PaddingLayout] = None
+    note: str = ""
+    not_causal: Optional[str] = None
+
+
+def _keys_seen(site: SiteSpec, q_shape, num_keys: int, key_padding: Optional[Tensor],
+               query_positions: Optional[Tensor], runtime_mask: Optional[Tensor]) -> _Keys:
+    if runtime_mask is not None:  # a graph input: its values checked here, once per forward pass
+        verdict = check_runtime_mask(runtime_mask, q_shape[0], q_shape[1], q_shape[-2], num_keys)
+        if not verdict.causal:
+            return _Keys(num_keys, not_causal=verdict.reason)
+        # keys past the last query's reach are masked for every row: not attended
+        return _Keys(verdict.num_keys, padding_layout(verdict.key_valid, verdict.num_keys), f"; {verdict.reason}")
     if query_positions is not None:
-        check_query_positions(query_positions, q.shape[-2], k.shape[-2])
-    layout = None if key_padding is None else padding_layout(key_padding, k.shape[-2])
+        check_query_positions(query_positions, q_shape[-2], num_keys)
+    layout = None if key_padding is None else padding_layout(key_padding, num_keys)
     if site.binary_padding and layout is not None and not layout.binary:
         raise ValueError(
             f"sparse_compile ({site.site}): the attention_mask holds values other than 0 and 1; this model's traced "
             "mask treats such values differently, and the rewrite proved it for 0/1 masks only. Pass a 0/1 mask."
         )
-    return attend_causal(q, k, v, scale, config, site.site, layout)
-
-
-def _checked_mask(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], site: SiteSpec, config: SparseConfig,
-                  mask: Tensor) -> Tensor:
-    """The call ``sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=...)`` with a mask checked here."""
-    verdict = check_runtime_mask(mask, q.shape[0], q.shape[1], q.shape[-2], k.shape[-2])
-    if not verdict.causal:
-        out = dense_attention(q, k, v, is_causal=False, attn_mask=mask, scale=scale, enable_gqa=site.enable_gqa)
-        report.record_call(site.site, DENSE, verdict.reason, tuple(q.shape))
-        return out
-    kept = verdict.num_keys  # keys past the last query's reach are masked for every row: not attended
-    k, v = k[:, :, :kept], v[:, :, :kept]
-    return attend_causal(q, k, v, scale, config, site.site, padding_layout(verdict.key_valid, kept),
-                         note=f"; {verdict.reason}")
+    return _Keys(num_keys, layout)
 
 
 EAGER_SITE = "sparse_attention"  # the site of calls that do not come through a compiled graph's op
@@ -125,19 +136,36 @@ def attend_causal(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], confi
                   layout: Optional[PaddingLayout] = None, note: str = "") -> Tensor:
     """Causal attention with the queries at the last positions, over the valid keys of ``layout`` (None: all)."""
     if layout is None or layout.all_valid:
-        return attend(q, k, v, scale, config, site, lambda: dense_causal_attention(q, k, v, scale=scale),
-                      chunked_allowed=True, note=note)
+        return attend(q, k, v, scale, config, site, QUERIES_LAST, chunked_allowed=True, note=note)
     return attend_padded(q, k, v, scale, config, site, layout, note)
 
 
 # -- one call, decided, run and recorded ---------------------------------------------------------------------------
 def attend(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
-           dense: Callable[[], Tensor], *, chunked_allowed: bool = False, note: str = "") -> Tensor:
-    """Decide, run the method or ``dense()``, and record what happened at ``site`` (``note`` appended)."""
-    outcome = attempt(q, k, v, scale, config, site, chunked_allowed=chunked_allowed)
-    out = outcome.output if outcome.output is not None else dense()
-    report.record_call(site, outcome.path, outcome.reason + note, tuple(q.shape), outcome.density)
-    return out
+           dense: DenseForm = QUERIES_LAST, *, chunked_allowed: bool = False, note: str = "",
+           dense_because: Optional[str] = None) -> Tensor:
+    """Decide, run the method or the exact attention ``dense``, and record what happened at ``site`` (``note``
+    appended to the reason). ``dense_because``: the call runs ``dense`` for that reason, no rule asked."""
+    return _recorded(site, _run(q, k, v, scale, config, site, dense, chunked_allowed, dense_because), q.shape, note)
+
+
+def _run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
+         dense: DenseForm, chunked_allowed: bool, dense_because: Optional[str] = None) -> Outcome:
+    """``attempt`` (unless ``dense_because``), then ``dense`` where the method did not run: an outcome with its
+    output."""
+    if dense_because is None:
+        outcome = attempt(q, k, v, scale, config, site, chunked_allowed=chunked_allowed)
+    else:
+        outcome = Outcome(DENSE, dense_because)
+    if outcome.output is None:
+        outcome = dataclasses.replace(outcome, output=run_dense(q, k, v, scale, dense))
+    return outcome
+
+
+def _recorded(site: str, outcome: Outcome, shape, note: str = "") -> Tensor:
+    """``outcome``'s row in ``runtime_stats()``; returns its output."""
+    report.record_call(site, outcome.path, outcome.reason + note, tuple(shape), outcome.density)
+    return outcome.output
 
 
 def attend_padded(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
@@ -161,22 +189,19 @@ def attend_padded(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], confi
             if queries.numel() == 0:
                 continue
         qg, kg, vg = q[rows][:, :, queries], k[rows][:, :, keys], v[rows][:, :, keys]
-        outcome = attempt(qg, kg, vg, scale, config, site, chunked_allowed=True)
-        og = outcome.output if outcome.output is not None else dense_causal_attention(qg, kg, vg, scale=scale)
+        outcome = _run(qg, kg, vg, scale, config, site, QUERIES_LAST, True)
         if isinstance(rows, slice):
-            out[rows, :, queries] = og
+            out[rows, :, queries] = outcome.output
         else:
             for i, row in enumerate(rows):
-                out[row, :, queries] = og[i]
+                out[row, :, queries] = outcome.output[i]
         outcomes.append(outcome)
     path = SPARSE if any(o.path == SPARSE for o in outcomes) else DENSE
     distinct = sorted({o.reason for o in outcomes})
-    reason = (f"{distinct[0] if len(distinct) == 1 else ' | '.join(distinct)} (padded batch: {layout.describe()})"
-              f"{note}")
+    reason = f"{distinct[0] if len(distinct) == 1 else ' | '.join(distinct)} (padded batch: {layout.describe()})"
     densities = [o.density for o in outcomes if o.density is not None]
     density = [sum(col) / len(col) for col in zip(*densities)] if densities else None
-    report.record_call(site, path, reason, tuple(q.shape), density)
-    return out
+    return _recorded(site, Outcome(path, reason, out, density), q.shape, note)
 
 
 def dense_reason(q: Tensor, k: Tensor, v: Tensor, config: SparseConfig, site: str = "", *,
@@ -234,38 +259,21 @@ def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
         plan = methods.build_plan(q, k, scale, config)
     except Unsupported as exc:
         return Outcome(DENSE, f"method {config.method}: {exc}")
-    # a plan that decides at run time how many tiles it visits (early stop) tells its cost by running: count the
-    # visits when the count is wanted
+    # a plan that decides at run time how many tiles it visits (early stop) tells its cost only by running: count
+    # the visits where the count is wanted; a re-plan runs only such plans
     want_visits = config.record_density or (history_key is not None and plan.early_stop > 0)
-    if plan_only:
-        want_visits = plan.early_stop > 0
-        if not want_visits:
-            _remember(history_key, plan.density(q.shape[-2], k.shape[-2]).mean(), plan, config)
-            return Outcome(DENSE, "planned again, for the next call", replanned=True)
-    result = methods.execute(q, k, v, plan, scale, config, kernel=kernel, return_visited=want_visits)
-    out, visited = result if want_visits else (result, None)
+    out = visited = None
+    if not plan_only or plan.early_stop > 0:
+        result = methods.execute(q, k, v, plan, scale, config, kernel=kernel, return_visited=want_visits)
+        out, visited = result if want_visits else (result, None)
     if history_key is not None:
-        if visited is not None:
-            listed = _visited_density(visited, plan, q.shape[-2], k.shape[-2])
-        else:
-            listed = plan.density(q.shape[-2], k.shape[-2]).mean()
-        _remember(history_key, listed, plan, config)
+        HISTORY.remember(history_key, plan, config, q.shape[-2], k.shape[-2], visited)
     if plan_only:
         return Outcome(DENSE, "planned again, for the next call", replanned=True)
     density = None
     if config.record_density:
         density = report.density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
     return Outcome(SPARSE, f"method {config.method} ({kernel})", out, density)
-
-
-def _remember(history_key: tuple, density: Tensor, plan, config: SparseConfig) -> None:
-    HISTORY.record(history_key, density, plan_shape(plan, config.select_stage), config)
-
-
-def _visited_density(visited: Tensor, plan, num_queries: int, num_keys: int) -> Tensor:
-    """The share of the causal tiles that were computed (0-d, on visited's device: no sync)."""
-    total = causal_tile_count(num_queries, num_keys, plan.block_m, plan.block_n) * visited[:, :, 0].numel()
-    return visited.sum(dtype=torch.float32) / max(total, 1)
 
 
 _PROBES = itertools.count()

@@ -94,7 +94,6 @@ def test_transformers_front_door_reads_a_padding_mask_once_per_forward_and_again
     mask = torch.ones(2, 40, dtype=torch.bool)
     mask[0, :3] = False
     with torch.no_grad():
-        model.set_attn_implementation("sparse_prefill")
         sparse_compile.enable_transformers_attention(model, SparseConfig(**SMALL).keep_all())
         model(ids, attention_mask=mask)
         assert len(reads) == 1  # two layers, one read
