@@ -199,3 +199,30 @@ def test_examples_offer_every_registered_method():
         offered = run.stdout.split("--method", 1)[1].split("}", 1)[0]
         for name in sparse_compile.registry.registered_methods():
             assert name in offered, (example, name, offered)
+
+
+def test_importing_the_package_writes_no_module_table():
+    """No module of the package or its kernels writes ``sys.modules`` or hooks imports (``sys.meta_path``,
+    ``sys.path_hooks``): ``sparse_compile.kernels`` comes from the install's mapping (pyproject.toml's package-dir)."""
+    found = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            target = None
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+                target = next((t for t in targets if isinstance(t, ast.Subscript)
+                               and ast.unparse(t.value) in ("sys.modules", "_sys.modules")), None)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = ast.unparse(node.func.value)
+                if owner.endswith(("sys.meta_path", "sys.path_hooks", "sys.modules")) and node.func.attr in (
+                        "insert", "append", "extend", "update", "setdefault", "pop", "remove"):
+                    target = node
+            if target is not None:
+                found.append(f"{name}:{node.lineno}")
+    assert found == []
+
+
+def test_kernels_are_the_top_level_folder():
+    import sparse_compile.kernels
+
+    assert Path(sparse_compile.kernels.__file__).resolve().parent == ROOT / "kernels"
