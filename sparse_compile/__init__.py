@@ -30,7 +30,8 @@ from .methods.s2o import S2OParams  # noqa: E402
 from .methods.sampled import SampledParams  # noqa: E402
 from .methods.sparge import SpargeParams  # noqa: E402
 from .backend import sparse_prefill  # noqa: E402
-from .config import MethodParams, SparseConfig  # noqa: E402
+from .config import SparseConfig  # noqa: E402
+from .params import MethodParams  # noqa: E402
 from .context import sparsity  # noqa: E402
 from .calibrate import Calibration, SiteCalibration, calibrate  # noqa: E402
 from .explain import ExplainReport, explain  # noqa: E402

@@ -184,6 +184,18 @@ def test_a_method_with_kernels_is_its_own_files_and_one_line():
     assert found == {}, f"code outside the method's files that names it: {found}"
 
 
+def test_the_configuration_names_no_method():
+    """``config.py`` knows methods through the registry alone: no method's name in its code but the package default
+    (``DEFAULT_METHOD``); their parameters and field checks are ``params.py`` and the methods' own modules."""
+    import sparse_compile
+
+    path = ROOT / "sparse_compile" / "config.py"
+    lines = path.read_text().splitlines()
+    for name in sparse_compile.registry.registered_methods():
+        named = [n for n in _code_mentions(path, name) if "DEFAULT_METHOD" not in lines[n - 1]]
+        assert named == [], (name, named)
+
+
 def test_examples_offer_every_registered_method():
     """``--method`` of the examples comes from the registry: ``sampled`` included, and any method registered later."""
     import os

@@ -7,7 +7,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from ..config import MethodParams, block_field, check_share, check_stride, fail
+from ..params import MethodParams, block_field, check_share, check_stride, fail
 from ..kernels.validate import cdiv, expand_heads
 from ..plan import VISIBLE_NONE, VISIBLE_PARTIAL, BlockPlan, block_visibility, plan_from_block_mask
 from ..registry import DensityKnob

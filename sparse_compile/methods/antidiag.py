@@ -66,7 +66,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from ..config import MethodParams, block_field, check_finite, check_share, check_stride, fail
+from ..params import MethodParams, block_field, check_finite, check_share, check_stride, fail
 from ..plan import BlockPlan
 from ..registry import Method, register_method
 from ._blocks import BUDGET_KNOB, finish_budget_plan

@@ -49,7 +49,7 @@ from typing import ClassVar
 
 import torch
 
-from ..config import MethodParams, block_field, fail, finite_field, fraction_field, int_field, optional_field
+from ..params import MethodParams, block_field, fail, finite_field, fraction_field, int_field, optional_field
 from ..kernels.host import hash32
 from ..kernels.validate import cdiv, expand_heads
 from ..plan import VISIBLE_NONE, BlockPlan

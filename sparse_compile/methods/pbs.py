@@ -37,7 +37,7 @@ from typing import ClassVar
 
 import torch
 
-from ..config import MethodParams, block_field, fail, fraction_field, int_field
+from ..params import MethodParams, block_field, fail, fraction_field, int_field
 from ..kernels.host import segmented_argsort_desc
 from ..plan import VISIBLE_NONE, BlockPlan
 from ..registry import DensityKnob, Method, register_method

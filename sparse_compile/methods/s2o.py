@@ -37,7 +37,7 @@ from typing import ClassVar
 
 import torch
 
-from ..config import MethodParams, block_field, fail, fraction_field, int_field
+from ..params import MethodParams, block_field, fail, fraction_field, int_field
 from ..kernels.host import segmented_argsort_desc
 from ..kernels.validate import cdiv
 from ..plan import BlockPlan, execute_plan, runs_on_kernels

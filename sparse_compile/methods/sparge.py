@@ -35,7 +35,7 @@ from typing import ClassVar
 
 import torch
 
-from ..config import MethodParams, block_field, finite_field, fraction_field, optional_field
+from ..params import MethodParams, block_field, finite_field, fraction_field, optional_field
 from ..kernels.validate import expand_heads
 from ..plan import VISIBLE_NONE, BlockPlan
 from ..registry import DensityKnob, Method, register_method
