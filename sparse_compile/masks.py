@@ -72,7 +72,8 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx as fx
 
-__all__ = ["MaskMatch", "NotProven", "analyse_mask", "removable_nodes", "undo_repeat_kv", "example_value"]
+__all__ = ["MaskMatch", "NotProven", "analyse_mask", "removable_nodes", "undo_repeat_kv", "example_value",
+           "is_input_view", "proof_holds_at"]
 
 # evaluation lengths (odd, unaligned with any block size): the first pair, and how the reach moves past constants
 FIRST_LENGTH = 19
@@ -939,6 +940,34 @@ def _compare(value: Any, batch: int, nq: int, nk: int, padding: Optional[torch.T
 
 
 # -- after the rewrite: what the graph no longer needs ---------------------------------------------------------
+def is_input_view(node: fx.Node) -> bool:
+    """Whether ``node`` is a graph input seen through views and dtype conversions only (a mask the op can check at
+    run time)."""
+    while True:
+        if node.op == "placeholder":
+            return True
+        if not ((node.op == "call_method" and node.target in _VIEW_METHODS)
+                or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS)):
+            return False
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            return False
+        node = node.args[0]
+
+
+def proof_holds_at(match: MaskMatch, site: fx.Node) -> bool:
+    """Whether a proof made for an earlier site holds at ``site``: no mutation of the mask's tensors in between."""
+    roots = {_root(n) for n in match.nodes}
+    seen = False
+    for node in site.graph.nodes:
+        if node is site:
+            return True
+        if node in match.nodes:
+            seen = True
+        elif seen and _is_mutation(node) and isinstance(node.args[0], fx.Node) and _root(node.args[0]) in roots:
+            return False
+    return True
+
+
 def removable_nodes(gm: fx.GraphModule, candidates: set) -> list:
     """Nodes of ``candidates`` (mask slices whose masks are no longer used) that nothing else needs, in reverse
     graph order, ready to erase. A mutation goes with the tensor it mutates; the bracketing global-state calls

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from .attention_op import OP, output_layout
 from .config import SparseConfig
-from .masks import MaskMatch, NotProven, analyse_mask, example_value, removable_nodes, undo_repeat_kv
+from .masks import (MaskMatch, NotProven, analyse_mask, example_value, is_input_view, proof_holds_at, removable_nodes,
+                    undo_repeat_kv)
 from .report import SiteRecord
 from .rules import REWRITE_RULES, first_failure, layer_index
 from .site import SiteSpec
@@ -86,7 +87,7 @@ class SdpaCall:
         if not (isinstance(example, torch.Tensor) and example.dim() == 4
                 and (example.dtype == torch.bool or example.dtype.is_floating_point)):
             return None
-        return arg if _input_derived(arg) else None
+        return arg if is_input_view(arg) else None
 
     @property
     def q(self):
@@ -101,45 +102,14 @@ class SdpaCall:
         return self.value("value")
 
 
-def _input_derived(node: fx.Node) -> bool:
-    """Whether ``node`` is a graph input seen through views and dtype conversions only."""
-    from .masks import _VIEW_FUNCTIONS, _VIEW_METHODS
-
-    while True:
-        if node.op == "placeholder":
-            return True
-        if not ((node.op == "call_method" and node.target in _VIEW_METHODS)
-                or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS)):
-            return False
-        if not node.args or not isinstance(node.args[0], fx.Node):
-            return False
-        node = node.args[0]
-
-
 def _analyse_cached(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q, k):
     cache = gm.meta.setdefault("sparse_compile_masks", {})
     key = (mask, str(q.shape[-2]), str(k.shape[-2]))
     result = cache.get(key)
-    if result is None or (isinstance(result, MaskMatch) and not _same_slice(result, site)):
+    if result is None or (isinstance(result, MaskMatch) and not proof_holds_at(result, site)):
         result = analyse_mask(gm, site, mask, q, k)
         cache[key] = result
     return result
-
-
-def _same_slice(match: MaskMatch, site: fx.Node) -> bool:
-    # a cached proof holds for a later site when no mutation of the mask's tensors runs in between
-    from .masks import _is_mutation, _root
-
-    roots = {_root(n) for n in match.nodes}
-    seen = False
-    for node in site.graph.nodes:
-        if node is site:
-            return True
-        if node in match.nodes:
-            seen = True
-        elif seen and _is_mutation(node) and isinstance(node.args[0], fx.Node) and _root(node.args[0]) in roots:
-            return False
-    return True
 
 
 def module_path(node: fx.Node) -> str:
