@@ -121,8 +121,8 @@ def listed(plan, head: int, heads: int, row: int, key: int) -> bool:
 
 def plan_only(args, base, instances, dense_layers, readers, length, done) -> None:
     """``--plan-only``: rows_listed of the sampled-row ranking by mass and by max at each sample rate."""
-    from sparse_compile.methods._blocks import finish_budget_plan
-    from sparse_compile.methods._common import Reordering
+    from sparse_compile.methods.tiles import finish_budget_plan
+    from sparse_compile.methods.scoring import Reordering
     from sparse_compile.methods.peak import peak_tile_scores
     from sparse_compile.methods.sampled import SampledParams, sampled_tile_logits
     from sparse_compile.registry import NO_REORDER

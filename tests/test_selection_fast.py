@@ -29,14 +29,14 @@ from sparse_compile import BFLAParams, PBSParams, S2OParams, SampledParams, Spar
 from sparse_compile.kernels import bfla as bfla_kernels
 from sparse_compile.kernels import common as kernel_common
 from sparse_compile.kernels import pooling, sorting
-from sparse_compile.kernels.host import segmented_argsort_desc
+from sparse_compile.kernels.reference import segmented_argsort_desc
 from sparse_compile.kernels.mass import MassRule, mass_select
 from sparse_compile.kernels.validate import expand_heads
 from sparse_compile.methods import Reordering, bfla, build_plan, pbs, s2o, sparge, stage_functions
-from sparse_compile.methods._fast import tile_grid
+from sparse_compile.methods.fast_path import tile_grid
 from sparse_compile.plan import plan_density
-from sparse_compile.methods._blocks import diagonal_tiles, first_key_tile, visibility
-from sparse_compile.methods._common import (
+from sparse_compile.methods.tiles import diagonal_tiles, first_key_tile, visibility
+from sparse_compile.methods.scoring import (
     block_mean,
     block_self_similarity,
     group_scores,

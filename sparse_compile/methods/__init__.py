@@ -30,8 +30,8 @@ import torch
 from ..config import SparseConfig
 from ..plan import BlockPlan, execute_plan
 from ..registry import NO_REORDER, check_stage_pair, method_spec
-from . import _fast
-from ._common import Reordering, Unsupported
+from . import fast_path
+from .scoring import Reordering, Unsupported
 # the built-in methods, one line each: importing a method's module registers it
 from . import antidiag  # noqa: F401,E402
 from . import bfla  # noqa: F401,E402
@@ -69,7 +69,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor) -> None:
 def _use_fast(implementation: str, q: torch.Tensor, k: torch.Tensor) -> bool:
     if implementation == "reference":
         return False
-    reason = _fast.available(q, k)
+    reason = fast_path.available(q, k)
     if implementation == "fast":
         if reason is not None:
             raise ValueError(f"build_plan(implementation='fast'): {reason}")

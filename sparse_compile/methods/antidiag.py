@@ -69,8 +69,8 @@ import torch
 from ..params import MethodParams, block_field, check_finite, check_share, check_stride, fail
 from ..plan import BlockPlan
 from ..registry import Method, register_method
-from ._blocks import BUDGET_KNOB, finish_budget_plan
-from ._common import Reordering, chunk_count, compute_dtype, group_scores
+from .tiles import BUDGET_KNOB, finish_budget_plan
+from .scoring import Reordering, chunk_count, compute_dtype, group_scores
 
 __all__ = ["AntidiagParams", "reduced_queries", "reduced_keys", "slot_mask", "antidiag_tile_logits", "select_antidiag"]
 

@@ -38,12 +38,12 @@ from typing import ClassVar
 import torch
 
 from ..params import MethodParams, block_field, fail, fraction_field, int_field
-from ..kernels.host import segmented_argsort_desc
+from ..kernels.reference import segmented_argsort_desc
 from ..kernels.validate import cdiv
 from ..plan import BlockPlan, execute_plan, runs_on_kernels
 from ..registry import DensityKnob, Method, register_method
-from ._common import Reordering, Unsupported, block_mean, chunk_count, compute_dtype, finite_row_mean
-from ._fast import plan_from_tables
+from .scoring import Reordering, Unsupported, block_mean, chunk_count, compute_dtype, finite_row_mean
+from .fast_path import plan_from_tables
 
 __all__ = ["S2OParams", "S2OLayout", "s2o_layout", "s2o_segment_tensors", "reorder_s2o", "select_s2o",
            "reorder_s2o_fast", "select_s2o_fast"]

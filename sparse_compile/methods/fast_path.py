@@ -32,7 +32,7 @@ import torch
 
 from ..kernels.validate import SUPPORTED_DTYPES
 from ..plan import BlockPlan
-from ._common import Reordering
+from .scoring import Reordering
 
 __all__ = ["available", "tile_grid", "plan_from_tables", "segment_bound", "check_selectable", "budget_plan"]
 
