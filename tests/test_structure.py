@@ -238,3 +238,15 @@ def test_kernels_are_the_top_level_folder():
     import sparse_compile.kernels
 
     assert Path(sparse_compile.kernels.__file__).resolve().parent == ROOT / "kernels"
+
+
+def test_no_private_name_crosses_a_module():
+    """A module uses another's public names only: no ``from .x import _name`` and no private module (``._x``)."""
+    found = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                parts = (node.module or "").split(".") + [alias.name for alias in node.names]
+                if any(part.startswith("_") and not part.startswith("__") for part in parts):
+                    found.append(f"{name}:{node.lineno}")
+    assert found == []
