@@ -11,20 +11,14 @@ from typing import Optional
 __all__ = ["causal_attention", "sparse_attention", "ulysses_attention", "precompile", "config_to_json",
            "config_from_json", "decide", "capturing"]
 
-_MOVED = {  # name -> (module, name there)
-    "causal_attention": ("attention_op", "causal_attention"),
-    "output_layout": ("attention_op", "output_layout"),
-    "in_output_layout": ("attention_op", "in_output_layout"),
-    "sparse_attention": ("api", "sparse_attention"),
-    "precompile": ("api", "precompile"),
-    "precompile_kernels": ("api", "precompile_kernels"),
-    "ulysses_attention": ("parallel", "ulysses_attention"),
-    "capturing": ("pipeline", "capturing"),
-    "dispatch": ("pipeline", "attend"),
-    "padded_dispatch": ("pipeline", "attend_padded"),
-    "DENSE": ("pipeline", "DENSE"),
-    "SPARSE": ("pipeline", "SPARSE"),
+_MODULES = {  # where each name lives now
+    "attention_op": ("causal_attention", "output_layout", "in_output_layout"),
+    "api": ("sparse_attention", "precompile", "precompile_kernels"),
+    "parallel": ("ulysses_attention",),
+    "pipeline": ("capturing", "dispatch", "padded_dispatch", "DENSE", "SPARSE"),
 }
+_MOVED = {name: module for module, names in _MODULES.items() for name in names}
+_RENAMED = {"dispatch": "attend", "padded_dispatch": "attend_padded"}
 
 
 def config_to_json(config) -> str:
@@ -60,7 +54,7 @@ _REPLACED = {"config_to_json": "SparseConfig.to_json", "config_from_json": "Spar
 
 def __getattr__(name: str):
     if name in _MOVED:
-        module, attribute = _MOVED[name]
+        module, attribute = _MOVED[name], _RENAMED.get(name, name)
         warnings.warn(f"sparse_compile.ops.{name} is deprecated: use sparse_compile.{module}.{attribute}",
                       DeprecationWarning, stacklevel=2)
         return getattr(importlib.import_module(f"{__package__}.{module}"), attribute)

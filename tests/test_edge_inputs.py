@@ -12,28 +12,9 @@ import sparse_compile
 from sparse_compile import SparseConfig
 from sparse_compile.rewrite import rewrite_graph
 
-from helpers import op_spec, random_qkv
+from helpers import BUILT_IN, SMALL, SMALL_PBS, causal_sdpa, compile_small, op_spec, random_qkv
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
-
-
-def _causal(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-SMALL = dict(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32},
-             sparge={"block_size_q": 16, "block_size_kv": 16},
-             bfla={"coarse_block_size": 32, "group_size": 8, "tile_size_q": 16, "tile_size_kv": 16},
-             s2o={"segment_size": 32, "block_size_q": 16, "block_size_kv": 16},
-             sampled={"block_size": 16, "sample_every": 4},
-             antidiag={"block_size": 16, "score_stride": 4, "row_stride": 2},
-             peak={"block_size": 16, "sample_every": 4})
-
-SMALL_PBS = dict(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32})
-
-BUILT_IN = ("pbs", "sparge", "bfla", "s2o", "sampled", "antidiag", "peak")
-
-def _compile(fn, **options):
-    return torch.compile(fn, backend="sparse_prefill", options={**SMALL, **options})
 
 
 @pytest.mark.parametrize("method", BUILT_IN)
@@ -50,7 +31,7 @@ def test_empty_input_gives_an_empty_result_for_every_method(method, shape):
 
 def test_empty_batch_through_the_compiled_model_with_s2o():
     q = torch.randn(0, 2, 32, 16)
-    compiled = _compile(_causal, method="s2o")
+    compiled = compile_small(causal_sdpa, method="s2o")
     with torch.no_grad():
         assert compiled(q, q, q).shape == q.shape
 
@@ -63,7 +44,7 @@ def test_scale_the_kernels_cannot_take_runs_dense_as_sdpa_does(scale):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
     with torch.no_grad():
-        out = _compile(fn, kernel="triton")(q, k, v)
+        out = compile_small(fn, kernel="triton")(q, k, v)
         ref = fn(q, k, v)
         # the eager entry point decides per call
         eager = sparse_compile.sparse_attention(q, k, v, scale=scale, config=SparseConfig(kernel="triton", **SMALL))
@@ -74,12 +55,12 @@ def test_scale_the_kernels_cannot_take_runs_dense_as_sdpa_does(scale):
 
 
 def test_is_causal_with_more_queries_than_keys_under_dynamic_shapes_runs_dense_as_sdpa():
-    compiled = torch.compile(_causal, backend="sparse_prefill", options=SMALL, dynamic=True)
+    compiled = torch.compile(causal_sdpa, backend="sparse_prefill", options=SMALL, dynamic=True)
     with torch.no_grad():
         q, k, v = random_qkv(1, 2, 2, 24, 32, 16)
-        torch.testing.assert_close(compiled(q, k, v), _causal(q, k, v))
+        torch.testing.assert_close(compiled(q, k, v), causal_sdpa(q, k, v))
         q, k, v = random_qkv(1, 2, 2, 40, 24, 16)
-        torch.testing.assert_close(compiled(q, k, v), _causal(q, k, v))
+        torch.testing.assert_close(compiled(q, k, v), causal_sdpa(q, k, v))
     reason = sparse_compile.runtime_stats()["<scaled_dot_product_attention>"].last_reason
     assert "top-left" in reason, reason
 

@@ -2,15 +2,10 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from helpers import random_qkv
+from helpers import causal_sdpa, random_qkv
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
-
-
-def _causal(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def _hopper_call(monkeypatch, error):
@@ -46,6 +41,6 @@ def test_hopper_compile_failure_falls_back_to_the_triton_kernel(monkeypatch):
 
     out, (q, k, v), attention = _hopper_call(monkeypatch, NotImplementedError("no wgmma here"))
     assert attention.last_backend == "triton" and len(attention._HOPPER_FAILED) == 1
-    torch.testing.assert_close(out, _causal(q, k, v), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, causal_sdpa(q, k, v), rtol=1e-4, atol=1e-5)
     assert attention.is_compile_failure(CompilationError.__new__(CompilationError))
     assert not attention.is_compile_failure(torch.cuda.OutOfMemoryError("out of memory"))

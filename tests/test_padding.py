@@ -7,20 +7,9 @@ import torch.nn.functional as F
 import sparse_compile
 from sparse_compile import SparseConfig
 
-from helpers import random_qkv
+from helpers import SMALL, compile_small, random_qkv
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
-
-SMALL = dict(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32},
-             sparge={"block_size_q": 16, "block_size_kv": 16},
-             bfla={"coarse_block_size": 32, "group_size": 8, "tile_size_q": 16, "tile_size_kv": 16},
-             s2o={"segment_size": 32, "block_size_q": 16, "block_size_kv": 16},
-             sampled={"block_size": 16, "sample_every": 4},
-             antidiag={"block_size": 16, "score_stride": 4, "row_stride": 2},
-             peak={"block_size": 16, "sample_every": 4})
-
-def _compile(fn, **options):
-    return torch.compile(fn, backend="sparse_prefill", options={**SMALL, **options})
 
 
 def _two_layers_with_padding(q, k, v, pad):
@@ -41,7 +30,7 @@ def test_padding_mask_changed_through_an_alias_is_read_again_once_per_forward(al
     monkeypatch.setattr(padding, "_layout", lambda m: reads.append(1) or real(m))
     q, k, v = random_qkv(2, 2, 2, 40, 40, 16)
     pad = torch.ones(2, 40, dtype=torch.long)
-    compiled = _compile(_two_layers_with_padding, method="pbs")
+    compiled = compile_small(_two_layers_with_padding, method="pbs")
     with torch.no_grad():
         compiled(q, k, v, pad)
         assert len(reads) == 1  # two layers, one read

@@ -7,15 +7,9 @@ import sparse_compile
 from sparse_compile import SparseConfig, sparsity
 from sparse_compile.context import resolve
 
-from models import ModelArgs, Transformer
+from helpers import SMALL_PBS, small_model
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
-
-SMALL_PBS = dict(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32})
-
-def small_model(layers=2):
-    return Transformer(ModelArgs(vocab_size=64, dim=64, n_layers=layers, n_heads=4, n_kv_heads=2,
-                                 intermediate_size=128)).eval()
 
 
 def test_nested_region_inherits_disabled():

@@ -11,27 +11,9 @@ from sparse_compile import SparseConfig, sparsity
 from sparse_compile.calibrate import Calibration
 from sparse_compile.rewrite import rewrite_graph
 
-from helpers import random_qkv
-from models import ModelArgs, Transformer
+from helpers import SMALL, SMALL_PBS, compile_small, random_qkv, small_model
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
-
-SMALL = dict(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32},
-             sparge={"block_size_q": 16, "block_size_kv": 16},
-             bfla={"coarse_block_size": 32, "group_size": 8, "tile_size_q": 16, "tile_size_kv": 16},
-             s2o={"segment_size": 32, "block_size_q": 16, "block_size_kv": 16},
-             sampled={"block_size": 16, "sample_every": 4},
-             antidiag={"block_size": 16, "score_stride": 4, "row_stride": 2},
-             peak={"block_size": 16, "sample_every": 4})
-
-SMALL_PBS = dict(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32})
-
-def _compile(fn, **options):
-    return torch.compile(fn, backend="sparse_prefill", options={**SMALL, **options})
-
-def small_model(layers=2):
-    return Transformer(ModelArgs(vocab_size=64, dim=64, n_layers=layers, n_heads=4, n_kv_heads=2,
-                                 intermediate_size=128)).eval()
 
 
 class _Blocks(nn.Module):
@@ -51,7 +33,7 @@ class _Blocks(nn.Module):
 
 def test_skip_layers_entry_matches_whole_components_not_a_prefix_of_a_number():
     q, k, v = random_qkv(1, 2, 2, 32, 32, 16)
-    compiled = _compile(_Blocks(11), skip_layers=("blocks.1",))
+    compiled = compile_small(_Blocks(11), skip_layers=("blocks.1",))
     with torch.no_grad():
         compiled(q, k, v)
     stats = sparse_compile.runtime_stats()
@@ -61,7 +43,7 @@ def test_skip_layers_entry_matches_whole_components_not_a_prefix_of_a_number():
     assert stats["blocks.10.attn"].last_path == "sparse", stats["blocks.10.attn"].last_reason
     # the same entry given to a region acts at run time
     sparse_compile.reset_runtime_stats()
-    compiled = _compile(_Blocks(11))
+    compiled = compile_small(_Blocks(11))
     with torch.no_grad(), sparsity(skip_layers=("blocks.1",)):
         compiled(q, k, v)
     stats = sparse_compile.runtime_stats()

@@ -6,27 +6,14 @@ import typing
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import sparse_compile
 from sparse_compile import SparseConfig, sparsity
 from sparse_compile.registry import registered_methods
 
-from models import ModelArgs, Transformer
+from helpers import BUILT_IN, SMALL_PBS, causal_sdpa, small_model
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
-
-
-def _causal(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-SMALL_PBS = dict(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32})
-
-BUILT_IN = ("pbs", "sparge", "bfla", "s2o", "sampled", "antidiag", "peak")
-
-def small_model(layers=2):
-    return Transformer(ModelArgs(vocab_size=64, dim=64, n_layers=layers, n_heads=4, n_kv_heads=2,
-                                 intermediate_size=128)).eval()
 
 
 @pytest.mark.parametrize("params, field", [
@@ -98,7 +85,7 @@ def test_unknown_environment_values_are_refused_naming_the_variable(monkeypatch,
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(Exception, match=f"{variable}='bogus': unknown value; valid"):
         with torch.no_grad():
-            torch.compile(_causal, backend="sparse_prefill")(q, q, q)
+            torch.compile(causal_sdpa, backend="sparse_prefill")(q, q, q)
 
 
 @pytest.mark.parametrize("value", ["false", "off", "no"])
@@ -116,7 +103,7 @@ def test_log_off_values_log_nothing(monkeypatch, value):
     q = torch.randn(1, 2, 8, 16)
     try:
         with torch.no_grad():
-            torch.compile(_causal, backend="sparse_prefill")(q, q, q)
+            torch.compile(causal_sdpa, backend="sparse_prefill")(q, q, q)
         assert logger.level == logging.WARNING and not records, [r.getMessage() for r in records]
     finally:
         logger.handlers[:] = handlers
