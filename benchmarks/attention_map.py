@@ -213,10 +213,11 @@ def main(argv=None) -> dict:
     add_panel("original", "original order", pbs_cfg, reorder_keys=False, overlay=False)
     add_panel("meanpool", f"no permutation, MeanPooling τ={tau}", pbs_cfg.with_overrides(None, {"reorder": "none"}),
               reorder_keys=False)
-    add_panel("pbs", f"PBS permutation (S={pbs_cfg.params_of("pbs").segment_size}), MeanPooling τ={tau}", pbs_cfg,
+    add_panel("pbs", f"PBS permutation (S={pbs_cfg.params_of('pbs').segment_size}), MeanPooling τ={tau}", pbs_cfg,
               reorder_keys=True)
     s2o_cfg = SparseConfig.from_options(dict(base, method="s2o"))
-    add_panel("s2o", f"S2O order (S={s2o_cfg.params_of("s2o").segment_size}), early stop τ={s2o_cfg.params_of("s2o").early_stop}", s2o_cfg,
+    s2o_params = s2o_cfg.params_of("s2o")
+    add_panel("s2o", f"S2O order (S={s2o_params.segment_size}), early stop τ={s2o_params.early_stop}", s2o_cfg,
               reorder_keys=True, s2o=True)
 
     summary = {

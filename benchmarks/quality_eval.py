@@ -87,7 +87,7 @@ LN2 = math.log(2.0)
 
 
 def default_value(method: str) -> float:
-    return getattr(getattr(SparseConfig(), method), PARAM[method])
+    return getattr(SparseConfig().params_of(method), PARAM[method])
 
 
 def sweep_with_default(values: list[float], method: str) -> list[float]:

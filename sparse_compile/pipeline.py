@@ -48,8 +48,9 @@ DENSE, SPARSE = "dense", "sparse"
 class Outcome:
     """What one call (or one group of a padded call) ran.
 
-    ``output`` is None where the method did not run (a rule, break-even, the method declining, or a re-plan only
-    kept for the break-even history): the caller runs dense attention. ``density``: per query head, with
+    ``output``: what the call returns. ``attempt`` and ``run_method`` leave it None where the method did not run (a
+    rule, break-even, the method declining, or a re-plan kept for the break-even history): dense attention then
+    fills it. ``density``: per query head, with
     ``record_density``. ``replanned``: the call ran dense, but planned again so that the next call decides on a
     fresh density."""
 
