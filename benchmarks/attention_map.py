@@ -108,7 +108,7 @@ def run_plan(q, k, v, scale, config: SparseConfig, kernel: str):
 def s2o_spans(config: SparseConfig, n: int, nqb: int, bm: int) -> list[tuple[int, int]]:
     from sparse_compile.methods.s2o import s2o_layout
 
-    lay = s2o_layout(n, config.s2o.segment_size, config.s2o.block_size_kv)
+    lay = s2o_layout(n, config.params_of("s2o").segment_size, config.params_of("s2o").block_size_kv)
     spans = []
     for i in range(nqb):
         seg = i * bm // lay.segment
@@ -169,7 +169,7 @@ def main(argv=None) -> dict:
     scale_of = [c["scale"] if c["scale"] is not None else 1.0 / math.sqrt(c["q"].shape[-1]) for c in layers]
 
     pbs_cfg = SparseConfig.from_options(dict(base, method="pbs"))
-    bm = pbs_cfg.pbs.block_size
+    bm = pbs_cfg.params_of("pbs").block_size
     # choose the head: the most long-range attention in the original order
     scores = []
     for li, c in enumerate(layers):
@@ -192,8 +192,8 @@ def main(argv=None) -> dict:
     panels = {}
 
     def add_panel(name, title, config, reorder_keys: bool, s2o: bool = False, overlay: bool = True):
-        b_m = config.s2o.block_size_q if s2o else config.pbs.block_size
-        b_n = config.s2o.block_size_kv if s2o else config.pbs.block_size
+        b_m = config.params_of("s2o").block_size_q if s2o else config.params_of("pbs").block_size
+        b_n = config.params_of("s2o").block_size_kv if s2o else config.params_of("pbs").block_size
         plan, visited = run_plan(q, k, v, scale, config, kernel) if overlay or reorder_keys or s2o else (None, None)
         qi = plan.query_index[0, head] if (plan is not None and plan.query_index is not None) else None
         ki = plan.key_index[0, kvh if plan.key_index.shape[1] == hkv else head] \
@@ -209,14 +209,15 @@ def main(argv=None) -> dict:
                          density=density_from_visits(visited, plan, N, N, q.shape[1])[head])
         panels[name] = panel
 
-    tau = pbs_cfg.pbs.threshold
+    tau = pbs_cfg.params_of("pbs").threshold
     add_panel("original", "original order", pbs_cfg, reorder_keys=False, overlay=False)
     add_panel("meanpool", f"no permutation, MeanPooling τ={tau}", pbs_cfg.with_overrides(None, {"reorder": "none"}),
               reorder_keys=False)
-    add_panel("pbs", f"PBS permutation (S={pbs_cfg.pbs.segment_size}), MeanPooling τ={tau}", pbs_cfg,
+    add_panel("pbs", f"PBS permutation (S={pbs_cfg.params_of('pbs').segment_size}), MeanPooling τ={tau}", pbs_cfg,
               reorder_keys=True)
     s2o_cfg = SparseConfig.from_options(dict(base, method="s2o"))
-    add_panel("s2o", f"S2O order (S={s2o_cfg.s2o.segment_size}), early stop τ={s2o_cfg.s2o.early_stop}", s2o_cfg,
+    s2o_params = s2o_cfg.params_of("s2o")
+    add_panel("s2o", f"S2O order (S={s2o_params.segment_size}), early stop τ={s2o_params.early_stop}", s2o_cfg,
               reorder_keys=True, s2o=True)
 
     summary = {

@@ -40,7 +40,8 @@ import sparse_compile  # noqa: E402
 from sparse_compile import SparseConfig  # noqa: E402
 from sparse_compile.breakeven import HISTORY, TABLE_FILE, architecture, plan_shape  # noqa: E402
 from sparse_compile.methods import build_plan  # noqa: E402
-from sparse_compile.ops import _execute, config_to_json  # noqa: E402
+from sparse_compile.methods import execute  # noqa: E402
+from sparse_compile.site import SiteSpec  # noqa: E402
 from sparse_compile.plan import execute_plan  # noqa: E402
 from sparse_compile.registry import registered_methods  # noqa: E402
 
@@ -107,7 +108,7 @@ def measure(args) -> None:
             full_plan = build_plan(q, k, scale, full)
             shape = plan_shape(build_plan(q, k, scale, defaults), method)  # keyed by the selector too
             # the method's own executor (S2O: segment chunks), as the op runs it
-            run_full = lambda: _execute(q, k, v, full_plan, scale, full, "triton", False)  # noqa: E731
+            run_full = lambda: execute(q, k, v, full_plan, scale, full, kernel="triton", return_visited=False)  # noqa: E731
             ms = alternate({
                 "cudnn": lambda: cudnn(q, k, v),
                 "kernel": run_full,
@@ -143,12 +144,12 @@ def verify(args) -> None:
                 HISTORY.clear()
                 sparse_compile.reset_runtime_stats()
                 config = SparseConfig(method=method, min_seq_len=4096)
-                config_json = config_to_json(config)
+                spec = SiteSpec("op", config, enable_gqa=True).to_json()
                 ms = alternate({
                     "cudnn": lambda: cudnn(q, k, v),
                     "sparse": lambda: sparse_compile.sparse_attention(q, k, v, config=config),
                     # the registered op as the compiled graph calls it (its own site, its own history)
-                    "op": lambda: torch.ops.sparse_compile.causal_attention(q, k, v, None, True, "op", config_json),
+                    "op": lambda: torch.ops.sparse_compile.causal_attention(q, k, v, None, spec),
                 }, args.reps, calls=args.calls, queue_ahead=args.queue_ahead)
                 op_stats = sparse_compile.runtime_stats()["op"]
                 stats = sparse_compile.runtime_stats()["sparse_attention"]
@@ -233,13 +234,13 @@ def tiles(args) -> None:
         for method in args.methods:
             config = SparseConfig(method=method)
             plan = build_plan(q, k, scale, config)
-            run_method = lambda: _execute(q, k, v, plan, scale, config, "triton", False)  # noqa: E731
+            run_method = lambda: execute(q, k, v, plan, scale, config, kernel="triton", return_visited=False)  # noqa: E731
             contenders = {"cudnn": lambda: cudnn(q, k, v),
                           "dense": lambda: execute_plan(q, k, v, dense_plan, scale, kernel="triton"),
                           "method": run_method}
             if plan.pv_skip is not None:  # what the P.V skip's per-element select costs: the same plan without it
                 plain = dataclasses.replace(plan, pv_skip=None)
-                contenders["method_no_pv_skip"] = lambda: _execute(q, k, v, plain, scale, config, "triton", False)
+                contenders["method_no_pv_skip"] = lambda: execute(q, k, v, plain, scale, config, kernel="triton", return_visited=False)
             if plan.early_stop > 0 or plan.query_index is not None:
                 def run_triton(run=run_method):
                     os.environ[kernel_module.BACKEND_ENV] = "triton"
@@ -249,7 +250,7 @@ def tiles(args) -> None:
                         del os.environ[kernel_module.BACKEND_ENV]
                 contenders["method_triton"] = run_triton
             with torch.no_grad():
-                _, visited = _execute(q, k, v, plan, scale, config, "triton", True)
+                _, visited = execute(q, k, v, plan, scale, config, kernel="triton", return_visited=True)
                 backend = kernel_module.last_backend
             causal = causal_tile_count(n, n, plan.block_m, plan.block_n) * HQ
             density = float(visited.sum()) / causal
@@ -354,10 +355,10 @@ def s2o_parts(args) -> None:
         one_pass = lambda run: _with_module_value(s2o_method, "WINDOW_PASS", False, run)  # noqa: E731
         with torch.no_grad():
             plan = build_plan(q, k, scale, config)
-            _, visited = _execute(q, k, v, plan, scale, config, "triton", True)
-            _, one_visited = one_pass(lambda: _execute(q, k, v, plan, scale, config, "triton", True))()
+            _, visited = execute(q, k, v, plan, scale, config, kernel="triton", return_visited=True)
+            _, one_visited = one_pass(lambda: execute(q, k, v, plan, scale, config, kernel="triton", return_visited=True))()
             unsorted_plan = build_plan(q, k, scale, unsorted)
-            _, unsorted_visited = _execute(q, k, v, unsorted_plan, scale, unsorted, "triton", True)
+            _, unsorted_visited = execute(q, k, v, unsorted_plan, scale, unsorted, kernel="triton", return_visited=True)
             window = _window_plan(q, params.segment_size, 128, 128)
             window_tiles = float(window.tile_counts.sum())  # already expanded to every query head
             masked = torch.minimum(plan.masked_counts, plan.tile_counts)
@@ -368,7 +369,7 @@ def s2o_parts(args) -> None:
             errors = {}
             ref = cudnn(q, k, v).float()
             for name, p, cfg in (("s2o", plan, config), ("s2o_unsorted", unsorted_plan, unsorted)):
-                out = _execute(q, k, v, p, scale, cfg, "triton", False)
+                out = execute(q, k, v, p, scale, cfg, kernel="triton", return_visited=False)
                 errors[name] = float((out.float() - ref).abs().sum() / ref.abs().sum())
             del ref
         # the walks resume from the window pass's state in place: repeated calls change the values, not the work
@@ -379,16 +380,16 @@ def s2o_parts(args) -> None:
         contenders = {
             "dense": lambda: execute_plan(q, k, v, dense_plan, scale, kernel="triton"),
             "dense_all_masked": lambda: execute_plan(q, k, v, all_masked, scale, kernel="triton"),
-            "s2o": lambda: _execute(q, k, v, plan, scale, config, "triton", False),
-            "s2o_one_pass": one_pass(lambda: _execute(q, k, v, plan, scale, config, "triton", False)),
+            "s2o": lambda: execute(q, k, v, plan, scale, config, kernel="triton", return_visited=False),
+            "s2o_one_pass": one_pass(lambda: execute(q, k, v, plan, scale, config, kernel="triton", return_visited=False)),
             "window_pass": lambda: execute_plan(q, k, v, window, scale, kernel="triton", lse=lse),
             "walk": walk(plan),
             # the same with its keys gathered in place whatever the list's length ("auto" copies short lists)
             "walk_gathered": lambda: execute_plan(q, k, v, plan, scale, kernel="triton", key_mode="gather",
                                                   out=state, lse=lse, resume=True, skip_masked=True),
-            "static": lambda: _execute(q, k, v, static, scale, config, "triton", False),
+            "static": lambda: execute(q, k, v, static, scale, config, kernel="triton", return_visited=False),
             "static_walk": walk(static),
-            "s2o_unsorted": lambda: _execute(q, k, v, unsorted_plan, scale, unsorted, "triton", False),
+            "s2o_unsorted": lambda: execute(q, k, v, unsorted_plan, scale, unsorted, kernel="triton", return_visited=False),
         }
         work = {"dense_all_masked": causal, "s2o": float(visited.sum()), "s2o_one_pass": float(one_visited.sum()),
                 "window_pass": window_tiles, "walk": float(walked.sum()), "walk_gathered": float(walked.sum()),

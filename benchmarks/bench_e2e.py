@@ -69,7 +69,7 @@ def budget_fixed(method: str, base: "sparse_compile.SparseConfig", head_dim: int
     if method == "sparge":
         return {"similarity_threshold": -1.0}
     if method == "bfla":
-        return {"score_scale": 1.0 / (base.bfla.group_size * math.sqrt(head_dim))}
+        return {"score_scale": 1.0 / (base.params_of("bfla").group_size * math.sqrt(head_dim))}
     return {}
 
 
@@ -286,15 +286,15 @@ def capture_qkv(model, ids, layer: int = 1):
 def attention_noop():
     """The compiled graph with its attention ops doing nothing: the non-attention floor of the very same graph (the
     op is opaque to Inductor, so everything around it is unchanged), without compiling a second model."""
-    from sparse_compile import ops
+    from sparse_compile import pipeline
 
-    real = ops.dispatch, ops.padded_dispatch
-    ops.dispatch = lambda q, k, v, *args, **kwargs: q.new_empty((*q.shape[:-1], v.shape[-1]))
-    ops.padded_dispatch = ops.dispatch
+    real = pipeline.attend, pipeline.attend_padded
+    pipeline.attend = lambda q, k, v, *args, **kwargs: q.new_empty((*q.shape[:-1], v.shape[-1]))
+    pipeline.attend_padded = pipeline.attend
     try:
         yield
     finally:
-        ops.dispatch, ops.padded_dispatch = real
+        pipeline.attend, pipeline.attend_padded = real
 
 
 def compile_contenders(model, options: dict, args):
@@ -660,13 +660,14 @@ def mask_overhead(model, lengths, device, dtype, smoke: bool, rounds: int = 5) -
     """Per length: one forward's worth of attention calls (one per layer, one shared mask tensor as in the compiled
     model) with an all-ones ``attention_mask`` and without, alternated, medians. The mask is summarised once per
     tensor (one device-to-host read), so the two should not differ measurably."""
-    from sparse_compile.ops import config_to_json
+    from sparse_compile.site import SiteSpec
 
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     dim = cfg.hidden_size // heads
     layers = cfg.num_hidden_layers
-    config = config_to_json(sparse_compile.SparseConfig(min_seq_len=128 if smoke else 4096))
+    config = sparse_compile.SparseConfig(min_seq_len=128 if smoke else 4096)
+    spec = SiteSpec("mask_overhead", config, enable_gqa=True, queries_last=True).to_json()
     op = torch.ops.sparse_compile.causal_attention
     out = []
     for n in lengths:
@@ -679,7 +680,7 @@ def mask_overhead(model, lengths, device, dtype, smoke: bool, rounds: int = 5) -
             sync()
             started = time.perf_counter()
             for _ in range(layers):
-                op(q, k, v, None, True, "mask_overhead", config, mask, None, True)
+                op(q, k, v, None, spec, mask)
             sync()
             return time.perf_counter() - started
 

@@ -179,15 +179,16 @@ def parallelize_heads(model, mesh) -> None:
 
 @contextlib.contextmanager
 def attention_replaced(fn):
-    """The op's attention (``ops.dispatch``: after the Ulysses all-to-all, on whole sequences) replaced by ``fn``."""
-    from sparse_compile import ops
+    """The op's attention (``pipeline.attend``: after the Ulysses all-to-all, on whole sequences) replaced by
+    ``fn``."""
+    from sparse_compile import pipeline
 
-    real = ops.dispatch
-    ops.dispatch = functools.partial(fn, real)
+    real = pipeline.attend
+    pipeline.attend = functools.partial(fn, real)
     try:
         yield
     finally:
-        ops.dispatch = real
+        pipeline.attend = real
 
 
 def floor_and_capture(runner: Runner, prompt) -> tuple[dict, tuple]:
@@ -228,8 +229,6 @@ def attention_seconds(runner: Runner, prompt, region: dict) -> list:
 def first_call_probe():
     """Where a first call's extra time goes: host seconds inside the op (synchronised around each call) and the
     Triton kernels compiled or loaded from the disk cache during it (Triton's JIT hook, where this Triton has one)."""
-    from sparse_compile import ops
-
     found = {"op_s": 0.0, "kernels": 0}
 
     def count(*args, **kwargs):

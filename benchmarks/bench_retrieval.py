@@ -60,6 +60,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparse_compile  # noqa: E402
+from sparse_compile.pipeline import capturing  # noqa: E402
 import retrieval_families as rf  # noqa: E402
 import retrieval_tasks as rt  # noqa: E402
 import train_small_lm as tsl  # noqa: E402
@@ -117,7 +118,7 @@ def capture_qk(compiled, tokens, sites: Optional[list] = None) -> list:
         if sites is not None:
             sites.append(site)
 
-    with torch.no_grad(), sparse_compile.sparsity(enabled=False), sparse_compile.ops.capturing(keep):
+    with torch.no_grad(), sparse_compile.sparsity(enabled=False), capturing(keep):
         compiled(tokens)
     return calls
 
@@ -179,7 +180,7 @@ def needle_coverage(compiled, base, instance, answer, region: dict) -> tuple[flo
         inputs.append((q.detach(), k.detach(), scale))
 
     tokens = instance.tokens[None].to(next(compiled.parameters()).device).long()
-    with torch.no_grad(), sparse_compile.sparsity(**region), sparse_compile.ops.capturing(keep):
+    with torch.no_grad(), sparse_compile.sparsity(**region), capturing(keep):
         compiled(tokens)
         config = resolve(base)
     row = answer.start - 1

@@ -55,7 +55,7 @@ def profile_table(fn, ids) -> str:
 
 
 class InSituTimer:
-    """Wraps ``sparse_compile.ops.run_sparse`` for one pass: its synchronised wall time and the strides it saw.
+    """Wraps ``sparse_compile.pipeline.run_method`` for one pass: its synchronised wall time and the strides it saw.
 
     Diagnostic only, restored on exit (the library itself never patches anything).
     """
@@ -64,11 +64,11 @@ class InSituTimer:
         self.calls = []
 
     def __enter__(self):
-        from sparse_compile import ops
+        from sparse_compile import pipeline
 
-        self._ops, self._original = ops, ops.run_sparse
+        self._pipeline, self._original = pipeline, pipeline.run_method
 
-        def timed(q, k, v, *args, **kwargs):  # whatever else run_sparse takes passes through
+        def timed(q, k, v, *args, **kwargs):  # whatever else run_method takes passes through
             sync()
             start = time.perf_counter()
             result = self._original(q, k, v, *args, **kwargs)
@@ -77,11 +77,11 @@ class InSituTimer:
                                "k_stride": tuple(k.stride()), "v_stride": tuple(v.stride())})
             return result
 
-        ops.run_sparse = timed
+        pipeline.run_method = timed
         return self
 
     def __exit__(self, *exc):
-        self._ops.run_sparse = self._original
+        self._pipeline.run_method = self._original
         return False
 
 
@@ -98,7 +98,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from sparse_compile.methods import build_plan
-    from sparse_compile.ops import config_to_json
+    from sparse_compile.site import SiteSpec
     from sparse_compile.plan import execute_plan as execute  # the Triton kernel on CUDA, the reference otherwise
     from sparse_compile.report import density_from_visits
 
@@ -175,10 +175,9 @@ def main() -> None:
                     t_kernel = timer(lambda: execute(qq, kk, vv, plan, scale))
                     emit(N=n, part=f"isolated kernel ({name})", method=method, ms=t_kernel, density=rho,
                          detail=f"efficiency vs dense {(rho * dense[name]) / t_kernel:.2f}")
-                text = config_to_json(config)
+                spec = SiteSpec("profile", config, enable_gqa=True).to_json()
                 with sparse_compile.sparsity(method=method):
-                    t_op = timer(lambda: torch.ops.sparse_compile.causal_attention(q, k, v, None, True, "profile",
-                                                                                   text))
+                    t_op = timer(lambda: torch.ops.sparse_compile.causal_attention(q, k, v, None, spec))
                 emit(N=n, part="isolated op (plan+kernel+dispatch)", method=method, ms=t_op, density=rho)
             del plan, visited
 

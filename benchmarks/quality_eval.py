@@ -49,7 +49,7 @@ def bfla_block_scale(head_dim: int) -> dict:
 
     With the paper's alpha = 1/sqrt(C) a flatten-g score, a sum of g token products, makes the block softmax
     nearly one-hot, so gamma barely moves the density; this variant measures what the method does otherwise."""
-    return {"bfla": {"score_scale": 1.0 / (SparseConfig().bfla.group_size * math.sqrt(head_dim))}}
+    return {"bfla": {"score_scale": 1.0 / (SparseConfig().params_of("bfla").group_size * math.sqrt(head_dim))}}
 
 
 #: operator-level curves: (label, method, extra options or a function of the head dim giving them). Besides the
@@ -87,7 +87,7 @@ LN2 = math.log(2.0)
 
 
 def default_value(method: str) -> float:
-    return getattr(getattr(SparseConfig(), method), PARAM[method])
+    return getattr(SparseConfig().params_of(method), PARAM[method])
 
 
 def sweep_with_default(values: list[float], method: str) -> list[float]:

@@ -17,7 +17,9 @@ set -uo pipefail
 out=${1:?results folder}
 part=${2:?part: tests, verify, table, kernel, e2e, e2e-long, retrieval or quality}
 mkdir -p "$out"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+# kernels/ is imported as sparse_compile.kernels through the install's mapping: install this checkout (no network)
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1 || cat "$out/install.log"
 clock() { nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader | tee -a "$out/gpu.txt"; }
 clock
 case "$part" in

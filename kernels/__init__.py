@@ -3,11 +3,11 @@
 They take plain tensors and numbers and import nothing from the package; ``sparse_compile.plan.execute_plan``
 adapts a ``BlockPlan`` to ``block_sparse_attention``, and each method's fast stage calls its selection kernels.
 
-Modules (``validate`` and ``host`` import no Triton; the others are imported on first use, so
+Modules (``validate`` and ``reference`` import no Triton; the others are imported on first use, so
 ``import sparse_compile`` does not load Triton):
 
 * ``validate``: the q/k/v validator, the supported dtypes, ``cdiv``, ``expand_heads``;
-* ``host``: the 32-bit hash and the segmented argsort (PyTorch), shared with the package's references;
+* ``reference``: the 32-bit hash and the segmented argsort in PyTorch, shared with the package's references;
 * ``attention``: the block-sparse FlashAttention forward (``block_sparse_attention``, ``KernelConfig``);
 * ``common``: Triton helpers and launch arithmetic shared by the selection kernels;
 * ``pooling``: block pooling (``block_pool`` -> ``BlockPool``) and pooled scores;

@@ -1,7 +1,7 @@
 """Fixed-share selection: per (batch, head, query block), the forced tiles and the ceil(budget x visible) highest
 scoring other tiles of a row of tile scores, written straight into plan rows (no sort, no boolean table).
 
-The rule of ``methods._blocks.keep_top_budget`` (the specification): keys in order; the diagonal (partially
+The rule of ``methods.tiles.keep_top_budget`` (the specification): keys in order; the diagonal (partially
 visible) tiles and, with ``keep_first_key``, tile 0 are forced; a visible tile whose score is NaN is kept; of the
 other visible tiles, the ``allowed`` = max(1, ceil(budget x visible tiles)) highest scores are kept, ties to the
 lower tile; with ``local`` > 0 the ``local`` tiles just before the diagonal are forced too. The ``allowed``-th

@@ -233,7 +233,7 @@ def tile_limit(qmax, SEGMENT_BOUND, BLOCK_N, NUM_KEY_TILES):
 
 @triton.jit
 def mix32(x):
-    """The lowbias32 finaliser on uint32 (wrapping multiplies): ``kernels.host.hash32``'s mixing step."""
+    """The lowbias32 finaliser on uint32 (wrapping multiplies): ``kernels.reference.hash32``'s mixing step."""
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
     x = x ^ (x >> 15)
@@ -272,7 +272,7 @@ def row_visibility(j, jin, qmin, qmax, kmin_ptr, kmax_ptr, kpad_ptr, kbase, num_
 
 @triton.jit
 def top_mass(p, cand, T, head):
-    """Keep mask of the cumulative-mass rule (``methods._common.top_mass``) for each row of (ROWS, W).
+    """Keep mask of the cumulative-mass rule (``methods.scoring.top_mass``) for each row of (ROWS, W).
 
     The rule keeps candidate ``j`` (stable descending order) iff the mass before it is below ``T = tau * total``.
     The mass strictly above a value ``x``, ``M(x) = sum(p_i for p_i > x)``, is non-increasing in ``x``, so the kept

@@ -9,7 +9,7 @@ table, no argsort.
 Non-finite scores: a visible tile whose scaled score is NaN or infinite is kept and leaves the softmax. A query
 block whose pooled statistics are not finite has such scores in every column, so it keeps every visible tile; a
 key tile whose pooled statistics are not finite has them in every row, so every query block that sees it keeps
-it. The references (``methods._common.mass_keep``) apply the same rule.
+it. The references (``methods.scoring.mass_keep``) apply the same rule.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .common import interpreting, orderable, pow2
-from .host import segmented_argsort_desc as _segmented_argsort_torch
+from .reference import segmented_argsort_desc as _segmented_argsort_torch
 from .validate import cdiv
 
 __all__ = ["segmented_argsort_desc"]

@@ -7,30 +7,21 @@
     calibration = sparse_compile.calibrate(model, input_ids, method="pbs", target_error=0.02)
 """
 
-import importlib.util as _importlib_util
-import sys as _sys
-from pathlib import Path as _Path
+try:  # the top-level folder kernels/, installed as sparse_compile.kernels (pyproject.toml's package-dir)
+    from . import kernels as _kernels  # noqa: F401
+except ImportError as _missing:  # a checkout on PYTHONPATH, not installed: the mapping is the install's
+    raise ImportError(
+        "sparse_compile.kernels is not installed: install the package (pip install -e .); its kernels live in the "
+        "top-level folder kernels/, which installing maps to sparse_compile.kernels, so a checkout that is only on "
+        "PYTHONPATH cannot import them"
+    ) from _missing
+from pathlib import Path as _Path  # noqa: E402
 
-
-def _map_source_tree_kernels() -> None:
-    """Run from a source checkout (``PYTHONPATH=.``, or a clone beside another editable install), map this tree's
-    top-level ``kernels/`` folder to ``sparse_compile.kernels``, as installing the package does."""
-    root = _Path(__file__).resolve().parent.parent
-    folder = root / "kernels"
-    if not ((root / "pyproject.toml").is_file() and (folder / "__init__.py").is_file()):
-        return  # an installed package: its own mapping holds
-    spec = _importlib_util.find_spec(__name__ + ".kernels")
-    if spec is not None and spec.origin and _Path(spec.origin).resolve().parent == folder:
-        return
-    spec = _importlib_util.spec_from_file_location(
-        __name__ + ".kernels", folder / "__init__.py", submodule_search_locations=[str(folder)]
-    )
-    module = _importlib_util.module_from_spec(spec)
-    _sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-
-
-_map_source_tree_kernels()
+_HERE = _Path(__file__).resolve().parent
+if _Path(_kernels.__file__).resolve().parent not in (_HERE / "kernels", _HERE.parent / "kernels"):
+    # this checkout on PYTHONPATH beside another checkout's install: its mapping would serve the other's kernels
+    raise ImportError(f"sparse_compile.kernels comes from {_Path(_kernels.__file__).parent}, not from this "
+                      f"package's checkout ({_HERE.parent}): install this checkout (pip install -e .)")
 
 from .methods import build_plan  # noqa: E402  (first: the built-in methods register themselves)
 from .methods.bfla import BFLAParams  # noqa: E402
@@ -39,18 +30,19 @@ from .methods.s2o import S2OParams  # noqa: E402
 from .methods.sampled import SampledParams  # noqa: E402
 from .methods.sparge import SpargeParams  # noqa: E402
 from .backend import sparse_prefill  # noqa: E402
-from .config import MethodParams, SparseConfig  # noqa: E402
+from .config import SparseConfig  # noqa: E402
+from .params import MethodParams  # noqa: E402
 from .context import sparsity  # noqa: E402
 from .calibrate import Calibration, SiteCalibration, calibrate  # noqa: E402
 from .explain import ExplainReport, explain  # noqa: E402
-from .ops import precompile, sparse_attention, ulysses_attention  # noqa: E402
+from .api import precompile, sparse_attention  # noqa: E402
 from .plan import BlockPlan, execute_plan  # noqa: E402
 from .registry import DensityKnob, Method, register_method  # noqa: E402
-from .parallel import sequence_parallel  # noqa: E402
+from .parallel import sequence_parallel, ulysses_attention  # noqa: E402
 from .report import reset_runtime_stats, runtime_stats  # noqa: E402
-from .transformers_attention import enable_transformers_attention, install_import_hook as _hook  # noqa: E402
+from .transformers_attention import enable_transformers_attention, register as _register  # noqa: E402
 
-_hook()  # the "sparse_prefill" attention implementation, registered with transformers when that loads
+_register()  # the "sparse_prefill" attention implementation, where transformers is imported already
 
 __all__ = [
     "SparseConfig",

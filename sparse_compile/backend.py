@@ -14,14 +14,14 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
-from torch.autograd import forward_ad
-
 from . import report
 from .config import SparseConfig
 from .eager_attention import EAGER_RULE, SOFTCAP_RULE, find_eager_attention, is_eager
 from .padding import per_forward
 from .report import SiteRecord
 from .rewrite import rewrite_graph
+from .rules import forward_transform
+from .transformers_attention import register as register_transformers_attention
 
 __all__ = ["sparse_prefill", "on_rewrite", "LOG_ENV_VAR", "OptionsError"]
 
@@ -138,6 +138,7 @@ def sparse_prefill(
         raise error from None
     _check_environment()
     _maybe_enable_logging()
+    register_transformers_attention()  # the front door's name too, now that transformers may be imported
     want_diff = bool(_LISTENERS) or log.isEnabledFor(logging.INFO)
     before = gm.code if want_diff else ""
     original = _graph_copy(gm)
@@ -151,7 +152,7 @@ def sparse_prefill(
     from torch._inductor.compile_fx import compile_fx
 
     if any(r.rewritten for r in records):
-        from .ops import precompile_kernels
+        from .api import precompile_kernels
 
         precompile_kernels(gm, config)
     patches = list_mode_options(mode) if mode else None
@@ -176,19 +177,14 @@ def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def _under_forward_transform() -> bool:
-    """Forward-mode AD (a dual level is open) or a torch.func transform is active: the rewritten op has no forward
-    derivative nor batching rule (PyTorch's custom ops would drop the tangent silently)."""
-    return forward_ad._current_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None
-
-
 def _eager_under_transforms(compiled: Callable, original: fx.GraphModule) -> Callable:
     """``compiled``, except that a call under forward AD or a torch.func transform runs the graph as traced (plain
     SDPA, eagerly): what the model does uncompiled, tangents included."""
     boxed = getattr(compiled, "_boxed_call", False)
 
     def guarded(*args, **kwargs):
-        if _under_forward_transform():
+        # the rewritten op has no forward derivative nor batching rule (custom ops would drop a tangent silently)
+        if forward_transform() is not None:
             log.debug("forward-mode AD or a torch.func transform is active: running the traced graph eagerly")
             # a boxed call passes one list of inputs (graph inputs are never lists themselves)
             unboxed = args[0] if boxed and len(args) == 1 and isinstance(args[0], list) else args

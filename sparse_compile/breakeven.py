@@ -35,8 +35,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["plan_shape", "break_even_density", "lowest_density", "has_table", "DensityHistory", "HISTORY", "MARGIN",
-           "PROBE_EVERY", "PROBE_MAX", "load_tables"]
+from .plan import causal_tile_count
+
+__all__ = ["Advice", "advise", "plan_shape", "break_even_density", "lowest_density", "has_table", "DensityHistory",
+           "HISTORY", "MARGIN", "PROBE_EVERY", "PROBE_MAX", "load_tables"]
 
 MARGIN = 0.05  # the predicted gain the sparse path needs (BFLA / SpargeAttn at 128K, density 1: 1.02-1.03x)
 PROBE_EVERY = 16  # dense calls before the first re-plan at a site that runs dense
@@ -63,8 +65,6 @@ def plan_shape(plan, select: Optional[str] = None) -> str:
 @functools.lru_cache(maxsize=1024)
 def lowest_density(shape: str, num_queries: int, num_keys: int) -> float:
     """The least density a plan of ``shape`` can have: every query block keeps at least one tile."""
-    from .plan import causal_tile_count
-
     block_m, block_n = (int(side) for side in shape.split("@")[0].split("+")[0].split("x"))
     return -(-num_queries // block_m) / max(causal_tile_count(num_queries, num_keys, block_m, block_n), 1)
 
@@ -185,6 +185,13 @@ class DensityHistory:
             if entry is not None:
                 entry.interval = PROBE_EVERY
 
+    def remember(self, key, plan, config, num_queries: int, num_keys: int,
+                 visited: Optional[torch.Tensor] = None) -> None:
+        """Remember ``plan``'s density at ``key``: the share of the causal tiles it visited (``visited``, counted by
+        running it: early stop) or else lists, without waiting for it."""
+        shape = plan_shape(plan, config.select_stage)
+        self.record(key, _plan_density(plan, num_queries, num_keys, visited), shape, config)
+
     def record(self, key, density: torch.Tensor, shape: str, config=None) -> None:
         """Remember a plan's density (a 0-d tensor, on any device) without waiting for it."""
         if density.is_cuda:
@@ -206,4 +213,49 @@ class DensityHistory:
             self._shapes.clear()
 
 
+def _plan_density(plan, num_queries: int, num_keys: int, visited: Optional[torch.Tensor]) -> torch.Tensor:
+    """0-d, on the plan's device (no sync): the share of the causal tiles visited, else listed."""
+    if visited is None:
+        return plan.density(num_queries, num_keys).mean()
+    total = causal_tile_count(num_queries, num_keys, plan.block_m, plan.block_n) * visited[:, :, 0].numel()
+    return visited.sum(dtype=torch.float32) / max(total, 1)
+
+
 HISTORY = DensityHistory()
+
+
+@dataclass(frozen=True)
+class Advice:
+    """What break-even says of one call before planning.
+
+    ``dense_reason``: why the call should run dense (None: plan and run the method); ``history_key``: where the
+    plan's density is remembered when the decision depends on history (None: it does not); ``replan``: plan again
+    although the call runs dense, so that the next call decides on a fresh density."""
+
+    dense_reason: Optional[str] = None
+    history_key: Optional[tuple] = None
+    replan: bool = False
+
+
+def advise(q: torch.Tensor, k: torch.Tensor, config, site: str) -> Advice:
+    """Break-even's advice for one call at ``site`` (``config.dense_when_faster``; module docstring)."""
+    if not config.dense_when_faster or not has_table(q.device):
+        return Advice()  # no measured table for this device: the configured method runs
+    num_queries, num_keys = q.shape[-2], k.shape[-2]
+    key = HISTORY.key(site, config, q, k)
+    predicted = HISTORY.prediction(key)
+    shape = predicted[1] if predicted is not None else HISTORY.shape_of(config)
+    limit = None if shape is None else break_even_density(q.device, shape, num_keys)
+    if limit is not None:
+        lowest = lowest_density(shape, num_queries, num_keys)
+        if limit < lowest:  # no plan can win at this length: do not even plan
+            return Advice(f"break-even density {limit:.2f} is below the least any {shape} plan keeps at {num_keys} "
+                          f"keys ({lowest:.2f})")
+    if predicted is None or limit is None:
+        return Advice(history_key=key)
+    density = predicted[0]
+    if density <= limit:
+        HISTORY.went_sparse(key)
+        return Advice(history_key=key)
+    reason = f"plan density {density:.2f} above break-even {limit:.2f} (this site's last plan, {shape} tiles)"
+    return Advice(reason, key, HISTORY.should_probe(key))

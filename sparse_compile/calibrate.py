@@ -5,10 +5,11 @@ SpargeAttn tunes its thresholds per layer on calibration data, XAttention ships 
 and one global threshold is either too sparse for some or too dense for others. Here:
 
 1. The model runs once on the sample, traced and rewritten by the ``sparse_prefill`` rewrite (no Inductor) with
-   sparsity off; every causal attention problem the op decides on is captured with its site (``ops.capturing``).
+   sparsity off; every causal attention problem the op decides on is captured with its site
+   (``pipeline.capturing``).
 2. Per site, the knob the registry names (``Method.density``: name, range, which end keeps more) is bisected for
    the sparsest value whose error ``metric(sparse, dense)`` over all of the site's calls is at most the target.
-   The sparse output is what the op would compute (``ops.run_sparse``: the method's plan and executor; the
+   The sparse output is what the op would compute (``pipeline.run_method``: the method's plan and executor; the
    reference kernel on the CPU, Triton on CUDA). A site that misses the target even at the knob's keep-most end
    is left dense (``skip_layers``): exact, and never slower.
 3. The result is a ``SparseConfig`` whose ``site_params`` hold each site's knob; the op applies a site's entry at
@@ -33,6 +34,8 @@ from torch import Tensor
 from .config import SparseConfig
 from .context import sparsity
 from .dense import dense_causal_attention
+from .padding import per_forward
+from .pipeline import capturing, dense_reason, run_method
 from .registry import DensityKnob, method_spec, registered_methods
 from .rules import excluded
 
@@ -296,14 +299,13 @@ def _call_model(model: Callable, example_inputs: Any):
 
 def _capture(model: Callable, example_inputs: Any, config: SparseConfig, offload: bool) -> dict[str, list[_Call]]:
     """site -> the causal attention problems the op met there on the sample (the dense model's inputs)."""
-    from .ops import DENSE, capturing, decide
 
     # the rules a call must pass to be calibrated at all; sparsity on, any length (the sample is the user's)
     eligible = config.replace(enabled=True, min_seq_len=2)
     calls: dict[str, list[_Call]] = {}
 
     def record(site, q, k, v, scale, chunked_allowed):
-        if decide(q, k, v, eligible, site, chunked_allowed=chunked_allowed, scale=scale)[0] == DENSE:
+        if dense_reason(q, k, v, eligible, site, chunked_allowed=chunked_allowed, scale=scale) is not None:
             return  # a decode step, a skipped layer, an unsupported head dim: the op never runs the method there
         device = q.device
         if offload:
@@ -326,23 +328,19 @@ def _capture_backend(gm, example_inputs):
     The configuration compiled in does not matter: the run is dense, and ``record`` applies the rules."""
     from .rewrite import rewrite_graph
 
-    from .padding import per_forward
-
     rewrite_graph(gm, SparseConfig())
     return per_forward(gm.forward)
 
 
 def _evaluate(inputs: list[tuple], references: list[Tensor], config: SparseConfig, metric: str):
     """(error, density) of ``config`` over a site's calls, or the reason the method cannot run them."""
-    from .ops import run_sparse
-
     outputs, densities = [], []
     for q, k, v, scale in inputs:
-        out, reason, density = run_sparse(q, k, v, scale, config)
-        if out is None:
-            return reason
-        outputs.append(out)
-        densities.append(sum(density) / max(len(density), 1))
+        outcome = run_method(q, k, v, scale, config)
+        if outcome.output is None:
+            return outcome.reason
+        outputs.append(outcome.output)
+        densities.append(sum(outcome.density) / max(len(outcome.density), 1))
     return operator_error(outputs, references, metric), sum(densities) / len(densities)
 
 

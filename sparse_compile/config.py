@@ -1,182 +1,31 @@
-"""Configuration: one validated dataclass for the backend, and the base of every method's parameters.
+"""Configuration: one validated dataclass for the backend and the parameters of every registered method.
 
-``SparseConfig`` holds the backend's own fields and the parameters of every registered method (``registry.py``),
-each under the method's name: ``SparseConfig(method="bfla", bfla={"mass_threshold": 0.95}).bfla.mass_threshold``.
-The four paper methods have typed properties (``config.pbs`` is a ``PBSParams``); every registered method, built in
-or added, is read with ``config.params_of(SampledParams)`` (typed by the class) or ``config.params_of("sampled")``.
-Every method's defaults are its paper's defaults, except BFLA's block-softmax scale (``BFLAParams`` says why); each
-documents the setting that keeps every causal block
-(``Method.keep_all``), with which the method computes exact dense attention.
+``SparseConfig`` holds the backend's own fields and one parameters object per registered method (``registry.py``;
+their base class and field checks are ``params.py``), each under the method's name: ``SparseConfig(method="bfla",
+bfla={"mass_threshold": 0.95})``. Every registered method's parameters, built in or added, are read with
+``config.params_of(BFLAParams)`` (typed by the class) or ``config.params_of("bfla")``. This module names no method:
+what it knows of them comes from the registry.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
+import json
 import os
+import warnings
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, TypeVar, Union, overload
+from typing import Any, Mapping, Optional, TypeVar, Union, overload
 
-from .registry import NO_REORDER, check_stage_pair, method_spec, registered_methods
+from . import params as _params
+from .params import MAX_INT, MethodParams, check_int
+from .registry import NO_REORDER, check_stage_pair, method_spec, registered_methods, reserve_names
 
-if TYPE_CHECKING:  # the built-in methods' parameter types, for the typed properties (no import at run time)
-    from .methods.bfla import BFLAParams
-    from .methods.pbs import PBSParams
-    from .methods.s2o import S2OParams
-    from .methods.sparge import SpargeParams
-
-__all__ = ["SparseConfig", "DEFAULT_METHOD", "MethodParams", "KERNEL_NAMES", "PLANNER_NAMES", "MAX_BLOCK", "MAX_INT", "check_block",
-           "check_fraction", "check_int", "check_finite", "fail", "normalize_site_params", "block_field",
-           "fraction_field", "int_field", "finite_field", "optional_field", "check_skip_layers"]
+__all__ = ["SparseConfig", "DEFAULT_METHOD", "KERNEL_NAMES", "PLANNER_NAMES", "normalize_site_params",
+           "check_skip_layers"]
 
 KERNEL_NAMES = ("auto", "triton", "reference")
 PLANNER_NAMES = ("auto", "fast", "reference")
-
-
-#: the largest block / tile the attention kernel takes (``kernels/attention.py``: powers of two in [16, 256])
-MAX_BLOCK = 256
-#: integer parameters reach the kernels as 32-bit integers
-MAX_INT = 2**31 - 1
-
-
-def fail(owner: str, name: str, problem: str) -> None:
-    raise ValueError(f"{owner}.{name}: {problem}")
-
-
-def check_block(owner: str, name: str, value: Any, *, high: Optional[int] = MAX_BLOCK) -> None:
-    if (not isinstance(value, int) or isinstance(value, bool) or value < 16 or value & (value - 1)
-            or (high is not None and value > high)):
-        where = f"in [16, {high}]" if high is not None else ">= 16"
-        fail(owner, name, f"must be a power of two {where}, got {value!r}")
-
-
-def check_fraction(owner: str, name: str, value: Any, *, low: float = 0.0, high: float = 1.0) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (low <= value <= high):
-        fail(owner, name, f"must be a number in [{low}, {high}], got {value!r}")
-
-
-def check_stride(owner: str, name: str, value: Any) -> None:
-    """A power of two in [1, MAX_BLOCK]: a sampling or scoring stride inside a tile (the params check it against
-    their ``block_size``)."""
-    check_int(owner, name, value, low=1, high=MAX_BLOCK)
-    if value & (value - 1):
-        fail(owner, name, f"must be a power of two in [1, {MAX_BLOCK}] (and <= block_size), got {value!r}")
-
-
-def check_share(owner: str, name: str, value: Any) -> None:
-    """A share in (0, 1]: a fixed-share selector's budget (1 keeps everything, 0 would keep nothing)."""
-    if not 0.0 < value <= 1.0:
-        fail(owner, name, f"must be a number in (0, 1], got {value!r}")
-
-
-def check_int(owner: str, name: str, value: Any, *, low: int = 0, high: int = MAX_INT) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not (low <= value <= high):
-        fail(owner, name, f"must be an integer in [{low}, {high}], got {value!r}")
-
-
-def check_finite(owner: str, name: str, value: Any, *, sign: int = 0) -> None:
-    """A finite number; ``sign`` 1: > 0, -1: < 0."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and sign:
-        ok = value * sign > 0
-    if not ok:
-        what = {1: "a positive finite number", -1: "a negative finite number", 0: "a finite number"}[sign]
-        fail(owner, name, f"must be {what}, got {value!r}")
-
-
-# field checks for ``MethodParams.field_checks``: each is ``check(owner, name, value)``
-def block_field(high: Optional[int] = MAX_BLOCK) -> Callable:
-    return functools.partial(check_block, high=high)
-
-
-def fraction_field(low: float = 0.0, high: float = 1.0) -> Callable:
-    return functools.partial(check_fraction, low=low, high=high)
-
-
-def int_field(low: int = 0, high: int = MAX_INT) -> Callable:
-    return functools.partial(check_int, low=low, high=high)
-
-
-def finite_field(sign: int = 0) -> Callable:
-    return functools.partial(check_finite, sign=sign)
-
-
-def optional_field(check: Callable) -> Callable:
-    def checked(owner: str, name: str, value: Any) -> None:
-        if value is not None:
-            check(owner, name, value)
-
-    return checked
-
-
-def _check_field_type(owner: str, f: dataclasses.Field, value: Any, *, limits: bool = True) -> None:
-    """``value`` is of ``f``'s annotated kind (``bool`` is no number, ``'no'`` is no bool); with ``limits`` (a field
-    without its own range check) numbers are finite and integers fit the kernels' 32 bits."""
-    kinds = [k.strip() for k in str(f.type).replace("Optional[", "").rstrip("]").split("|")]
-    if value is None and ("None" in kinds or "Optional" in str(f.type)):
-        return
-    if "bool" in kinds:
-        if not isinstance(value, bool):
-            fail(owner, f.name, f"must be True or False, got {value!r}")
-    elif "int" in kinds and "float" not in kinds:
-        if not isinstance(value, int) or isinstance(value, bool):
-            fail(owner, f.name, f"must be an integer, got {value!r}")
-        if limits and abs(value) > MAX_INT:
-            fail(owner, f.name, f"must be an integer in [-{MAX_INT}, {MAX_INT}], got {value!r}")
-    elif "float" in kinds:
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            fail(owner, f.name, f"must be a number, got {value!r}")
-        if limits and not math.isfinite(value):
-            fail(owner, f.name, f"must be a finite number, got {value!r}")
-
-
-def _check_annotated_types(obj: Any, checked: Mapping[str, Any] = {}) -> None:
-    owner = type(obj).__name__
-    for f in fields(obj):
-        _check_field_type(owner, f, getattr(obj, f.name), limits=f.name not in checked)
-
-
-class MethodParams:
-    """Base of a method's parameter dataclass: field types checked (numbers finite), each field's own range
-    (``field_checks``), construction from a mapping with a clear error for unknown keys. Subclasses put rules that
-    relate fields in ``check_fields`` (or their own ``__post_init__``, calling ``super()``)."""
-
-    #: field name -> ``check(owner, name, value)`` of that field alone (its range). Run on construction, and by
-    #: ``check_value`` for a value given before the other fields are known (a ``sparsity`` region's parameter).
-    field_checks: ClassVar[Mapping[str, Callable]] = {}
-
-    def __post_init__(self) -> None:
-        _check_annotated_types(self, self.field_checks)
-        for name, check in self.field_checks.items():
-            check(type(self).__name__, name, getattr(self, name))
-        self.check_fields()
-
-    def check_fields(self) -> None:
-        """Rules between fields (after every field passed its own checks)."""
-
-    @classmethod
-    def check_value(cls, name: str, value: Any) -> None:
-        """ValueError naming the field and its valid range when ``value`` is not valid for field ``name`` alone."""
-        by_name = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
-        if name not in by_name:
-            raise ValueError(f"{cls.__name__}: unknown parameter {name!r}; valid: {list(by_name)}")
-        check = cls.field_checks.get(name)
-        _check_field_type(cls.__name__, by_name[name], value, limits=check is None)
-        if check is not None:
-            check(cls.__name__, name, value)
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
-
-    def updated(self, overrides: Mapping[str, Any]):
-        unknown = sorted(set(overrides) - set(self.field_names()))
-        if unknown:
-            raise ValueError(
-                f"{type(self).__name__}: unknown parameter(s) {unknown}; valid: {list(self.field_names())}"
-            )
-        return dataclasses.replace(self, **dict(overrides))  # type: ignore[type-var]
 
 
 def check_skip_layers(skip_layers: Any, owner: str = "SparseConfig.skip_layers") -> tuple:
@@ -273,8 +122,8 @@ class SparseConfig:
                     is ``"sparse_attention"``. ``calibrate`` writes them. They belong to the method: a region that
                     switches the method (``sparsity(method=...)``) leaves them behind.
     <method name>   that method's parameters (a dict of its fields or its params dataclass), e.g. ``pbs={...}``;
-                    read back as ``config.params_of(PBSParams)`` or ``config.params_of("pbs")`` (typed properties
-                    for the paper methods: ``config.pbs``). ``params`` holds them all, as (name, params) pairs.
+                    read back as ``config.params_of(PBSParams)`` or ``config.params_of("pbs")``. ``params`` holds
+                    them all, as (name, params) pairs.
     <parameter>     a parameter of the configured method (its select stage) by its own name, as ``sparsity`` and
                     ``options`` take it: ``SparseConfig(threshold=0.5)`` is ``SparseConfig(pbs={"threshold": 0.5})``.
     """
@@ -295,14 +144,8 @@ class SparseConfig:
     def __init__(self, method: str = DEFAULT_METHOD, reorder: Optional[str] = None, select: Optional[str] = None,
                  enabled: bool = True, min_seq_len: int = 16384, skip_layers=(), kernel: str = "auto",
                  planner: str = "auto", record_density: bool = False, dense_when_faster: bool = True,
-                 site_params=None, params=None, pbs: Union[PBSParams, Mapping[str, Any], None] = None,
-                 sparge: Union[SpargeParams, Mapping[str, Any], None] = None,
-                 bfla: Union[BFLAParams, Mapping[str, Any], None] = None,
-                 s2o: Union[S2OParams, Mapping[str, Any], None] = None,
-                 **method_params: Union[MethodParams, Mapping[str, Any]]) -> None:
-        # the paper methods' keywords are spelled out for type checkers; any registered method's name is a keyword
-        method_params.update({name: value for name, value in (("pbs", pbs), ("sparge", sparge), ("bfla", bfla),
-                                                               ("s2o", s2o)) if value is not None})
+                 site_params=None, params=None, **method_params: Union[MethodParams, Mapping[str, Any]]) -> None:
+        # every registered method's name is a keyword (its parameters), and so is each parameter of the configured one
         registered = registered_methods()
         knobs = {k: v for k, v in method_params.items() if k not in registered}
         method_params = {k: v for k, v in method_params.items() if k in registered}
@@ -391,22 +234,13 @@ class SparseConfig:
         raise ValueError(f"SparseConfig.params_of: method {name!r} was registered after this configuration was made; "
                          "make it again (or use sparsity(method=...))")
 
-    # typed access to the paper methods' parameters (any method: ``params_of``)
-    @property
-    def pbs(self) -> PBSParams:
-        return self.params_of("pbs")  # type: ignore[return-value]
-
-    @property
-    def sparge(self) -> SpargeParams:
-        return self.params_of("sparge")  # type: ignore[return-value]
-
-    @property
-    def bfla(self) -> BFLAParams:
-        return self.params_of("bfla")  # type: ignore[return-value]
-
-    @property
-    def s2o(self) -> S2OParams:
-        return self.params_of("s2o")  # type: ignore[return-value]
+    def __getattr__(self, name: str):
+        # deprecated: ``config.<method>`` for ``config.params_of("<method>")`` (where typed properties stood)
+        if not name.startswith("_") and name in registered_methods():
+            warnings.warn(f"SparseConfig.{name} is deprecated: use config.params_of({name!r}) (or the parameter "
+                          "class)", DeprecationWarning, stacklevel=2)
+            return self.params_of(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -438,6 +272,16 @@ class SparseConfig:
         out["site_params"] = {site: dict(overrides) for site, overrides in self.site_params}
         out.update({name: dataclasses.asdict(value) for name, value in self.params})
         return out
+
+    def to_json(self) -> str:
+        """Compact JSON: only the fields that differ from the defaults (``{}`` is the default configuration). The
+        compiled graph carries its configuration so: the graph describes itself."""
+        return json.dumps(_non_default(self.to_dict(), SparseConfig().to_dict()), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "SparseConfig":
+        """The configuration ``to_json`` wrote (cached: read on every call of the op)."""
+        return _from_json(text)
 
     def replace(self, **changes: Any) -> "SparseConfig":
         """A copy with some fields (or some methods' whole parameters) changed."""
@@ -502,6 +346,41 @@ class SparseConfig:
         """The same configuration with every method's keep-everything setting: exact dense attention."""
         return self.replace(site_params=(), **{name: spec_params.updated(method_spec(name).keep_all)
                                                for name, spec_params in self.params})
+
+
+reserve_names(f.name for f in fields(SparseConfig))  # no method may be called as a field
+
+#: names that lived here before ``params.py`` held them (deprecated here)
+_MOVED_TO_PARAMS = ("MethodParams", "MAX_BLOCK", "MAX_INT", "fail", "check_block", "check_fraction", "check_stride",
+                    "check_share", "check_int", "check_finite", "block_field", "fraction_field", "int_field",
+                    "finite_field", "optional_field")
+
+
+def __getattr__(name: str):
+    if name in _MOVED_TO_PARAMS:
+        warnings.warn(f"sparse_compile.config.{name} is deprecated: use sparse_compile.params.{name}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(_params, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _non_default(value: dict, default: dict) -> dict:
+    out = {}
+    for key, item in value.items():
+        if key not in default:  # an entry of a free-form mapping (site_params): kept whole
+            out[key] = item
+        elif isinstance(item, dict):
+            sub = _non_default(item, default[key])
+            if sub:
+                out[key] = sub
+        elif item != default[key]:
+            out[key] = list(item) if isinstance(item, tuple) else item
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _from_json(text: str) -> SparseConfig:
+    return SparseConfig(**json.loads(text))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -2,12 +2,39 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["dense_attention", "dense_causal_attention"]
+__all__ = ["DenseForm", "QUERIES_LAST", "run_dense", "dense_attention", "dense_causal_attention"]
+
+
+@dataclass(frozen=True)
+class DenseForm:
+    """The exact attention a call runs where it does not go sparse: what the replaced call computes.
+
+    ``mask`` given: SDPA with that mask (the call's own, no causal flag). Else ``top_left``: SDPA's
+    ``is_causal=True``, queries aligned with the first keys. Else causal with the queries at the last positions
+    (``dense_causal_attention``), GQA native."""
+
+    top_left: bool = False
+    enable_gqa: bool = False
+    mask: Optional[torch.Tensor] = None
+
+
+QUERIES_LAST = DenseForm()  # causal, the queries at the last positions: proven masks, padded groups, the eager API
+
+
+def run_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
+              form: DenseForm = QUERIES_LAST) -> torch.Tensor:
+    """Exact attention of ``form``."""
+    if form.mask is not None:
+        return dense_attention(q, k, v, is_causal=False, attn_mask=form.mask, scale=scale, enable_gqa=form.enable_gqa)
+    if form.top_left:
+        return dense_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=form.enable_gqa)
+    return dense_causal_attention(q, k, v, scale=scale)
 
 
 def _sdpa(q, k, v, **kwargs) -> torch.Tensor:

@@ -72,7 +72,8 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx as fx
 
-__all__ = ["MaskMatch", "NotProven", "analyse_mask", "removable_nodes", "undo_repeat_kv"]
+__all__ = ["MaskMatch", "NotProven", "analyse_mask", "removable_nodes", "undo_repeat_kv", "example_value",
+           "is_input_view", "proof_holds_at"]
 
 # evaluation lengths (odd, unaligned with any block size): the first pair, and how the reach moves past constants
 FIRST_LENGTH = 19
@@ -133,7 +134,8 @@ def _describe(padding: Optional[fx.Node], positions: Optional[fx.Node]) -> str:
     return ", ".join(parts) or "a function of sizes only"
 
 
-def _example(node: Any):
+def example_value(node: Any):
+    """A graph node's traced (fake) value, or the argument itself when it is a constant."""
     if isinstance(node, fx.Node):
         return node.meta.get("example_value", node.meta.get("val"))
     return node
@@ -283,8 +285,8 @@ def _evaluate(gm: fx.GraphModule, nodes: list, mask: fx.Node, sizes: _Sizes, inp
             if node.op == "placeholder":
                 if node in inputs:
                     env[node] = inputs[node]
-                elif not isinstance(_example(node), torch.Tensor):
-                    env[node] = sizes.value(_example(node))  # a SymInt input
+                elif not isinstance(example_value(node), torch.Tensor):
+                    env[node] = sizes.value(example_value(node))  # a SymInt input
                 continue  # a tensor input read only by size: never loaded
             if node.op == "get_attr":
                 value = gm
@@ -319,7 +321,7 @@ def _evaluate(gm: fx.GraphModule, nodes: list, mask: fx.Node, sizes: _Sizes, inp
 
 def _metadata(node: fx.Node, sizes: _Sizes) -> Any:
     """A size query answered from the traced example value, at the evaluation's sizes."""
-    example = _example(node.args[0])
+    example = example_value(node.args[0])
     if node.op == "call_method":
         method = node.target
         dims = [sizes.value(d) for d in example.shape]
@@ -681,7 +683,7 @@ def _space(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set) -> _
         if isinstance(x, torch.SymInt):
             shape_env = x.node.shape_env
     for node in nodes:
-        value = _example(node)
+        value = example_value(node)
         sizes = [value] if isinstance(value, torch.SymInt) else list(value.shape) if isinstance(value, torch.Tensor) else []
         for d in sizes:
             all_symbols |= _symbols(d)
@@ -738,19 +740,19 @@ def _check_other_sizes(ordered: list, others: set) -> None:
         return
     indexes: set = set()  # arange(batch) and its views: allowed where they select rows
     for node in ordered:
-        if node.op in ("placeholder", "get_attr") and not isinstance(_example(node), torch.SymInt):
+        if node.op in ("placeholder", "get_attr") and not isinstance(example_value(node), torch.SymInt):
             continue
-        if isinstance(_example(node), torch.SymInt):
+        if isinstance(example_value(node), torch.SymInt):
             continue  # a size, or arithmetic on sizes: checked where it is used
-        reads = [a for a in node.all_input_nodes if isinstance(_example(a), torch.SymInt)
-                 and _symbols(_example(a)) & others]
+        reads = [a for a in node.all_input_nodes if isinstance(example_value(a), torch.SymInt)
+                 and _symbols(example_value(a)) & others]
         name = _name(node)
         if reads:
             if name in _NO_COMPARISON or name in ("arange", "getitem", "__getitem__") or _is_size_query(node):
                 if name == "arange":
                     indexes.add(node)
                 continue
-            raise _Unsupported(f"the mask computes with the size {_example(reads[0])} ({node.name}), which is not a "
+            raise _Unsupported(f"the mask computes with the size {example_value(reads[0])} ({node.name}), which is not a "
                                "length and is evaluated only at its traced value")
         used = [a for a in node.all_input_nodes if a in indexes]
         if not used:
@@ -845,7 +847,7 @@ def analyse_mask(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q: torch.Tens
     nq, nk = q.shape[-2], k.shape[-2]
     padding = positions = None
     for node in sorted((n for n in nodes if n.op == "placeholder"), key=order.get):
-        value = _example(node)
+        value = example_value(node)
         if not isinstance(value, torch.Tensor):
             continue  # a SymInt: a size
         if not any(user in nodes and not _is_size_query(user) for user in node.users):
@@ -858,19 +860,19 @@ def analyse_mask(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q: torch.Tens
             return NotProven(f"the mask reads graph input {node.name} (shape {tuple(value.shape)}) by value, "
                              "which is neither a (batch, kv_len) padding mask nor the query positions")
     ordered = sorted(nodes, key=order.get)
-    device = _example(mask).device
-    pad_dtype = _example(padding).dtype if padding is not None else None
+    device = example_value(mask).device
+    pad_dtype = example_value(padding).dtype if padding is not None else None
 
     def inputs_for(batch: int, n_q: int, n_k: int, trial: Optional[torch.Tensor]) -> dict:
         inputs: dict = {}
         if positions is not None:
-            inputs[positions] = torch.arange(n_k - n_q, n_k, device=device, dtype=_example(positions).dtype)
+            inputs[positions] = torch.arange(n_k - n_q, n_k, device=device, dtype=example_value(positions).dtype)
         if padding is not None:
             inputs[padding] = trial if trial is not None else _classification_padding(batch, n_k, pad_dtype, device)
         return inputs
 
     try:
-        tied = _symbols(_example(padding).shape[1]) if padding is not None else set()
+        tied = _symbols(example_value(padding).shape[1]) if padding is not None else set()
         space = _space(nodes, q, k, tied - _symbols(nk))
         _check_other_sizes(ordered, set(space.base))
         points = _points(gm, ordered, mask, space, inputs_for)
@@ -938,6 +940,34 @@ def _compare(value: Any, batch: int, nq: int, nk: int, padding: Optional[torch.T
 
 
 # -- after the rewrite: what the graph no longer needs ---------------------------------------------------------
+def is_input_view(node: fx.Node) -> bool:
+    """Whether ``node`` is a graph input seen through views and dtype conversions only (a mask the op can check at
+    run time)."""
+    while True:
+        if node.op == "placeholder":
+            return True
+        if not ((node.op == "call_method" and node.target in _VIEW_METHODS)
+                or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS)):
+            return False
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            return False
+        node = node.args[0]
+
+
+def proof_holds_at(match: MaskMatch, site: fx.Node) -> bool:
+    """Whether a proof made for an earlier site holds at ``site``: no mutation of the mask's tensors in between."""
+    roots = {_root(n) for n in match.nodes}
+    seen = False
+    for node in site.graph.nodes:
+        if node is site:
+            return True
+        if node in match.nodes:
+            seen = True
+        elif seen and _is_mutation(node) and isinstance(node.args[0], fx.Node) and _root(node.args[0]) in roots:
+            return False
+    return True
+
+
 def removable_nodes(gm: fx.GraphModule, candidates: set) -> list:
     """Nodes of ``candidates`` (mask slices whose masks are no longer used) that nothing else needs, in reverse
     graph order, ready to erase. A mutation goes with the tensor it mutates; the bracketing global-state calls
@@ -1001,14 +1031,14 @@ def undo_repeat_kv(node: Any) -> Optional[tuple]:
     while node.op == "call_method" and node.target == "contiguous":
         node = node.args[0]
         chain.append(node)
-    out = _example(node)
+    out = example_value(node)
     if not isinstance(out, torch.Tensor) or out.dim() != 4:
         return None
     if _is_call(node, "repeat_interleave"):
         source = node.args[0]
         repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
-        x = _example(source)
+        x = example_value(source)
         if (isinstance(source, fx.Node) and isinstance(repeats, int) and dim in (1, -3)
                 and isinstance(x, torch.Tensor) and x.dim() == 4):
             return source, repeats, tuple(chain)
@@ -1018,7 +1048,7 @@ def undo_repeat_kv(node: Any) -> Optional[tuple]:
     expanded = node.args[0]
     if not (isinstance(expanded, fx.Node) and _is_call(expanded, "expand")):
         return None
-    five = _example(expanded)
+    five = example_value(expanded)
     if not isinstance(five, torch.Tensor) or five.dim() != 5:
         return None
     inserted = expanded.args[0]
@@ -1027,7 +1057,7 @@ def undo_repeat_kv(node: Any) -> Optional[tuple]:
     source = _new_axis_source(inserted)
     if source is None:
         return None
-    x = _example(source)
+    x = example_value(source)
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         return None
     b, h, n, d = x.shape

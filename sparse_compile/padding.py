@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["RowGroup", "PaddingLayout", "padding_layout", "check_query_positions", "forward_scope", "per_forward",
-           "owned_mask"]
+           "owned_mask", "read_once"]
 
 
 @dataclass(frozen=True)
@@ -104,12 +104,14 @@ def owned_mask(mask: Tensor) -> Tensor:
     return mask
 
 
-def _cached(tensor: Tensor, tag: tuple, compute):
+def read_once(tensor: Tensor, tag: tuple, compute: Callable, *args):
+    """``compute(*args)``, a summary of ``tensor``'s values (``tag`` names which), read once per ``forward_scope``
+    (or per ``owned_mask``) and recomputed outside one (module docstring)."""
     cache = _SCOPE.get()
     if cache is None:
         owned = _OWNED.get(id(tensor))
         if owned is None or owned[0]() is not tensor:
-            return compute()  # outside a compiled graph's call: nothing vouches for an earlier read
+            return compute(*args)  # outside a compiled graph's call: nothing vouches for an earlier read
         cache = owned[1]
     key = (id(tensor), tag)
     entry = cache.get(key)
@@ -117,7 +119,7 @@ def _cached(tensor: Tensor, tag: tuple, compute):
     # in-place change or a swapped storage
     if entry is not None and entry[0] is tensor and entry[1] == (tensor._version, tensor.data_ptr()):
         return entry[2]
-    value = compute()
+    value = compute(*args)
     cache[key] = (tensor, (tensor._version, tensor.data_ptr()), value)
     return value
 
@@ -127,7 +129,7 @@ def padding_layout(key_padding: Tensor, num_keys: int) -> PaddingLayout:
     ``forward_scope`` (module docstring)."""
     if key_padding.dim() != 2 or key_padding.shape[1] != num_keys:
         raise ValueError(f"key padding mask: expected shape (batch, {num_keys}), got {tuple(key_padding.shape)}")
-    return _cached(key_padding, ("layout", tuple(key_padding.shape)), lambda: _layout(key_padding))
+    return read_once(key_padding, ("layout", tuple(key_padding.shape)), _layout, key_padding)
 
 
 def _layout(key_padding: Tensor) -> PaddingLayout:
@@ -163,7 +165,7 @@ def check_query_positions(positions: Tensor, num_queries: int, num_keys: int) ->
         expected = torch.arange(num_keys - num_queries, num_keys, device=positions.device)
         return bool(positions.numel() == num_queries and (positions.reshape(-1) == expected).all())
 
-    if not _cached(positions, ("positions", num_queries, num_keys), compute):
+    if not read_once(positions, ("positions", num_queries, num_keys), compute):
         raise RuntimeError(
             f"sparse_compile: the query positions (cache_position) passed to a rewritten attention are not "
             f"arange({num_keys - num_queries}, {num_keys}); the rewrite proved the traced mask only for those "

@@ -15,8 +15,7 @@ method on whole sequences for its ``H/P`` heads, and exchanges back. Exact with 
 head's attention is computed whole, by one rank. Before any data moves the ranks exchange their shapes (a few
 integers), so that a mistake (unequal batches, a decode step on one rank) raises the same error everywhere
 rather than leaving ranks waiting in a collective; it also lets chunk lengths differ between ranks.
-``ops.ulysses_attention`` is the same for models that call attention themselves (it is built on the collectives
-here: this module imports nothing from ``ops``).
+``ulysses_attention`` is the same for models that call attention themselves.
 """
 
 from __future__ import annotations
@@ -31,8 +30,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["sequence_parallel", "register_dtensor_sharding", "is_dtensor", "active_sequence_group",
-           "run_sequence_parallel", "refuse_under_sequence_parallel"]
+from .config import SparseConfig
+from .padding import check_query_positions
+from .pipeline import attend_eager
+from .rules import SUPPORTED_DTYPES, validate_qkv
+from .site import SiteSpec
+
+__all__ = ["sequence_parallel", "ulysses_attention", "register_dtensor_sharding", "is_dtensor",
+           "active_sequence_group", "run_sequence_parallel", "refuse_under_sequence_parallel"]
 
 _SEQUENCE_GROUP: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar(
     "sparse_compile_sequence_parallel", default=None
@@ -224,31 +229,51 @@ def _gather_padding(key_padding: Optional[Tensor], like: Tensor, group, chunks: 
 
 
 def run_sequence_parallel(attention: Callable[..., Tensor], group, q: Tensor, k: Tensor, v: Tensor,
-                          key_padding: Optional[Tensor], query_positions: Optional[Tensor], *, from_mask: bool,
-                          **options) -> Tensor:
-    """The op's Ulysses path: ``attention(q, k, v, key_padding=..., query_positions=..., from_mask=..., **options)``
-    on whole sequences and this rank's share of the heads, between two all-to-alls (called from
-    ``ops.causal_attention``)."""
+                          scale: Optional[float], site, key_padding: Optional[Tensor],
+                          query_positions: Optional[Tensor]) -> Tensor:
+    """The op's Ulysses path: ``attention(q, k, v, scale, site, key_padding, None)`` on whole sequences and this
+    rank's share of the heads, between two all-to-alls (``site``: the op's ``SiteSpec``)."""
     problem = None
     if query_positions is not None:
         # the traced mask was proven for a prefill of the local chunk: hold the local positions to that
-        from .padding import check_query_positions
-
         try:
             check_query_positions(query_positions, q.shape[-2], k.shape[-2])
         except RuntimeError as exc:
             problem = str(exc)
     chunks = _agree("sequence_parallel", group, q, k, v, key_padding, problem)
     if chunks.world == 1:
-        return attention(q, k, v, key_padding=key_padding, query_positions=None, from_mask=from_mask, **options)
+        return attention(q, k, v, scale, site, key_padding, None)
     padding = None
     if chunks.any_padding:
         # the padding of the whole sequence (B, N): small next to Q/K/V; with q_len == kv_len the mask form of
-        # the op (from_mask=True) computes what is_causal does, so every rank takes it
-        padding, from_mask = _gather_padding(key_padding, q, group, chunks), True
+        # the op (queries last) computes what is_causal does, so every rank takes it
+        padding, site = _gather_padding(key_padding, q, group, chunks), site.replace(queries_last=True)
     q_heads, k_heads, v_heads = _sequence_to_heads((q, k, v), group, chunks)
-    out = attention(q_heads, k_heads, v_heads, key_padding=padding, query_positions=None, from_mask=from_mask,
-                    **options)
+    out = attention(q_heads, k_heads, v_heads, scale, site, padding, None)
+    return _heads_to_sequence(out, group, chunks, dist.get_rank(group))
+
+
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, scale: Optional[float] = None,
+                      config: Optional[SparseConfig] = None) -> Tensor:
+    """``sparse_attention`` over a sequence sharded across ``group`` (default: the whole world), for code that
+    calls attention itself.
+
+    q ``(B, Hq, n, D)``, k and v ``(B, Hkv, n, D)``: this rank's chunk of the sequence (chunks in rank order;
+    lengths may differ between ranks). Returns this rank's chunk of causal attention over the whole sequence,
+    ``(B, Hq, n, D)``. Hq and Hkv must be divisible by the group size. Inference only.
+    """
+    validate_qkv(q, k, v, who="ulysses_attention", dtypes=SUPPORTED_DTYPES + (torch.float64,))
+    if config is not None and not isinstance(config, SparseConfig):
+        raise TypeError(f"sparse_attention: config must be a SparseConfig, got {type(config).__name__}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise RuntimeError("ulysses_attention: inference only (the all-to-all has no backward); "
+                           "call it under torch.no_grad()")
+    group = _process_group(group, "ulysses_attention")
+    chunks = _agree("ulysses_attention", group, q, k, v)
+    if chunks.world == 1:
+        return attend_eager(q, k, v, scale, config)
+    q_heads, k_heads, v_heads = _sequence_to_heads((q, k, v), group, chunks)
+    out = attend_eager(q_heads, k_heads, v_heads, scale, config)
     return _heads_to_sequence(out, group, chunks, dist.get_rank(group))
 
 
@@ -268,23 +293,22 @@ def _head_shards(spec) -> int:
     return ways
 
 
-def _causal_attention_sharding(q, k, v, scale, enable_gqa, site, config, key_padding=None, query_positions=None,
-                               from_mask=False, binary_padding=False, heads_inner=True, runtime_mask=None):
+def _causal_attention_sharding(q, k, v, scale, spec, key_padding=None, query_positions=None, runtime_mask=None):
     """Acceptable (output, inputs) placements per mesh dim; DTensor picks the one that moves the least data."""
     from torch.distributed.tensor import Replicate, Shard
 
     ways = max(_head_shards(q), _head_shards(k), _head_shards(v))
     if ways:
         # sharded heads that do not divide would put split GQA groups on a rank: refuse, do not gather
+        site = SiteSpec.from_json(spec).site
         _check_whole_groups(q.shape[1], k.shape[1], ways, f"sparse_compile ({site}) on DTensors")
 
     def strategy(qkv, padding):
         mask = None
         if runtime_mask is not None:  # (batch or 1, heads or 1, q_len, kv_len): split with q where it has the dim
             mask = qkv if isinstance(qkv, Shard) and runtime_mask.shape[qkv.dim] > 1 else Replicate()
-        inputs = [qkv, qkv, qkv, None, None, None, None,
-                  padding if key_padding is not None else None,
-                  Replicate() if query_positions is not None else None, None, None, None, mask]
+        inputs = [qkv, qkv, qkv, None, None, padding if key_padding is not None else None,
+                  Replicate() if query_positions is not None else None, mask]
         return [qkv], inputs
 
     # replicated first: DTensor keeps the first of equally cheap strategies, so replicated inputs stay replicated
@@ -310,6 +334,6 @@ def register_dtensor_sharding() -> None:
             return
         from torch.distributed.tensor.experimental import register_sharding
 
-        # the op exists: ``import sparse_compile`` imports ``ops``, which registers it
+        # the op exists: ``import sparse_compile`` imports ``attention_op``, which registers it
         register_sharding(torch.ops.sparse_compile.causal_attention.default)(_causal_attention_sharding)
         _REGISTERED = True

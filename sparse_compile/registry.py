@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 __all__ = ["Method", "DensityKnob", "register_method", "method_spec", "registered_methods", "reorder_stage_names",
-           "valid_pairs", "check_stage_pair", "NO_REORDER"]
+           "valid_pairs", "check_stage_pair", "reserve_names", "NO_REORDER"]
 
 #: the reorder stage of methods that keep keys and queries in order
 NO_REORDER = "none"
@@ -40,6 +40,10 @@ class DensityKnob:
     low: float = 0.0
     high: float = 1.0
     higher_keeps_more: bool = True
+
+
+def _planned_ahead(params: Any) -> bool:
+    return False
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,9 @@ class Method:
     select_after  reorder stages (besides its own) that its selector accepts, e.g. ``("none", "pbs")``.
     density       the knob that sets its density (benchmarks calibrate it).
     keep_all      the parameter values that keep every causal block: with them the method is exact.
+    decided_at_run_time   ``fn(params) -> bool``: True when, with these parameters, its plans decide at run time
+                  which tiles they visit (S2O's early stop), so that only running a plan tells its cost (the
+                  break-even history then runs the plans it keeps).
     """
 
     name: str
@@ -70,6 +77,7 @@ class Method:
     execute: Optional[Callable] = None
     select_after: tuple[str, ...] = (NO_REORDER,)
     description: str = ""
+    decided_at_run_time: Callable[[Any], bool] = _planned_ahead
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier() or self.name == NO_REORDER:
@@ -85,8 +93,12 @@ class Method:
 
 
 _METHODS: dict[str, Method] = {}
-_RESERVED = {"method", "reorder", "select", "enabled", "min_seq_len", "skip_layers", "kernel", "planner",
-             "record_density", "dense_when_faster", "site_params", "params"}
+_RESERVED: set[str] = set()  # SparseConfig's own field names (``reserve_names``, called by config.py)
+
+
+def reserve_names(names) -> None:
+    """Names no method may take: they are keywords of ``SparseConfig`` already (its fields)."""
+    _RESERVED.update(names)
 
 
 def register_method(method: Method) -> Method:

@@ -118,9 +118,8 @@ def density_from_visits(visited: torch.Tensor, plan, num_queries: int, num_keys:
     than dense does for a block (PBS's permuted diagonal segment is a full square of tiles, S2O's key lists are
     tile-padded per segment) reads as 1 there, not above. What a plan costs against dense attention, which can
     exceed 1, is ``plan.density`` (tiles listed over causal tiles)."""
-    from .plan import causal_tile_count
-
-    total = causal_tile_count(num_queries, num_keys, plan.block_m, plan.block_n)
+    blocks = -(-num_queries // plan.block_m)
+    total = int(causal_tiles_per_block(blocks, num_queries, num_keys, plan.block_m, plan.block_n).sum())
     causal = causal_tiles_per_block(visited.shape[-1], num_queries, num_keys, plan.block_m, plan.block_n)
     kept = torch.minimum(visited.to(torch.float64), causal.to(visited.device, torch.float64))
     per_head = kept.sum(dim=2).mean(dim=0) / max(total, 1)

@@ -1,7 +1,8 @@
 """The rewrite pass: every eligible ``scaled_dot_product_attention`` call becomes ``sparse_compile::causal_attention``.
 
 Eligibility is ``rules.REWRITE_RULES``: small named rules, each with the reason it gives when it fails. A site
-that fails any rule is left exactly as it was, and its ``SiteRecord`` says why. The rewritten op still decides per call between dense and sparse (see ``ops.py``).
+that fails any rule is left exactly as it was, and its ``SiteRecord`` says why. The rewritten op still decides per call
+between dense and sparse (``pipeline.py``).
 
 A site is causal either by ``is_causal=True`` or by an ``attn_mask`` built inside the graph that ``masks.py``
 proves to be the causal mask, or the causal mask AND a key-padding mask read from one ``(batch, kv_len)`` input
@@ -25,10 +26,13 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .attention_op import OP, output_layout
 from .config import SparseConfig
-from .masks import MaskMatch, NotProven, analyse_mask, removable_nodes, undo_repeat_kv
+from .masks import (MaskMatch, NotProven, analyse_mask, example_value, is_input_view, proof_holds_at, removable_nodes,
+                    undo_repeat_kv)
 from .report import SiteRecord
 from .rules import REWRITE_RULES, first_failure, layer_index
+from .site import SiteSpec
 
 __all__ = ["rewrite_graph", "module_path", "find_sdpa_calls", "SdpaCall"]
 
@@ -69,10 +73,7 @@ class SdpaCall:
 
     def value(self, name: str):
         """The example (fake) tensor behind an argument, or the constant itself."""
-        arg = self.args[name]
-        if isinstance(arg, fx.Node):
-            return arg.meta.get("example_value", arg.meta.get("val"))
-        return arg
+        return example_value(self.args[name])
 
     @property
     def runtime_mask(self) -> Optional[fx.Node]:
@@ -86,7 +87,7 @@ class SdpaCall:
         if not (isinstance(example, torch.Tensor) and example.dim() == 4
                 and (example.dtype == torch.bool or example.dtype.is_floating_point)):
             return None
-        return arg if _input_derived(arg) else None
+        return arg if is_input_view(arg) else None
 
     @property
     def q(self):
@@ -101,45 +102,14 @@ class SdpaCall:
         return self.value("value")
 
 
-def _input_derived(node: fx.Node) -> bool:
-    """Whether ``node`` is a graph input seen through views and dtype conversions only."""
-    from .masks import _VIEW_FUNCTIONS, _VIEW_METHODS
-
-    while True:
-        if node.op == "placeholder":
-            return True
-        if not ((node.op == "call_method" and node.target in _VIEW_METHODS)
-                or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS)):
-            return False
-        if not node.args or not isinstance(node.args[0], fx.Node):
-            return False
-        node = node.args[0]
-
-
 def _analyse_cached(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q, k):
     cache = gm.meta.setdefault("sparse_compile_masks", {})
     key = (mask, str(q.shape[-2]), str(k.shape[-2]))
     result = cache.get(key)
-    if result is None or (isinstance(result, MaskMatch) and not _same_slice(result, site)):
+    if result is None or (isinstance(result, MaskMatch) and not proof_holds_at(result, site)):
         result = analyse_mask(gm, site, mask, q, k)
         cache[key] = result
     return result
-
-
-def _same_slice(match: MaskMatch, site: fx.Node) -> bool:
-    # a cached proof holds for a later site when no mutation of the mask's tensors runs in between
-    from .masks import _is_mutation, _root
-
-    roots = {_root(n) for n in match.nodes}
-    seen = False
-    for node in site.graph.nodes:
-        if node is site:
-            return True
-        if node in match.nodes:
-            seen = True
-        elif seen and _is_mutation(node) and isinstance(node.args[0], fx.Node) and _root(node.args[0]) in roots:
-            return False
-    return True
 
 
 def module_path(node: fx.Node) -> str:
@@ -190,18 +160,14 @@ def _native_kv(call: SdpaCall) -> tuple[Any, Any, bool, tuple]:
 
 
 def _heads_inner(call: SdpaCall) -> bool:
-    """The replaced call's output layout (``ops.output_layout``); heads-inner when the graph has no example."""
-    from .ops import output_layout
-
-    example = call.node.meta.get("example_value", call.node.meta.get("val"))
+    """The replaced call's output layout (``attention_op.output_layout``); heads-inner when the graph has no
+    example."""
+    example = example_value(call.node)
     return output_layout(example) if isinstance(example, torch.Tensor) else True
 
 
 def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
     """Rewrite eligible SDPA calls in place; returns one record per call site."""
-    from .ops import config_to_json  # importing ops registers torch.ops.sparse_compile.causal_attention
-
-    config_json = config_to_json(config)
     records = []
     dropped: set = set()  # mask slices and repeat_kv chains the rewritten sites no longer read
     for call in find_sdpa_calls(gm, config):
@@ -223,18 +189,18 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
         key, value, gqa, repeat_chain = _native_kv(call)
         if repeat_chain:
             dropped |= set(repeat_chain)
-            record["k_shape"] = _shape(key.meta.get("example_value", key.meta.get("val")))
+            record["k_shape"] = _shape(example_value(key))
         padding = positions = None
         checked = call.runtime_mask if isinstance(mask, NotProven) else None
         if isinstance(mask, MaskMatch):
             padding, positions = mask.key_padding, mask.query_positions
             dropped |= set(mask.nodes)
+        spec = SiteSpec(call.site, config, enable_gqa=gqa, queries_last=mask is not None,
+                        binary_padding=isinstance(mask, MaskMatch) and mask.binary_padding,
+                        heads_inner=_heads_inner(call))
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(
-                torch.ops.sparse_compile.causal_attention.default,
-                (call.args["query"], key, value, call.args["scale"], gqa, call.site, config_json, padding, positions,
-                 mask is not None, isinstance(mask, MaskMatch) and mask.binary_padding,
-                 _heads_inner(call), checked),
+                OP, (call.args["query"], key, value, call.args["scale"], spec.to_json(), padding, positions, checked),
             )
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)

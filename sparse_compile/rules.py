@@ -25,7 +25,8 @@ from torch.autograd import forward_ad
 from .kernels.validate import MAX_HEAD_DIM, SUPPORTED_DTYPES, validate_qkv
 
 __all__ = ["Rule", "first_failure", "REWRITE_RULES", "RUNTIME_RULES", "CallInfo", "validate_qkv",
-           "SUPPORTED_DTYPES", "MIN_HEAD_DIM", "MAX_HEAD_DIM", "head_dim_supported", "layer_index", "excluded", "path_matches", "scale_problem"]
+           "SUPPORTED_DTYPES", "MIN_HEAD_DIM", "MAX_HEAD_DIM", "head_dim_supported", "layer_index", "excluded", "path_matches", "scale_problem",
+           "forward_ad_active", "forward_transform"]
 
 Subject = TypeVar("Subject")
 
@@ -99,12 +100,20 @@ def scale_problem(scale: Any) -> Optional[str]:
     return None
 
 
-def _forward_transform(q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
-    """Why the call is under forward-mode AD or a functorch transform (the sparse path has no forward derivative
-    and no batching rule; dense attention has both), or None. Cheap when no such transform is active."""
+def forward_ad_active() -> bool:
+    """A forward-mode AD level is open (``forward_ad.dual_level``). Cheap: read on every call."""
+    return forward_ad._current_level >= 0
+
+
+def forward_transform(*tensors: Tensor) -> Optional[str]:
+    """Why attention here must keep its forward derivative or batching rule (the sparse path has neither, dense
+    attention has both), or None: a ``torch.func`` transform is active, or forward-mode AD is (given tensors: one
+    of them carries a tangent). Cheap when no such transform is active."""
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return "inside a torch.func transform (vmap, jvp, grad): dense attention supports it, the sparse path not"
-    if forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(t).tangent is not None for t in (q, k, v)):
+    if forward_ad_active() and (not tensors or any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)):
+        if not tensors:
+            return "forward-mode AD is active: the sparse path has no forward derivative, dense attention has"
         return "inputs carry forward-mode AD tangents: the sparse path has no forward derivative, dense attention has"
     return None
 
@@ -200,8 +209,8 @@ RUNTIME_RULES: tuple[Rule, ...] = (
     Rule("real_tensors", lambda c: c.q.device.type != "meta", lambda c: "meta tensors: shapes only"),
     Rule("not_empty", lambda c: c.q.numel() > 0 and c.k.numel() > 0,
          lambda c: f"empty input (q {tuple(c.q.shape)}, k {tuple(c.k.shape)}): nothing to select"),
-    Rule("no_forward_transform", lambda c: _forward_transform(c.q, c.k, c.v) is None,
-         lambda c: _forward_transform(c.q, c.k, c.v) or ""),
+    Rule("no_forward_transform", lambda c: forward_transform(c.q, c.k, c.v) is None,
+         lambda c: forward_transform(c.q, c.k, c.v) or ""),
     Rule("scale", lambda c: scale_problem(c.scale) is None, lambda c: scale_problem(c.scale) or ""),
     Rule("not_decode", lambda c: c.q.shape[-2] > 1, lambda c: "decode step (q_len == 1)"),
     Rule("self_attention_lengths",

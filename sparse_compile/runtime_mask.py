@@ -3,7 +3,7 @@
 A mask built outside the compiled graph (transformers' static cache builds it outside the compiled forward) or
 before a graph break (dynamic rope scaling, MoE routing on older transformers) arrives as an input: the graph says
 nothing about its values, so ``masks.py`` cannot prove it. The op then checks the values themselves, on their
-device, once per mask tensor and forward pass (``padding._cached``: every layer of the pass receives the same
+device, once per mask tensor and forward pass (``padding.read_once``: every layer of the pass receives the same
 tensor), against the one form the sparse path computes::
 
     allowed[b, h, i, j] == key_valid[b, j] AND j <= i + offset        for one integer offset >= 0
@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .padding import _cached
+from .padding import read_once
 
 __all__ = ["MaskVerdict", "check_runtime_mask", "CHECK_ELEMENTS", "CHECKED", "NOT_CAUSAL"]
 
@@ -56,7 +56,7 @@ def check_runtime_mask(mask: Tensor, batch: int, heads: int, num_queries: int, n
     anchor = mask._base if mask._base is not None else mask
     tag = ("runtime_mask", batch, heads, num_queries, num_keys, mask.dtype, mask.storage_offset(),
            tuple(mask.shape), tuple(mask.stride()))
-    return _cached(anchor, tag, lambda: _check(mask, batch, num_queries, num_keys))
+    return read_once(anchor, tag, _check, mask, batch, num_queries, num_keys)
 
 
 def _shape_problem(mask: Tensor, batch: int, heads: int, num_queries: int, num_keys: int) -> Optional[str]:

@@ -4,8 +4,12 @@
     model.set_attn_implementation("sparse_prefill")           # or switch a loaded model
     sparse_compile.enable_transformers_attention(model, SparseConfig(method="pbs"))   # and give it a configuration
 
-``import sparse_compile`` registers two functions under that name with transformers' own extension points, once
-transformers' modules are loaded (an import hook: importing ``sparse_compile`` never imports transformers):
+``register()`` adds two functions under that name through transformers' public registration functions
+(``AttentionInterface.register``, ``AttentionMaskInterface.register``). It runs at ``import sparse_compile`` when
+transformers is already imported, at ``enable_transformers_attention()`` (which imports transformers) and when the
+backend compiles a graph; importing ``sparse_compile`` never imports transformers, and nothing watches imports:
+import transformers first, or call ``enable_transformers_attention()``, before
+``from_pretrained(..., attn_implementation="sparse_prefill")``.
 
 * a mask function (``AttentionMaskInterface``). For the plain causal mask, and for a sliding window that does not
   bind at this length, it builds no ``q_len x kv_len`` mask: it returns ``None`` (a causal prefill, no padding) or
@@ -13,7 +17,7 @@ transformers' modules are loaded (an import hook: importing ``sparse_compile`` n
   Every other pattern (a window that binds, chunked or bidirectional attention, packed sequences, image-token
   overlays) gets transformers' own 4-D SDPA mask and a note saying why it runs dense.
 * an attention function (``AttentionInterface``). Causal calls go through the same run-time decision as the
-  compiled op (``ops.dispatch`` / ``ops.padded_dispatch``): the same rules, ``min_seq_len``, break-even, padded
+  compiled op (``pipeline.attend`` / ``pipeline.attend_causal``): the same rules, ``min_seq_len``, break-even, padded
   batches, ``sparsity(...)`` regions and ``runtime_stats()`` records; decode steps run dense. Calls it cannot prove
   causal, or that need what the sparse path lacks (dropout, soft-capping, attention sinks, a position bias), run
   transformers' SDPA function (the model's eager function where SDPA cannot serve them) and are recorded dense,
@@ -26,10 +30,9 @@ eagerly (a graph break per call); a compiled model runs sparse through ``backend
 
 from __future__ import annotations
 
-import importlib.abc
+import functools
 import re
 import sys
-import threading
 import types
 import weakref
 from dataclasses import dataclass
@@ -42,16 +45,16 @@ from torch import Tensor
 from . import report
 from .config import SparseConfig
 from .context import resolve
-from .dense import dense_causal_attention
-from .ops import DENSE, dispatch, in_output_layout, padded_dispatch
+from .attention_op import in_output_layout
+from .dense import DenseForm
 from .padding import owned_mask, padding_layout
+from .pipeline import DENSE, attend, attend_causal
 
-__all__ = ["NAME", "MIN_TRANSFORMERS", "enable_transformers_attention", "attention_forward", "mask_forward",
-           "install_import_hook"]
+__all__ = ["NAME", "MIN_TRANSFORMERS", "register", "enable_transformers_attention", "attention_forward",
+           "mask_forward"]
 
 NAME = "sparse_prefill"
 MIN_TRANSFORMERS = (4, 53)  # AttentionInterface came in 4.51, AttentionMaskInterface (masking_utils) in 4.53
-_ATTENTION_MODULE = "transformers.modeling_utils"
 _MASK_MODULE = "transformers.masking_utils"
 
 
@@ -75,95 +78,26 @@ def _supported(version: Optional[str]) -> bool:
     return version is not None and _version_tuple(version) >= MIN_TRANSFORMERS
 
 
-_ENTRIES: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _entry(function):
     """``function`` as registered: under torch.compile it runs eagerly (a graph break), so its run-time decisions
-    and the notes on mask tensors see real tensors. transformers has imported Dynamo by then: no import cost."""
-    entry = _ENTRIES.get(function)
-    if entry is None:
-        entry = _ENTRIES[function] = torch.compiler.disable(function)
-    return entry
+    and the notes on mask tensors see real tensors. transformers has imported Dynamo by then: no import cost. One
+    object per function, so registering again changes nothing."""
+    return torch.compiler.disable(function)
 
 
-def _register_loaded() -> None:
-    """Register with whichever of transformers' two interfaces is loaded (on a version that has both)."""
+def register() -> bool:
+    """Register ``"sparse_prefill"`` through transformers' public registration functions
+    (``AttentionInterface.register``, ``AttentionMaskInterface.register``) when transformers is imported and recent
+    enough; True if it did. Does nothing unless transformers is imported; registering again is harmless."""
     if not _supported(_installed_version()):
-        return
-    attention = sys.modules.get(_ATTENTION_MODULE)
-    interface = getattr(attention, "AttentionInterface", None)
-    if interface is not None and interface._global_mapping.get(NAME) is not _entry(attention_forward):
-        interface.register(NAME, _entry(attention_forward))
-    masking = sys.modules.get(_MASK_MODULE)
-    mask_interface = getattr(masking, "AttentionMaskInterface", None)
-    if mask_interface is not None and mask_interface._global_mapping.get(NAME) is not _entry(mask_forward):
-        mask_interface.register(NAME, _entry(mask_forward))
+        return False
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
 
-
-class _RegisteringLoader(importlib.abc.Loader):
-    """The real loader of one of transformers' two modules, then the registration (never failing the import)."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        try:
-            _register_loaded()
-        except Exception:  # a transformers layout this module does not know: nothing registered, nothing broken
-            pass
-        _HOOK.done(module.__name__, stop=not _supported(_installed_version()))
-
-    def __getattr__(self, name):  # get_source, get_filename, ...: the real loader's
-        return getattr(self._loader, name)
-
-
-class _ImportHook(importlib.abc.MetaPathFinder):
-    """Registers when ``transformers.modeling_utils`` / ``transformers.masking_utils`` finish loading, so neither
-    the import order nor a late ``import transformers`` matters; removes itself once both have loaded."""
-
-    def __init__(self):
-        self._waiting = {_ATTENTION_MODULE, _MASK_MODULE}
-        self._lock = threading.Lock()
-
-    def find_spec(self, name, path, target=None):
-        if name not in self._waiting:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _RegisteringLoader(spec.loader)
-                return spec
-        return None
-
-    def done(self, name: str, stop: bool = False) -> None:
-        with self._lock:
-            self._waiting.discard(name)
-            if stop:  # a transformers too old for the interface: nothing will be registered
-                self._waiting.clear()
-            if not self._waiting and self in sys.meta_path:
-                sys.meta_path.remove(self)
-
-
-_HOOK = _ImportHook()
-
-
-def install_import_hook() -> None:
-    """Called by ``import sparse_compile``: register now what transformers has loaded, and the rest when it loads.
-    Costs one string comparison per later import; imports nothing."""
-    for name in (_ATTENTION_MODULE, _MASK_MODULE):
-        if name in sys.modules:
-            _HOOK.done(name, stop=not _supported(_installed_version()))
-    _register_loaded()
-    if _HOOK._waiting and _HOOK not in sys.meta_path:
-        sys.meta_path.insert(0, _HOOK)
+    AttentionInterface.register(NAME, _entry(attention_forward))
+    AttentionMaskInterface.register(NAME, _entry(mask_forward))
+    return True
 
 
 def _require_transformers():
@@ -178,9 +112,7 @@ def _require_transformers():
             f"AttentionInterface and AttentionMaskInterface); transformers {transformers.__version__} is installed. "
             f"Upgrade transformers, or use torch.compile(model, backend={NAME!r}), which supports this version."
         )
-    import transformers.masking_utils  # noqa: F401  (loading them registers)
-    import transformers.modeling_utils  # noqa: F401
-    _register_loaded()
+    register()
     return transformers
 
 
@@ -191,8 +123,9 @@ _SITES: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDicti
 
 
 def enable_transformers_attention(model=None, config: Optional[SparseConfig] = None):
-    """Register ``"sparse_prefill"`` with transformers (``import sparse_compile`` already does, where transformers
-    is recent enough) and, given a model, switch it (and its sub-models) to it.
+    """Register ``"sparse_prefill"`` with transformers (``register``: after this call,
+    ``from_pretrained(..., attn_implementation="sparse_prefill")`` works) and, given a model, switch it (and its
+    sub-models) to it.
 
     ``config``: the ``SparseConfig`` its attention runs with (with a model: that model's; without: the default of
     every model that has none). ``sparsity(...)`` blocks apply on top, as for compiled models. Returns the model.
@@ -489,13 +422,8 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     k, v = (key, value) if keys == kv_len else (key[:, :, :keys], value[:, :, :keys])
     gqa = query.shape[1] != k.shape[1]
     if padding is not None and q_len == 1:  # decode: one query sees every valid key; a (B, 1, 1, N) mask
-        out = dispatch(query, k, v, scaling, config, site, lambda: F.scaled_dot_product_attention(
-            query, k, v, attn_mask=padding[:, None, None, :], scale=scaling, enable_gqa=gqa))
+        out = attend(query, k, v, scaling, config, site, DenseForm(enable_gqa=gqa, mask=padding[:, None, None, :]))
     else:
-        layout = None if padding is None else padding_layout(padding, keys)
-        if layout is None or layout.all_valid:
-            out = dispatch(query, k, v, scaling, config, site,
-                           lambda: dense_causal_attention(query, k, v, scale=scaling), chunked_allowed=True)
-        else:
-            out = padded_dispatch(query, k, v, scaling, config, site, layout)
+        out = attend_causal(query, k, v, scaling, config, site,
+                            None if padding is None else padding_layout(padding, keys))
     return in_output_layout(out).transpose(1, 2), None

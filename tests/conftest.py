@@ -61,6 +61,18 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+@pytest.fixture(autouse=True)
+def _fresh_run_time_state():
+    """Every test starts from the same run-time state, whatever ran before it in this worker: no run-time records
+    and no break-even density history (both process-wide)."""
+    import sparse_compile
+    from sparse_compile import breakeven
+
+    sparse_compile.reset_runtime_stats()
+    breakeven.HISTORY.clear()
+    yield
+
+
 @pytest.fixture
 def fresh_compile_state():
     """No compiled code and no run-time statistics carried between tests (Dynamo's caches are process-wide)."""

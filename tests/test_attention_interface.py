@@ -23,6 +23,8 @@ transformers = pytest.importorskip("transformers")
 SUPPORTED = front._supported(transformers.__version__)
 needs_interface = pytest.mark.skipif(
     not SUPPORTED, reason=f"transformers {transformers.__version__} has no AttentionMaskInterface (needs >= 4.53)")
+if SUPPORTED:  # as users do before from_pretrained(..., attn_implementation="sparse_prefill"): registered here
+    sparse_compile.enable_transformers_attention()
 
 SMALL = dict(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32},
              s2o={"segment_size": 32, "block_size_q": 16, "block_size_kv": 16})
@@ -325,31 +327,49 @@ def test_attention_function_called_directly_gqa_layout_and_layer_site():
     assert calls("sparse") == {"layers.3": 1}
 
 
-def test_import_does_not_import_transformers_and_registers_when_it_loads():
-    code = ("import sys, sparse_compile; assert 'transformers' not in sys.modules; "
-            "import transformers.modeling_utils; from transformers import AutoModelForCausalLM; "
-            "from sparse_compile import transformers_attention as f; ok = f._supported(transformers.__version__); "
-            "ok and __import__('transformers.masking_utils'); "
-            "u, m = sys.modules['transformers.modeling_utils'], sys.modules.get('transformers.masking_utils'); "
-            "got = (f.NAME in getattr(getattr(u, 'AttentionInterface', None), '_global_mapping', {}), "
-            "f.NAME in getattr(getattr(m, 'AttentionMaskInterface', None), '_global_mapping', {})); "
-            "assert got == (ok, ok), got; assert f._HOOK not in sys.meta_path")
+_REGISTERED = ("u, m = sys.modules.get('transformers.modeling_utils'), sys.modules.get('transformers.masking_utils'); "
+               "got = (f.NAME in getattr(getattr(u, 'AttentionInterface', None), '_global_mapping', {}), "
+               "f.NAME in getattr(getattr(m, 'AttentionMaskInterface', None), '_global_mapping', {})); ")
+
+
+def _run(code: str) -> None:
     root = str(Path(sparse_compile.__file__).resolve().parent.parent)  # this checkout's package, not another
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def test_import_neither_imports_transformers_nor_watches_imports():
+    """``import sparse_compile`` before transformers registers nothing and installs no import hook;
+    ``enable_transformers_attention()`` registers through transformers' public ``register`` functions."""
+    _run("import sys; finders = list(sys.meta_path); import sparse_compile; "
+         "assert 'transformers' not in sys.modules and sys.meta_path == finders; "
+         "import transformers.modeling_utils; from transformers import AutoModelForCausalLM; "
+         "from sparse_compile import transformers_attention as f; ok = f._supported(transformers.__version__); "
+         + _REGISTERED + "assert got == (False, False), got; "
+         "ok and sparse_compile.enable_transformers_attention(); " + _REGISTERED + "assert got == (ok, ok), got")
+
+
+def test_import_registers_when_transformers_is_already_imported():
+    _run("import sys, transformers; import sparse_compile; from sparse_compile import transformers_attention as f; "
+         "ok = f._supported(transformers.__version__); " + _REGISTERED + "assert got == (ok, ok), got")
+
+
 @needs_interface
-def test_registers_at_import_when_transformers_is_already_loaded(monkeypatch):
+def test_register_uses_transformers_public_registration(monkeypatch):
     import transformers.masking_utils as masking
     import transformers.modeling_utils as modeling
 
     monkeypatch.delitem(modeling.AttentionInterface._global_mapping, front.NAME)
     monkeypatch.delitem(masking.AttentionMaskInterface._global_mapping, front.NAME)
     assert _registered() == (False, False)
-    front.install_import_hook()
-    assert _registered() == (True, True) and front._HOOK not in sys.meta_path
+    seen = []
+    for interface in (modeling.AttentionInterface, masking.AttentionMaskInterface):
+        real = interface.register.__func__
+        monkeypatch.setattr(interface, "register",
+                            classmethod(lambda cls, key, value, real=real: seen.append(key) or real(cls, key, value)))
+    assert front.register()
+    assert _registered() == (True, True) and seen == [front.NAME, front.NAME]
 
 
 def test_older_transformers_get_a_clear_error(monkeypatch):

@@ -13,9 +13,8 @@ import torch.nn.functional as F
 import sparse_compile
 from sparse_compile import SparseConfig, sparsity
 from sparse_compile.context import current_region, resolve
-from sparse_compile.ops import config_from_json, config_to_json
 
-from helpers import random_qkv
+from helpers import op_spec, random_qkv
 from models import ModelArgs, Transformer
 
 
@@ -90,24 +89,25 @@ def test_one_graph_serves_many_lengths_without_recompiling():
 @pytest.mark.parametrize("min_seq_len", [10**6, 2])
 def test_opcheck(min_seq_len):
     q, k, v = random_qkv(2, 4, 2, 40, 40, 16)
-    config = config_to_json(SparseConfig(min_seq_len=min_seq_len, pbs={"block_size": 16, "segment_size": 32}))
-    torch.library.opcheck(torch.ops.sparse_compile.causal_attention.default, (q, k, v, None, True, "t", config))
+    config = SparseConfig(min_seq_len=min_seq_len, pbs={"block_size": 16, "segment_size": 32})
+    torch.library.opcheck(torch.ops.sparse_compile.causal_attention.default,
+                          (q, k, v, None, op_spec("t", config, enable_gqa=True)))
 
 
 def test_op_decode_step_runs_dense():
     q, k, v = random_qkv(1, 4, 2, 1, 1, 16)
-    config = config_to_json(SparseConfig(min_seq_len=1 + 1))
-    out = torch.ops.sparse_compile.causal_attention(q, k, v, None, True, "decode", config)
+    spec = op_spec("decode", SparseConfig(min_seq_len=1 + 1), enable_gqa=True)
+    out = torch.ops.sparse_compile.causal_attention(q, k, v, None, spec)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     assert sparse_compile.runtime_stats()["decode"].last_reason == "decode step (q_len == 1)"
 
 
 def test_config_json_round_trip():
     config = SparseConfig(method="bfla", skip_layers=(0, "mlp"), bfla={"mass_threshold": 0.9})
-    text = config_to_json(config)
+    text = config.to_json()
     assert json.loads(text)["bfla"] == {"mass_threshold": 0.9}
-    assert config_from_json(text) == config
-    assert config_to_json(SparseConfig()) == "{}"
+    assert SparseConfig.from_json(text) == config
+    assert SparseConfig().to_json() == "{}"
 
 
 # -- entry point -----------------------------------------------------------------------------------------------
@@ -154,9 +154,9 @@ def test_config_validation_names_the_problem():
 
 def test_keep_all_settings():
     config = SparseConfig().keep_all()
-    assert config.pbs.threshold == 1.0 and config.bfla.mass_threshold == 1.0
-    assert config.sparge.cdf_threshold == 1.0 and config.sparge.pv_threshold is None
-    assert config.s2o.early_stop == 0.0
+    assert config.params_of("pbs").threshold == 1.0 and config.params_of("bfla").mass_threshold == 1.0
+    assert config.params_of("sparge").cdf_threshold == 1.0 and config.params_of("sparge").pv_threshold is None
+    assert config.params_of("s2o").early_stop == 0.0
 
 
 # -- regions ----------------------------------------------------------------------------------------------------
@@ -168,15 +168,16 @@ def test_sparsity_nests_and_restores_exactly():
         with sparsity(method="bfla", mass_threshold=0.5, min_seq_len=64):
             cfg = resolve(base)
             # what a region leaves unspecified is inherited: still disabled
-            assert not cfg.enabled and cfg.method == "bfla" and cfg.bfla.mass_threshold == 0.5 and cfg.min_seq_len == 64
+            assert not cfg.enabled and cfg.method == "bfla" and cfg.params_of("bfla").mass_threshold == 0.5
+            assert cfg.min_seq_len == 64
             with sparsity(enabled=True):
-                assert resolve(base).enabled and resolve(base).bfla.mass_threshold == 0.5
+                assert resolve(base).enabled and resolve(base).params_of("bfla").mass_threshold == 0.5
             with sparsity(mass_threshold=0.7):
                 cfg = resolve(base)
-                assert cfg.method == "bfla" and cfg.bfla.mass_threshold == 0.7 and cfg.min_seq_len == 64
+                assert cfg.method == "bfla" and cfg.params_of("bfla").mass_threshold == 0.7 and cfg.min_seq_len == 64
             with sparsity(method="pbs", threshold=0.8):
                 cfg = resolve(base)
-                assert cfg.method == "pbs" and cfg.pbs.threshold == 0.8 and cfg.min_seq_len == 64
+                assert cfg.method == "pbs" and cfg.params_of("pbs").threshold == 0.8 and cfg.min_seq_len == 64
         assert resolve(base).enabled is False
     assert current_region() == outer_state
     assert resolve(base) == base
@@ -331,8 +332,8 @@ def test_op_with_key_padding_equals_masked_dense_on_valid_rows(method, nq, nk):
                           sparge={"block_size_q": 16, "block_size_kv": 16},
                           bfla={"coarse_block_size": 32, "group_size": 8, "tile_size_q": 16, "tile_size_kv": 16},
                           s2o={"segment_size": 32, "block_size_q": 16, "block_size_kv": 16}).keep_all()
-    out = torch.ops.sparse_compile.causal_attention(q, k, v, None, True, "p", config_to_json(config), valid.long(),
-                                                    None, True)
+    out = torch.ops.sparse_compile.causal_attention(q, k, v, None, op_spec("p", config, enable_gqa=True,
+                                                                           queries_last=True), valid.long())
     ref = _masked_reference(q, k, v, valid)
     rows = valid[:, nk - nq:]  # valid query rows
     assert torch.isfinite(out).all()
@@ -352,40 +353,42 @@ def test_padding_summary_read_once_per_mask_tensor(monkeypatch):
     monkeypatch.setattr(padding, "_layout", lambda m: reads.append(1) or real(m))
     q, k, v = random_qkv(2, 4, 2, 40, 40, 16)
     ones = torch.ones(2, 40, dtype=torch.long)
-    config = config_to_json(SparseConfig(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32}))
+    spec = op_spec("ones", SparseConfig(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32}), enable_gqa=True,
+                   queries_last=True)
     with padding.forward_scope():  # one call of a compiled graph (the backend opens it)
         for _ in range(3):  # three layers of one forward pass
-            out = torch.ops.sparse_compile.causal_attention(q, k, v, None, True, "ones", config, ones, None, True)
+            out = torch.ops.sparse_compile.causal_attention(q, k, v, None, spec, ones)
         assert len(reads) == 1
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
                                    rtol=1e-4, atol=1e-5)
         assert "padded" not in sparse_compile.runtime_stats()["ones"].last_reason  # all ones: the plain path
         ones[0, 0] = 0  # mutated in place: read again
-        torch.ops.sparse_compile.causal_attention(q, k, v, None, True, "ones", config, ones, None, True)
+        torch.ops.sparse_compile.causal_attention(q, k, v, None, spec, ones)
         assert len(reads) == 2
     # outside any compiled graph's call nothing vouches for an earlier read: every call reads
-    torch.ops.sparse_compile.causal_attention(q, k, v, None, True, "ones", config, ones, None, True)
+    torch.ops.sparse_compile.causal_attention(q, k, v, None, spec, ones)
     assert len(reads) == 3
 
 
 def test_op_holds_query_positions_to_the_proven_ones():
     q, k, v = random_qkv(1, 2, 2, 24, 24, 16)
-    config = config_to_json(SparseConfig(min_seq_len=2))
+    spec = op_spec("pos", SparseConfig(min_seq_len=2), queries_last=True)
     ok = torch.arange(24)
-    torch.ops.sparse_compile.causal_attention(q, k, v, None, False, "pos", config, None, ok, True)
+    torch.ops.sparse_compile.causal_attention(q, k, v, None, spec, None, ok)
     with pytest.raises(RuntimeError, match="cache_position.*arange\\(0, 24\\)"):
-        torch.ops.sparse_compile.causal_attention(q, k, v, None, False, "pos", config, None, ok + 3, True)
+        torch.ops.sparse_compile.causal_attention(q, k, v, None, spec, None, ok + 3)
 
 
 def test_op_refuses_non_binary_padding_where_only_0_1_was_proven():
     q, k, v = random_qkv(1, 2, 2, 24, 24, 16)
-    config = config_to_json(SparseConfig(min_seq_len=2))
+    config = SparseConfig(min_seq_len=2)
+    binary = op_spec("bin", config, queries_last=True, binary_padding=True)
     mask = torch.ones(1, 24, dtype=torch.long)
-    torch.ops.sparse_compile.causal_attention(q, k, v, None, False, "bin", config, mask, None, True, True)
+    torch.ops.sparse_compile.causal_attention(q, k, v, None, binary, mask)
     mask[0, 3] = 2
-    torch.ops.sparse_compile.causal_attention(q, k, v, None, False, "bin", config, mask, None, True, False)
+    torch.ops.sparse_compile.causal_attention(q, k, v, None, op_spec("bin", config, queries_last=True), mask)
     with pytest.raises(ValueError, match="values other than 0 and 1"):
-        torch.ops.sparse_compile.causal_attention(q, k, v, None, False, "bin", config, mask, None, True, True)
+        torch.ops.sparse_compile.causal_attention(q, k, v, None, binary, mask)
 
 
 @pytest.mark.parametrize("min_seq_len", [10**6, 2])
@@ -393,9 +396,10 @@ def test_opcheck_with_padding(min_seq_len):
     q, k, v = random_qkv(2, 4, 2, 40, 40, 16)
     valid = torch.ones(2, 40, dtype=torch.long)
     valid[0, :5] = 0
-    config = config_to_json(SparseConfig(min_seq_len=min_seq_len, pbs={"block_size": 16, "segment_size": 32}))
+    config = SparseConfig(min_seq_len=min_seq_len, pbs={"block_size": 16, "segment_size": 32})
     torch.library.opcheck(torch.ops.sparse_compile.causal_attention.default,
-                          (q, k, v, None, True, "t", config, valid, torch.arange(40), True))
+                          (q, k, v, None, op_spec("t", config, enable_gqa=True, queries_last=True), valid,
+                           torch.arange(40)))
 
 
 @pytest.mark.gpu
@@ -408,8 +412,9 @@ def test_op_with_key_padding_on_gpu_equals_masked_dense(method):
     valid[1, 3579:] = False
     valid[2, 1000:1200] = False
     # every group through the method (the break-even dispatch would send these dense plans to cuDNN)
-    config = config_to_json(SparseConfig(method=method, min_seq_len=1024, dense_when_faster=False).keep_all())
-    out = torch.ops.sparse_compile.causal_attention(q, k, v, None, True, "gpu", config, valid.long(), None, True)
+    config = SparseConfig(method=method, min_seq_len=1024, dense_when_faster=False).keep_all()
+    out = torch.ops.sparse_compile.causal_attention(q, k, v, None, op_spec("gpu", config, enable_gqa=True,
+                                                                           queries_last=True), valid.long())
     causal = torch.ones(4096, 4096, dtype=torch.bool, device="cuda").tril()
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=causal & valid[:, None, None, :],
                                          enable_gqa=True)

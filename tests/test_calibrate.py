@@ -14,7 +14,7 @@ from sparse_compile import Calibration, SparseConfig, sparsity
 from sparse_compile.calibrate import operator_error
 from sparse_compile.context import resolve
 from sparse_compile.dense import dense_causal_attention
-from sparse_compile.ops import capturing, config_from_json, config_to_json
+from sparse_compile.pipeline import capturing
 from sparse_compile.rewrite import rewrite_graph
 
 transformers = pytest.importorskip("transformers")
@@ -200,8 +200,8 @@ def test_site_params_belong_to_their_method():
     with sparsity(method="bfla", mass_threshold=0.9):  # another method: the pbs values stay behind
         assert resolve(config).method == "bfla" and not resolve(config).site_params
     with sparsity(threshold=0.7):  # the site's own value wins at the site
-        assert resolve(config).for_site("a.0").pbs.threshold == 0.5
-        assert resolve(config).for_site("a.1").pbs.threshold == 0.7
+        assert resolve(config).for_site("a.0").params_of("pbs").threshold == 0.5
+        assert resolve(config).for_site("a.1").params_of("pbs").threshold == 0.7
     with sparsity(site_params={}):
         assert not resolve(config).site_params
     assert not config.keep_all().site_params
@@ -224,9 +224,9 @@ def test_site_config_lookup_is_cached():
 def test_site_params_travel_in_the_graph_json():
     config = SparseConfig(method="bfla", bfla={"mass_threshold": 0.9}, site_params={"m.layers.3.attn": {
         "mass_threshold": 0.75}})
-    text = config_to_json(config)
+    text = config.to_json()
     assert json.loads(text)["site_params"] == {"m.layers.3.attn": {"mass_threshold": 0.75}}
-    assert config_from_json(text) == config and hash(config_from_json(text)) == hash(config)
+    assert SparseConfig.from_json(text) == config and hash(SparseConfig.from_json(text)) == hash(config)
     assert SparseConfig.from_options(config.to_dict()) == config
 
 
@@ -285,3 +285,38 @@ def test_site_params_for_no_site_of_the_graph_warn():
         warnings.simplefilter("always")
         torch.compile(model, backend=Rewriter(config))(ids)
     assert any("site_params name none of this graph's 2 attention sites" in str(w.message) for w in caught)
+
+
+def _calibration_dict():
+    config = SparseConfig(method="pbs", skip_layers=("layers.1.attention",),
+                          site_params={"layers.0.attention": {"threshold": 0.8}})
+    sites = [{"site": "layers.0.attention", "value": 0.8, "density": 0.5, "error": 0.01, "calls": 1, "note": ""},
+             {"site": "layers.1.attention", "value": None, "density": 1.0, "error": 0.0, "calls": 1,
+              "note": "left dense"}]
+    return Calibration.from_dict({"format": "sparse_compile.calibration", "version": 1, "target_error": 0.02,
+                                  "metric": "relative_l1", "config": config.to_dict(), "sites": sites}).to_dict()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.update(sites=5), "sites must be a JSON list"),
+    (lambda d: d.update(sites=None), "sites must be a JSON list"),
+    (lambda d: d.update(config=None), "config must be a JSON object"),
+    (lambda d: d.update(metric=[]), "metric"),
+    (lambda d: d["sites"][0].update(density=float("nan")), "density.*finite"),
+    (lambda d: d["sites"][0].update(density=-0.5), "density.*>= 0"),
+    (lambda d: d["sites"][0].update(error=-1.0), "error.*>= 0"),
+    (lambda d: d["sites"][0].update(value=float("nan")), "value.*finite"),
+    (lambda d: d["sites"][0].update(calls="1"), "calls"),
+    (lambda d: d["config"].update(skip_layers=[]), "marked dense but config.skip_layers"),
+    (lambda d: d["sites"].append(dict(d["sites"][0])), "appears twice"),
+])
+def test_calibration_load_refuses_malformed_files_with_a_clear_error(tmp_path, change, message):
+    data = _calibration_dict()
+    change(data)
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=message):
+        Calibration.load(path)
+    path.write_text("null")
+    with pytest.raises(ValueError, match="not a sparse_compile calibration"):
+        Calibration.load(path)

@@ -199,25 +199,3 @@ def test_alternating_samples_shuffle_each_round_but_time_every_contender_each_ro
     assert len(followers_of_a) > 1
     alternating_samples(contenders, 6, warmup=1)
     assert calls[len(calls) // 2:] == calls[:len(calls) // 2]  # seeded: the same orders every time
-
-
-def test_selector_bench_max_scores_equal_brute_force():
-    """bench_selectors' one-pass ranking: per (block, tile) the max over the block's sampled rows of the tile's best
-    causal score minus the row's best score; GQA, chunked prefill, a ragged last tile."""
-    from bench_selectors import sampled_max_scores
-    from sparse_compile.methods.sampled import sampled_rows
-
-    g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(1, 4, 70, 8, generator=g), torch.randn(1, 2, 90, 8, generator=g)
-    block, every, scale = 16, 4, 0.3
-    got = sampled_max_scores(q, k, scale, block, every)
-    rows = sampled_rows(70, block, every)
-    want = torch.full((1, 4, 5, 6), float("-inf"))
-    for h in range(4):
-        for r in rows.tolist():
-            z = (q[0, h, r] @ k[0, h // 2].T) * scale
-            z[r + 20 + 1:] = float("-inf")
-            z = z - z.max()
-            for t in range(6):
-                want[0, h, r // block, t] = torch.maximum(want[0, h, r // block, t], z[t * block:(t + 1) * block].max())
-    assert torch.allclose(got, want, atol=1e-5)

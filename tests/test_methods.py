@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-import sparse_compile.methods._common as common
+import sparse_compile.methods.scoring as common
 from sparse_compile import BFLAParams, PBSParams, S2OParams, SampledParams, SparseConfig, SpargeParams
 from sparse_compile.methods import Unsupported, build_plan
-from sparse_compile.kernels.host import hash32, segmented_argsort_desc
+from sparse_compile.kernels.reference import hash32, segmented_argsort_desc
 from sparse_compile.kernels.validate import expand_heads
-from sparse_compile.methods._common import block_self_similarity, top_mass
+from sparse_compile.methods.scoring import block_self_similarity, top_mass
 from sparse_compile.methods.antidiag import AntidiagParams
 from sparse_compile.methods.peak import PeakParams
 from sparse_compile.methods.bfla import RANDOM_SALT, bfla_block_scores

@@ -48,12 +48,12 @@ def test_view_of_heads_inner_output_compiles_and_matches_eager(dynamic):
 
 
 def test_fake_and_real_layouts_agree():
-    from sparse_compile.ops import config_to_json
+    from helpers import op_spec
 
     q = torch.randn(1, 4, 24, 16)
-    config = config_to_json(sparse_compile.SparseConfig(min_seq_len=2))
+    config = sparse_compile.SparseConfig(min_seq_len=2)
     for heads_inner in (True, False):
-        args = (q, q, q, None, False, "layout", config, None, None, False, False, heads_inner)
+        args = (q, q, q, None, op_spec("layout", config, heads_inner=heads_inner))
         torch.library.opcheck(torch.ops.sparse_compile.causal_attention.default, args)
         out = torch.ops.sparse_compile.causal_attention(*args)
         assert (out.stride(1) < out.stride(2)) == heads_inner

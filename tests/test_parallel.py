@@ -128,7 +128,7 @@ def _scenario_dtensor_rule(rank, mesh):
     """DTensor inputs: the op runs per rank on its shard, eagerly and inside a compiled graph."""
     import sparse_compile
     from sparse_compile import SparseConfig
-    from sparse_compile.ops import config_to_json
+    from sparse_compile.site import SiteSpec
     from sparse_compile.parallel import register_dtensor_sharding
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.experimental import implicit_replication
@@ -146,8 +146,8 @@ def _scenario_dtensor_rule(rank, mesh):
     def run(placement, padding_placement):
         args = [distribute_tensor(t, mesh, [placement]) for t in (q, k, v)]
         pad = distribute_tensor(padding, mesh, [padding_placement])
-        out = op(*args, None, True, "dtensor", config_to_json(config), pad, None, True, False)
-        ref = op(q, k, v, None, True, "reference", config_to_json(config), padding, None, True, False)
+        out = op(*args, None, SiteSpec("dtensor", config, enable_gqa=True, queries_last=True).to_json(), pad)
+        ref = op(q, k, v, None, SiteSpec("reference", config, enable_gqa=True, queries_last=True).to_json(), padding)
         return dict(placements=[str(p) for p in out.placements], local_shape=list(out.to_local().shape),
                     error=(out.full_tensor() - ref).abs().max().item())
 
@@ -183,7 +183,7 @@ def _scenario_dtensor_rule(rank, mesh):
 
     uneven = [distribute_tensor(torch.randn(1, heads, 40, 16), mesh, [Shard(1)]) for heads in (6, 3, 3)]
     try:
-        op(*uneven, None, True, "uneven", config_to_json(config), None, None, False, False)
+        op(*uneven, None, SiteSpec("uneven", config, enable_gqa=True).to_json())
         result["uneven_error"] = None
     except Exception as exc:  # DTensor wraps the rule's ValueError
         result["uneven_error"] = str(exc)

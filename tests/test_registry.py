@@ -71,19 +71,29 @@ def test_registry_derives_the_rest():
             name="enabled", params=WindowParams, select=WINDOW.select, density=WINDOW.density, keep_all={}))
 
 
-def test_method_parameters_are_typed_and_read_without_getattr():
-    """The paper methods' parameters are typed properties; any method's, ``params_of`` by name or by class (typed
-    as that class); a name that is neither a field nor a property is an ordinary AttributeError."""
+def test_method_parameters_are_typed_and_read_through_params_of():
+    """Any method's parameters: ``params_of`` by name or by class (typed as that class); ``config.<method>`` (the
+    typed properties the paper methods had) still reads them, deprecated; any other name is an AttributeError."""
     from sparse_compile import PBSParams, SampledParams
 
     config = SparseConfig(method="sampled", sampled={"budget": 0.2}, pbs=PBSParams(threshold=0.5))
-    assert isinstance(config.pbs, PBSParams) and config.pbs.threshold == 0.5
+    assert isinstance(config.params_of("pbs"), PBSParams) and config.params_of("pbs").threshold == 0.5
     assert config.params_of(SampledParams).budget == 0.2 and config.params_of("sampled") is config.params_of(
         SampledParams)
-    assert SparseConfig.pbs.fget.__annotations__["return"] == "PBSParams"  # what type checkers and IDEs read
-    assert "__getattr__" not in vars(SparseConfig)
+    with pytest.warns(DeprecationWarning, match=r"params_of\('pbs'\)"):
+        assert config.pbs is config.params_of("pbs")  # noqa: B018
     with pytest.raises(AttributeError):
-        config.sampled  # noqa: B018
+        config.nope  # noqa: B018
     with pytest.raises(ValueError, match="unknown method"):
         config.params_of("nope")
     assert SparseConfig(**config.to_dict()) == config
+
+
+def test_reserved_names_are_the_configurations_fields():
+    """No method may take a name ``SparseConfig`` has as a field (its keyword would be taken twice)."""
+    import dataclasses
+
+    for field in dataclasses.fields(SparseConfig):
+        with pytest.raises(ValueError, match="SparseConfig field name"):
+            sparse_compile.register_method(sparse_compile.Method(
+                name=field.name, params=WindowParams, select=WINDOW.select, density=WINDOW.density, keep_all={}))

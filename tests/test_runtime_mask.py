@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import sparse_compile
 from sparse_compile import SparseConfig
 from sparse_compile.runtime_mask import CHECKED, NOT_CAUSAL
+from sparse_compile.site import SiteSpec
 
 from test_transformers_calls import SMALL, padded, sparse_calls, tiny
 
@@ -94,13 +95,13 @@ def test_op_checks_the_mask_opcheck_static_slots_and_chunked_prefill():
     q, k, v = _qkv(n=32)
     cache = torch.randn(2, 4, 48, 16), torch.randn(2, 4, 48, 16)
     op = torch.ops.sparse_compile.causal_attention.default
-    config = sparse_compile.ops.config_to_json(KEEP_ALL)
+    spec = SiteSpec("site", KEEP_ALL, queries_last=True).to_json()
     for offset, filled in ((0, 32), (10, 42), (16, 48)):  # (first query position, keys holding tokens)
         keys = torch.arange(48)
         rows = torch.arange(32)[:, None] + offset
         mask = ((keys[None, :] <= rows) & (keys[None, :] < filled))[None, None].expand(2, 1, 32, 48).clone()
         mask[0, :, :, :3] = False  # left padding in row 0
-        args = (q, *cache, None, False, "site", config, None, None, True, False, True, mask)
+        args = (q, *cache, None, spec, None, None, mask)
         with torch.no_grad():
             out = op(*args)
         ref = F.scaled_dot_product_attention(q, *cache, attn_mask=mask)
@@ -168,12 +169,11 @@ def test_run_time_mask_refused_inside_sequence_parallel():
 
     q, k, v = _qkv(n=16)
     mask = torch.ones(2, 1, 16, 16, dtype=torch.bool).tril()
-    config = sparse_compile.ops.config_to_json(KEEP_ALL)
+    spec = SiteSpec("s", KEEP_ALL, queries_last=True).to_json()
     token = _SEQUENCE_GROUP.set(object())
     try:
         with pytest.raises(RuntimeError, match="graph input.*sequence_parallel"):
-            torch.ops.sparse_compile.causal_attention(q, k, v, None, False, "s", config, None, None, True, False,
-                                                      True, mask)
+            torch.ops.sparse_compile.causal_attention(q, k, v, None, spec, None, None, mask)
     finally:
         _SEQUENCE_GROUP.reset(token)
 
@@ -181,15 +181,14 @@ def test_run_time_mask_refused_inside_sequence_parallel():
 def test_rows_the_form_leaves_empty_must_see_nothing_or_everything():
     """A padded query row is undefined (zeros here); a row that sees some keys but not all is a real row: dense."""
     q, k, v = _qkv(n=16)
-    config = sparse_compile.ops.config_to_json(KEEP_ALL)
+    spec = SiteSpec("s", KEEP_ALL, queries_last=True).to_json()
     mask = torch.ones(16, 16, dtype=torch.bool).tril()[None, None].repeat(2, 1, 1, 1)
     mask[0, :, :, :4] = False  # left padding: rows 0-3 of batch 0 see nothing
     for row, path in ((torch.ones(16, dtype=torch.bool), "sparse"), (torch.arange(16) == 9, "dense")):
         mask[0, 0, 2] = row
         sparse_compile.reset_runtime_stats()
         with torch.no_grad():
-            out = torch.ops.sparse_compile.causal_attention(q, k, v, None, False, "s", config, None, None, True,
-                                                            False, True, mask)
+            out = torch.ops.sparse_compile.causal_attention(q, k, v, None, spec, None, None, mask)
         (stats,) = sparse_compile.runtime_stats().values()
         assert stats.last_path == path, stats.last_reason
         if path == "dense":

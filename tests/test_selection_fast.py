@@ -29,14 +29,14 @@ from sparse_compile import BFLAParams, PBSParams, S2OParams, SampledParams, Spar
 from sparse_compile.kernels import bfla as bfla_kernels
 from sparse_compile.kernels import common as kernel_common
 from sparse_compile.kernels import pooling, sorting
-from sparse_compile.kernels.host import segmented_argsort_desc
+from sparse_compile.kernels.reference import segmented_argsort_desc
 from sparse_compile.kernels.mass import MassRule, mass_select
 from sparse_compile.kernels.validate import expand_heads
 from sparse_compile.methods import Reordering, bfla, build_plan, pbs, s2o, sparge, stage_functions
-from sparse_compile.methods._fast import tile_grid
+from sparse_compile.methods.fast_path import tile_grid
 from sparse_compile.plan import plan_density
-from sparse_compile.methods._blocks import diagonal_tiles, first_key_tile, visibility
-from sparse_compile.methods._common import (
+from sparse_compile.methods.tiles import diagonal_tiles, first_key_tile, visibility
+from sparse_compile.methods.scoring import (
     block_mean,
     block_self_similarity,
     group_scores,
@@ -164,7 +164,7 @@ def reference_bounds(select, q, k, scale, r, config):
     B, Hq, Nq, _ = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     if select == "pbs":
-        p = config.pbs
+        p = config.params_of("pbs")
         bs = p.block_size
         vis = visibility(Nq, Nk, bs, bs, r, B, Hq, q.device)
         visible = vis != VISIBLE_NONE
@@ -176,7 +176,7 @@ def reference_bounds(select, q, k, scale, r, config):
         total = prob.sum(-1, keepdim=True)
         sure, maybe = mass_bounds(prob, cand, p.threshold, 0.0, total)
     elif select == "sparge":
-        p = config.sparge
+        p = config.params_of("sparge")
         bm, bn = p.block_size_q, p.block_size_kv
         vis = visibility(Nq, Nk, bm, bn, r, B, Hq, q.device)
         visible = vis != VISIBLE_NONE
@@ -222,7 +222,7 @@ def reference_bounds(select, q, k, scale, r, config):
         sure = visible & (above_maybe < allowed)
         maybe = visible & (above_sure < allowed)
     elif select == "bfla_coarse":
-        p = config.bfla
+        p = config.params_of("bfla")
         b = p.coarse_block_size
         visible = visibility(Nq, Nk, b, b, r, B, Hq, q.device) != VISIBLE_NONE
         score = bfla_block_scores(qd, kd, b, p.group_size, r.key_index) * scale
@@ -236,7 +236,7 @@ def reference_bounds(select, q, k, scale, r, config):
 
 def fast_bfla_coarse(q, k, scale, r, config):
     """The fast path's coarse BFLA mass (B, Hq, LQ, LK) bool (the internals of select_bfla_fast)."""
-    p = config.bfla
+    p = config.params_of("bfla")
     b = p.coarse_block_size
     permuted = r.key_index is not None
     cpos = pooling.block_pool(k, b, key_index=r.key_index, want_mean=False, want_positions=True) if permuted else None
@@ -247,7 +247,7 @@ def fast_bfla_coarse(q, k, scale, r, config):
 
 
 def reference_bfla_coarse(q, k, scale, r, config):
-    p = config.bfla
+    p = config.params_of("bfla")
     b = p.coarse_block_size
     B, Hq, Nq, _ = q.shape
     Nk = k.shape[2]
@@ -299,7 +299,7 @@ def test_pbs_reorder_and_select_agree(dtype):
     scale = 1 / math.sqrt(D)
     r_ref = stage_functions("pbs", "pbs", False)[0](q, k, scale, cfg)
     r_fast = pbs.reorder_pbs_fast(q, k, scale, cfg)
-    imp = pbs_key_importance(q.double(), k.double(), scale, cfg.pbs.block_size)
+    imp = pbs_key_importance(q.double(), k.double(), scale, cfg.params_of("pbs").block_size)
     assert r_fast.key_index.dtype == torch.int32 and r_fast.segment_size == r_ref.segment_size
     assert_order_agrees(r_fast.key_index, r_ref.key_index, imp, _pbs_segments(N, 32), "pbs key order")
     assert torch.equal(r_fast.key_index[..., (N // 32) * 32:], r_ref.key_index[..., (N // 32) * 32:])
@@ -344,7 +344,7 @@ def test_bfla_select_agrees(reorder, score_scale):
     cfg = _config(reorder, "bfla", params)
     q, k = structured_qk(B, Hq, Hkv, Nq, Nk, D, 16, seed=3)
     scale = 1 / math.sqrt(D)
-    alpha = block_softmax_scale(cfg.bfla, scale)  # the block softmax's scale (Eq. 9): None = scale / g
+    alpha = block_softmax_scale(cfg.params_of("bfla"), scale)  # the block softmax's scale (Eq. 9): None = scale / g
     assert alpha == (score_scale if score_scale is not None else scale / 8)
     r = stage_functions(reorder, "pbs", False)[0](q, k, scale, cfg)
     # coarse mass per query head: agreement up to ambiguous blocks
@@ -354,7 +354,7 @@ def test_bfla_select_agrees(reorder, score_scale):
         sure, maybe = reference_bounds("bfla_coarse", q, k, alpha, r, cfg)
         assert_keep_agrees(coarse_fast, sure, maybe, what="bfla coarse")
     # the tile stage exactly, from the reference's coarse mass
-    p = cfg.bfla
+    p = cfg.params_of("bfla")
     tpos = (pooling.block_pool(k, 16, key_index=r.key_index, want_mean=False, want_positions=True)
             if r.key_index is not None else None)
     tables = bfla_kernels.bfla_tiles(tile_grid(q, k, r, 16, 16), coarse_ref.to(torch.int8), coarse=32,
@@ -737,11 +737,12 @@ def test_gpu_bf16_agreement(method, shape):
     r_ref = stage_functions(reorder, "pbs", False)[0](q, k, scale, cfg)
     r_fast = stage_functions(reorder, "pbs", True)[0](q, k, scale, cfg)
     if reorder == "pbs":
-        imp = pbs_key_importance(q.double(), k.double(), scale, cfg.pbs.block_size)
-        assert_order_agrees(r_fast.key_index, r_ref.key_index, imp, _pbs_segments(N, cfg.pbs.segment_size), "pbs")
+        imp = pbs_key_importance(q.double(), k.double(), scale, cfg.params_of("pbs").block_size)
+        segments = _pbs_segments(N, cfg.params_of("pbs").segment_size)
+        assert_order_agrees(r_fast.key_index, r_ref.key_index, imp, segments, "pbs")
     if reorder == "s2o":
         lay = r_ref.extras["layout"]
-        S, g = cfg.s2o.segment_size, len(lay.seg_len)
+        S, g = cfg.params_of("s2o").segment_size, len(lay.seg_len)
         kg = k[:, :, :S].double().mean(2)
         sq = (q.double().view(B, Hkv, Hq // Hkv, N, D) * kg[:, :, None, None]).sum(-1).view(B, Hq, N)
         assert_order_agrees(r_fast.query_index, r_ref.query_index, sq, [(s * S, (s + 1) * S) for s in range(g)], "q")
@@ -759,7 +760,7 @@ def test_gpu_bf16_agreement(method, shape):
         sure, maybe = reference_bounds(select, q, k, scale, r_ref, cfg)
         assert_keep_agrees(keep_table(p_fast, sure.shape[-1]), sure, maybe, what=method, max_ambiguous_rows=0.25)
     if method == "bfla":
-        alpha = block_softmax_scale(cfg.bfla, scale)  # the block softmax's scale (Eq. 9)
+        alpha = block_softmax_scale(cfg.params_of("bfla"), scale)  # the block softmax's scale (Eq. 9)
         coarse_fast = fast_bfla_coarse(q, k, alpha, r_ref, cfg)
         coarse_ref = reference_bfla_coarse(q, k, alpha, r_ref, cfg)
         if torch.equal(coarse_fast, coarse_ref):
@@ -831,16 +832,16 @@ def _confinement(method, cfg, batch, head, row, heads_q, heads_kv):
     group = heads_q // heads_kv
     group_heads = slice(head // group * group, head // group * group + group)
     if method in ("pbs", "sampled", "peak"):  # its query block, in its head
-        size = cfg.pbs.block_size if method == "pbs" else cfg.params_of(method).block_size
+        size = cfg.params_of("pbs").block_size if method == "pbs" else cfg.params_of(method).block_size
         region[batch, head, row // size * size: row // size * size + size] = True
     elif method == "sparge":
-        size = cfg.sparge.block_size_q
+        size = cfg.params_of("sparge").block_size_q
         region[batch, head, row // size * size: row // size * size + size] = True
     elif method == "bfla":  # its coarse query block, in every head of its KV group (the tile mask is shared)
-        size = cfg.bfla.coarse_block_size
+        size = cfg.params_of("bfla").coarse_block_size
         region[batch, group_heads, row // size * size: row // size * size + size] = True
     else:  # s2o: its segment, in every head of its KV group (query order and the group's key ranking)
-        size = cfg.s2o.segment_size
+        size = cfg.params_of("s2o").segment_size
         region[batch, group_heads, row // size * size: row // size * size + size] = True
     return region
 
@@ -855,7 +856,7 @@ def test_nan_query_row_stays_confined(method, planner):
     cfg = _config(*PRESETS[method])
     _, clean = _plan_and_output(q, k, v, cfg, planner)
     batch, head = int(torch.randint(2, ())), int(torch.randint(4, ()))
-    last_block = NAN_N - cfg.pbs.block_size  # PBS's importance rows (tested below)
+    last_block = NAN_N - cfg.params_of("pbs").block_size  # PBS's importance rows (tested below)
     row = int(torch.randint(last_block if method == "pbs" else NAN_N, ()))
     _, plan, out = _run_with_nan_query_row(q, k, v, cfg, planner, batch, head, row)
     outside = ~_confinement(method, cfg, batch, head, row, 4, 2)
@@ -868,7 +869,7 @@ def test_nan_query_row_stays_confined(method, planner):
         vis = block_visibility(NAN_N, NAN_N, plan.block_m, plan.block_n, key_index=plan.key_index, batch=2,
                                heads=plan.tile_counts.shape[1])
         visible = expand_heads((vis != VISIBLE_NONE).sum(-1, dtype=torch.int32), plan.tile_counts.shape[1])
-        size = cfg.bfla.coarse_block_size if method == "bfla" else plan.block_m
+        size = cfg.params_of("bfla").coarse_block_size if method == "bfla" else plan.block_m
         blocks = slice(row // size * size // plan.block_m, (row // size * size + size) // plan.block_m)
         plan_head = head if plan.tile_counts.shape[1] == 4 else head // 2
         assert torch.equal(plan.tile_counts[batch, plan_head, blocks], visible[batch, plan_head, blocks])
@@ -881,10 +882,10 @@ def test_nan_query_row_in_pbs_last_block_keeps_other_rows_finite(planner):
     q, k, v = _nan_inputs()
     cfg = _config(*PRESETS["pbs"])
     batch, head = int(torch.randint(2, ())), int(torch.randint(4, ()))
-    row = NAN_N - 1 - int(torch.randint(cfg.pbs.block_size, ()))
+    row = NAN_N - 1 - int(torch.randint(cfg.params_of("pbs").block_size, ()))
     bad, plan, out = _run_with_nan_query_row(q, k, v, cfg, planner, batch, head, row)
     # the importance ignores the row: the same order as from the other rows' scores alone
-    importance = pbs_key_importance(bad.double(), k.double(), 1 / math.sqrt(NAN_D), cfg.pbs.block_size)
+    importance = pbs_key_importance(bad.double(), k.double(), 1 / math.sqrt(NAN_D), cfg.params_of("pbs").block_size)
     assert bool(torch.isfinite(importance).all())
     assert_order_agrees(plan.key_index, segmented_argsort_desc(importance, 32, NAN_N // 32).int(), importance,
                         _pbs_segments(NAN_N, 32), "pbs key order with a NaN row")

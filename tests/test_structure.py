@@ -118,7 +118,7 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_import_graph_sees_lazy_imports():
     graph = import_graph()
     assert "sparse_compile.kernels.block_sparse_attention" not in graph  # names resolve to their modules
-    assert "sparse_compile.plan" in graph["sparse_compile.methods._blocks"]
+    assert "sparse_compile.plan" in graph["sparse_compile.methods.tiles"]
     assert "sparse_compile.kernels.hopper" in graph["sparse_compile.kernels.attention"]  # a function-level import
     assert "sparse_compile.methods.pbs" not in graph["sparse_compile.config"]  # annotations only
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
@@ -184,6 +184,18 @@ def test_a_method_with_kernels_is_its_own_files_and_one_line():
     assert found == {}, f"code outside the method's files that names it: {found}"
 
 
+def test_the_configuration_names_no_method():
+    """``config.py`` knows methods through the registry alone: no method's name in its code but the package default
+    (``DEFAULT_METHOD``); their parameters and field checks are ``params.py`` and the methods' own modules."""
+    import sparse_compile
+
+    path = ROOT / "sparse_compile" / "config.py"
+    lines = path.read_text().splitlines()
+    for name in sparse_compile.registry.registered_methods():
+        named = [n for n in _code_mentions(path, name) if "DEFAULT_METHOD" not in lines[n - 1]]
+        assert named == [], (name, named)
+
+
 def test_examples_offer_every_registered_method():
     """``--method`` of the examples comes from the registry: ``sampled`` included, and any method registered later."""
     import os
@@ -199,3 +211,42 @@ def test_examples_offer_every_registered_method():
         offered = run.stdout.split("--method", 1)[1].split("}", 1)[0]
         for name in sparse_compile.registry.registered_methods():
             assert name in offered, (example, name, offered)
+
+
+def test_importing_the_package_writes_no_module_table():
+    """No module of the package or its kernels writes ``sys.modules`` or hooks imports (``sys.meta_path``,
+    ``sys.path_hooks``): ``sparse_compile.kernels`` comes from the install's mapping (pyproject.toml's package-dir)."""
+    found = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            target = None
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+                target = next((t for t in targets if isinstance(t, ast.Subscript)
+                               and ast.unparse(t.value) in ("sys.modules", "_sys.modules")), None)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = ast.unparse(node.func.value)
+                if owner.endswith(("sys.meta_path", "sys.path_hooks", "sys.modules")) and node.func.attr in (
+                        "insert", "append", "extend", "update", "setdefault", "pop", "remove"):
+                    target = node
+            if target is not None:
+                found.append(f"{name}:{node.lineno}")
+    assert found == []
+
+
+def test_kernels_are_the_top_level_folder():
+    import sparse_compile.kernels
+
+    assert Path(sparse_compile.kernels.__file__).resolve().parent == ROOT / "kernels"
+
+
+def test_no_private_name_crosses_a_module():
+    """A module uses another's public names only: no ``from .x import _name`` and no private module (``._x``)."""
+    found = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                parts = (node.module or "").split(".") + [alias.name for alias in node.names]
+                if any(part.startswith("_") and not part.startswith("__") for part in parts):
+                    found.append(f"{name}:{node.lineno}")
+    assert found == []

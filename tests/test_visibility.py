@@ -147,7 +147,7 @@ def test_explain_uses_the_compiled_models_options(how):
         compiled = model
         compiled.compile(backend="sparse_prefill", options=options)
     report = sparse_compile.explain(compiled, x)
-    assert report.config.min_seq_len == 8 and report.config.pbs.threshold == 0.5
+    assert report.config.min_seq_len == 8 and report.config.params_of("pbs").threshold == 0.5
     assert report.config_from == "the compiled model's options"
     rows = {row["site"]: row for row in report.rows()}
     assert set(rows) == {"enc", "dec"} and rows["dec"]["run"] == "sparse", rows
@@ -161,8 +161,8 @@ def test_one_vocabulary_for_options_sparseconfig_and_sparsity():
     with sparsity(threshold=0.5):
         assert resolve(SparseConfig(method="pbs")) == expected
     bfla = SparseConfig.from_options({"method": "bfla", "mass_threshold": 0.9})
-    assert bfla.bfla.mass_threshold == 0.9 and SparseConfig(method="bfla", mass_threshold=0.9) == bfla
-    assert SparseConfig(method="pbs", threshold=0.5).replace(threshold=0.7).pbs.threshold == 0.7
+    assert bfla.params_of("bfla").mass_threshold == 0.9 and SparseConfig(method="bfla", mass_threshold=0.9) == bfla
+    assert SparseConfig(method="pbs", threshold=0.5).replace(threshold=0.7).params_of("pbs").threshold == 0.7
 
     # a name that belongs to no method, or to another method than the configured one: refused, naming the valid
     # (with no method given, those of the default method, sampled)

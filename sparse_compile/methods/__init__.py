@@ -28,10 +28,10 @@ from typing import Callable, Optional
 import torch
 
 from ..config import SparseConfig
-from ..plan import BlockPlan
+from ..plan import BlockPlan, execute_plan
 from ..registry import NO_REORDER, check_stage_pair, method_spec
-from . import _fast
-from ._common import Reordering, Unsupported
+from . import fast_path
+from .scoring import Reordering, Unsupported
 # the built-in methods, one line each: importing a method's module registers it
 from . import antidiag  # noqa: F401,E402
 from . import bfla  # noqa: F401,E402
@@ -41,7 +41,7 @@ from . import s2o  # noqa: F401,E402
 from . import sampled  # noqa: F401,E402
 from . import sparge  # noqa: F401,E402
 
-__all__ = ["build_plan", "Unsupported", "Reordering", "stage_functions"]
+__all__ = ["build_plan", "execute", "Unsupported", "Reordering", "stage_functions"]
 
 
 def _no_reorder(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reordering:
@@ -69,7 +69,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor) -> None:
 def _use_fast(implementation: str, q: torch.Tensor, k: torch.Tensor) -> bool:
     if implementation == "reference":
         return False
-    reason = _fast.available(q, k)
+    reason = fast_path.available(q, k)
     if implementation == "fast":
         if reason is not None:
             raise ValueError(f"build_plan(implementation='fast'): {reason}")
@@ -112,3 +112,12 @@ def build_plan(q: torch.Tensor, k: torch.Tensor, scale: Optional[float], config:
     with torch.no_grad():
         reordering = reorder_fn(q, k, scale, config)
         return select_fn(q, k, scale, reordering, config)
+
+
+def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: float, config: SparseConfig, *,
+            kernel: str, return_visited: bool = False):
+    """``plan`` through its method's own executor (S2O: segment chunks), else ``plan.execute_plan``."""
+    executor = method_spec(config.select_stage).execute
+    if executor is not None:
+        return executor(q, k, v, plan, scale, config, kernel=kernel, return_visited=return_visited)
+    return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited)

@@ -66,11 +66,11 @@ from typing import ClassVar, Optional
 
 import torch
 
-from ..config import MethodParams, block_field, check_finite, check_share, check_stride, fail, int_field
+from ..params import MethodParams, block_field, check_finite, check_share, check_stride, fail, int_field
 from ..plan import BlockPlan
 from ..registry import Method, register_method
-from ._blocks import BUDGET_KNOB, finish_budget_plan
-from ._common import Reordering, chunk_count, compute_dtype, group_scores
+from .tiles import BUDGET_KNOB, finish_budget_plan
+from .scoring import Reordering, chunk_count, compute_dtype, group_scores
 
 __all__ = ["AntidiagParams", "reduced_queries", "reduced_keys", "slot_mask", "antidiag_tile_logits", "select_antidiag"]
 
@@ -98,7 +98,7 @@ class AntidiagParams(MethodParams):
     block and the key tile. ``row_stride == score_stride`` is XAttention's square antidiagonal, ``row_stride=1``
     scores every row. ``temperature_factor`` multiplies the reduced logits (None: 1/``score_stride``);
     ``antidiagonals=2`` adds the adjacent antidiagonal (slash lines of both parities); ``local_tiles`` and
-    ``exact_tail_blocks`` as ``sampled``'s (``methods._blocks.StridedRowParams``). The defaults are the best
+    ``exact_tail_blocks`` as ``sampled``'s (``methods.tiles.StridedRowParams``). The defaults are the best
     measured trade (module docstring): half ``sampled``'s matmul, a quarter of its exponentials, less retrieval.
     """
 

@@ -49,14 +49,14 @@ from typing import ClassVar
 
 import torch
 
-from ..config import MethodParams, block_field, fail, finite_field, fraction_field, int_field, optional_field
-from ..kernels.host import hash32
+from ..params import MethodParams, block_field, fail, finite_field, fraction_field, int_field, optional_field
+from ..kernels.reference import hash32
 from ..kernels.validate import cdiv, expand_heads
 from ..plan import VISIBLE_NONE, BlockPlan
 from ..registry import DensityKnob, Method, register_method
-from ._blocks import finish_plan, visibility
-from ._common import Reordering, chunk_count, compute_dtype, group_scores, logical_keys, mass_keep
-from ._fast import check_selectable, plan_from_tables, segment_bound, tile_grid
+from .tiles import finish_plan, visibility
+from .scoring import Reordering, chunk_count, compute_dtype, group_scores, logical_keys, mass_keep
+from .fast_path import check_selectable, plan_from_tables, segment_bound, tile_grid
 
 __all__ = ["BFLAParams", "select_bfla", "select_bfla_fast", "bfla_block_scores", "block_softmax_scale",
            "RANDOM_SALT"]

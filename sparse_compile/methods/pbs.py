@@ -37,13 +37,13 @@ from typing import ClassVar
 
 import torch
 
-from ..config import MethodParams, block_field, fail, fraction_field, int_field
-from ..kernels.host import segmented_argsort_desc
+from ..params import MethodParams, block_field, fail, fraction_field, int_field
+from ..kernels.reference import segmented_argsort_desc
 from ..plan import VISIBLE_NONE, BlockPlan
 from ..registry import DensityKnob, Method, register_method
-from ._blocks import diagonal_tiles, finish_plan, first_key_tile, visibility
-from ._common import Reordering, block_mean, chunk_count, compute_dtype, group_scores, logical_keys, mass_keep
-from ._fast import check_selectable, plan_from_tables, segment_bound, tile_grid
+from .tiles import diagonal_tiles, finish_plan, first_key_tile, visibility
+from .scoring import Reordering, block_mean, chunk_count, compute_dtype, group_scores, logical_keys, mass_keep
+from .fast_path import check_selectable, plan_from_tables, segment_bound, tile_grid
 
 __all__ = ["PBSParams", "pbs_key_importance", "reorder_pbs", "select_pbs", "reorder_pbs_fast", "select_pbs_fast"]
 

@@ -41,8 +41,8 @@ import torch
 
 from ..plan import BlockPlan
 from ..registry import Method, register_method
-from ._blocks import BUDGET_KNOB, StridedRowParams, finish_budget_plan, strided_rows
-from ._common import Reordering, chunk_count, compute_dtype, group_scores
+from .tiles import BUDGET_KNOB, StridedRowParams, finish_budget_plan, strided_rows
+from .scoring import Reordering, chunk_count, compute_dtype, group_scores
 
 #: the largest finite e4m3 value (= ``kernels.fp8.FP8_MAX``; the package's references import no Triton)
 FP8_MAX = 448.0
@@ -159,7 +159,7 @@ def select_peak_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering:
                      config) -> BlockPlan:
     """= ``select_peak``: the peaks from ``kernels.peak``, the ranking and the plan rows from ``kernels.budget``."""
     from ..kernels.peak import peak_tile_scores as peak_kernel
-    from ._fast import budget_plan
+    from .fast_path import budget_plan
 
     params = config.params_of(PeakParams)
     return budget_plan(lambda: peak_kernel(q, k, scale, params.block_size, params.sample_every,

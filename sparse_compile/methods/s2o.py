@@ -37,13 +37,13 @@ from typing import ClassVar
 
 import torch
 
-from ..config import MethodParams, block_field, fail, fraction_field, int_field
-from ..kernels.host import segmented_argsort_desc
+from ..params import MethodParams, block_field, fail, fraction_field, int_field
+from ..kernels.reference import segmented_argsort_desc
 from ..kernels.validate import cdiv
 from ..plan import BlockPlan, execute_plan, runs_on_kernels
 from ..registry import DensityKnob, Method, register_method
-from ._common import Reordering, Unsupported, block_mean, chunk_count, compute_dtype, finite_row_mean
-from ._fast import plan_from_tables
+from .scoring import Reordering, Unsupported, block_mean, chunk_count, compute_dtype, finite_row_mean
+from .fast_path import plan_from_tables
 
 __all__ = ["S2OParams", "S2OLayout", "s2o_layout", "s2o_segment_tensors", "reorder_s2o", "select_s2o",
            "reorder_s2o_fast", "select_s2o_fast"]
@@ -439,4 +439,5 @@ register_method(Method(
     fast_select=select_s2o_fast, execute=execute_s2o, select_after=(),
     density=DensityKnob("early_stop", 0.0, 0.5, higher_keeps_more=False),
     keep_all={"early_stop": 0.0}, description="S2O: query sort, per-segment ranked prefix, early stop in the kernel",
+    decided_at_run_time=lambda params: params.early_stop > 0,
 ))

@@ -47,9 +47,9 @@ import torch
 
 from ..plan import BlockPlan
 from ..registry import Method, register_method
-from ._blocks import (BUDGET_KNOB, StridedRowParams, finish_budget_plan, keep_top_budget,  # noqa: F401 (keep_top_budget: step 5)
+from .tiles import (BUDGET_KNOB, StridedRowParams, finish_budget_plan, keep_top_budget,  # noqa: F401 (keep_top_budget: step 5)
                       strided_rows)
-from ._common import Reordering, chunk_count, compute_dtype, group_scores
+from .scoring import Reordering, chunk_count, compute_dtype, group_scores
 
 __all__ = ["SampledParams", "sampled_rows", "sampled_tile_logits", "select_sampled", "select_sampled_fast"]
 
@@ -130,7 +130,7 @@ def select_sampled_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reorderi
     """= ``select_sampled``: the masses from ``kernels.sampled`` (the selection's cost), the ranking and the plan
     rows from ``kernels.budget``."""
     from ..kernels.sampled import sampled_mass_logits
-    from ._fast import budget_plan
+    from .fast_path import budget_plan
 
     params = config.params_of(SampledParams)
     bs = params.block_size

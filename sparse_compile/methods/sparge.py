@@ -38,13 +38,13 @@ from typing import ClassVar
 
 import torch
 
-from ..config import MethodParams, block_field, finite_field, fraction_field, optional_field
+from ..params import MethodParams, block_field, finite_field, fraction_field, optional_field
 from ..kernels.validate import expand_heads
 from ..plan import VISIBLE_NONE, BlockPlan
 from ..registry import DensityKnob, Method, register_method
-from ._blocks import diagonal_tiles, finish_plan, first_key_tile, visibility
-from ._common import Reordering, block_mean, block_self_similarity, compute_dtype, group_scores, logical_keys, mass_keep
-from ._fast import check_selectable, plan_from_tables, segment_bound, tile_grid
+from .tiles import diagonal_tiles, finish_plan, first_key_tile, visibility
+from .scoring import Reordering, block_mean, block_self_similarity, compute_dtype, group_scores, logical_keys, mass_keep
+from .fast_path import check_selectable, plan_from_tables, segment_bound, tile_grid
 
 __all__ = ["SpargeParams", "select_sparge", "select_sparge_fast"]
 

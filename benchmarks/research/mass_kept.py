@@ -29,7 +29,7 @@ then the (query block, tile) pairs with the most true mass over all blocks until
 (this maximises ``mass`` at that density); ``oracle-block`` gives every query block the same share of its visible
 tiles (diagonal and tile 0 forced, then its top tiles by mass), the per-block budget the selectors use.
 
-    python benchmarks/mass_kept.py --steps 10             # CPU, 2 cores: ~10 min (3 prompts x 4 layers x 8 rows)
+    python benchmarks/research/mass_kept.py --steps 10             # CPU, 2 cores: ~10 min (3 prompts x 4 layers x 8 rows)
 
 Rows: ``results/mass_kept.jsonl`` (``harness.append_store``), one per (prompt, layer, contender).
 """
@@ -45,8 +45,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the maintained helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_selectors, beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import sparse_compile  # noqa: E402
 import retrieval_families as rf  # noqa: E402
 import train_small_lm as tsl  # noqa: E402

@@ -32,7 +32,7 @@ import torch
 
 from ..kernels.validate import SUPPORTED_DTYPES
 from ..plan import BlockPlan
-from ._common import Reordering
+from .scoring import Reordering
 
 __all__ = ["available", "tile_grid", "plan_from_tables", "segment_bound", "check_selectable", "budget_plan"]
 
@@ -79,7 +79,7 @@ def plan_from_tables(block_m: int, block_n: int, tables, reordering: Reordering,
 
 
 def budget_plan(scores_of, q, k, reordering: Reordering, params, selector: str) -> BlockPlan:
-    """= ``_blocks.finish_budget_plan`` on the GPU: ``scores_of()`` (B, Hq, nqb, nkt) float32 tile scores, called
+    """= ``tiles.finish_budget_plan`` on the GPU: ``scores_of()`` (B, Hq, nqb, nkt) float32 tile scores, called
     only when ``params.budget`` keeps a share, ranked and written into plan rows by ``kernels.budget``. Keys and
     queries in order (``selector`` names the refusal otherwise)."""
     from ..kernels.budget import budget_select

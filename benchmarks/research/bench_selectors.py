@@ -1,7 +1,7 @@
 """Selectors against retrieval on CPU: a few prompts at 8K-16K through the retrieval model, each attention call run by
 ``sparse_compile.sparse_attention`` with one contender's configuration.
 
-    python benchmarks/bench_selectors.py --lengths 8192 --per-family 1 --per-task 1   # CPU: ~2 min per contender
+    python benchmarks/research/bench_selectors.py --lengths 8192 --per-family 1 --per-task 1   # CPU: ~2 min per contender
 
 Contenders: ``dense``; ``sampled`` at ``--budget``; ``antidiag`` over ``--strides`` x ``--row-strides`` x
 ``--temperatures`` x ``--antidiagonals`` (temperature ``inv`` = 1/S) at ``--budget``; PBS's selector without its
@@ -18,7 +18,7 @@ Rows: ``results/bench_selectors.jsonl`` (``harness.append_store``, one contender
 ``max`` (each tile's largest score minus its row's max over the block's sampled rows: one pass, no exp), the
 question being whether a cheaper one-pass planner ranks tiles as well:
 
-    python benchmarks/bench_selectors.py --plan-only --sample-every 8 16 32 64 \
+    python benchmarks/research/bench_selectors.py --plan-only --sample-every 8 16 32 64 \
         --checkpoint benchmarks/checkpoints/retrieval_families_lm.pt                   # CPU: ~3 min
 """
 
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the maintained helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import sparse_compile  # noqa: E402
 import retrieval_families as rf  # noqa: E402
 import retrieval_tasks as rt  # noqa: E402
@@ -121,8 +121,8 @@ def listed(plan, head: int, heads: int, row: int, key: int) -> bool:
 
 def plan_only(args, base, instances, dense_layers, readers, length, done) -> None:
     """``--plan-only``: rows_listed of the sampled-row ranking by mass and by max at each sample rate."""
-    from sparse_compile.methods._blocks import finish_budget_plan
-    from sparse_compile.methods._common import Reordering
+    from sparse_compile.methods.tiles import finish_budget_plan
+    from sparse_compile.methods.scoring import Reordering
     from sparse_compile.methods.peak import peak_tile_scores
     from sparse_compile.methods.sampled import SampledParams, sampled_tile_logits
     from sparse_compile.registry import NO_REORDER

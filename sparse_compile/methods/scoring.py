@@ -13,7 +13,7 @@ Conventions used throughout ``sparse_compile.methods``:
   (``mass_keep``), and rankings leave non-finite rows out of their means.
 
 The helpers the kernels share with the package live in ``sparse_compile.kernels``: ``cdiv`` and
-``expand_heads`` in ``kernels.validate``, ``hash32`` and ``segmented_argsort_desc`` in ``kernels.host``.
+``expand_heads`` in ``kernels.validate``, ``hash32`` and ``segmented_argsort_desc`` in ``kernels.reference``.
 """
 
 from __future__ import annotations

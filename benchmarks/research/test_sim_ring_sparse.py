@@ -1,4 +1,5 @@
-"""benchmarks/sim_ring_sparse.py: the ring-parallel shard metrics against a brute-force count, on small plans."""
+"""sim_ring_sparse.py: the ring-parallel shard metrics against a brute-force count, on small plans
+(``python -m pytest benchmarks/research``)."""
 
 import sys
 from pathlib import Path
@@ -6,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_ring_sparse as sim  # noqa: E402
 
 from sparse_compile.plan import block_visibility, causal_plan, plan_from_block_mask  # noqa: E402

@@ -1,6 +1,6 @@
 """Retrieval kept against time to first token: every method at density 0.1, from the stores.
 
-    python benchmarks/plot_frontier.py            # results/frontier.png and results/frontier.json
+    python benchmarks/research/plot_frontier.py            # results/frontier.png and results/frontier.json
 
 x: whole-model TTFT speedup over the dense compiled Llama-3.1-8B shape at 128K on one GPU (``bench_e2e.py``, the
 latest ``<method>@0.1`` row); y: values retrieved exactly on the held-out format families, relative to dense, mean
@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_parallel, harness
 from bench_parallel import dense_seconds, latest_runs  # noqa: E402
 from harness import RESULTS_DIR, read_store  # noqa: E402
 

@@ -7,11 +7,11 @@ from typing import ClassVar, Optional
 
 import torch
 
-from ..config import MethodParams, block_field, check_share, check_stride, fail, int_field
+from ..params import MethodParams, block_field, check_share, check_stride, fail, int_field
 from ..kernels.validate import cdiv, expand_heads
 from ..plan import VISIBLE_NONE, VISIBLE_PARTIAL, BlockPlan, block_visibility, plan_from_block_mask
 from ..registry import DensityKnob
-from ._common import Reordering
+from .scoring import Reordering
 
 __all__ = ["BUDGET_KNOB", "StridedRowParams", "strided_rows", "visibility", "diagonal_tiles", "first_key_tile", "local_tiles", "finish_plan", "keep_top_budget", "finish_budget_plan"]
 

@@ -1,7 +1,7 @@
 """Ring (context) parallelism with sparse plans, simulated on real attention patterns (CPU, no GPU needed).
 
-    python benchmarks/sim_ring_sparse.py                 # 8K and 16K, 4 layers, ~5 min on one core
-    python benchmarks/sim_ring_sparse.py --smoke         # 2K, one layer, seconds (what the test runs)
+    python benchmarks/research/sim_ring_sparse.py                 # 8K and 16K, 4 layers, ~5 min on one core
+    python benchmarks/research/sim_ring_sparse.py --smoke         # 2K, one layer, seconds (what the test runs)
 
 Ulysses sequence parallelism gives each rank whole sequences for H/U heads, so it stops at U = number of KV heads
 (8 for the Llama-3.1-8B shape). Past that, ring attention splits the sequence into P shards; a rank keeps its query
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/: the maintained helpers, checkpoints and results
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import train_small_lm as tsl  # noqa: E402
@@ -338,7 +338,7 @@ def main(argv=None) -> dict:
     result = {
         "description": "ring/context parallelism with sparse plans: shard skipping, received bytes and compute "
                        "balance, simulated on plans of the small trained LM (benchmarks/sim_ring_sparse.py)",
-        "command": "python benchmarks/sim_ring_sparse.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/research/sim_ring_sparse.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "commit": git_commit(), "torch": torch.__version__, "python": platform.python_version(),
         "checkpoint": str(CHECKPOINT.relative_to(HERE.parent)), "layers": layers,
         "documents": [{"length": d["length"], "path": d["path"], "source": d["source"]} for d in docs],

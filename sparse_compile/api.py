@@ -1,0 +1,108 @@
+"""Entry points besides the compiled backend: ``sparse_attention`` for code that calls attention itself, and
+``precompile``, which compiles the kernels ahead of the first long prompt (``precompile_kernels``: the backend's
+share of it, per compiled graph)."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .attention_op import OP, causal_attention
+from .config import SparseConfig
+from .context import resolve
+from .masks import example_value
+from .parallel import is_dtensor, register_dtensor_sharding
+from .pipeline import EAGER_SITE, attend_eager, run_method
+from .rules import SUPPORTED_DTYPES, validate_qkv
+from .site import SiteSpec
+
+__all__ = ["sparse_attention", "precompile", "precompile_kernels", "PRECOMPILE_LENGTH"]
+
+
+def sparse_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None, config: Optional[SparseConfig] = None
+) -> Tensor:
+    """Causal attention through the configured sparse method, for code that calls attention itself.
+
+    SDPA-shaped: q ``(B, Hq, Nq, D)``, k and v ``(B, Hkv, Nk, D)`` with ``Hq`` a multiple of ``Hkv`` (GQA, never
+    repeated). Queries are the last ``Nq`` positions (``Nq < Nk`` is chunked prefill). Short sequences, decode
+    steps and anything the method cannot do run exact dense attention, as under the compiled backend; a
+    ``sparsity(...)`` block in force applies here too.
+    """
+    validate_qkv(q, k, v, who="sparse_attention", dtypes=SUPPORTED_DTYPES + (torch.float64,), empty_ok=True)
+    if config is not None and not isinstance(config, SparseConfig):
+        raise TypeError(f"sparse_attention: config must be a SparseConfig, got {type(config).__name__}")
+    if is_dtensor(q):  # tensor parallelism: the op's DTensor sharding rule runs each rank's heads (parallel.py)
+        register_dtensor_sharding()
+        spec = SiteSpec(EAGER_SITE, config or SparseConfig(), enable_gqa=True, queries_last=True)
+        return causal_attention(q, k, v, scale, spec.to_json())
+    return attend_eager(q, k, v, scale, config)
+
+
+# -- kernels compiled ahead of the first long prompt ---------------------------------------------------------------
+_PRECOMPILED: set = set()
+PRECOMPILE_LENGTH = 4096  # past every method's default block and segment: each kernel of the plan's path runs
+
+
+def _run_once(device, dtype, heads: int, kv_heads: int, head_dim: int, value_dim: int, length: int,
+              config: SparseConfig) -> bool:
+    """Run ``config``'s method once on random inputs of this specialisation (once per process); True if it ran."""
+    key = (str(device), dtype, heads, kv_heads, head_dim, value_dim, length, config.to_json())
+    if key in _PRECOMPILED:
+        return False
+    _PRECOMPILED.add(key)
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn((1, h, length, d), generator=generator, device=device, dtype=dtype)
+               for h, d in ((heads, head_dim), (kv_heads, head_dim), (kv_heads, value_dim)))
+    with torch.no_grad():
+        run_method(q, k, v, None, config)
+    return True
+
+
+def precompile_kernels(gm: torch.fx.GraphModule, config: SparseConfig) -> int:
+    """Run the configured method once on a short random problem of each rewritten site's dtype, head dims and GQA
+    group, on its GPU (the backend calls this after the rewrite). Kernels whose specialisation does not depend
+    on the length are then compiled with the graph, reported as compile time, instead of inside the first
+    prompt's attention. CPU graphs are left alone (the reference path compiles nothing). Returns how many ran."""
+    ran = 0
+    for node in gm.graph.find_nodes(op="call_function", target=OP):
+        q, k, v = (example_value(arg) for arg in node.args[:3])
+        if not all(isinstance(t, Tensor) and t.device.type == "cuda" for t in (q, k, v)):
+            continue
+        dims = (q.shape[1], k.shape[1], q.shape[-1], v.shape[-1])
+        if all(isinstance(d, int) for d in dims) and q.dtype in (torch.float16, torch.bfloat16):
+            ran += _run_once(q.device, q.dtype, *dims, PRECOMPILE_LENGTH, config)
+    return ran
+
+
+def precompile(max_len: int, *, methods=None, head_dim: int = 128, group: int = 4,
+               dtype: torch.dtype = torch.bfloat16, device=None, config: Optional[SparseConfig] = None) -> float:
+    """Compile every kernel a prompt of up to ``max_len`` tokens runs, ahead of time; returns the seconds it took.
+
+    The planning kernels are specialised by the power of two of the key tiles a row sees, so each doubling of the
+    length compiles new variants; on a first prompt of 512K-1M tokens that compile would land inside the call.
+    This runs each method (default: the configuration's) on one GQA group (``group`` query heads, one key/value
+    head) at every power-of-two length from 4096 to ``max_len``. Triton keeps compiled kernels in its on-disk
+    cache, so later processes on the machine load them instead of compiling: run it once per machine (and Triton
+    or package version), e.g. ``python -c "import sparse_compile; sparse_compile.precompile(1 << 20)"``.
+    """
+    if not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"precompile: max_len must be a positive int, got {max_len!r}")
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    if device.type != "cuda":
+        raise ValueError(f"precompile: kernels are compiled for a CUDA device, got {device}")
+    base = resolve(config or SparseConfig())
+    names = (base.method,) if methods is None else tuple(methods)
+    started = time.perf_counter()
+    length = PRECOMPILE_LENGTH
+    while True:
+        for name in names:
+            _run_once(device, dtype, group, 1, head_dim, head_dim, min(length, max_len), base.replace(method=name))
+        if length >= max_len:
+            break
+        length *= 2
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - started

@@ -1,0 +1,289 @@
+"""What one attention call runs: the rules, the break-even prediction, the method's plan and its execution, the
+record. Every entry (the compiled op, ``sparse_attention``, the transformers front door, Ulysses) ends here.
+
+Per call: ``rules.RUNTIME_RULES`` (the first that fails sends the call to dense attention, with its reason), then
+``breakeven.advise`` (where this site's last plan was too dense to win, dense without planning), then the method
+(``methods.build_plan``, ``methods.execute``), then dense attention if nothing ran, then one row in
+``runtime_stats()``. ``Outcome`` says what happened: the path, the reason, the density and whether the call only
+planned again for the break-even history.
+
+The mask forms of the op (``attend_site``): ``is_causal=True`` (SDPA's top-left alignment), a mask proven causal
+(queries at the last positions, optional key padding: ``attend_causal``), or a mask checked here at run time.
+A padded batch runs as groups of rows with the same valid keys (``attend_padded``, ``padding.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from . import report
+from .breakeven import HISTORY, advise
+from .config import SparseConfig
+from .context import resolve
+from .dense import QUERIES_LAST, DenseForm, run_dense
+from . import methods  # its stages looked up per call: tools and tests may wrap them
+from .methods import Unsupported
+from .padding import PaddingLayout, check_query_positions, padding_layout
+from .registry import method_spec
+from .rules import RUNTIME_RULES, CallInfo, first_failure
+from .runtime_mask import check_runtime_mask
+from .site import SiteSpec
+
+__all__ = ["Outcome", "DENSE", "SPARSE", "EAGER_SITE", "attend_site", "attend_eager", "attend_causal", "attend",
+           "attend_padded", "attempt", "run_method", "dense_reason", "capturing"]
+
+DENSE, SPARSE = "dense", "sparse"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one call (or one group of a padded call) ran.
+
+    ``output``: what the call returns. ``attempt`` and ``run_method`` leave it None where the method did not run (a
+    rule, break-even, the method declining, or a re-plan kept for the break-even history): dense attention then
+    fills it. ``density``: per query head, with
+    ``record_density``. ``replanned``: the call ran dense, but planned again so that the next call decides on a
+    fresh density."""
+
+    path: str
+    reason: str
+    output: Optional[Tensor] = None
+    density: Optional[list[float]] = None
+    replanned: bool = False
+
+
+# -- calibration: see what every call gets -------------------------------------------------------------------
+_CAPTURE: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar("sparse_compile_capture", default=None)
+
+
+@contextlib.contextmanager
+def capturing(callback: Callable) -> Iterator[None]:
+    """Inside the block, every causal attention problem the op (or ``sparse_attention``) decides on is passed to
+    ``callback(site, q, k, v, scale, chunked_allowed)`` first: one call per padded group, before any rule.
+    ``calibrate`` collects its samples so."""
+    token = _CAPTURE.set(callback)
+    try:
+        yield
+    finally:
+        _CAPTURE.reset(token)
+
+
+# -- the op's mask forms ---------------------------------------------------------------------------------------
+def attend_site(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], site: SiteSpec,
+                key_padding: Optional[Tensor] = None, query_positions: Optional[Tensor] = None,
+                runtime_mask: Optional[Tensor] = None) -> Tensor:
+    """One call of the op on whole sequences, in the form ``site`` says the replaced call had."""
+    config = resolve(site.config).for_site(site.site)
+    if runtime_mask is None and not site.queries_last:  # is_causal=True: SDPA aligns the queries top-left
+        return attend(q, k, v, scale, config, site.site, DenseForm(top_left=True, enable_gqa=site.enable_gqa))
+    keys = _keys_seen(site, q.shape, k.shape[-2], key_padding, query_positions, runtime_mask)
+    if keys.not_causal is not None:  # a mask checked at run time, not causal: the call as it was, with its mask
+        return attend(q, k, v, scale, config, site.site, DenseForm(enable_gqa=site.enable_gqa, mask=runtime_mask),
+                      dense_because=keys.not_causal)
+    if keys.count < k.shape[-2]:
+        k, v = k[:, :, :keys.count], v[:, :, :keys.count]
+    return attend_causal(q, k, v, scale, config, site.site, keys.layout, note=keys.note)
+
+
+@dataclass(frozen=True)
+class _Keys:
+    """What a call's mask says of its keys: causal over the first ``count``, valid where ``layout`` says (None:
+    all), ``note`` for the record; or, where a mask checked at run time is not causal, why (``not_causal``)."""
+
+    count: int
+    layout: Optional[PaddingLayout] = None
+    note: str = ""
+    not_causal: Optional[str] = None
+
+
+def _keys_seen(site: SiteSpec, q_shape, num_keys: int, key_padding: Optional[Tensor],
+               query_positions: Optional[Tensor], runtime_mask: Optional[Tensor]) -> _Keys:
+    if runtime_mask is not None:  # a graph input: its values checked here, once per forward pass
+        verdict = check_runtime_mask(runtime_mask, q_shape[0], q_shape[1], q_shape[-2], num_keys)
+        if not verdict.causal:
+            return _Keys(num_keys, not_causal=verdict.reason)
+        # keys past the last query's reach are masked for every row: not attended
+        return _Keys(verdict.num_keys, padding_layout(verdict.key_valid, verdict.num_keys), f"; {verdict.reason}")
+    if query_positions is not None:
+        check_query_positions(query_positions, q_shape[-2], num_keys)
+    layout = None if key_padding is None else padding_layout(key_padding, num_keys)
+    if site.binary_padding and layout is not None and not layout.binary:
+        raise ValueError(
+            f"sparse_compile ({site.site}): the attention_mask holds values other than 0 and 1; this model's traced "
+            "mask treats such values differently, and the rewrite proved it for 0/1 masks only. Pass a 0/1 mask."
+        )
+    return _Keys(num_keys, layout)
+
+
+EAGER_SITE = "sparse_attention"  # the site of calls that do not come through a compiled graph's op
+
+
+def attend_eager(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float],
+                 config: Optional[SparseConfig] = None) -> Tensor:
+    """``sparse_attention`` on plain tensors: causal, the queries at the last positions, at ``EAGER_SITE``."""
+    return attend_causal(q, k, v, scale, resolve(config or SparseConfig()).for_site(EAGER_SITE), EAGER_SITE)
+
+
+def attend_causal(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
+                  layout: Optional[PaddingLayout] = None, note: str = "") -> Tensor:
+    """Causal attention with the queries at the last positions, over the valid keys of ``layout`` (None: all)."""
+    if layout is None or layout.all_valid:
+        return attend(q, k, v, scale, config, site, QUERIES_LAST, chunked_allowed=True, note=note)
+    return attend_padded(q, k, v, scale, config, site, layout, note)
+
+
+# -- one call, decided, run and recorded ---------------------------------------------------------------------------
+def attend(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
+           dense: DenseForm = QUERIES_LAST, *, chunked_allowed: bool = False, note: str = "",
+           dense_because: Optional[str] = None) -> Tensor:
+    """Decide, run the method or the exact attention ``dense``, and record what happened at ``site`` (``note``
+    appended to the reason). ``dense_because``: the call runs ``dense`` for that reason, no rule asked."""
+    return _recorded(site, _run(q, k, v, scale, config, site, dense, chunked_allowed, dense_because), q.shape, note)
+
+
+def _run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
+         dense: DenseForm, chunked_allowed: bool, dense_because: Optional[str] = None) -> Outcome:
+    """``attempt`` (unless ``dense_because``), then ``dense`` where the method did not run: an outcome with its
+    output."""
+    if dense_because is None:
+        outcome = attempt(q, k, v, scale, config, site, chunked_allowed=chunked_allowed)
+    else:
+        outcome = Outcome(DENSE, dense_because)
+    if outcome.output is None:
+        outcome = dataclasses.replace(outcome, output=run_dense(q, k, v, scale, dense))
+    return outcome
+
+
+def _recorded(site: str, outcome: Outcome, shape, note: str = "") -> Tensor:
+    """``outcome``'s row in ``runtime_stats()``; returns its output."""
+    report.record_call(site, outcome.path, outcome.reason + note, tuple(shape), outcome.density)
+    return outcome.output
+
+
+def attend_padded(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
+                  layout: PaddingLayout, note: str = "") -> Tensor:
+    """Causal attention with key padding, queries at the last positions: each group of rows with the same valid
+    keys runs as an ordinary causal prefill over those keys (``padding.py``); padded query rows give zeros."""
+    offset = k.shape[-2] - q.shape[-2]  # absolute position of query row 0
+    out = torch.zeros_like(q)
+    outcomes = []
+    for group in layout.groups:
+        rows = group.row_selector()
+        if group.index is None:
+            lo = max(group.start, offset)
+            if group.end <= lo:
+                continue  # no valid query in these rows
+            queries = slice(lo - offset, group.end - offset)
+            keys = slice(group.start, group.end)
+        else:
+            keys = group.index
+            queries = keys[keys >= offset] - offset
+            if queries.numel() == 0:
+                continue
+        qg, kg, vg = q[rows][:, :, queries], k[rows][:, :, keys], v[rows][:, :, keys]
+        outcome = _run(qg, kg, vg, scale, config, site, QUERIES_LAST, True)
+        if isinstance(rows, slice):
+            out[rows, :, queries] = outcome.output
+        else:
+            for i, row in enumerate(rows):
+                out[row, :, queries] = outcome.output[i]
+        outcomes.append(outcome)
+    path = SPARSE if any(o.path == SPARSE for o in outcomes) else DENSE
+    distinct = sorted({o.reason for o in outcomes})
+    reason = f"{distinct[0] if len(distinct) == 1 else ' | '.join(distinct)} (padded batch: {layout.describe()})"
+    densities = [o.density for o in outcomes if o.density is not None]
+    density = [sum(col) / len(col) for col in zip(*densities)] if densities else None
+    return _recorded(site, Outcome(path, reason, out, density), q.shape, note)
+
+
+def dense_reason(q: Tensor, k: Tensor, v: Tensor, config: SparseConfig, site: str = "", *,
+                 chunked_allowed: bool = False, scale: Optional[float] = None) -> Optional[str]:
+    """Why ``rules.RUNTIME_RULES`` send this call to dense attention, or None (the method may run)."""
+    info = CallInfo(q, k, v, config, site, chunked_allowed, scale)
+    failed = first_failure(RUNTIME_RULES, info)
+    return None if failed is None else failed.reason(info)
+
+
+def attempt(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str, *,
+            chunked_allowed: bool = False) -> Outcome:
+    """The rules, then break-even, then the method: what one call runs (nothing recorded, no dense run)."""
+    capture = _CAPTURE.get()
+    if capture is not None:
+        capture(site, q, k, v, scale, chunked_allowed)
+    why = dense_reason(q, k, v, config, site, chunked_allowed=chunked_allowed, scale=scale)
+    if why is not None:
+        return Outcome(DENSE, why)
+    advice = advise(q, k, config, site)
+    if advice.dense_reason is not None and not advice.replan:
+        return Outcome(DENSE, advice.dense_reason)
+    outcome = run_method(q, k, v, scale, config, advice.history_key, plan_only=advice.replan)
+    if outcome.replanned:
+        return Outcome(DENSE, f"{advice.dense_reason}; {outcome.reason}", replanned=True)
+    return outcome
+
+
+# -- the method: plan, execute, remember the density ------------------------------------------------------------
+def _kernel_for(q: Tensor, config: SparseConfig) -> str:
+    if config.kernel != "auto":
+        return config.kernel
+    return "triton" if q.is_cuda else "reference"
+
+
+def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig,
+               history_key: Optional[tuple] = None, *, plan_only: bool = False) -> Outcome:
+    """Build the method's plan and execute it: a sparse ``Outcome`` with its output, or a dense one without (the
+    method declined: ``Unsupported``).
+
+    With a ``history_key`` the plan's density (visited tiles under early stop, which only running the plan tells:
+    ``plan_only`` then runs it all the same) is remembered for the break-even decision; ``plan_only`` builds the
+    plan for that alone (``Outcome.replanned``) and the caller runs dense.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    kernel = _kernel_for(q, config)
+    if kernel == "triton" and q.dtype == torch.float32 and q.is_cuda:
+        return Outcome(DENSE, "float32 on GPU: the Triton kernel runs bfloat16/float16; left dense")
+    try:
+        spec = method_spec(config.select_stage)
+        if plan_only and spec.decided_at_run_time(config.params_of(spec.name)):
+            # only running the plan tells its cost. One KV head's group is planned and run (1/Hkv of the
+            # selection's and the kernel's time, a different group at each re-plan); the whole call runs dense
+            q, k, v = _probe_group(q, k, v)
+        plan = methods.build_plan(q, k, scale, config)
+    except Unsupported as exc:
+        return Outcome(DENSE, f"method {config.method}: {exc}")
+    # a plan that decides at run time how many tiles it visits (early stop) tells its cost only by running: count
+    # the visits where the count is wanted; a re-plan runs only such plans
+    want_visits = config.record_density or (history_key is not None and plan.early_stop > 0)
+    out = visited = None
+    if not plan_only or plan.early_stop > 0:
+        result = methods.execute(q, k, v, plan, scale, config, kernel=kernel, return_visited=want_visits)
+        out, visited = result if want_visits else (result, None)
+    if history_key is not None:
+        HISTORY.remember(history_key, plan, config, q.shape[-2], k.shape[-2], visited)
+    if plan_only:
+        return Outcome(DENSE, "planned again, for the next call", replanned=True)
+    density = None
+    if config.record_density:
+        density = report.density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
+    return Outcome(SPARSE, f"method {config.method} ({kernel})", out, density)
+
+
+_PROBES = itertools.count()
+
+
+def _probe_group(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One KV head's group, a different one at each call (every method's plan is per head: the group's plan is
+    the same as the whole plan's slice)."""
+    heads_kv, group = k.shape[1], q.shape[1] // k.shape[1]
+    kv_head = next(_PROBES) % heads_kv
+    heads = slice(kv_head * group, (kv_head + 1) * group)
+    return q[:, heads], k[:, kv_head:kv_head + 1], v[:, kv_head:kv_head + 1]
