@@ -35,7 +35,7 @@ from sparse_compile.kernels.validate import expand_heads
 from sparse_compile.methods import Reordering, bfla, build_plan, pbs, s2o, sparge, stage_functions
 from sparse_compile.methods.fast_path import tile_grid
 from sparse_compile.plan import plan_density
-from sparse_compile.methods.tiles import diagonal_tiles, first_key_tile, visibility
+from sparse_compile.methods.tiles import diagonal_tiles, first_key_tile, local_tiles, visibility
 from sparse_compile.methods.scoring import (
     block_mean,
     block_self_similarity,
@@ -214,6 +214,8 @@ def reference_bounds(select, q, k, scale, r, config):
         forced = diagonal_tiles(vis, r, Nq, Nk, bs, bs)
         if p.keep_first_block:
             forced = forced | first_key_tile(r, Nk, bs, B, Hq, q.device)
+        if p.local_tiles:
+            forced = forced | local_tiles(vis, Nq, Nk, bs, bs, p.local_tiles)
         forced = forced & visible
         allowed = torch.clamp(torch.ceil(p.budget * visible.sum(-1, keepdim=True) - 1e-9), min=1)
         others = (visible & ~forced)[..., None, :]
