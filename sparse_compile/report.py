@@ -15,7 +15,7 @@ import torch
 
 from .plan import causal_tiles_per_block  # noqa: F401 (public here since before)
 
-__all__ = ["SiteRecord", "SiteRuntime", "runtime_stats", "reset_runtime_stats", "record_call", "register_plain_sdpa",
+__all__ = ["SiteRecord", "SiteRuntime", "RuntimeStats", "runtime_stats", "reset_runtime_stats", "record_call", "register_plain_sdpa",
            "record_plain_sdpa_calls", "density_from_visits", "causal_tiles_per_block", "PLAIN_SDPA"]
 
 PLAIN_SDPA = "dense"  # the path of a call of a site that a compiled graph kept as plain SDPA
@@ -93,17 +93,50 @@ def record_plain_sdpa_calls(calls: tuple) -> None:
                 entry.plain_sdpa += (reason,)
 
 
-def runtime_stats() -> dict[str, SiteRuntime]:
-    """A snapshot of the run-time log: site -> ``SiteRuntime``. Every attention site of every graph compiled by
-    ``sparse_prefill`` is there: a rewritten one from its first call, one the rewrite kept as plain SDPA (or
-    attention the graph computes by hand, without SDPA) from compile time on, with the reason in ``plain_sdpa`` and
-    its calls counted on the path ``"dense"``."""
+class RuntimeStats(dict):
+    """site -> ``SiteRuntime``, printed as a table: one row per site and path, with the calls, the mean density of
+    the sparse calls and the reason (the most frequent one where a path had several)."""
+
+    def __str__(self) -> str:
+        if not self:
+            return "runtime_stats: no attention call recorded"
+        rows, measured = [], False
+        for site, entry in self.items():
+            for i, path in enumerate(sorted({p for p, _ in entry.calls})):
+                by_reason = Counter({r: n for (p, r), n in entry.calls.items() if p == path})
+                reason, _ = by_reason.most_common(1)[0]
+                if len(by_reason) > 1:
+                    reason += f" (+{len(by_reason) - 1} other reasons)"
+                density = entry.mean_density if path == "sparse" else None
+                measured |= density is not None
+                rows.append((site if i == 0 else "", path, str(sum(by_reason.values())),
+                             "-" if density is None else f"{density:.3f}", reason))
+            if not entry.calls:
+                said = f"{PLAIN_SDPA_REASON}{entry.plain_sdpa[0]}" if entry.plain_sdpa else "no call yet"
+                rows.append((site, PLAIN_SDPA if entry.plain_sdpa else "-", "0", "-", said))
+        head = ("site", "path", "calls", "density", "reason")
+        widths = [max(len(r[i]) for r in rows + [head]) for i in range(4)]
+        lines = ["  ".join([c.ljust(widths[0]), c2.ljust(widths[1]), n.rjust(widths[2]), d.rjust(widths[3]), r])
+                 for c, c2, n, d, r in [head] + rows]
+        if not measured:
+            lines.append("density: not measured (SparseConfig(record_density=True) records it, one host sync per "
+                         "call)")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def runtime_stats() -> RuntimeStats:
+    """A snapshot of the run-time log: site -> ``SiteRuntime`` (a dict; ``print`` shows a table). Every attention site
+    of every graph compiled by ``sparse_prefill`` is there: a rewritten one from its first call, one the rewrite kept
+    as plain SDPA (or attention the graph computes by hand, without SDPA) from compile time on, with the reason in
+    ``plain_sdpa`` and its calls counted on the path ``"dense"``."""
     with _LOCK:
-        return {
+        return RuntimeStats({
             site: SiteRuntime(Counter(e.calls), e.last_shape, e.last_path, e.last_reason, e.density_sum,
                               e.density_count, list(e.last_density_per_head or []) or None, e.plain_sdpa)
             for site, e in _RUNTIME.items()
-        }
+        })
 
 
 def reset_runtime_stats() -> None:

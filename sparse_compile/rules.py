@@ -134,8 +134,11 @@ def _causal_form(call) -> Optional[str]:
     if not _is_const(call, "is_causal"):
         return "is_causal is not a constant"
     if mask is None:
-        return None if causal is True else ("not causal (is_causal=False) and no mask: encoder, cross-attention "
-                                            "or a decode step")
+        if causal is True:
+            return None
+        if isinstance(call.q.shape[-2], int) and call.q.shape[-2] == 1:
+            return "decode step (q_len == 1): one query attends to every key, dense"
+        return "not causal (is_causal=False) and no mask: encoder or cross-attention"
     if causal:
         return "attn_mask together with is_causal=True"
     if _concrete(call.q.shape[-2]) == 1 and isinstance(call.q.shape[-2], int):

@@ -24,12 +24,14 @@ import transformers first, or call ``enable_transformers_attention()``, before
   with the reason.
 
 A 2-D mask means "causal + padding" only when this module built it: each mask it returns is noted (by identity,
-weakly), so a mask from anywhere else is never mistaken for one. Under ``torch.compile`` both functions run
-eagerly (a graph break per call); a compiled model runs sparse through ``backend="sparse_prefill"`` instead.
+weakly), so a mask from anywhere else is never mistaken for one. Traced by ``torch.compile`` both are transformers'
+SDPA functions: with ``backend="sparse_prefill"`` the compiled graph runs sparse with the compile's options (one
+configuration in force); any other backend compiles plain SDPA.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 import sys
@@ -79,11 +81,22 @@ def _supported(version: Optional[str]) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _entry(function):
-    """``function`` as registered: under torch.compile it runs eagerly (a graph break), so its run-time decisions
-    and the notes on mask tensors see real tensors. transformers has imported Dynamo by then: no import cost. One
-    object per function, so registering again changes nothing."""
-    return torch.compiler.disable(function)
+def _entry(function, traced):
+    """``function`` as registered. Run eagerly it is ``function`` outside Dynamo's reach (a graph break under
+    torch.compile would run it with the front door's configuration, not the compile's options). Traced by torch.compile
+    it is ``traced``, transformers' own SDPA function: the compiled graph then holds plain SDPA calls, which
+    ``backend="sparse_prefill"`` rewrites with its own options (one configuration in force, site names the graph's)
+    and any other backend compiles as the ``"sdpa"`` implementation. One object per pair: registering again changes
+    nothing."""
+    eager = torch.compiler.disable(function)
+
+    @functools.wraps(function)
+    def entry(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return traced(*args, **kwargs)
+        return eager(*args, **kwargs)
+
+    return entry
 
 
 def register() -> bool:
@@ -92,11 +105,12 @@ def register() -> bool:
     enough; True if it did. Does nothing unless transformers is imported; registering again is harmless."""
     if not _supported(_installed_version()):
         return False
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
 
-    AttentionInterface.register(NAME, _entry(attention_forward))
-    AttentionMaskInterface.register(NAME, _entry(mask_forward))
+    AttentionInterface.register(NAME, _entry(attention_forward, sdpa_attention_forward))
+    AttentionMaskInterface.register(NAME, _entry(mask_forward, sdpa_mask))
     return True
 
 
@@ -142,6 +156,7 @@ def enable_transformers_attention(model=None, config: Optional[SparseConfig] = N
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"enable_transformers_attention(model=...): must be a transformers model (a "
                         f"torch.nn.Module), got {type(model).__name__}")
+    _own_configs(model)
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(NAME)
     else:
@@ -158,6 +173,17 @@ def enable_transformers_attention(model=None, config: Optional[SparseConfig] = N
         for module in model.modules():
             _CONFIGS[module] = config
     return model
+
+
+def _own_configs(model: torch.nn.Module) -> None:
+    """Give ``model`` copies of the transformers configurations its modules hold, so that switching its attention
+    implementation does not change a configuration object the caller passed in and may build other models from
+    (sharing between the model's modules kept: one copy per object)."""
+    memo: dict = {}
+    for module in model.modules():
+        held = module.__dict__.get("config")
+        if held is not None and type(held).__name__.endswith("Config") and hasattr(held, "_attn_implementation"):
+            module.config = copy.deepcopy(held, memo)
 
 
 def _name_modules(root: torch.nn.Module) -> None:

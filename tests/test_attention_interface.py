@@ -153,6 +153,31 @@ def test_set_attn_implementation_skip_layers_by_module_path():
 
 
 @needs_interface
+def test_front_door_and_torch_compile_run_the_compile_options():
+    """``enable_transformers_attention`` then ``torch.compile(backend="sparse_prefill", options=...)`` on one model:
+    the compiled graph holds SDPA, rewritten with the compile's options (the front door's ``min_seq_len`` would keep
+    these calls dense), sites named as the model names them; the transformers config the caller built the model
+    from keeps its attention implementation."""
+    T = transformers
+    user_config = T.LlamaConfig(**HEADS, **SIZES)
+    user_config._attn_implementation = "sdpa"
+    model = T.LlamaForCausalLM(user_config).eval()
+    ids = torch.randint(1, 128, (1, 40))
+    with torch.no_grad():
+        ref = model(ids).logits
+    sparse_compile.enable_transformers_attention(model, SparseConfig(min_seq_len=1 << 20))
+    assert model.config._attn_implementation == "sparse_prefill"
+    assert user_config._attn_implementation == "sdpa"  # a second model built from it is not switched
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="sparse_prefill", options=SparseConfig(**SMALL).keep_all())
+    with torch.no_grad():
+        out = compiled(ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert calls("sparse") == {site: 1 for site in attention_sites(model)}, sparse_compile.runtime_stats()
+    torch._dynamo.reset()
+
+
+@needs_interface
 def test_site_names_found_without_enable():
     """``set_attn_implementation`` alone: sites are named by module path, found from the model being called."""
     model = tiny("qwen2")

@@ -103,7 +103,7 @@ def test_decode_steps_and_skipped_layers_are_listed_not_warned():
     stats = sparse_compile.runtime_stats()
     assert len(stats) == 2 and all(s.plain_sdpa and s.last_path == "dense" for s in stats.values())
     reasons = sorted(s.plain_sdpa[0] for s in stats.values())
-    assert "skip_layers" in reasons[0] and NOT_CAUSAL in reasons[1]
+    assert "skip_layers" in reasons[1] and reasons[0].startswith("decode step (q_len == 1)")
 
 
 @pytest.fixture
@@ -302,3 +302,20 @@ def test_attention_computed_without_sdpa_is_found_in_aten_graphs():
     # aten-level: batch and heads flattened for bmm
     assert record.rule == SOFTCAP_RULE and not record.rewritten and record.q_shape == (4, 12, 16)
     assert find_eager_attention(heads) == []
+
+
+def test_runtime_stats_prints_a_table_with_density_or_how_to_get_it():
+    q = torch.randn(1, 2, 64, 16)
+    measured = SparseConfig(min_seq_len=16, record_density=True, sampled={"block_size": 16})
+    sparse_compile.sparse_attention(q, q, q, config=measured)
+    sparse_compile.sparse_attention(q[:, :, :8], q[:, :, :8], q[:, :, :8], config=measured)
+    lines = str(sparse_compile.runtime_stats()).splitlines()
+    assert lines[0].split() == ["site", "path", "calls", "density", "reason"]
+    dense, sparse = lines[1].split(maxsplit=4), lines[2].split(maxsplit=3)
+    assert dense[:4] == ["sparse_attention", "dense", "1", "-"] and "min_seq_len 16" in dense[4]
+    assert sparse[:2] == ["sparse", "1"] and 0 < float(sparse[2]) <= 1 and "method sampled" in sparse[3]
+    sparse_compile.reset_runtime_stats()
+    sparse_compile.sparse_attention(q, q, q, config=measured.replace(record_density=False))
+    assert "record_density=True" in repr(sparse_compile.runtime_stats()).splitlines()[-1]
+    sparse_compile.reset_runtime_stats()
+    assert str(sparse_compile.runtime_stats()) == "runtime_stats: no attention call recorded"
