@@ -82,6 +82,11 @@ def main() -> None:
                   f"{timing}")
     err = (logits - dense).norm() / dense.norm()
     print(f"relative error of last-token logits, sparse vs dense: {err:.2e} (layer 0 kept dense)")
+    # random weights attend almost uniformly, so every skipped tile held real weight: errors of 0.1-0.5 are expected
+    # here. Trained models concentrate attention; there the loss is what the README's method table measures.
+    print("(random weights: attention is nearly uniform, so a sparse plan drops real weight; expect 0.1-0.5 here,\n"
+          " far less on trained weights: see the README's method table)")
+    print(sparse_compile.runtime_stats())
 
 
 def generate(model, ids, method: str) -> None:
@@ -94,9 +99,7 @@ def generate(model, ids, method: str) -> None:
     with torch.no_grad():
         out = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     print("generated:", out[:, ids.shape[1]:].tolist())
-    for site, stats in sparse_compile.runtime_stats().items():
-        calls = {path: n for (path, _), n in stats.calls.items()}
-        print(f"{site}: {calls} (last: {stats.last_reason})")
+    print(sparse_compile.runtime_stats())
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,28 @@ def test_history_pattern_catches_what_it_should():
 
 def test_readme_is_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+def test_readme_method_table_is_what_the_stores_hold():
+    """The README's method table is generated from ``benchmarks/results``: it must equal what the stores give now."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "readme_tables.py"), "--check"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+
+
+def _paragraphs(markdown: str) -> list[str]:
+    """Paragraphs and list items of the prose (code blocks and the generated table left out)."""
+    prose = re.sub(r"^```.*?^```", "", markdown, flags=re.MULTILINE | re.DOTALL)
+    prose = re.sub(r"<!-- method table.*?<!-- end of method table -->", "", prose, flags=re.DOTALL)
+    return [block for block in re.split(r"\n\s*\n|\n(?=\* )", prose) if block.strip()]
+
+
+def test_speedups_in_the_readme_name_device_and_date():
+    """A speedup quoted in prose says where and when it was measured (the generated table's caption does so)."""
+    undated = [block.strip()[:120] for block in _paragraphs((ROOT / "README.md").read_text())
+               if re.search(r"\d×", block) and not (re.search(r"\bH[12]00\b", block)
+                                                    and re.search(r"20\d\d-\d\d-\d\d", block))]
+    assert undated == []
 
 
 def _anchors(markdown: str) -> set[str]:
