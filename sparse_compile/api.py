@@ -4,6 +4,7 @@ share of it, per compiled graph)."""
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections import OrderedDict
 from typing import Optional
@@ -36,6 +37,9 @@ def sparse_attention(
     validate_qkv(q, k, v, who="sparse_attention", dtypes=SUPPORTED_DTYPES + (torch.float64,), empty_ok=True)
     if config is not None and not isinstance(config, SparseConfig):
         raise TypeError(f"sparse_attention: config must be a SparseConfig, got {type(config).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"sparse_attention: scale must be a float or None (1/sqrt(head_dim)), got "
+                        f"{type(scale).__name__}")
     if is_dtensor(q):  # tensor parallelism: the op's DTensor sharding rule runs each rank's heads (parallel.py)
         register_dtensor_sharding()
         spec = SiteSpec(EAGER_SITE, config or SparseConfig(), enable_gqa=True, queries_last=True)
