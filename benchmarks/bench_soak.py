@@ -1,13 +1,15 @@
 """A day in a server: one compiled model serving many prefill calls of random lengths, methods and densities.
 
     python benchmarks/bench_soak.py                              # H100: 1,000 calls, 16K-128K, 2 layers (< 9 min)
-    python benchmarks/bench_soak.py --device cpu --calls 40 --lengths 64 96 160   # tiny, seconds
+    python benchmarks/bench_soak.py --device cpu --calls 40 --lengths 64 96 160   # tiny, about a minute
 
 The Llama-3.1-8B-shaped model of ``bench_e2e.py`` with ``--layers`` decoder layers (random bf16 weights; on the
 CPU its tiny smoke shape in float32), compiled once as users do (``torch.compile(model, backend="sparse_prefill",
 dynamic=True)``), serves ``--calls`` prefill calls: batch 1 or 2, the length drawn log-uniformly from
 ``--min-length``..``--max-length`` (or from ``--lengths``), and each call in its own ``sparse_compile.sparsity(...)``
-region: a random method with its density knob drawn from its range, or sparsity off (one call in ten).
+region: a random method with its density knob drawn from its range, or sparsity off (one call in ten). Calls stop
+being issued past ``--max-minutes`` (8.5: setup, Triton's first compiles and the calls within 9 minutes);
+``calls_made`` says how many ran.
 
 Recorded: the graphs Dynamo compiled after the warm-up (one call of each batch size; must be 0), the GPU memory
 high-water (allocated and reserved) at call 100 and at the end, the host's resident memory at both, the time per
@@ -92,6 +94,8 @@ def parse_args(argv=None):
     parser.add_argument("--lengths", type=int, nargs="*", help="draw from these lengths instead of the range")
     parser.add_argument("--max-batch", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-minutes", type=float, default=8.5,
+                        help="stop issuing calls past this wall time (setup included); the rows say how many ran")
     parser.add_argument("--name", default="soak")
     parser.add_argument("--out", default=None, help="the run's tables and the store go here")
     args = parser.parse_args(argv)
@@ -137,7 +141,7 @@ def main(argv=None) -> dict:
         return time.perf_counter() - started
 
     warm_lengths = args.lengths or [args.min_length]
-    started = time.perf_counter()
+    started = run_started = time.perf_counter()
     for batch in range(1, args.max_batch + 1):  # each batch-size bucket compiled once
         call(batch, min(warm_lengths), {})
     warmup_s = time.perf_counter() - started
@@ -148,11 +152,15 @@ def main(argv=None) -> dict:
 
     times: dict = {}
     at_mark: dict = {}
+    calls_made = 0
     for i in range(args.calls):
+        if time.perf_counter() - run_started > 60 * args.max_minutes:
+            break
+        calls_made += 1
         batch, length = rng.randint(1, args.max_batch), draw_length(rng, args)
         seconds = call(batch, length, draw_region(rng))
         times.setdefault(1 << int(math.log2(length)), []).append(seconds)
-        if i + 1 == min(MARK, args.calls):
+        if i + 1 == MARK or (i + 1 == args.calls and not at_mark):
             at_mark = {"rss_mib": rss_mib(), **gpu_memory(device)}
     stats = sparse_compile.runtime_stats()
     paths = {"sparse": 0, "dense": 0}
@@ -162,23 +170,25 @@ def main(argv=None) -> dict:
     layers = model.config.num_hidden_layers
     meta = {
         "device": torch.cuda.get_device_name() if not tiny else "cpu", "dtype": str(dtype), "layers": layers,
-        "calls": args.calls, "max_batch": args.max_batch, "seed": args.seed, "options": options,
+        "calls": args.calls, "calls_made": calls_made, "wall_s": time.perf_counter() - run_started,
+        "max_batch": args.max_batch, "seed": args.seed, "options": options,
         "lengths": args.lengths or [args.min_length, args.max_length], "warmup_s": warmup_s,
         "recompiles_after_warmup": counters["stats"]["unique_graphs"] - graphs_after_warmup,
-        "attention_calls_made": args.calls * layers, "sparse_calls": paths["sparse"], "dense_calls": paths["dense"],
+        "attention_calls_made": calls_made * layers, "sparse_calls": paths["sparse"], "dense_calls": paths["dense"],
         "history_entries": len(sparse_compile.breakeven.HISTORY),
-        f"at_call_{min(MARK, args.calls)}": at_mark, "at_end": {"rss_mib": rss_mib(), **gpu_memory(device)},
+        f"at_call_{min(MARK, calls_made)}": at_mark, "at_end": {"rss_mib": rss_mib(), **gpu_memory(device)},
     }
     rows = [{"bucket": bucket, "calls": len(ts), "p50_s": percentile(ts, 0.5), "p99_s": percentile(ts, 0.99),
              "layers": layers, "device": meta["device"]} for bucket, ts in sorted(times.items())]
     summary = {k: v for k, v in meta.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    summary.update({f"{when}.{k}": v for when in (f"at_call_{min(MARK, args.calls)}", "at_end")
+    summary.update({f"{when}.{k}": v for when in (f"at_call_{min(MARK, calls_made)}", "at_end")
                     for k, v in meta[when].items()})
     rows.append({"bucket": "all", "device": meta["device"], **summary})
     table = write_results(args.name, rows, meta=meta, out_dir=args.out, store="bench_soak",
                           params=("bucket", "layers", "calls", "max_batch", "seed"))
     print(table)
-    print({k: meta[k] for k in ("recompiles_after_warmup", "attention_calls_made", "sparse_calls", "dense_calls")})
+    print({k: meta[k] for k in ("calls_made", "wall_s", "recompiles_after_warmup", "attention_calls_made",
+                                "sparse_calls", "dense_calls")})
     return {"meta": meta, "rows": rows}
 
 

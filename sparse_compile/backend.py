@@ -236,6 +236,15 @@ _REMEDIES = {
 }
 
 _WARNED_LOCK = threading.Lock()
+
+
+def _reinit_lock() -> None:  # a child forked while another thread compiled must not wait for that lock
+    global _WARNED_LOCK
+    _WARNED_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_reinit_lock)
 # Dynamo frame id -> warnings given for its graphs (a recompile says nothing new); the least recently compiled
 # frame forgotten past WARNED_FRAMES (a frame compiled again after that may repeat its warning once)
 _WARNED: "OrderedDict[int, set]" = OrderedDict()

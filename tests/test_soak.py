@@ -16,7 +16,7 @@ from state_bounds import cache_sizes
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 CALLS = 10_000
-SPARSE_FROM = 96  # min_seq_len inside the sparse regions: the longer prompts run sparse
+SPARSE_FROM = 64  # min_seq_len inside the sparse regions: the longer prompts run sparse
 # regions switch every REGION_CALLS calls: dense, each method at two densities, and one whose min_seq_len leaves
 # every prompt dense, each short length with its own reason (the per-site reason cap is reached)
 REGION_CALLS = 250
@@ -60,9 +60,9 @@ def test_ten_thousand_calls_keep_every_cache_bounded_memory_flat_and_no_recompil
     model = tiny_model()
     compiled = torch.compile(model, backend="sparse_prefill", options=OPTIONS, dynamic=True)
     rng = random.Random(0)
-    # mostly short prompts (dense, cheap), one in eight long enough to run sparse in a sparse region
-    shapes = [(rng.randint(1, 4), rng.randint(SPARSE_FROM, 128) if rng.random() < 0.125 else rng.randint(2, 95))
-              for _ in range(CALLS)]
+    # mostly short prompts (dense, cheap), one in ten long enough to run sparse in a sparse region
+    shapes = [(rng.randint(1, 4), rng.randint(SPARSE_FROM, 90) if rng.random() < 0.1
+               else rng.randint(2, SPARSE_FROM - 1)) for _ in range(CALLS)]
     assert len(set(shapes)) >= 300
     buckets_seen, expected_sparse, warm_rss = set(), 0, None
     regions = [sparse_compile.sparsity(**region) for region in REGIONS]
@@ -86,7 +86,7 @@ def test_ten_thousand_calls_keep_every_cache_bounded_memory_flat_and_no_recompil
 
     (site, entry), = sparse_compile.runtime_stats().items()
     sparse = sum(n for (path, _), n in entry.calls.items() if path == "sparse")
-    assert sum(entry.calls.values()) == CALLS and sparse == expected_sparse > 500
+    assert sum(entry.calls.values()) == CALLS and sparse == expected_sparse > 400
     assert {reason.split(" (")[0] for (path, reason), n in entry.calls.items() if path == "sparse"} == {
         "method pbs", "method sparge"}
     assert any(reason == sparse_compile.report.OTHER_REASONS for _, reason in entry.calls)

@@ -14,7 +14,7 @@ from sparse_compile import breakeven, context, methods, padding, report
 from helpers import SMALL_PBS, random_qkv
 from state_bounds import cache_sizes
 
-pytestmark = pytest.mark.usefixtures("fresh_compile_state", "one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 OPTIONS = dict(SMALL_PBS, kernel="reference", planner="reference",
                sparge={"block_size_q": 16, "block_size_kv": 16}, bfla={"coarse_block_size": 32, "group_size": 8,
@@ -42,12 +42,17 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
 def tiny_compiled():
+    """One compiled model for the module (compiling is most of each test's time); no compiled code carried in
+    from other modules or out to them, as with ``fresh_compile_state``."""
     from models import ModelArgs, Transformer
 
+    torch._dynamo.reset()
     model = Transformer(ModelArgs(vocab_size=32, dim=32, n_layers=1, n_heads=2, n_kv_heads=1,
                                   intermediate_size=32)).eval()
-    return torch.compile(model, backend="sparse_prefill", options=OPTIONS, dynamic=True)
+    yield torch.compile(model, backend="sparse_prefill", options=OPTIONS, dynamic=True)
+    torch._dynamo.reset()
 
 
 def _inputs(count):
@@ -66,8 +71,8 @@ def _stats():
     return {site: dict(entry.calls) for site, entry in sparse_compile.runtime_stats().items()}
 
 
-def test_eight_threads_each_in_its_own_region_match_the_same_calls_run_serially(monkeypatch):
-    compiled = tiny_compiled()
+def test_eight_threads_each_in_its_own_region_match_the_same_calls_run_serially(monkeypatch, tiny_compiled):
+    compiled = tiny_compiled
     sparse_config = sparse_compile.SparseConfig.from_options(OPTIONS)
     inputs = [_inputs(CALLS) for _ in REGIONS]
     # no lock of the package is held while a kernel runs (the serial pass: nothing else could hold one)
@@ -138,8 +143,9 @@ def _nothing_half_updated(before):
 
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("out of memory: tried to allocate 2.00 GiB"),
                                    KeyboardInterrupt()], ids=["out_of_memory", "keyboard_interrupt"])
-def test_an_error_inside_the_sparse_op_reaches_the_caller_and_the_next_call_succeeds(monkeypatch, error):
-    compiled = tiny_compiled()
+def test_an_error_inside_the_sparse_op_reaches_the_caller_and_the_next_call_succeeds(monkeypatch, error,
+                                                                                     tiny_compiled):
+    compiled = tiny_compiled
     tokens = torch.randint(0, 32, (2, 64))
     q, k, v = random_qkv(1, 2, 1, 64, 64, 16)
     config = sparse_compile.SparseConfig.from_options(OPTIONS)
@@ -161,10 +167,10 @@ def test_an_error_inside_the_sparse_op_reaches_the_caller_and_the_next_call_succ
     assert sum(after["layers.0.attention"].values()) == 2 and sum(after["sparse_attention"].values()) == 2
 
 
-def test_a_kernel_that_fails_to_compile_runs_the_call_dense_with_the_reason(monkeypatch):
+def test_a_kernel_that_fails_to_compile_runs_the_call_dense_with_the_reason(monkeypatch, tiny_compiled):
     from triton.compiler.errors import CompilationError
 
-    compiled = tiny_compiled()
+    compiled = tiny_compiled
     tokens = torch.randint(0, 32, (2, 64))
     q, k, v = random_qkv(1, 2, 1, 64, 64, 16)
     config = sparse_compile.SparseConfig.from_options(OPTIONS)
@@ -185,8 +191,8 @@ def test_a_kernel_that_fails_to_compile_runs_the_call_dense_with_the_reason(monk
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
-def test_a_process_forked_after_the_first_call_works_even_with_a_lock_held_at_the_fork():
-    compiled = tiny_compiled()
+def test_a_process_forked_after_the_first_call_works_even_with_a_lock_held_at_the_fork(tiny_compiled):
+    compiled = tiny_compiled
     tokens = torch.randint(0, 32, (2, 64))
     q, k, v = random_qkv(1, 2, 1, 64, 64, 16)
     config = sparse_compile.SparseConfig.from_options(OPTIONS)
