@@ -82,7 +82,7 @@ def test_ten_thousand_calls_keep_every_cache_bounded_memory_flat_and_no_recompil
                 warm_rss = rss_bytes()
     gc.collect()
     grown = rss_bytes() - warm_rss
-    assert grown < 24 << 20, f"resident memory grew {grown / 2**20:.1f} MiB over the last {CALLS - 2000} calls"
+    assert grown < 8 << 20, f"resident memory grew {grown / 2**20:.1f} MiB over the last {CALLS - 2000} calls"
 
     (site, entry), = sparse_compile.runtime_stats().items()
     sparse = sum(n for (path, _), n in entry.calls.items() if path == "sparse")
