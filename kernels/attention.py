@@ -82,7 +82,8 @@ try:  # host-side tensor descriptors (TMA) exist from Triton 3.4
 except ImportError:  # pragma: no cover - older Triton: pointer path only
     TensorDescriptor = None
 
-__all__ = ["block_sparse_attention", "KernelConfig", "default_config", "reads_keys_in_place"]
+__all__ = ["block_sparse_attention", "KernelConfig", "default_config", "reads_keys_in_place",
+           "is_triton_compile_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -605,6 +606,14 @@ try:  # what a failing Triton/Gluon compile raises (CompilationError, OutOfResou
     from triton.errors import TritonError as _TritonError
 except ImportError:  # pragma: no cover - older Triton
     from triton.compiler.errors import CompilationError as _TritonError
+
+
+def is_triton_compile_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a Triton kernel failing to compile (Triton's compile errors, out of resources, ptxas, an
+    MLIR pass failure): the call can run dense instead. Out of memory and every other error are not."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return False
+    return isinstance(exc, _TritonError) or (isinstance(exc, RuntimeError) and "PassManager" in str(exc))
 
 
 def is_compile_failure(exc: BaseException) -> bool:

@@ -52,6 +52,12 @@ def validate_qkv(q, k, v, *, who: str, dtypes: tuple = SUPPORTED_DTYPES, empty_o
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        # sparse, nested and other layouts fail deep inside with messages that name no argument
+        if t.is_nested or t.layout != torch.strided:
+            layout = "nested" if t.is_nested else str(t.layout).replace("torch.", "")
+            how = "torch.nested.to_padded_tensor" if t.is_nested else ".to_dense()"
+            raise ValueError(f"{who}: {name} must be a dense (strided) tensor, got a {layout} one; convert it with "
+                             f"{how}")
         if t.dim() != 4:
             raise ValueError(f"{who}: {name} must be 4-D (batch, heads, seq_len, head_dim), got shape "
                              f"{tuple(t.shape)}")
@@ -61,7 +67,7 @@ def validate_qkv(q, k, v, *, who: str, dtypes: tuple = SUPPORTED_DTYPES, empty_o
         raise ValueError(f"{who}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise ValueError(f"{who}: unsupported dtype {q.dtype}; use {names}")
+        raise ValueError(f"{who}: q, k, v: unsupported dtype {q.dtype}; use {names}")
     if k.shape != v.shape:
         raise ValueError(f"{who}: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     batch, heads_q, num_queries, dim = q.shape
@@ -73,7 +79,8 @@ def validate_qkv(q, k, v, *, who: str, dtypes: tuple = SUPPORTED_DTYPES, empty_o
     if (dim == 0 or heads_q == 0 or heads_kv == 0) and not empty_ok:
         raise ValueError(f"{who}: empty head dimension: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if heads_kv and heads_q % heads_kv or (heads_q and not heads_kv):
-        raise ValueError(f"{who}: query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
+        raise ValueError(f"{who}: q's heads ({heads_q}) must be a multiple of key/value heads ({heads_kv}, k's "
+                         "and v's)")
     if num_queries > num_keys and not longer_queries_ok:
         raise ValueError(f"{who}: q_len {num_queries} > kv_len {num_keys}; queries are the last q_len positions")
     if num_queries == 0 and not empty_ok:

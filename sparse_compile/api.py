@@ -4,7 +4,9 @@ share of it, per compiled graph)."""
 
 from __future__ import annotations
 
+import numbers
 import time
+from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -19,7 +21,7 @@ from .pipeline import EAGER_SITE, attend_eager, run_method
 from .rules import SUPPORTED_DTYPES, validate_qkv
 from .site import SiteSpec
 
-__all__ = ["sparse_attention", "precompile", "precompile_kernels", "PRECOMPILE_LENGTH"]
+__all__ = ["sparse_attention", "precompile", "precompile_kernels", "PRECOMPILE_LENGTH", "PRECOMPILED_ENTRIES"]
 
 
 def sparse_attention(
@@ -35,6 +37,9 @@ def sparse_attention(
     validate_qkv(q, k, v, who="sparse_attention", dtypes=SUPPORTED_DTYPES + (torch.float64,), empty_ok=True)
     if config is not None and not isinstance(config, SparseConfig):
         raise TypeError(f"sparse_attention: config must be a SparseConfig, got {type(config).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"sparse_attention: scale must be a float or None (1/sqrt(head_dim)), got "
+                        f"{type(scale).__name__}")
     if is_dtensor(q):  # tensor parallelism: the op's DTensor sharding rule runs each rank's heads (parallel.py)
         register_dtensor_sharding()
         spec = SiteSpec(EAGER_SITE, config or SparseConfig(), enable_gqa=True, queries_last=True)
@@ -43,7 +48,10 @@ def sparse_attention(
 
 
 # -- kernels compiled ahead of the first long prompt ---------------------------------------------------------------
-_PRECOMPILED: set = set()
+# the specialisations already run (device, dtype, heads, dims, length, configuration): one each per process,
+# least recently used dropped past PRECOMPILED_ENTRIES (running one again costs a short call, never a wrong result)
+_PRECOMPILED: OrderedDict = OrderedDict()
+PRECOMPILED_ENTRIES = 256
 PRECOMPILE_LENGTH = 4096  # past every method's default block and segment: each kernel of the plan's path runs
 
 
@@ -52,8 +60,11 @@ def _run_once(device, dtype, heads: int, kv_heads: int, head_dim: int, value_dim
     """Run ``config``'s method once on random inputs of this specialisation (once per process); True if it ran."""
     key = (str(device), dtype, heads, kv_heads, head_dim, value_dim, length, config.to_json())
     if key in _PRECOMPILED:
+        _PRECOMPILED.move_to_end(key)
         return False
-    _PRECOMPILED.add(key)
+    _PRECOMPILED[key] = None
+    while len(_PRECOMPILED) > PRECOMPILED_ENTRIES:
+        _PRECOMPILED.popitem(last=False)
     generator = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn((1, h, length, d), generator=generator, device=device, dtype=dtype)
                for h, d in ((heads, head_dim), (kv_heads, head_dim), (kv_heads, value_dim)))

@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import warnings
+from collections import OrderedDict
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -235,7 +236,19 @@ _REMEDIES = {
 }
 
 _WARNED_LOCK = threading.Lock()
-_WARNED: dict[int, set] = {}  # Dynamo frame id -> warnings given for its graphs (a recompile says nothing new)
+
+
+def _reinit_lock() -> None:  # a child forked while another thread compiled must not wait for that lock
+    global _WARNED_LOCK
+    _WARNED_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_reinit_lock)
+# Dynamo frame id -> warnings given for its graphs (a recompile says nothing new); the least recently compiled
+# frame forgotten past WARNED_FRAMES (a frame compiled again after that may repeat its warning once)
+_WARNED: "OrderedDict[int, set]" = OrderedDict()
+WARNED_FRAMES = 256
 
 
 def _compile_id(gm: fx.GraphModule):
@@ -259,6 +272,9 @@ def _first_time(gm: fx.GraphModule, message: Any) -> bool:
         if cid.frame_compile_id == 0:  # a frame's first compile (frame ids restart after torch._dynamo.reset())
             _WARNED.pop(cid.frame_id, None)
         given = _WARNED.setdefault(cid.frame_id, set())
+        _WARNED.move_to_end(cid.frame_id)
+        while len(_WARNED) > WARNED_FRAMES:
+            _WARNED.popitem(last=False)
         if message in given:
             return False
         given.add(message)

@@ -28,7 +28,9 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -38,11 +40,15 @@ import torch
 from .plan import causal_tile_count
 
 __all__ = ["Advice", "advise", "plan_shape", "break_even_density", "lowest_density", "has_table", "DensityHistory",
-           "HISTORY", "MARGIN", "PROBE_EVERY", "PROBE_MAX", "load_tables"]
+           "HISTORY", "MARGIN", "PROBE_EVERY", "PROBE_MAX", "HISTORY_ENTRIES", "HISTORY_CONFIGS", "load_tables"]
 
 MARGIN = 0.05  # the predicted gain the sparse path needs (BFLA / SpargeAttn at 128K, density 1: 1.02-1.03x)
 PROBE_EVERY = 16  # dense calls before the first re-plan at a site that runs dense
 PROBE_MAX = 256  # the interval doubles while re-plans stay too dense, up to this
+# DensityHistory's bounds: (site, configuration, batch, heads, length bucket) entries, and configurations (regions
+# switching density make one each); ~200 bytes an entry
+HISTORY_ENTRIES = 4096
+HISTORY_CONFIGS = 256
 TABLE_FILE = Path(__file__).with_name("breakeven_tables.json")
 
 
@@ -138,10 +144,40 @@ class _Entry:
 class DensityHistory:
     """Per (site, configuration, length bucket): the density of the last plan, read back without a sync."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_entries: int = HISTORY_ENTRIES, max_configs: int = HISTORY_CONFIGS) -> None:
+        if max_entries < 1 or max_configs < 1:
+            raise ValueError(f"DensityHistory: max_entries and max_configs must be >= 1, got {max_entries}, "
+                             f"{max_configs}")
+        self.max_entries, self.max_configs = max_entries, max_configs
         self._lock = threading.Lock()
-        self._entries: dict = {}
-        self._shapes: dict = {}  # configuration -> the shape of its last plan (the same at every site)
+        # least recently used first: keys hold batch sizes and region configurations, as many as the inputs have
+        self._entries: OrderedDict = OrderedDict()
+        self._shapes: OrderedDict = OrderedDict()  # configuration -> the shape of its last plan (every site's)
+        if hasattr(os, "register_at_fork"):  # a child forked while another thread held the lock: a fresh one
+            os.register_at_fork(after_in_child=self._reinit_lock)
+
+    def _reinit_lock(self) -> None:
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def configs_held(self) -> int:
+        return len(self._shapes)
+
+    def _entry(self, key, create: bool) -> Optional["_Entry"]:
+        """The entry at ``key``, now the most recently used (created if ``create``; the least recently used one
+        dropped past ``max_entries``: that site and length plans again on its next call). Under the lock."""
+        entry = self._entries.get(key)
+        if entry is None:
+            if not create:
+                return None
+            entry = self._entries[key] = _Entry()
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        return entry
 
     @staticmethod
     def key(site: str, config, q: torch.Tensor, k: torch.Tensor) -> tuple:
@@ -151,7 +187,7 @@ class DensityHistory:
     def prediction(self, key) -> Optional[tuple[float, str]]:
         """(density, plan shape) of the last plan at ``key`` once known, else None."""
         with self._lock:
-            entry = self._entries.get(key)
+            entry = self._entry(key, create=False)
             if entry is None:
                 return None
             if entry.pending is not None:
@@ -166,12 +202,12 @@ class DensityHistory:
     def shape_of(self, config) -> Optional[str]:
         """The plan shape ``config`` produced last anywhere, before this site has planned itself."""
         with self._lock:
-            return self._shapes.get(config)
+            return self._shapes.get(config)  # read only: recency is what record() sets
 
     def should_probe(self, key) -> bool:
         """Count one more dense call at ``key``; True when it is time to plan again (the next wait doubles)."""
         with self._lock:
-            entry = self._entries.setdefault(key, _Entry())
+            entry = self._entry(key, create=True)
             entry.dense_calls += 1
             if entry.dense_calls < entry.interval:
                 return False
@@ -181,7 +217,7 @@ class DensityHistory:
     def went_sparse(self, key) -> None:
         """The last plan at ``key`` was sparse enough: re-plan soon again if the site turns dense."""
         with self._lock:
-            entry = self._entries.get(key)
+            entry = self._entry(key, create=False)
             if entry is not None:
                 entry.interval = PROBE_EVERY
 
@@ -202,10 +238,13 @@ class DensityHistory:
         else:
             host, event = density, None
         with self._lock:
-            entry = self._entries.setdefault(key, _Entry())
+            entry = self._entry(key, create=True)
             entry.pending, entry.shape, entry.dense_calls = (host, event), shape, 0
             if config is not None:
                 self._shapes[config] = shape
+                self._shapes.move_to_end(config)
+                while len(self._shapes) > self.max_configs:
+                    self._shapes.popitem(last=False)
 
     def clear(self) -> None:
         with self._lock:

@@ -258,15 +258,20 @@ def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
             # selection's and the kernel's time, a different group at each re-plan); the whole call runs dense
             q, k, v = _probe_group(q, k, v)
         plan = methods.build_plan(q, k, scale, config)
+        # a plan that decides at run time how many tiles it visits (early stop) tells its cost only by running:
+        # count the visits where the count is wanted; a re-plan runs only such plans
+        want_visits = config.record_density or (history_key is not None and plan.early_stop > 0)
+        out = visited = None
+        if not plan_only or plan.early_stop > 0:
+            result = methods.execute(q, k, v, plan, scale, config, kernel=kernel, return_visited=want_visits)
+            out, visited = result if want_visits else (result, None)
     except Unsupported as exc:
         return Outcome(DENSE, f"method {config.method}: {exc}")
-    # a plan that decides at run time how many tiles it visits (early stop) tells its cost only by running: count
-    # the visits where the count is wanted; a re-plan runs only such plans
-    want_visits = config.record_density or (history_key is not None and plan.early_stop > 0)
-    out = visited = None
-    if not plan_only or plan.early_stop > 0:
-        result = methods.execute(q, k, v, plan, scale, config, kernel=kernel, return_visited=want_visits)
-        out, visited = result if want_visits else (result, None)
+    except Exception as exc:  # out of memory, a device fault, a bug: the caller's; a failed kernel compile: dense
+        failure = _compile_failure(exc)
+        if failure is None:
+            raise
+        return Outcome(DENSE, f"method {config.method}: {failure}; left dense")
     if history_key is not None:
         HISTORY.remember(history_key, plan, config, q.shape[-2], k.shape[-2], visited)
     if plan_only:
@@ -275,6 +280,19 @@ def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
     if config.record_density:
         density = report.density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
     return Outcome(SPARSE, f"method {config.method} ({kernel})", out, density)
+
+
+def _compile_failure(exc: Exception) -> Optional[str]:
+    """What a Triton kernel's failed compile said, or None where ``exc`` is no such failure. Nothing of the call
+    was recorded yet, so dense attention takes it whole; the next call tries the compile again."""
+    try:
+        from .kernels.attention import is_triton_compile_failure
+    except ImportError:  # no Triton: no Triton compile could have failed
+        return None
+    if not is_triton_compile_failure(exc):
+        return None
+    said = (str(exc).strip().splitlines() or [""])[-1][:300]
+    return f"a Triton kernel failed to compile ({type(exc).__name__}: {said})"
 
 
 _PROBES = itertools.count()

@@ -6,6 +6,7 @@ thread-safe log (``runtime_stats()``). Both also go to the ``sparse_compile`` lo
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -16,7 +17,8 @@ import torch
 from .plan import causal_tiles_per_block  # noqa: F401 (public here since before)
 
 __all__ = ["SiteRecord", "SiteRuntime", "RuntimeStats", "runtime_stats", "reset_runtime_stats", "record_call", "register_plain_sdpa",
-           "record_plain_sdpa_calls", "density_from_visits", "causal_tiles_per_block", "PLAIN_SDPA"]
+           "record_plain_sdpa_calls", "density_from_visits", "causal_tiles_per_block", "PLAIN_SDPA",
+           "MAX_REASONS_PER_PATH", "OTHER_REASONS"]
 
 PLAIN_SDPA = "dense"  # the path of a call of a site that a compiled graph kept as plain SDPA
 PLAIN_SDPA_REASON = "kept as plain SDPA at compile time: "  # and the start of its reason
@@ -59,12 +61,35 @@ class SiteRuntime:
 
 _LOCK = threading.Lock()
 _RUNTIME: dict[str, SiteRuntime] = {}
+# Reasons name sizes ("q_len 37 < min_seq_len 64", a padded batch's rows): a site sees as many as its inputs have
+# lengths. Past this many distinct reasons on one path (sparse, dense), a site counts further new reasons of that
+# path under OTHER_REASONS: the counts stay exact, the memory bounded, and one path's many reasons never hide
+# another path's few.
+MAX_REASONS_PER_PATH = 32
+OTHER_REASONS = f"other reasons (past the first {MAX_REASONS_PER_PATH} distinct ones; last_reason: the latest)"
+
+
+def _count(entry: SiteRuntime, path: str, reason: str) -> None:
+    key = (path, reason)
+    if key not in entry.calls and sum(p == path for p, _ in entry.calls) >= MAX_REASONS_PER_PATH:
+        key = (path, OTHER_REASONS)
+    entry.calls[key] += 1
+
+
+def _reinit_lock() -> None:
+    # a child forked while another thread held the lock would wait for it forever
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_reinit_lock)
 
 
 def record_call(site: str, path: str, reason: str, shape: tuple, density: Optional[list[float]] = None) -> None:
     with _LOCK:
         entry = _RUNTIME.setdefault(site, SiteRuntime())
-        entry.calls[(path, reason)] += 1
+        _count(entry, path, reason)
         entry.last_shape, entry.last_path, entry.last_reason = shape, path, reason
         if density is not None:
             entry.last_density_per_head = density
@@ -87,7 +112,7 @@ def record_plain_sdpa_calls(calls: tuple) -> None:
     with _LOCK:
         for site, reason, shape, said in calls:
             entry = _RUNTIME.setdefault(site, SiteRuntime())
-            entry.calls[(PLAIN_SDPA, said)] += 1
+            _count(entry, PLAIN_SDPA, said)
             entry.last_shape, entry.last_path, entry.last_reason = shape, PLAIN_SDPA, said
             if reason not in entry.plain_sdpa:  # registered before a reset_runtime_stats()
                 entry.plain_sdpa += (reason,)

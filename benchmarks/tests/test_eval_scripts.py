@@ -199,3 +199,24 @@ def test_alternating_samples_shuffle_each_round_but_time_every_contender_each_ro
     assert len(followers_of_a) > 1
     alternating_samples(contenders, 6, warmup=1)
     assert calls[len(calls) // 2:] == calls[:len(calls) // 2]  # seeded: the same orders every time
+
+
+def test_soak_benchmark_tiny_on_the_cpu(tmp_path, fresh_compile_state):
+    # bench_soak.py as the GPU runs it, tiny: calls in random regions counted against runtime_stats(), no recompile
+    # after the warm-up, memory and per-bucket times recorded, rows in the store under --out
+    soak = importlib.import_module("bench_soak")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = soak.main(["--device", "cpu", "--calls", "4", "--layers", "1", "--max-batch", "1",
+                            "--lengths", "40", "72", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    meta = result["meta"]
+    assert meta["recompiles_after_warmup"] == 0
+    assert meta["sparse_calls"] + meta["dense_calls"] == meta["attention_calls_made"] == 4
+    assert meta["at_call_4"]["rss_mib"] > 0 and meta["at_end"]["rss_mib"] > 0
+    buckets = {r["bucket"] for r in result["rows"]}
+    assert "all" in buckets and buckets - {"all"} <= {32, 64}
+    stored = [json.loads(line) for line in (tmp_path / "bench_soak.jsonl").read_text().splitlines()]
+    assert {"p50_s", "p99_s", "recompiles_after_warmup", "sparse_calls"} <= {r["metric"] for r in stored}
