@@ -38,7 +38,7 @@ SMALL = dict(
     sparge=SpargeParams(block_size_q=32, block_size_kv=16),
     bfla=BFLAParams(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16, local_tiles=1, stride=4),
     s2o=S2OParams(segment_size=64, block_size_q=16, block_size_kv=16),
-    # tiny prompts: local tiles and the exact tail would cover most of them (tests of their own below)
+    # tiny prompts: local tiles and the exact tail would cover most of them (tests of their own: test_tail_and_local.py)
     sampled=SampledParams(block_size=16, sample_every=4, budget=0.3, local_tiles=0, exact_tail_blocks=0),
     peak=PeakParams(block_size=16, sample_every=4, budget=0.3, local_tiles=0, exact_tail_blocks=0),
 )
