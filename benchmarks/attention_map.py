@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
+import lm_corpus  # noqa: E402
 import quality_data  # noqa: E402
 from quality_eval import SMOKE_OPTIONS  # noqa: E402
 import train_small_lm as tsl  # noqa: E402
@@ -157,8 +158,8 @@ def main(argv=None) -> dict:
     kernel = args.kernel  # execute_plan: "auto" is the Triton kernel on CUDA, the reference otherwise
 
     model, ckpt = tsl.load_checkpoint(args.checkpoint, device, dtype)
-    manifest = tsl.build_corpus(0).manifest if args.local_heldout else quality_data.ckpt_manifest(args.checkpoint)
-    doc = tsl.heldout_documents(manifest, length, 1, verify=not args.no_verify)[0]
+    manifest = lm_corpus.build_corpus(0).manifest if args.local_heldout else quality_data.ckpt_manifest(args.checkpoint)
+    doc = lm_corpus.heldout_documents(manifest, length, 1, verify=not args.no_verify)[0]
     tokens = torch.frombuffer(bytearray(doc["data"][:length]), dtype=torch.uint8).long()[None].to(device)
     captured: list = []
     with torch.no_grad(), quality_data.capture_attention_inputs(captured):

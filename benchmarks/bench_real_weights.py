@@ -25,8 +25,8 @@ options=..., dynamic=True)``, ``min_seq_len=1024``, ``dense_when_faster=False`` 
 * ``dense``: sparsity off;
 * ``<method>``: every registered method at its defaults;
 * ``<method>@ρ`` (``--densities``): the method's density knob (its registry entry) bisected so that its plans keep
-  about ρ of the causal tiles on average over the layers of the first passkey instance (``bench_e2e.calibrate``,
-  as ``bench_retrieval.py`` does);
+  about ρ of the causal tiles on average over the layers of the first passkey instance
+  (``density_calibration.calibrate``, as ``bench_retrieval.py`` does);
 * ``<default method>-calibrated@e`` (``--calibrate-errors``): ``sparse_compile.calibrate(model, sample,
   target_error=e)`` on the first passkey instance, one knob per layer.
 
@@ -73,7 +73,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparse_compile  # noqa: E402
-from bench_e2e import calibrate as calibrate_density, method_spec, split_spec  # noqa: E402
+from density_calibration import calibrate as calibrate_density, method_spec, split_spec  # noqa: E402
 from bench_retrieval import KNOB_STEPS, base_config  # noqa: E402
 from harness import RESULTS_DIR, RUNS_DIR, append_store, format_table, read_store, write_results  # noqa: E402
 from real_weights_tasks import (CODE_SOURCE, DEPTH_BINS, NLL_KINDS, PROMPT_STYLES, PROSE_SOURCE, TASKS,  # noqa: E402

@@ -64,7 +64,7 @@ from sparse_compile.pipeline import capturing  # noqa: E402
 import retrieval_families as rf  # noqa: E402
 import retrieval_tasks as rt  # noqa: E402
 import train_small_lm as tsl  # noqa: E402
-from bench_e2e import calibrate  # noqa: E402
+from density_calibration import calibrate  # noqa: E402
 from harness import RUNS_DIR, format_table, read_store, write_results  # noqa: E402
 
 # bisection steps of a density knob: on a model with concentrated attention, mass thresholds must come within 1e-4

@@ -33,8 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparse_compile  # noqa: E402
-from bench_e2e import (METHODS, build_model, capture_qkv, compile_contenders,  # noqa: E402
-                       sync, ttft)
+from density_calibration import METHODS  # noqa: E402
+from e2e_model import build_model, capture_qkv, compile_contenders, sync, ttft  # noqa: E402
 from harness import RUNS_DIR, time_ms, write_results  # noqa: E402
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_small_lm as tsl  # noqa: E402
+import lm_corpus  # noqa: E402
 
 __all__ = ["ckpt_manifest", "load_documents", "sdpa_replaced", "capture_attention_inputs"]
 
@@ -28,7 +28,7 @@ def load_documents(manifest: dict, lengths: list[int], counts: list[int], verify
     """For each prompt length L: ``count`` distinct held-out files of >= L bytes, their first L bytes."""
     docs, used = {}, set()
     for length, count in sorted(zip(lengths, counts), reverse=True):  # the scarce long files first
-        entries = tsl.heldout_documents(manifest, length, count, exclude=used, verify=verify)
+        entries = lm_corpus.heldout_documents(manifest, length, count, exclude=used, verify=verify)
         used.update(e["path"] for e in entries)
         tokens = torch.stack([torch.frombuffer(bytearray(e["data"][:length]), dtype=torch.uint8) for e in entries])
         docs[length] = {"paths": [e["path"] for e in entries], "tokens": tokens.long()}

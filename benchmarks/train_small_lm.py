@@ -32,16 +32,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import importlib.util
 import json
 import math
-import os
 import platform
 import sys
-import sysconfig
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -49,227 +45,12 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # retrieval_tasks, when imported from elsewhere
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # lm_*.py and retrieval_tasks, when imported from elsewhere
 DEFAULT_CHECKPOINT = REPO / "benchmarks" / "checkpoints" / "small_lm.pt"
 
-# --- corpus -------------------------------------------------------------------------------------------------
-ROOT_NAMES = ("stdlib", "purelib", "platlib")
-EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}  # nested package dirs are walked as their own root
-MIN_FILE_BYTES = 256  # stubs and empty __init__.py teach nothing
-MAX_FILE_BYTES = 1 << 20  # generated tables (unicode data, big test vectors) would dominate the byte count
-HELDOUT_PER_MILLE = 30
-LONG_DOC_BYTES = 8192  # held-out documents used for evaluation are at least this long
-MANIFEST_LONG_FILES = 512  # how many long held-out files the manifest lists (more than any evaluation uses)
-DOC_SEPARATOR = 0  # byte 0 never occurs in source text: it marks document boundaries in the training stream
-
-SPLIT_RULE = (
-    f"*.py files of sysconfig stdlib/purelib/platlib (dirs {sorted(EXCLUDED_DIRS)} skipped, symlinks skipped), "
-    f"{MIN_FILE_BYTES} <= size <= {MAX_FILE_BYTES} bytes; relative path = '<root name>/<path under root>'; "
-    f"held out iff int.from_bytes(sha1(relpath)[:8], 'big') % 1000 < {HELDOUT_PER_MILLE}; held-out files with "
-    "identical content are kept once (first by path hash); training files whose content equals a held-out file "
-    "are dropped, as are exact duplicates among training files; training files are read in path-hash order until "
-    "max_train_bytes"
-)
-
-
-def load_model_module():
-    """``tests/models.py`` (the small Transformer the tests and these benchmarks share) under a private module name."""
-    name = "_sparse_compile_test_models"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "tests" / "models.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def corpus_roots() -> list[tuple[str, str]]:
-    """(name, directory) of each distinct source root of this interpreter."""
-    paths = sysconfig.get_paths()
-    seen, roots = set(), []
-    for name in ROOT_NAMES:
-        path = paths.get(name)
-        if not path or not os.path.isdir(path):
-            continue
-        real = os.path.realpath(path)
-        if real in seen:
-            continue
-        seen.add(real)
-        roots.append((name, path))
-    return roots
-
-
-def path_hash(rel: str) -> int:
-    return int.from_bytes(hashlib.sha1(rel.encode("utf-8")).digest()[:8], "big")
-
-
-def is_heldout(rel: str) -> bool:
-    return path_hash(rel) % 1000 < HELDOUT_PER_MILLE
-
-
-def list_source_files(roots: list[tuple[str, str]]) -> list[tuple[str, str, int]]:
-    """Sorted (relpath, abspath, size) of every candidate file; only directory walks and stats, no reads."""
-    out = []
-    for name, root in roots:
-        for dirpath, dirs, files in os.walk(root):
-            dirs[:] = sorted(d for d in dirs if d not in EXCLUDED_DIRS and not d.startswith("."))
-            for f in files:
-                if not f.endswith(".py"):
-                    continue
-                full = os.path.join(dirpath, f)
-                if os.path.islink(full):
-                    continue
-                try:
-                    size = os.stat(full).st_size
-                except OSError:
-                    continue
-                if MIN_FILE_BYTES <= size <= MAX_FILE_BYTES:
-                    rel = name + "/" + os.path.relpath(full, root).replace(os.sep, "/")
-                    out.append((rel, full, size))
-    out.sort()
-    return out
-
-
-def _read(path: str) -> Optional[bytes]:
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return None
-    # a separator byte inside a document would look like a boundary; such files are binary-ish anyway
-    return None if bytes([DOC_SEPARATOR]) in data else data
-
-
-def _read_many(paths: list[str]) -> list[Optional[bytes]]:
-    with ThreadPoolExecutor(max_workers=16) as pool:  # file reads release the GIL; cold caches dominate
-        return list(pool.map(_read, paths))
-
-
-def sha1_hex(data: bytes) -> str:
-    return hashlib.sha1(data).hexdigest()
-
-
-@dataclasses.dataclass
-class Corpus:
-    train: bytes  # documents joined by DOC_SEPARATOR
-    heldout: bytes
-    manifest: dict
-
-
-def build_corpus(max_train_bytes: int, log=print) -> Corpus:
-    t0 = time.time()
-    roots = corpus_roots()
-    files = list_source_files(roots)
-    held = [f for f in files if is_heldout(f[0])]
-    train = sorted((f for f in files if not is_heldout(f[0])), key=lambda f: path_hash(f[0]))
-    held.sort(key=lambda f: path_hash(f[0]))
-
-    held_docs, held_meta, held_sha = [], [], set()
-    dup_held = 0
-    for (rel, _, size), data in zip(held, _read_many([f[1] for f in held])):
-        if data is None:
-            continue
-        digest = sha1_hex(data)
-        if digest in held_sha:
-            dup_held += 1
-            continue
-        held_sha.add(digest)
-        held_docs.append(data)
-        held_meta.append({"path": rel, "bytes": len(data), "sha1": digest})
-
-    # read training files in batches until the byte budget is met (the budget, not the corpus, bounds the time)
-    train_docs, train_paths, train_sha = [], [], set()
-    dup_train = dup_cross = unreadable = 0
-    total = 0
-    batch = 512
-    for start in range(0, len(train), batch):
-        if total >= max_train_bytes:
-            break
-        chunk = train[start:start + batch]
-        for (rel, _, _), data in zip(chunk, _read_many([f[1] for f in chunk])):
-            if total >= max_train_bytes:
-                break
-            if data is None:
-                unreadable += 1
-                continue
-            digest = sha1_hex(data)
-            if digest in held_sha:
-                dup_cross += 1
-                continue
-            if digest in train_sha:
-                dup_train += 1
-                continue
-            train_sha.add(digest)
-            train_docs.append(data)
-            train_paths.append(rel)
-            total += len(data)
-
-    sep = bytes([DOC_SEPARATOR])
-    long_files = [m for m in held_meta if m["bytes"] >= LONG_DOC_BYTES]
-    manifest = {
-        "split_rule": SPLIT_RULE,
-        "python": platform.python_version(),
-        "roots": {name: path for name, path in roots},
-        "candidate_files": len(files),
-        "candidate_bytes": sum(f[2] for f in files),
-        "max_train_bytes": max_train_bytes,
-        "train": {
-            "files": len(train_docs),
-            "bytes": sum(map(len, train_docs)),
-            "files_available": len(train),
-            "bytes_available": sum(f[2] for f in train),
-            "dropped_equal_to_heldout": dup_cross,
-            "dropped_duplicates": dup_train,
-            "unreadable_or_binary": unreadable,
-            # the file list itself is long; its hash identifies it (paths in read order, '\n'-joined)
-            "paths_sha256": hashlib.sha256("\n".join(train_paths).encode()).hexdigest(),
-        },
-        "heldout": {
-            "files": len(held_docs),
-            "bytes": sum(map(len, held_docs)),
-            "dropped_duplicates": dup_held,
-            "long_doc_min_bytes": LONG_DOC_BYTES,
-            "long_files_total": len(long_files),
-            "long_files_at_least_16k": sum(m["bytes"] >= 16384 for m in long_files),
-            "long_files_at_least_32k": sum(m["bytes"] >= 32768 for m in long_files),
-            # in path-hash order (a fixed pseudo-random order); evaluation takes the first eligible ones
-            "long_files": long_files[:MANIFEST_LONG_FILES],
-        },
-        "build_seconds": round(time.time() - t0, 1),
-    }
-    log(f"corpus: {len(files)} candidate files ({manifest['candidate_bytes'] / 1e6:.1f} MB) under "
-        f"{[r[1] for r in roots]}; train {len(train_docs)} files {total / 1e6:.1f} MB; held-out "
-        f"{len(held_docs)} files, {len(long_files)} >= {LONG_DOC_BYTES} B; {manifest['build_seconds']} s")
-    return Corpus(sep.join(train_docs) + sep, sep.join(held_docs) + sep, manifest)
-
-
-def heldout_documents(manifest: dict, min_bytes: int, count: int, exclude=(), *, verify: bool = True) -> list[dict]:
-    """The first ``count`` long held-out files of ``manifest`` with at least ``min_bytes`` bytes, read from disk.
-
-    Each result is the manifest entry plus ``data`` (bytes). With ``verify`` a missing file or a changed hash is
-    an error: evaluation must run on the machine (image) the manifest was recorded on.
-    """
-    roots = manifest["roots"]
-    out = []
-    for entry in manifest["heldout"]["long_files"]:
-        if len(out) >= count:
-            break
-        if entry["bytes"] < min_bytes or entry["path"] in exclude:
-            continue
-        root_name, rel = entry["path"].split("/", 1)
-        path = os.path.join(roots[root_name], rel)
-        data = _read(path)
-        if data is None or sha1_hex(data) != entry["sha1"]:
-            if verify:
-                raise FileNotFoundError(
-                    f"held-out file {entry['path']} ({path}) is missing or differs from the manifest: run the "
-                    "evaluation on the machine the checkpoint was trained on (same Python and packages)")
-            continue
-        out.append(dict(entry, data=data))
-    if len(out) < count:
-        raise ValueError(f"only {len(out)} held-out documents of >= {min_bytes} bytes, {count} requested")
-    return out
+from lm_corpus import build_corpus  # noqa: E402
+from lm_optimizers import lr_at, make_optimizers, median_after_warmup, optimizer_step_seconds  # noqa: E402
+from lm_retrieval_training import _retrieval_batches, evaluate_families, evaluate_retrieval  # noqa: E402
 
 
 # --- model and checkpoint ---------------------------------------------------------------------------------------
@@ -284,6 +65,18 @@ RETRIEVAL_MODEL = dict(vocab_size=256, dim=512, n_layers=4, n_heads=4, n_kv_head
                        rope_base=500000.0)
 RETRIEVAL_SMOKE_MODEL = dict(vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, intermediate_size=256,
                              rope_base=500000.0)
+
+
+def load_model_module():
+    """``tests/models.py`` (the small Transformer the tests and these benchmarks share) under a private module name."""
+    name = "_sparse_compile_test_models"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "tests" / "models.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def save_checkpoint(model, path: Path, meta: dict) -> int:
@@ -347,150 +140,6 @@ def fused_attention_for_training(device: torch.device):
         torch.nn.functional.scaled_dot_product_attention = orig
 
 
-def answer_weight_at(seq_len: int, answer_weight: float) -> float:
-    """The loss weight of one retrieved value byte: ``answer_weight`` per 4K of context, so the answers' share of
-    a window's loss does not shrink as windows grow (at 64K, 32 answer bytes are otherwise 0.05% of it)."""
-    return max(1.0, answer_weight * seq_len / 4096)
-
-
-def extra_lookups_at(seq_len: int, per_64k: float, rng) -> int:
-    """How many extra lookups a training window of ``seq_len`` bytes carries: ``per_64k`` per 64K bytes, the
-    fraction rounded at random (no draw when ``per_64k`` is 0, so earlier runs' streams are unchanged)."""
-    if per_64k <= 0:
-        return 0
-    mean = per_64k * seq_len / 65536
-    return int(mean) + (rng.random() < mean - int(mean))
-
-
-def _retrieval_batches(train: bytes, seq_len: int, batch: int, rng, task_share: float, device,
-                       styles=("vkey",), answer_weight: float = 0.0, task_weights=None, extra_lookups: float = 0.0,
-                       extra_list_share: float = 0.0, extra_near_miss_share: float = 0.0, families=None):
-    """Like ``_batches``, but each window is, with probability ``task_share``, a retrieval instance
-    (``retrieval_tasks.py``, a random task in a random one of ``styles``) built on that window's code; built on the
-    host while the GPU runs the last step. Returns (x, y, per-target loss weights or None): with
-    ``answer_weight`` > 0 the bytes of retrieved values weigh ``answer_weight_at(seq_len, answer_weight)``.
-    ``task_weights`` (one per ``retrieval_tasks.TASKS``): how often each task is drawn (None: uniformly).
-    ``extra_lookups``: lookups added to each instance per 64K bytes (``extra_lookups_at``), a share
-    ``extra_list_share`` of them three-value lists, near-miss keys in a share ``extra_near_miss_share`` of the
-    windows; their values weighted like the task's. ``families`` (names of ``retrieval_families.FAMILIES``): the
-    instances are of a random one of these families instead, with 3 queries plus ``extra_lookups`` per 64K over
-    twice as many keys (tasks, styles and the list and near-miss shares unused)."""
-    import retrieval_families as rf
-    import retrieval_tasks as rt
-
-    rows = []
-    weights = torch.ones(batch, seq_len) if answer_weight > 0 else None
-    heavy = answer_weight_at(seq_len, answer_weight)
-    for row in range(batch):
-        start = rng.randrange(0, len(train) - seq_len - 2)
-        window = train[start:start + seq_len + 1]
-        if families and rng.random() < task_share:
-            # extra lookups become more queries: the 3 of an evaluation prompt plus extra_lookups per 64K
-            queries = 3 + extra_lookups_at(seq_len, extra_lookups, rng)
-            family = rng.choices(families, weights=rf.training_weights(families))[0]
-            instance = rf.make_instance(family, window, seq_len + 1, rng, queries)
-            rows.append(instance.tokens)
-            if weights is not None:
-                for answer in instance.answers:
-                    weights[row, answer.start - 1:answer.end - 1] = heavy
-        elif not families and rng.random() < task_share:
-            # uniform draws keep rng.choice: the stream then matches runs from before task weights existed
-            task = rng.choice(rt.TASKS) if task_weights is None else rng.choices(rt.TASKS, weights=task_weights)[0]
-            # one style draws nothing: the stream then matches runs from before styles existed
-            style = styles[0] if len(styles) == 1 else rng.choice(styles)
-            instance = rt.make_instance(task, window, seq_len + 1, rng, style,
-                                        extra_lookups_at(seq_len, extra_lookups, rng), extra_list_share,
-                                        extra_near_miss_share)
-            rows.append(instance.tokens)
-            if weights is not None:
-                for answer in instance.answers:  # target t predicts token t + 1
-                    weights[row, answer.start - 1:answer.end - 1] = heavy
-        else:
-            rows.append(torch.frombuffer(bytearray(window), dtype=torch.uint8))
-    data = torch.stack(rows)
-    if device.type == "cuda":  # a pageable copy would wait for the GPU: pinned, the host builds ahead
-        data = data.pin_memory()
-        weights = weights.pin_memory() if weights is not None else None
-    data = data.to(device, non_blocking=True).long()
-    if weights is not None:
-        weights = weights.to(device, non_blocking=True)
-    return data[:, :-1], data[:, 1:], weights
-
-
-@torch.no_grad()
-def evaluate_retrieval(model, heldout: bytes, lengths, per_task: dict, seed: int, amp: bool, device,
-                       styles=("vkey",)) -> dict:
-    """Dense retrieval accuracy on held-out instances: per length and task, the share of values retrieved exactly
-    (teacher-forced argmax, ``retrieval_tasks.score``) and of value bytes, in the ``vkey`` style; with more
-    ``styles``, also each other style's mean over the tasks (half as many instances)."""
-    import random
-
-    import retrieval_tasks as rt
-
-    def accuracy(task, count, rng, style):
-        results = []
-        for inst in rt.make_batch([task] * count, heldout, length, rng, style):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-                logits = model(inst.tokens[None].to(device).long())[0]
-            results += rt.score(logits.float(), inst)
-        return results
-
-    model.eval()
-    out = {}
-    for length in lengths:
-        rng = random.Random(seed * 1_000_003 + length)
-        rows = {}
-        for task in rt.TASKS:
-            results = accuracy(task, per_task.get(length, 4), rng, "vkey")
-            rows[task] = {"exact": sum(r["exact"] for r in results) / len(results),
-                          "chars": sum(r["chars"] for r in results) / len(results), "values": len(results)}
-        rows["mean_exact"] = sum(rows[t]["exact"] for t in rt.TASKS) / len(rt.TASKS)
-        for style in styles:
-            if style != "vkey":
-                results = [r for task in rt.TASKS
-                           for r in accuracy(task, max(1, per_task.get(length, 4) // 2), rng, style)]
-                rows[f"style_{style}"] = sum(r["exact"] for r in results) / len(results)
-        out[str(length)] = rows
-        print(f"retrieval at {length}: " + ", ".join(f"{t} {rows[t]['exact']:.2f}" for t in rt.TASKS) +
-              "".join(f", {k} {v:.2f}" for k, v in rows.items() if k.startswith("style_")), flush=True)
-    model.train()
-    return out
-
-
-@torch.no_grad()
-def evaluate_families(model, heldout: bytes, lengths, per_family: int, seed: int, amp: bool, device) -> dict:
-    """Dense retrieval accuracy on held-out code per length: the share of values retrieved exactly over the
-    training families (``family_train``), over the held-out ones (``family_heldout``, formats never trained on)
-    and per family (``family.<name>``); ``per_family`` instances per family and length (3 queries each from 16K)."""
-    import random
-
-    import retrieval_families as rf
-    import retrieval_tasks as rt
-
-    model.eval()
-    out = {}
-    for length in lengths:
-        rng = random.Random(seed * 1_000_003 + length + 17)
-        results = []
-        for name in rf.FAMILIES:
-            for inst in rf.make_batch([name] * per_family, heldout, length, rng):
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-                    logits = model(inst.tokens[None].to(device).long())[0]
-                results += [dict(r, split=inst.style) for r in rt.score(logits.float(), inst)]
-        rows = {}
-        for split in ("train", "heldout"):
-            mine = [r["exact"] for r in results if r["split"] == split]
-            rows[f"family_{split}"] = sum(mine) / len(mine)
-        for name in rf.FAMILIES:
-            mine = [r["exact"] for r in results if r["task"] == name]
-            rows[f"family.{name}"] = sum(mine) / len(mine)
-        out[str(length)] = rows
-        print(f"families at {length}: training {rows['family_train']:.2f}, held-out {rows['family_heldout']:.2f}; "
-              + ", ".join(f"{n} {rows[f'family.{n}']:.2f}" for n in rf.FAMILIES), flush=True)
-    model.train()
-    return out
-
-
 def _loss(model, x, y, amp: bool, weight: Optional[torch.Tensor] = None):
     """Mean next-byte loss; with ``weight`` (per target), (weighted mean to train on, plain mean to report)."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
@@ -548,137 +197,6 @@ def parse_phases(text: str) -> list[Phase]:
 def phase_shapes(phases: list[Phase]) -> list[tuple[int, int]]:
     """Every (seq_len, batch) the phases use, once each, in first-use order."""
     return list(dict.fromkeys(shape for p in phases for shape in p.shapes))
-
-
-def orthogonalized(update: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Each matrix's polar factor U V^T (batched over leading dims), approximately: singular values pushed into
-    about [0.7, 1.2] by a quintic Newton-Schulz iteration in bf16 on the wide orientation, whose coefficients
-    favour a fast rise of small singular values over exact convergence (Muon, Jordan et al. 2024)."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = update.bfloat16()
-    tall = x.shape[-2] > x.shape[-1]
-    if tall:
-        x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
-    for _ in range(steps):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return (x.mT if tall else x).to(update.dtype)
-
-
-class Muon(torch.optim.Optimizer):
-    """Momentum SGD whose step for each weight matrix is its Nesterov momentum orthogonalised (every direction
-    moves at the same rate), scaled by sqrt(max(1, rows / cols)). ``row_splits`` maps a parameter to the row
-    counts of the matrices it stacks (a fused q/k/v projection), orthogonalised one by one. Matrices of one
-    shape are orthogonalised as one batch (a few dozen launches per step, not hundreds). Only for 2-D hidden
-    weights: embeddings, the output head and norm gains stay with AdamW."""
-
-    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0,
-                 row_splits: Optional[dict] = None):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
-        self.row_splits = row_splits or {}
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            by_shape: dict = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum" not in state:
-                    state["momentum"] = torch.zeros_like(p.grad)
-                buf = state["momentum"]
-                buf.mul_(group["momentum"]).add_(p.grad)
-                update = p.grad.add(buf, alpha=group["momentum"])
-                if group["weight_decay"]:
-                    p.mul_(1 - group["lr"] * group["weight_decay"])
-                start = 0
-                for rows in self.row_splits.get(p, (p.shape[0],)):
-                    part = update[start:start + rows]
-                    by_shape.setdefault(tuple(part.shape), []).append((p, start, part))
-                    start += rows
-            for (rows, cols), parts in by_shape.items():
-                steps = orthogonalized(torch.stack([part for _, _, part in parts]))
-                scale = max(1.0, rows / cols) ** 0.5
-                for (p, start, _), step in zip(parts, steps):
-                    p[start:start + rows].add_(step, alpha=-group["lr"] * scale)
-
-
-def make_optimizers(model, args, device) -> list:
-    """AdamW for everything (``--optimizer adamw``), or Muon for the blocks' weight matrices and AdamW for the
-    embedding, the output head and the norm gains (``--optimizer muon``). Each group keeps its peak rate in
-    ``peak_lr``; the schedule scales it."""
-    def adamw(params: list) -> torch.optim.AdamW:
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]  # norms: decaying their gains only hurts
-        return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                  {"params": no_decay, "weight_decay": 0.0}],
-                                 lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
-
-    if args.optimizer == "adamw":
-        opts = [adamw(list(model.parameters()))]
-    else:
-        hidden, splits = [], {}
-        for block in model.layers:
-            for name, p in block.named_parameters():
-                if p.dim() == 2:
-                    hidden.append(p)
-                    if name.endswith("wqkv.weight"):
-                        attn = block.attention
-                        splits[p] = (attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim,
-                                     attn.n_kv_heads * attn.head_dim)
-        hidden_ids = {id(p) for p in hidden}
-        rest = [p for p in model.parameters() if id(p) not in hidden_ids]
-        opts = [Muon(hidden, lr=args.muon_lr, weight_decay=0.0, row_splits=splits), adamw(rest)]
-    for opt in opts:
-        for group in opt.param_groups:
-            group["peak_lr"] = group["lr"]
-    return opts
-
-
-def optimizer_step_seconds(model, args, device, sync, repeats: int = 7) -> float:
-    """Median time of one step of ``args.optimizer``'s optimizers, on a copy of the model with random gradients.
-    On the GPU it is the device's time: in training the host launches a step while the previous one runs, so
-    the launches' host time is hidden (timing it with the host clock over-counted Muon's step ~5x)."""
-    import copy
-
-    probe = copy.deepcopy(model)
-    for p in probe.parameters():
-        p.grad = torch.randn_like(p)
-    opts = make_optimizers(probe, args, device)
-    times = []
-    for _ in range(repeats):
-        sync()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(50_000_000)  # ~25 ms of GPU work queued first: the launches below run ahead of it
-            start.record()
-            for opt in opts:
-                opt.step()
-            end.record()
-            sync()
-            times.append(start.elapsed_time(end) / 1000)
-        else:
-            t = time.perf_counter()
-            for opt in opts:
-                opt.step()
-            times.append(time.perf_counter() - t)
-    del probe, opts
-    return median_after_warmup(times)
-
-
-def median_after_warmup(times: list, warmup: int = 2) -> float:
-    """Median of timings, the first ``warmup`` dropped (allocations, autotuning)."""
-    kept = sorted(times[warmup:])
-    return kept[len(kept) // 2]
-
-
-def lr_at(step: int, total: int, peak: float, warmup: int, floor: float) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def main(argv=None) -> dict:

@@ -1,10 +1,16 @@
-"""Test helpers: float64 references and error metrics."""
+"""Test helpers: float64 references and error metrics, small configurations, and the attention core's test inputs,
+plans and tolerances (``test_kernel*.py``)."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from sparse_compile.dense import dense_causal_attention
+from sparse_compile.kernels.validate import expand_heads
+from sparse_compile.plan import VISIBLE_NONE, block_visibility, execute_plan, plan_from_block_mask, reference_attention
 
 
 def dense_reference(q, k, v, scale=None):
@@ -63,3 +69,116 @@ def small_model(layers=2):
     return Transformer(ModelArgs(vocab_size=64, dim=64, n_layers=layers, n_heads=4, n_kv_heads=2,
                                  intermediate_size=128)).eval()
 
+
+# ---------------------------------------------------------------------- the attention core (test_kernel*.py)
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _perm(batch, heads, n, device=DEV):
+    return torch.stack([torch.randperm(n) for _ in range(batch * heads)]).view(batch, heads, n).to(torch.int32).to(device)
+
+
+def _kernel(q, k, v, plan, scale=None, **options):
+    """The Triton kernel on ``plan`` (through the package's adapter)."""
+    return execute_plan(q, k, v, plan, scale, kernel="triton", **options)
+
+
+def _ref(q, k, v, plan, scale=None):
+    """Float64 execution of the same plan on the same (rounded) inputs."""
+    return reference_attention(q.double(), k.double(), v.double(), plan, scale, return_visited=True)
+
+
+def _sink_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, strength=1.5, device=DEV):
+    """Inputs whose first 16 keys attract every query: early stop and P.V skip then trigger."""
+    q, k, v = random_qkv(B, Hq, Hkv, Nq, Nk, D, device=device)
+    c = torch.randn(D, device=device)
+    c = c / c.norm() * math.sqrt(D)
+    q, k = q + strength * c, k.clone()
+    k[:, :, :16] += strength * c
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _stop_ratio(q, k, plan, b, h, i, t_stop, scale=None):
+    """Float64 ``max_r g_r / l_r`` at tile ``t_stop`` of block (b, h, i): the early-stop decision there (the walk
+    goes on iff it is >= tau). Same semantics as plan.py; used to tell a bf16 rounding flip at the threshold
+    from a real disagreement."""
+    Hq, Nq, D = q.shape[1], q.shape[2], q.shape[3]
+    Nk = k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    bm, bn = plan.block_m, plan.block_n
+    ht = h // (Hq // plan.tile_offsets.shape[1])
+    rows = torch.arange(i * bm, min((i + 1) * bm, Nq), device=q.device)
+    if plan.query_index is not None:
+        rows = plan.query_index[b, h // (Hq // plan.query_index.shape[1]), rows].long()
+    qpos = rows + (Nk - Nq)
+    qb = q[b, h, rows].double()
+    kh = h // (Hq // k.shape[1])
+    masked = int(plan.masked_counts[b, ht, i])
+    m = torch.full((rows.numel(),), -math.inf, dtype=torch.float64, device=q.device)
+    l = torch.zeros_like(m)
+    ratio = math.inf
+    for t in range(t_stop + 1):
+        logical = int(plan.tile_offsets[b, ht, i, t]) + torch.arange(bn, device=q.device)
+        if plan.key_index is None:
+            phys = torch.where(logical < Nk, logical, -1)
+        else:
+            ki = plan.key_index[b, h // (Hq // plan.key_index.shape[1])].long()
+            phys = torch.where(logical < ki.numel(), ki[logical.clamp(max=ki.numel() - 1)], -1)
+        s = qb @ k[b, kh, phys.clamp(0, Nk - 1)].double().T * scale
+        if t < masked:
+            s = s.masked_fill(~((phys[None, :] >= 0) & (phys[None, :] < Nk) & (phys[None, :] <= qpos[:, None])), -math.inf)
+        m_new = torch.maximum(m, s.amax(1))
+        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        l_prev = torch.where(torch.isfinite(m), l * torch.exp(m - safe), torch.zeros_like(l))
+        gain = torch.exp(s - safe[:, None]).sum(1)
+        ratio = float((gain / l_prev).max())  # l_prev == 0: inf (the walk goes on)
+        m, l = m_new, l_prev + gain
+    return ratio
+
+
+def _non_boundary_mismatches(q, k, plan, visited, ref_visited, rel=1e-3):
+    """Blocks whose visited count differs from the reference for a reason other than a threshold flip: the
+    disputed decision (after tile min(kernel, ref) - 1) must have a float64 ratio within ``rel`` of tau."""
+    bad = []
+    for b, h, i in (visited != ref_visited).nonzero().tolist():
+        vk, vr = int(visited[b, h, i]), int(ref_visited[b, h, i])
+        t = min(vk, vr) - 1
+        ht = h // (q.shape[1] // plan.tile_offsets.shape[1])
+        if t < int(plan.masked_counts[b, ht, i]):  # masked tiles never stop the walk: no threshold to flip
+            bad.append(((b, h, i), vk, vr, None))
+            continue
+        r = _stop_ratio(q, k, plan, b, h, i, t)
+        if not abs(r / plan.early_stop - 1.0) <= rel:
+            bad.append(((b, h, i), vk, vr, r))
+    return bad
+
+
+def _assert_close(out, ref, dtype, what=""):
+    err = rel_error(out, ref)
+    assert err < TOL[dtype], f"{what} rel error {err:.3e} (tol {TOL[dtype]:.0e})"
+
+
+gpu = pytest.mark.gpu
+
+
+def _gpu_sparse_plan(B, H, Nq, Nk, bm, bn, density, **kw):
+    vis = block_visibility(Nq, Nk, bm, bn, batch=B, heads=H, device="cuda",
+                           key_index=kw.get("key_index"), query_index=kw.get("query_index"))
+    if vis.shape[1] != H:
+        vis = expand_heads(vis, H)
+    keep = torch.rand(vis.shape, device="cuda") < density
+    # keep every partial tile (the diagonal) so each row sees something, and the first (sink) tile
+    keep |= vis == 1
+    keep[..., 0] |= vis[..., 0] != VISIBLE_NONE
+    return plan_from_block_mask(keep, vis, bm, bn, **kw)
+
+
+def _segment_permutation(batch, heads, n, seg=256, device="cuda"):
+    """Random order inside consecutive segments of ``seg`` positions (as PBS-Attn / S2O reorder), int32."""
+    nseg = -(-n // seg)
+    r = torch.rand(batch, heads, nseg, seg, device=device)
+    r[..., -1, n - (nseg - 1) * seg:] = 2.0  # positions past n sort last in the last segment, then are cut
+    idx = torch.argsort(r, -1) + torch.arange(nseg, device=device)[:, None] * seg
+    return idx.flatten(2)[..., :n].to(torch.int32).contiguous()

@@ -5,12 +5,13 @@
 
 Contenders: ``dense``; ``sampled`` at ``--budget``; ``antidiag`` over ``--strides`` x ``--row-strides`` x
 ``--temperatures`` x ``--antidiagonals`` (temperature ``inv`` = 1/S) at ``--budget``; PBS's selector without its
-permutation (``pbs-noperm``), ``pbs`` and ``sparge`` with their knob calibrated (``bench_e2e.calibrate``) to the mean density
-``--density`` on the first prompt's dense (q, k). Prompts: the held-out retrieval families (reworded needles, the
-formats the model never trained on) and the trained task styles. Per contender: values retrieved exactly (relative
-to dense) and the measured plan density; and, from the dense run's (q, k), for every row that predicts a value byte,
-whether the contender's plan of its reading head (the (layer, head) putting the most mass on the needle) lists the
-needle byte that head reads (``rows_listed``; needs no sparse forward, so it is free of the model's cascade).
+permutation (``pbs-noperm``), ``pbs`` and ``sparge`` with their knob calibrated (``density_calibration.calibrate``)
+to the mean density ``--density`` on the first prompt's dense (q, k). Prompts: the held-out retrieval families
+(reworded needles, the formats the model never trained on) and the trained task styles. Per contender: values
+retrieved exactly (relative to dense) and the measured plan density; and, from the dense run's (q, k), for every
+row that predicts a value byte, whether the contender's plan of its reading head (the (layer, head) putting the
+most mass on the needle) lists the needle byte that head reads (``rows_listed``; needs no sparse forward, so it is
+free of the model's cascade).
 Rows: ``results/bench_selectors.jsonl`` (``harness.append_store``, one contender at a time).
 
 ``--plan-only`` skips the sparse forwards and scores only ``rows_listed`` for the sampled-row ranking at each
@@ -41,7 +42,7 @@ import sparse_compile  # noqa: E402
 import retrieval_families as rf  # noqa: E402
 import retrieval_tasks as rt  # noqa: E402
 import train_small_lm as tsl  # noqa: E402
-from bench_e2e import calibrate  # noqa: E402
+from density_calibration import calibrate  # noqa: E402
 from harness import append_store, format_table  # noqa: E402
 from sparse_compile.methods import build_plan  # noqa: E402
 

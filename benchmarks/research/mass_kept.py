@@ -10,8 +10,8 @@ capturing every layer's (q, k, v). Contenders (default 128 x 128 tiles): ``pbs``
 ``reorder="none"``), ``s2o`` (paper default S = 2048: its per-segment window alone computes ~0.49 of the tiles at
 8K, so it cannot reach 0.1 and runs at that floor), ``s2o-S256`` (S = 256, floor ~0.11), ``sampled``, ``peak``. Each
 knob is calibrated to ``--density`` on the first prompt's layers (``--calibrate shared``, as ``bench_selectors.py``,
-with ``bench_e2e.calibrate``, ``--steps`` bisection steps) or on each layer (``per-layer``); S2O's early stop by
-the same bisection, its visited tiles counted from dense mass (``calibrate_early_stop``). Then, per layer:
+with ``density_calibration.calibrate``, ``--steps`` bisection steps) or on each layer (``per-layer``); S2O's early
+stop by the same bisection, its visited tiles counted from dense mass (``calibrate_early_stop``). Then, per layer:
 
 * ``mass``: mean over query heads and rows of the dense causal softmax probability on the keys of the tiles the
   plan computes for the row's query block (key and query permutations followed; with S2O's early stop, only the
@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import sparse_compile  # noqa: E402
 import retrieval_families as rf  # noqa: E402
 import train_small_lm as tsl  # noqa: E402
-from bench_e2e import calibrate  # noqa: E402
+from density_calibration import calibrate  # noqa: E402
 from bench_selectors import attention_by  # noqa: E402
 from harness import append_store, format_table  # noqa: E402
 from sparse_compile.kernels.validate import expand_heads  # noqa: E402
@@ -209,8 +209,8 @@ def measure(name: str, plan, q, k, v, probs: list, tables: list, dense_out: torc
 
 
 def calibrate_early_stop(name: str, target: float, layers: list, base, steps: int) -> dict:
-    """``bench_e2e.calibrate`` for a method whose density knob is its early stop (S2O): the same bisection on the
-    same knob, on the mean density over ``layers`` ((q, k) pairs), each layer's computed tiles counted by
+    """``density_calibration.calibrate`` for a method whose density knob is its early stop (S2O): the same bisection
+    on the same knob, on the mean density over ``layers`` ((q, k) pairs), each layer's computed tiles counted by
     ``visited_counts`` from its dense mass rather than by the reference's slow tile-by-tile walk (the plan's
     listed tiles do not depend on the knob: checked)."""
     spec = sparse_compile.registry.method_spec(CONTENDERS[name][0]).density

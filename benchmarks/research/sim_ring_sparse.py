@@ -50,6 +50,7 @@ import torch
 HERE = Path(__file__).resolve().parents[1]  # benchmarks/: the maintained helpers, checkpoints and results
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
+import lm_corpus  # noqa: E402
 import train_small_lm as tsl  # noqa: E402
 from quality_data import capture_attention_inputs  # noqa: E402
 
@@ -196,12 +197,12 @@ def pick_documents(lengths: list[int]) -> list[dict]:
     exact, changed = [], []
     for entry in manifest["heldout"]["long_files"]:
         root, rel = entry["path"].split("/", 1)
-        data = tsl._read(os.path.join(roots.get(root, "/nonexistent"), rel))
+        data = lm_corpus._read(os.path.join(roots.get(root, "/nonexistent"), rel))
         if data is None:
             continue
-        (exact if tsl.sha1_hex(data) == entry["sha1"] else changed).append(
+        (exact if lm_corpus.sha1_hex(data) == entry["sha1"] else changed).append(
             {"path": entry["path"], "data": data, "source": "heldout (hash matches the manifest)" if
-             tsl.sha1_hex(data) == entry["sha1"] else "heldout path, different file version"})
+             lm_corpus.sha1_hex(data) == entry["sha1"] else "heldout path, different file version"})
     torch_dir = Path(torch.__file__).parent
     fallback = [{"path": f"torch/{p.relative_to(torch_dir)}", "data": p.read_bytes(), "source": "torch source"}
                 for p in sorted(torch_dir.rglob("*.py"))[:2000] if p.stat().st_size >= max(lengths)]

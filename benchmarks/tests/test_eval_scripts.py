@@ -18,6 +18,7 @@ BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
 
 tsl = importlib.import_module("train_small_lm")
+corpus = importlib.import_module("lm_corpus")
 quality = importlib.import_module("quality")
 attention_map = importlib.import_module("attention_map")
 
@@ -40,7 +41,7 @@ def test_training_smoke_writes_small_checkpoint_and_manifest(trained):
     m = saved["manifest"]
     assert m["train"]["files"] > 0 and m["heldout"]["long_files"]
     for entry in m["heldout"]["long_files"]:  # every listed evaluation file obeys the split rule
-        assert tsl.is_heldout(entry["path"]) and entry["bytes"] >= tsl.LONG_DOC_BYTES
+        assert corpus.is_heldout(entry["path"]) and entry["bytes"] >= corpus.LONG_DOC_BYTES
     model, _ = tsl.load_checkpoint(ckpt)
     assert next(model.parameters()).dtype == torch.float32
 
@@ -48,17 +49,17 @@ def test_training_smoke_writes_small_checkpoint_and_manifest(trained):
 def test_heldout_documents_checks_hashes(trained):
     ckpt, _ = trained
     manifest = json.loads(ckpt.with_suffix(".json").read_text())["manifest"]
-    docs = tsl.heldout_documents(manifest, 1024, 1)
+    docs = corpus.heldout_documents(manifest, 1024, 1)
     assert len(docs[0]["data"]) >= 1024
     manifest["heldout"]["long_files"] = [dict(e, sha1="0" * 40) for e in manifest["heldout"]["long_files"]]
     with pytest.raises(FileNotFoundError):
-        tsl.heldout_documents(manifest, 1024, 1)
+        corpus.heldout_documents(manifest, 1024, 1)
 
 
 def test_split_is_deterministic_by_path():
-    assert tsl.is_heldout("stdlib/x.py") == tsl.is_heldout("stdlib/x.py")
-    share = sum(tsl.is_heldout(f"stdlib/f{i}.py") for i in range(4000)) / 4000
-    assert abs(share - tsl.HELDOUT_PER_MILLE / 1000) < 0.015
+    assert corpus.is_heldout("stdlib/x.py") == corpus.is_heldout("stdlib/x.py")
+    share = sum(corpus.is_heldout(f"stdlib/f{i}.py") for i in range(4000)) / 4000
+    assert abs(share - corpus.HELDOUT_PER_MILLE / 1000) < 0.015
 
 
 def test_quality_smoke(trained, tmp_path):

@@ -106,13 +106,13 @@ def test_extra_lookups_can_be_three_value_lists_in_order(style):
 
 
 def test_extra_lookups_per_window_scale_with_the_length():
-    tsl = importlib.import_module("train_small_lm")
+    retrieval_training = importlib.import_module("lm_retrieval_training")
     rng = random.Random(0)
-    assert tsl.extra_lookups_at(65536, 16, rng) == 16 and tsl.extra_lookups_at(16384, 16, rng) == 4
-    counts = [tsl.extra_lookups_at(4096, 8, rng) for _ in range(2000)]  # mean 0.5: 0 or 1, half each
+    assert retrieval_training.extra_lookups_at(65536, 16, rng) == 16 and retrieval_training.extra_lookups_at(16384, 16, rng) == 4
+    counts = [retrieval_training.extra_lookups_at(4096, 8, rng) for _ in range(2000)]  # mean 0.5: 0 or 1, half each
     assert set(counts) == {0, 1} and 0.45 < sum(counts) / len(counts) < 0.55
     state = rng.getstate()
-    assert tsl.extra_lookups_at(65536, 0, rng) == 0 and rng.getstate() == state  # no draw
+    assert retrieval_training.extra_lookups_at(65536, 0, rng) == 0 and rng.getstate() == state  # no draw
 
 
 def test_the_default_style_is_the_first_results_format():
@@ -156,13 +156,13 @@ def test_score_counts_exact_values_from_logits():
 
 
 def test_training_batches_weigh_exactly_the_answer_bytes():
-    tsl = importlib.import_module("train_small_lm")
+    retrieval_training = importlib.import_module("lm_retrieval_training")
     rng = random.Random(5)
     filler = bytes(random.Random(1).choice(b"abc =\n") for _ in range(60_000))
     seq = 4096
-    x, y, weight = tsl._retrieval_batches(filler, seq, 6, rng, 1.0, torch.device("cpu"), tuple(rt.STYLES), 8.0)
-    heavy = tsl.answer_weight_at(seq, 8.0)
-    assert heavy == 8.0 and tsl.answer_weight_at(65536, 8.0) == 128.0 and tsl.answer_weight_at(256, 0.0) == 1.0
+    x, y, weight = retrieval_training._retrieval_batches(filler, seq, 6, rng, 1.0, torch.device("cpu"), tuple(rt.STYLES), 8.0)
+    heavy = retrieval_training.answer_weight_at(seq, 8.0)
+    assert heavy == 8.0 and retrieval_training.answer_weight_at(65536, 8.0) == 128.0 and retrieval_training.answer_weight_at(256, 0.0) == 1.0
     # replay the same draws: the weighted targets are the value bytes of each instance's answers
     replay = random.Random(5)
     for row in range(6):
@@ -177,13 +177,13 @@ def test_training_batches_weigh_exactly_the_answer_bytes():
             expected[answer.start - 1:answer.end - 1] = heavy
         assert torch.equal(weight[row], expected)
         assert all(y[row, a.start - 1:a.end - 1].tolist() == list(inst.tokens[a.start:a.end]) for a in inst.answers)
-    assert tsl._retrieval_batches(filler, seq, 2, rng, 1.0, torch.device("cpu"))[2] is None  # no weight asked
+    assert retrieval_training._retrieval_batches(filler, seq, 2, rng, 1.0, torch.device("cpu"))[2] is None  # no weight asked
     # extra lookups: their value bytes weigh like the task's
     seq = 16384
     filler = bytes(random.Random(1).choice(b"abc =\n") for _ in range(40_000))
-    x, y, weight = tsl._retrieval_batches(filler, seq, 2, random.Random(9), 1.0, torch.device("cpu"), ("vkey",), 8.0,
+    x, y, weight = retrieval_training._retrieval_batches(filler, seq, 2, random.Random(9), 1.0, torch.device("cpu"), ("vkey",), 8.0,
                                           None, 16.0)
-    heavy = tsl.answer_weight_at(seq, 8.0)
+    heavy = retrieval_training.answer_weight_at(seq, 8.0)
     for row in range(2):
         values = int((weight[row] == heavy).sum()) // rt.VALUE_CHARS
         assert values >= 4 + 1  # 4 extra lookups per 16K plus the task's own
@@ -280,16 +280,16 @@ def test_oracle_study_smoke(tmp_path):
 
 
 def test_orthogonalized_pushes_singular_values_toward_one_and_keeps_the_singular_vectors():
-    tsl = importlib.import_module("train_small_lm")
+    optimizers = importlib.import_module("lm_optimizers")
     gen = torch.Generator().manual_seed(0)
     for shape in [(96, 32), (32, 96), (3, 48, 24)]:  # tall, wide, a batch
         g = torch.randn(*shape, generator=gen)
-        s = torch.linalg.svdvals(tsl.orthogonalized(g).float())
+        s = torch.linalg.svdvals(optimizers.orthogonalized(g).float())
         assert s.min() > 0.6 and s.max() < 1.25, (shape, s.min(), s.max())
     # badly conditioned: five steps lift the large singular values only, but never turn a direction around
     g = torch.randn(64, 32, generator=gen) * torch.logspace(-3, 1, 32)
     u, sigma, vh = torch.linalg.svd(g, full_matrices=False)
-    out = u.mT @ tsl.orthogonalized(g).float() @ vh.mT  # diagonal when the singular vectors are kept
+    out = u.mT @ optimizers.orthogonalized(g).float() @ vh.mT  # diagonal when the singular vectors are kept
     diagonal = out.diagonal()
     assert (out - torch.diag(diagonal)).abs().max() < 0.05
     assert (diagonal > 0).all() and diagonal.max() < 1.3
@@ -298,10 +298,11 @@ def test_orthogonalized_pushes_singular_values_toward_one_and_keeps_the_singular
 
 def test_muon_orthogonalises_each_stacked_matrix_and_leaves_the_rest_to_adamw():
     tsl = importlib.import_module("train_small_lm")
+    optimizers = importlib.import_module("lm_optimizers")
     mod = tsl.load_model_module()
     model = mod.Transformer(mod.ModelArgs(**tsl.RETRIEVAL_SMOKE_MODEL, max_seq_len=64))
     args = type("Args", (), {"optimizer": "muon", "muon_lr": 0.02, "lr": 1e-3, "weight_decay": 0.1})()
-    muon, adamw = tsl.make_optimizers(model, args, torch.device("cpu"))
+    muon, adamw = optimizers.make_optimizers(model, args, torch.device("cpu"))
     hidden = {id(p) for group in muon.param_groups for p in group["params"]}
     assert id(model.tok_embeddings.weight) not in hidden and id(model.output.weight) not in hidden
     assert all(p.dim() == 2 for group in muon.param_groups for p in group["params"])
@@ -320,11 +321,11 @@ def test_muon_orthogonalises_each_stacked_matrix_and_leaves_the_rest_to_adamw():
     start = 0
     for n in rows:
         part = grad[start:start + n]
-        expected = tsl.orthogonalized(part) * max(1.0, n / part.shape[1]) ** 0.5
+        expected = optimizers.orthogonalized(part) * max(1.0, n / part.shape[1]) ** 0.5
         # bf16 iterations on 1.95 x grad against grad: equal up to bf16 rounding
         assert (step[start:start + n] - expected).norm() < 0.06 * expected.norm()
         start += n
-    fused = tsl.orthogonalized(grad)  # the fused matrix orthogonalised as one differs
+    fused = optimizers.orthogonalized(grad)  # the fused matrix orthogonalised as one differs
     assert (step - fused).norm() > 0.2 * fused.norm()
 
 

@@ -153,11 +153,11 @@ def test_training_on_families_smoke(tmp_path):
 
 
 def test_family_training_batches_weigh_the_values_and_use_training_families_only():
-    tsl = importlib.import_module("train_small_lm")
+    retrieval_training = importlib.import_module("lm_retrieval_training")
     names = [f.name for f in rf.TRAIN_FAMILIES]
-    x, y, weight = tsl._retrieval_batches(_code(50000), 4096, 4, random.Random(1), 1.0, torch.device("cpu"),
+    x, y, weight = retrieval_training._retrieval_batches(_code(50000), 4096, 4, random.Random(1), 1.0, torch.device("cpu"),
                                           answer_weight=16.0, families=names)
-    heavy = tsl.answer_weight_at(4096, 16.0)
+    heavy = retrieval_training.answer_weight_at(4096, 16.0)
     # 3 queries per instance plus about 0.75 more (12 per 64K), each value 8 bytes or more
     assert x.shape == (4, 4096) and all(int((weight[r] == heavy).sum()) >= 3 * 8 for r in range(4))
 
