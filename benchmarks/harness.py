@@ -355,6 +355,23 @@ def append_store(bench: str, rows: Iterable[dict], *, params: Sequence[str] = ()
     return path
 
 
+def latest_with_baseline(rows: list, metric: str, contender: str, baseline: str,
+                         **where) -> Optional[tuple[dict, dict]]:
+    """(row, baseline row): the latest ``metric`` row of ``contender`` (rows whose fields equal ``where``) and
+    ``baseline``'s row from the same run (same date and command), so that a ratio compares two numbers measured in
+    one process; None where either is missing."""
+    def matches(row: dict, who: str) -> bool:
+        return (row["metric"] == metric and row["contender"] == who
+                and all(row.get(k) == v for k, v in where.items()))
+
+    mine = sorted((r for r in rows if matches(r, contender)), key=lambda r: r["date"])
+    if not mine:
+        return None
+    last = mine[-1]
+    base = [r for r in rows if matches(r, baseline) and r["date"] == last["date"] and r["command"] == last["command"]]
+    return (last, base[-1]) if base else None
+
+
 def read_store(bench: str, *, out_dir: Optional[os.PathLike] = None, **where) -> list:
     """The rows of a store, optionally only those whose fields equal ``where`` (e.g. ``metric="speedup"``)."""
     path = (Path(out_dir) if out_dir is not None else RESULTS_DIR) / f"{bench}.jsonl"

@@ -16,24 +16,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import read_store  # noqa: E402
+from harness import latest_with_baseline, read_store  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def latest_pairs(rows: list, method: str) -> dict:
     """{N: (dense ms, method ms, date, device)} from the latest run that timed ``method`` at its defaults at N."""
-    ttft = [r for r in rows if r["metric"] == "ttft_ms"]
     out = {}
-    for n in sorted({r["N"] for r in ttft}):
-        mine = sorted((r for r in ttft if r["N"] == n and r["contender"] == method), key=lambda r: r["date"])
-        if not mine:
-            continue
-        last = mine[-1]
-        dense = [r for r in ttft if r["N"] == n and r["contender"] == "inductor" and r["date"] == last["date"]
-                 and r["command"] == last["command"]]
-        if dense:
-            out[n] = (dense[0]["value"], last["value"], last["date"][:10], last["device"])
+    for n in sorted({r["N"] for r in rows if r["metric"] == "ttft_ms"}):
+        found = latest_with_baseline(rows, "ttft_ms", method, "inductor", N=n)
+        if found is not None:
+            last, dense = found
+            out[n] = (dense["value"], last["value"], last["date"][:10], last["device"])
     return out
 
 
