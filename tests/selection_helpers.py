@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from sparse_compile import BFLAParams, PBSParams, S2OParams, SampledParams, SparseConfig, SpargeParams
+from sparse_compile import SampledParams, SparseConfig
 from sparse_compile.kernels import bfla as bfla_kernels
 from sparse_compile.kernels import pooling
 from sparse_compile.kernels.mass import MassRule, mass_select
@@ -28,20 +28,15 @@ from sparse_compile.methods.peak import PeakParams, peak_tile_scores, scores_in_
 from sparse_compile.methods.sampled import sampled_tile_logits
 from sparse_compile.plan import VISIBLE_NONE
 
+from method_helpers import SMALL as METHOD_SMALL
+
 EPS_P = 2e-4  # relative margin on a block probability when ordering blocks
 EPS_M = 5e-5  # absolute margin on a cumulative mass against tau * total
 EPS_ORDER = 1e-5  # relative margin on a score when ordering keys or queries
 EPS_SIM = 1e-4  # margin on SpargeAttn's self-similarity against theta
 
-SMALL = dict(
-    pbs=PBSParams(block_size=16, segment_size=32),
-    sparge=SpargeParams(block_size_q=32, block_size_kv=16),
-    bfla=BFLAParams(coarse_block_size=32, group_size=8, tile_size_q=16, tile_size_kv=16, local_tiles=1, stride=4),
-    s2o=S2OParams(segment_size=64, block_size_q=16, block_size_kv=16),
-    # tiny prompts: local tiles and the exact tail would cover most of them (tests of their own: test_tail_and_local.py)
-    sampled=SampledParams(block_size=16, sample_every=4, budget=0.3, local_tiles=0, exact_tail_blocks=0),
-    peak=PeakParams(block_size=16, sample_every=4, budget=0.3, local_tiles=0, exact_tail_blocks=0),
-)
+# the method tests' small blocks, for the methods these tests compare (PRESETS)
+SMALL = {name: params for name, params in METHOD_SMALL.items() if name != "antidiag"}
 PRESETS = {"pbs": ("pbs", "pbs"), "sparge": ("none", "sparge"), "bfla": ("none", "bfla"), "s2o": ("s2o", "s2o"),
            "sampled": ("none", "sampled"), "peak": ("none", "peak")}
 

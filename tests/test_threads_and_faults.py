@@ -120,6 +120,12 @@ def test_eight_threads_each_in_its_own_region_match_the_same_calls_run_serially(
     assert context.current_region() == context.RegionState()
 
 
+def _one_call_inputs():
+    """Tokens for the compiled model, q, k, v for ``sparse_attention`` and its configuration: one call of each."""
+    tokens = torch.randint(0, 32, (2, 64))
+    return tokens, random_qkv(1, 2, 1, 64, 64, 16), sparse_compile.SparseConfig.from_options(OPTIONS)
+
+
 def _fault(monkeypatch, error, times=1):
     """``methods.execute`` raises ``error`` on its next ``times`` calls (the kernel's stage), then runs again."""
     execute, left = methods.execute, [times]
@@ -146,9 +152,7 @@ def _nothing_half_updated(before):
 def test_an_error_inside_the_sparse_op_reaches_the_caller_and_the_next_call_succeeds(monkeypatch, error,
                                                                                      tiny_compiled):
     compiled = tiny_compiled
-    tokens = torch.randint(0, 32, (2, 64))
-    q, k, v = random_qkv(1, 2, 1, 64, 64, 16)
-    config = sparse_compile.SparseConfig.from_options(OPTIONS)
+    tokens, (q, k, v), config = _one_call_inputs()
     with torch.no_grad():
         want_model, want_attention = compiled(tokens), sparse_compile.sparse_attention(q, k, v, config=config)
     before = _stats()
@@ -171,9 +175,7 @@ def test_a_kernel_that_fails_to_compile_runs_the_call_dense_with_the_reason(monk
     from triton.compiler.errors import CompilationError
 
     compiled = tiny_compiled
-    tokens = torch.randint(0, 32, (2, 64))
-    q, k, v = random_qkv(1, 2, 1, 64, 64, 16)
-    config = sparse_compile.SparseConfig.from_options(OPTIONS)
+    tokens, (q, k, v), config = _one_call_inputs()
     with torch.no_grad(), sparse_compile.sparsity(enabled=False):
         dense_model = compiled(tokens)
         dense_attention = sparse_compile.sparse_attention(q, k, v, config=config)
@@ -193,9 +195,7 @@ def test_a_kernel_that_fails_to_compile_runs_the_call_dense_with_the_reason(monk
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
 def test_a_process_forked_after_the_first_call_works_even_with_a_lock_held_at_the_fork(tiny_compiled):
     compiled = tiny_compiled
-    tokens = torch.randint(0, 32, (2, 64))
-    q, k, v = random_qkv(1, 2, 1, 64, 64, 16)
-    config = sparse_compile.SparseConfig.from_options(OPTIONS)
+    tokens, (q, k, v), config = _one_call_inputs()
     with torch.no_grad():
         want_model, want_attention = compiled(tokens), sparse_compile.sparse_attention(q, k, v, config=config)
     # as if another thread were recording a call at the moment of the fork: the child gets its own locks
