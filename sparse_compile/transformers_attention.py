@@ -145,7 +145,7 @@ def enable_transformers_attention(model=None, config: Optional[SparseConfig] = N
     every model that has none). ``sparsity(...)`` blocks apply on top, as for compiled models. Returns the model.
     Raises a ``RuntimeError`` naming the version needed on transformers older than 4.53.
     """
-    _require_transformers()
+    transformers = _require_transformers()
     if config is not None and not isinstance(config, SparseConfig):
         raise TypeError(f"enable_transformers_attention(config=...): must be a SparseConfig, got "
                         f"{type(config).__name__}")
@@ -156,7 +156,7 @@ def enable_transformers_attention(model=None, config: Optional[SparseConfig] = N
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"enable_transformers_attention(model=...): must be a transformers model (a "
                         f"torch.nn.Module), got {type(model).__name__}")
-    _own_configs(model)
+    _own_configs(model, transformers.PretrainedConfig)
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(NAME)
     else:
@@ -175,14 +175,14 @@ def enable_transformers_attention(model=None, config: Optional[SparseConfig] = N
     return model
 
 
-def _own_configs(model: torch.nn.Module) -> None:
-    """Give ``model`` copies of the transformers configurations its modules hold, so that switching its attention
-    implementation does not change a configuration object the caller passed in and may build other models from
-    (sharing between the model's modules kept: one copy per object)."""
+def _own_configs(model: torch.nn.Module, config_class: type) -> None:
+    """Give ``model`` copies of the transformers configurations (``config_class``) its modules hold, so that
+    switching its attention implementation does not change a configuration object the caller passed in and may
+    build other models from (sharing between the model's modules kept: one copy per object)."""
     memo: dict = {}
     for module in model.modules():
         held = module.__dict__.get("config")
-        if held is not None and type(held).__name__.endswith("Config") and hasattr(held, "_attn_implementation"):
+        if isinstance(held, config_class):
             module.config = copy.deepcopy(held, memo)
 
 
