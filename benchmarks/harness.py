@@ -355,20 +355,26 @@ def append_store(bench: str, rows: Iterable[dict], *, params: Sequence[str] = ()
     return path
 
 
+def _measures(row: dict, metric: str, contender: str, where: dict) -> bool:
+    return row["metric"] == metric and row["contender"] == contender and all(row.get(k) == v for k, v in where.items())
+
+
+def latest_row(rows: list, metric: str, contender: str, **where) -> Optional[dict]:
+    """The latest ``metric`` row of ``contender`` among rows whose fields equal ``where`` (of rows with the same date,
+    the last stored); None if there is none."""
+    mine = sorted((r for r in rows if _measures(r, metric, contender, where)), key=lambda r: r["date"])
+    return mine[-1] if mine else None
+
+
 def latest_with_baseline(rows: list, metric: str, contender: str, baseline: str,
                          **where) -> Optional[tuple[dict, dict]]:
-    """(row, baseline row): the latest ``metric`` row of ``contender`` (rows whose fields equal ``where``) and
-    ``baseline``'s row from the same run (same date and command), so that a ratio compares two numbers measured in
-    one process; None where either is missing."""
-    def matches(row: dict, who: str) -> bool:
-        return (row["metric"] == metric and row["contender"] == who
-                and all(row.get(k) == v for k, v in where.items()))
-
-    mine = sorted((r for r in rows if matches(r, contender)), key=lambda r: r["date"])
-    if not mine:
+    """(row, baseline row): ``latest_row`` of ``contender`` and ``baseline``'s row from the same run (same date and
+    command), so that a ratio compares two numbers measured in one process; None where either is missing."""
+    last = latest_row(rows, metric, contender, **where)
+    if last is None:
         return None
-    last = mine[-1]
-    base = [r for r in rows if matches(r, baseline) and r["date"] == last["date"] and r["command"] == last["command"]]
+    base = [r for r in rows if _measures(r, metric, baseline, where) and r["date"] == last["date"]
+            and r["command"] == last["command"]]
     return (last, base[-1]) if base else None
 
 

@@ -26,7 +26,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import latest_with_baseline, read_store  # noqa: E402
+from harness import latest_row, latest_with_baseline, read_store  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -81,12 +81,11 @@ def latest_ratio(rows: list[dict], metric: str, contender: str, baseline: str, s
 
 
 def latest_value(rows: list[dict], metric: str, contender: str, sources: Sources, **where) -> Optional[float]:
-    mine = sorted((r for r in rows if r["metric"] == metric and r["contender"] == contender
-                   and all(r.get(k) == v for k, v in where.items())), key=lambda r: r["date"])
-    if not mine:
+    row = latest_row(rows, metric, contender, **where)
+    if row is None:
         return None
-    sources.add(mine[-1])
-    return mine[-1]["value"]
+    sources.add(row)
+    return row["value"]
 
 
 def fmt(x: Optional[float], spec: str, suffix: str = "") -> str:
