@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -243,9 +242,11 @@ def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
     """Build the method's plan and execute it: a sparse ``Outcome`` with its output, or a dense one without (the
     method declined: ``Unsupported``).
 
-    With a ``history_key`` the plan's density (visited tiles under early stop, which only running the plan tells:
-    ``plan_only`` then runs it all the same) is remembered for the break-even decision; ``plan_only`` builds the
-    plan for that alone (``Outcome.replanned``) and the caller runs dense.
+    With a ``history_key`` the plan's density is remembered for the break-even decision; ``plan_only`` builds the
+    plan for that alone (``Outcome.replanned``) and the caller runs dense. A plan that decides at run time how many
+    tiles it visits (early stop) tells its cost only by running it: such a re-plan runs the whole call sparse and
+    returns its output (a part of the call, one KV head's group, would be a shape the kernels never ran: a Triton
+    compile of seconds inside a server's call).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     kernel = _kernel_for(q, config)
@@ -253,16 +254,13 @@ def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
         return Outcome(DENSE, "float32 on GPU: the Triton kernel runs bfloat16/float16; left dense")
     try:
         spec = method_spec(config.select_stage)
-        if plan_only and spec.decided_at_run_time(config.params_of(spec.name)):
-            # only running the plan tells its cost. One KV head's group is planned and run (1/Hkv of the
-            # selection's and the kernel's time, a different group at each re-plan); the whole call runs dense
-            q, k, v = _probe_group(q, k, v)
+        plan_only = plan_only and not spec.decided_at_run_time(config.params_of(spec.name))
         plan = methods.build_plan(q, k, scale, config)
         # a plan that decides at run time how many tiles it visits (early stop) tells its cost only by running:
-        # count the visits where the count is wanted; a re-plan runs only such plans
+        # count the visits where the count is wanted
         want_visits = config.record_density or (history_key is not None and plan.early_stop > 0)
         out = visited = None
-        if not plan_only or plan.early_stop > 0:
+        if not plan_only:
             result = methods.execute(q, k, v, plan, scale, config, kernel=kernel, return_visited=want_visits)
             out, visited = result if want_visits else (result, None)
     except Unsupported as exc:
@@ -295,13 +293,3 @@ def _compile_failure(exc: Exception) -> Optional[str]:
     return f"a Triton kernel failed to compile ({type(exc).__name__}: {said})"
 
 
-_PROBES = itertools.count()
-
-
-def _probe_group(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """One KV head's group, a different one at each call (every method's plan is per head: the group's plan is
-    the same as the whole plan's slice)."""
-    heads_kv, group = k.shape[1], q.shape[1] // k.shape[1]
-    kv_head = next(_PROBES) % heads_kv
-    heads = slice(kv_head * group, (kv_head + 1) * group)
-    return q[:, heads], k[:, kv_head:kv_head + 1], v[:, kv_head:kv_head + 1]

@@ -1,4 +1,4 @@
-"""FP8 scoring of ``peak``: the rule that decides it, the PyTorch emulation (the specification) and, on a GPU with
+"""FP8 scoring of ``peak`` and ``sampled``: the rule that decides it, the PyTorch emulation (the specification) and, on a GPU with
 FP8 tensor cores, the kernels against it (quantization exact, scores to accumulation order, non-finite inputs)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 
 from sparse_compile import SparseConfig
 from sparse_compile.methods.peak import FP8_MAX, PeakParams, peak_tile_scores, scores_in_fp8
+from sparse_compile.methods.sampled import SampledParams, sampled_tile_logits
 
 
 def _qk(batch, hq, hkv, n, d, *, seed=0, device="cpu", dtype=torch.float32):
@@ -59,6 +60,21 @@ def test_emulated_fp8_is_within_rounding_of_exact(shape):
     assert (exact[finite] - fp8[finite]).abs().max() < 0.05 * exact[finite].abs().max()
 
 
+def test_emulated_fp8_sampled_masses_are_within_rounding_of_exact():
+    """The sampled rows' masses from e4m3 products: each logit moves by at most ~1/8 of its row's sum of |products|,
+    in practice far less; the ranking that decides a plan keeps the tiles that stand out (the keys scaled x6)."""
+    q, k = _qk(1, 4, 2, 300, 64)
+    scale = 1 / 8
+    exact = sampled_tile_logits(q, k, scale, 32, 4)
+    fp8 = sampled_tile_logits(q, k, scale, 32, 4, fp8=True)
+    assert fp8.dtype == torch.float32 and fp8.shape == exact.shape
+    seen = exact > -60  # tiles some sampled row sees (the rest hold log(TINY))
+    assert torch.equal(seen, fp8 > -60)
+    diff = (exact[seen].exp() - fp8[seen].exp()).abs()
+    assert diff.max() < 0.1 and diff.mean() < 0.005, (diff.max(), diff.mean())
+    assert SampledParams().fp8_scores and not scores_in_fp8(SampledParams(), q)  # CPU: exact scores
+
+
 def test_emulated_fp8_keeps_non_finite_blocks_whole():
     """A NaN or infinite key element becomes NaN in e4m3: every block that sees it keeps every visible tile; blocks
     before it are scored as usual."""
@@ -66,14 +82,15 @@ def test_emulated_fp8_keeps_non_finite_blocks_whole():
     for bad in (float("nan"), float("inf"), float("-inf")):
         kk = k.clone()
         kk[0, 0, 150, 3] = bad
-        s = peak_tile_scores(q, kk, 0.25, 32, 4, True, fp8=True)
-        nan_blocks = torch.isnan(s).any(-1)[0, 0]
-        assert nan_blocks[150 // 32:].all() and not nan_blocks[: 150 // 32].any(), bad
+        for s in (peak_tile_scores(q, kk, 0.25, 32, 4, True, fp8=True),
+                  sampled_tile_logits(q, kk, 0.25, 32, 4, fp8=True)):
+            nan_blocks = torch.isnan(s).any(-1)[0, 0]
+            assert nan_blocks[150 // 32:].all() and not nan_blocks[: 150 // 32].any(), bad
 
 
 def test_emulated_fp8_quantizes_like_the_format():
     """Rows and keys land on e4m3 values times their scale (the largest finite magnitude maps to 448)."""
-    from sparse_compile.methods.peak import _finite_amax, _fp8_round
+    from sparse_compile.methods.scoring import finite_amax as _finite_amax, fp8_round as _fp8_round
 
     x = torch.tensor([[1.0, -3.0, 0.1, 2 ** -12], [0.0, 0.0, 0.0, 0.0]])
     y, scale = _fp8_round(x, _finite_amax(x, -1))
@@ -101,7 +118,7 @@ needs_fp8 = pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA GPU with FP8
 @needs_fp8
 def test_gpu_quantize_heads_matches_the_emulation():
     from sparse_compile.kernels.fp8 import quantize_heads
-    from sparse_compile.methods.peak import _finite_amax, _fp8_round
+    from sparse_compile.methods.scoring import finite_amax as _finite_amax, fp8_round as _fp8_round
 
     _, k = _qk(2, 2, 3, 1000, 96, device="cuda", dtype=torch.bfloat16)
     k[1, 2, 7, 5] = float("nan")
@@ -138,7 +155,29 @@ def test_gpu_fp8_kernel_matches_the_emulation(shape):
 
 @pytest.mark.gpu
 @needs_fp8
-def test_gpu_peak_runs_fp8_and_keeps_the_plan_valid():
+@pytest.mark.parametrize("shape", [(1, 8, 2, 8192, 128), (2, 4, 4, 4099, 64), (1, 2, 1, 1000, 80)])
+def test_gpu_fp8_sampled_kernel_matches_the_emulation(shape):
+    from sparse_compile.kernels.sampled import sampled_mass_logits
+
+    b, hq, hkv, n, d = shape
+    q, k = _qk(b, hq, hkv, n, d, device="cuda", dtype=torch.bfloat16, seed=3)
+    q[0, 0, 2000 % n, 1] = float("nan")
+    scale = 1 / math.sqrt(d)
+    want = sampled_tile_logits(q, k, scale, 128, 8, fp8=True)
+    got = sampled_mass_logits(q, k, scale, 128, 128, 8, fp8=True)
+    nqb, nkt = want.shape[-2:]
+    seen = torch.arange(nkt, device="cuda")[None, :] <= torch.arange(nqb, device="cuda")[:, None] + (nkt - nqb)
+    w, g = want[..., seen], got[..., seen]
+    assert torch.equal(torch.isnan(w), torch.isnan(g))
+    finite = torch.isfinite(w)
+    # logits to the scale's rounding and the products' order (as the peaks, 2e-3): masses to a relative 3e-3
+    assert ((w[finite].exp() - g[finite].exp()).abs() <= 3e-3 * w[finite].exp() + 1e-6).all()
+
+
+@pytest.mark.gpu
+@needs_fp8
+@pytest.mark.parametrize("method", ["peak", "sampled"])
+def test_gpu_runs_fp8_and_keeps_the_plan_valid(method):
     """Through the method: the fast stage scores in FP8, the plan matches the emulated reference's but for
     near-equal tiles, and attention through it is finite."""
     import sparse_compile
@@ -146,8 +185,8 @@ def test_gpu_peak_runs_fp8_and_keeps_the_plan_valid():
 
     q, k = _qk(1, 8, 2, 8192, 128, device="cuda", dtype=torch.bfloat16, seed=5)
     v = torch.randn_like(k)
-    cfg = SparseConfig(method="peak", peak={"budget": 0.1})
-    assert scores_in_fp8(cfg.params_of(PeakParams), q)
+    cfg = SparseConfig(method=method, **{method: {"budget": 0.1, "fp8_scores": True}})
+    assert scores_in_fp8(cfg.params_of(method), q)
     plan = sparse_compile.build_plan(q, k, 1 / math.sqrt(128), cfg, implementation="fast")
     check_plan(plan, q, k)
     out = sparse_compile.sparse_attention(q, k, v, config=cfg)

@@ -218,6 +218,6 @@ def test_soak_benchmark_tiny_on_the_cpu(tmp_path, fresh_compile_state):
     assert meta["sparse_calls"] + meta["dense_calls"] == meta["attention_calls_made"] == 4
     assert meta["at_call_4"]["rss_mib"] > 0 and meta["at_end"]["rss_mib"] > 0
     buckets = {r["bucket"] for r in result["rows"]}
-    assert "all" in buckets and buckets - {"all"} <= {32, 64}
+    assert "all" in buckets and buckets - {"all"} <= {40, 72}
     stored = [json.loads(line) for line in (tmp_path / "bench_soak.jsonl").read_text().splitlines()]
-    assert {"p50_s", "p99_s", "recompiles_after_warmup", "sparse_calls"} <= {r["metric"] for r in stored}
+    assert {"median_p50_s", "max_p99_over_p50", "recompiles_after_warmup", "sparse_calls"} <= {r["metric"] for r in stored}

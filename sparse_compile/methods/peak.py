@@ -41,11 +41,8 @@ import torch
 
 from ..plan import BlockPlan
 from ..registry import Method, register_method
-from .tiles import BUDGET_KNOB, StridedRowParams, finish_budget_plan, strided_rows
-from .scoring import Reordering, chunk_count, compute_dtype, group_scores
-
-#: the largest finite e4m3 value (= ``kernels.fp8.FP8_MAX``; the package's references import no Triton)
-FP8_MAX = 448.0
+from .tiles import BUDGET_KNOB, StridedRowParams, finish_budget_plan, scores_in_fp8, strided_rows
+from .scoring import FP8_MAX, Reordering, chunk_count, compute_dtype, fp8_rows_and_keys, group_scores  # noqa: F401
 
 __all__ = ["PeakParams", "scores_in_fp8", "peak_tile_scores", "select_peak", "select_peak_fast"]
 
@@ -57,39 +54,10 @@ class PeakParams(StridedRowParams):
 
     Each query block keeps its diagonal tile(s), the sink tile (``keep_first_block``) and its ceil(``budget`` x
     visible tiles) other tiles of highest peak; ``budget=1.0`` keeps every causal block. ``block_size`` is the
-    query block and the key tile. Four local tiles (``sampled``: two): ranking by the best score keeps lookups but
-    misses broad context more often, +0.055 nats per token at 16K on SmolLM2-135M with two, +0.045 with four
-    (docs/methods.md). ``fp8_scores``: score in FP8 (e4m3) where the GPU multiplies it on its tensor
-    cores (compute capability 8.9+; ``scores_in_fp8``), bf16 elsewhere.
+    query block and the key tile. Ranking by the best score keeps lookups but misses broad context more often than
+    ``sampled``'s mass: the eight local tiles matter more here (SmolLM2-135M at 16K, prose: +0.025 nats per token
+    with four, +0.015 with eight; docs/methods.md).
     """
-
-    local_tiles: int = 4
-    fp8_scores: bool = True
-
-
-def scores_in_fp8(params: PeakParams, q: torch.Tensor) -> bool:
-    """Rule: the peaks come from FP8 QK^T when asked for and the device multiplies FP8 on its tensor cores (twice
-    the bf16 rate); a ranking by the best score needs the scores' order, which 3 mantissa bits keep for a lookup
-    that stands out. Elsewhere (CPU, older GPUs, the interpreter) the scores are exact, the same plan up to
-    near-equal tiles."""
-    if not params.fp8_scores or not q.is_cuda:
-        return False
-    from ..kernels.fp8 import fp8_tensor_cores
-
-    return fp8_tensor_cores(q.device)
-
-
-def _fp8_round(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (float32) rounded as ``kernels.fp8`` quantizes it, with the scale of largest finite magnitude ``amax``
-    (broadcast against x): (x in e4m3 values as float32, the scale)."""
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    y = (x / scale).clamp(-FP8_MAX, FP8_MAX)
-    y = torch.where(torch.isfinite(x), y, torch.full((), float("nan"), device=x.device))
-    return y.to(torch.float8_e4m3fn).float(), scale
-
-
-def _finite_amax(x: torch.Tensor, dims) -> torch.Tensor:
-    return torch.where(torch.isfinite(x), x.abs(), torch.zeros((), device=x.device)).amax(dim=dims, keepdim=True)
 
 
 def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int, every: int,
@@ -108,11 +76,7 @@ def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int,
     qs = q[:, :, rows].to(cdt)  # (B, Hq, R, D)
     row_scale = torch.full((), scale, dtype=cdt, device=dev)
     if fp8:
-        qs, q_scale = _fp8_round(qs, _finite_amax(qs, -1))
-        kf = k.float()
-        k, k_scale = _fp8_round(kf, _finite_amax(kf, (-2, -1)))
-        group = heads_q // k.shape[1]
-        row_scale = q_scale[..., 0] * k_scale.repeat_interleave(group, 1)[..., 0] * scale  # (B, Hq, R)
+        qs, k, row_scale = fp8_rows_and_keys(qs, k, scale)  # row_scale: (B, Hq, R)
     offset = num_keys - num_queries
     positions = rows + offset
     diagonal_start = ((rows // block) * block + offset) // block * block  # first key of the block's first diagonal

@@ -48,8 +48,8 @@ import torch
 from ..plan import BlockPlan
 from ..registry import Method, register_method
 from .tiles import (BUDGET_KNOB, StridedRowParams, finish_budget_plan, keep_top_budget,  # noqa: F401 (keep_top_budget: step 5)
-                      strided_rows)
-from .scoring import Reordering, chunk_count, compute_dtype, group_scores
+                      scores_in_fp8, strided_rows)
+from .scoring import Reordering, chunk_count, compute_dtype, fp8_rows_and_keys, group_scores
 
 __all__ = ["SampledParams", "sampled_rows", "sampled_tile_logits", "select_sampled", "select_sampled_fast"]
 
@@ -70,25 +70,30 @@ class SampledParams(StridedRowParams):
     """
 
 
-def sampled_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: int, every: int) -> torch.Tensor:
+def sampled_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: int, every: int,
+                        fp8: bool = False) -> torch.Tensor:
     """(B, Hq, nqb, nkt) in the compute dtype: log(mean sampled-row mass of each key tile + ``TINY``) (steps 1-3;
     tiles no sampled row sees get log(TINY)), NaN in every tile of a block whose sampled rows score a key they see
     as NaN or +inf (a -inf score weighs nothing, as in dense attention). Two passes over key chunks (log-sum-exp,
-    then masses); never the (rows x Nk) matrix whole."""
+    then masses); never the (rows x Nk) matrix whole. ``fp8``: rows and keys rounded to e4m3 as ``kernels.fp8``
+    does (a scale per row, per (batch, KV head)), the products summed in float32."""
     batch, heads_q, num_queries, _ = q.shape
     num_keys = k.shape[2]
-    cdt = compute_dtype(q)
+    cdt = torch.float32 if fp8 else compute_dtype(q)
     rows = sampled_rows(num_queries, block, every, q.device)
     per = max(1, block // every)
     nqb, nkt = -(-num_queries // block), -(-num_keys // block)
     qs = q[:, :, rows].to(cdt)  # (B, Hq, R, D)
+    logit_scale = torch.full((1, 1, 1), scale, dtype=cdt, device=q.device)
+    if fp8:
+        qs, k, logit_scale = fp8_rows_and_keys(qs, k, scale)
     positions = rows + (num_keys - num_queries)
     step = chunk_count(batch * heads_q * rows.numel() * block) * block  # keys per chunk: whole tiles
     neg = torch.finfo(cdt).min
     zero = torch.zeros((), dtype=cdt, device=q.device)
 
     def logits(c0: int, c1: int):
-        z = group_scores(qs, k[:, :, c0:c1].to(cdt)) * scale
+        z = group_scores(qs, k[:, :, c0:c1].to(cdt)) * logit_scale[..., None]
         seen = torch.arange(c0, c1, device=q.device)[None, :] <= positions[:, None]
         bad = seen & (torch.isnan(z) | (z == float("inf")))
         weighed = seen & torch.isfinite(z)
@@ -120,7 +125,8 @@ def sampled_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: i
 def select_sampled(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
     params = config.params_of(SampledParams)
     keep_all = params.budget >= 1.0
-    scores = None if keep_all else sampled_tile_logits(q, k, scale, params.block_size, params.sample_every)
+    scores = None if keep_all else sampled_tile_logits(q, k, scale, params.block_size, params.sample_every,
+                                                       scores_in_fp8(params, q))
     return finish_budget_plan(scores, q, k, reordering, params)
 
 
@@ -134,8 +140,8 @@ def select_sampled_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reorderi
 
     params = config.params_of(SampledParams)
     bs = params.block_size
-    return budget_plan(lambda: sampled_mass_logits(q, k, scale, bs, bs, params.sample_every), q, k, reordering,
-                       params, "sampled")
+    return budget_plan(lambda: sampled_mass_logits(q, k, scale, bs, bs, params.sample_every,
+                                                   scores_in_fp8(params, q)), q, k, reordering, params, "sampled")
 
 
 register_method(Method(

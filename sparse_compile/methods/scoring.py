@@ -39,6 +39,10 @@ __all__ = [
     "masked_softmax",
     "top_mass",
     "mass_keep",
+    "FP8_MAX",
+    "fp8_round",
+    "finite_amax",
+    "fp8_rows_and_keys",
 ]
 
 #: Upper bound on the element count of any chunked intermediate (about 256 MB in float32).
@@ -70,6 +74,34 @@ class Reordering:
     query_index: Optional[torch.Tensor] = None
     segment_size: Optional[int] = None
     extras: dict[str, Any] = field(default_factory=dict)
+
+
+#: the largest finite e4m3 value (= ``kernels.fp8.FP8_MAX``; the package's references import no Triton)
+FP8_MAX = 448.0
+
+
+def fp8_round(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (float32) rounded as ``kernels.fp8`` quantizes it, with the scale of largest finite magnitude ``amax``
+    (broadcast against x): (x in e4m3 values as float32, the scale)."""
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    y = (x / scale).clamp(-FP8_MAX, FP8_MAX)
+    y = torch.where(torch.isfinite(x), y, torch.full((), float("nan"), device=x.device))
+    return y.to(torch.float8_e4m3fn).float(), scale
+
+
+def finite_amax(x: torch.Tensor, dims) -> torch.Tensor:
+    """The largest finite magnitude of ``x`` over ``dims`` (kept), 0 where there is none."""
+    return torch.where(torch.isfinite(x), x.abs(), torch.zeros((), device=x.device)).amax(dim=dims, keepdim=True)
+
+
+def fp8_rows_and_keys(rows: torch.Tensor, k: torch.Tensor, scale: float):
+    """Sampled rows (B, Hq, R, D) and keys (B, Hkv, Nk, D) rounded as the FP8 scoring kernels round them (a scale
+    per row, one per (batch, KV head)): (rows, keys, (B, Hq, R) factor that turns a product into a logit)."""
+    rows, row_scale = fp8_round(rows.float(), finite_amax(rows.float(), -1))
+    kf = k.float()
+    keys, key_scale = fp8_round(kf, finite_amax(kf, (-2, -1)))
+    group = rows.shape[1] // k.shape[1]
+    return rows, keys, row_scale[..., 0] * key_scale.repeat_interleave(group, 1)[..., 0] * scale
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
