@@ -93,9 +93,13 @@ for pos, keep_all in ((False, False), (True, False), (False, True)):
                    dict(TILE_Q=128, TILE_K=64, COARSE=256, W=512, ROWS=2, HAS_POSITIONS=pos, STRIDE_ON=True,
                         RANDOM_ON=True, KEEP_ALL=keep_all), warps=1)
 for every, blocks, heads in ((8, 4, 4), (4, 4, 2), (16, 32, 1)):
-    compile_kernel(sampled._sampled_mass_kernel, dict(q_ptr="bf16", k_ptr="bf16", out_ptr="fp32"), {"qk_scale", "tiny"},
-                   dict(BLOCK_M=128, BLOCK_N=128, EVERY=every, ROWS=128 // every, BLOCKS=blocks, HEADS=heads, D=128,
-                        D_PAD=128, PREC="none"), warps=8)
+    compile_kernel(sampled._sampled_mass_kernel, dict(q_ptr="bf16", k_ptr="bf16", k_scale_ptr="fp32", out_ptr="fp32"),
+                   {"scale", "tiny"}, dict(BLOCK_M=128, BLOCK_N=128, EVERY=every, ROWS=128 // every, BLOCKS=blocks,
+                   HEADS=heads, D=128, D_PAD=128, PREC="none", FP8=False), warps=8)
+for every, blocks, heads, d in ((8, 2, 4, 128), (16, 16, 1, 64)):
+    compile_kernel(sampled._sampled_mass_kernel, dict(q_ptr="bf16", k_ptr="fp8e4nv", k_scale_ptr="fp32",
+                   out_ptr="fp32"), {"scale", "tiny"}, dict(BLOCK_M=128, BLOCK_N=128, EVERY=every, ROWS=128 // every,
+                   BLOCKS=blocks, HEADS=heads, D=d, D_PAD=d, PREC="none", FP8=True), warps=4)
 for every, blocks, heads, first in ((8, 4, 4, True), (16, 32, 1, False), (4, 2, 4, True)):
     compile_kernel(peak._peak_kernel, dict(q_ptr="bf16", k_ptr="bf16", k_scale_ptr="fp32", out_ptr="fp32"), {"scale"},
                    dict(BLOCK_M=128, BLOCK_N=128, EVERY=every, ROWS=128 // every, BLOCKS=blocks, HEADS=heads,
