@@ -112,7 +112,7 @@ def _check(mask: Tensor, batch: int, num_queries: int, num_keys: int) -> MaskVer
                          seen.any().to(offsets.dtype)[None]]).tolist()  # the one device-to-host read
     offset_by_last, offset_last_keys, miss_by_last, miss_last_keys, bad, any_seen = summary
     if bad:
-        return MaskVerdict(False, NOT_CAUSAL + f"float values other than 0 (attend) and <= finfo.min / 2 (masked): "
+        return MaskVerdict(False, NOT_CAUSAL + "float values other than 0 (attend) and <= finfo.min / 2 (masked): "
                                   "an additive bias, not a mask")
     if not any_seen:
         return MaskVerdict(False, NOT_CAUSAL + "the last query row sees no key")

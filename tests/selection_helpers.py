@@ -135,7 +135,7 @@ def reference_bounds(select, q, k, scale, r, config):
     """
     qd, kd = q.double(), k.double()
     B, Hq, Nq, _ = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    Nk = k.shape[2]
     if select == "pbs":
         p = config.params_of("pbs")
         bs = p.block_size
