@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The maintained GPU measurements, one part per call (each under 10 minutes on one H100), from the repository root:
 #
-#   bash benchmarks/run_gpu.sh OUT tests      # the GPU tests (pytest -m gpu), ~7.5 min
+#   bash benchmarks/run_gpu.sh OUT tests      # the GPU tests (pytest -m gpu, four workers), ~2.5 min
 #   bash benchmarks/run_gpu.sh OUT verify     # each method at its defaults against cuDNN (never slower), ~5 min
 #   bash benchmarks/run_gpu.sh OUT table      # the break-even table (writes sparse_compile/breakeven_tables.json)
 #                                             # and peak extra memory, ~7 min
@@ -10,12 +10,13 @@
 #   bash benchmarks/run_gpu.sh OUT e2e-long   # the same at 128K, plus density 0.1, ~8 min
 #   bash benchmarks/run_gpu.sh OUT retrieval  # retrieval kept by each method, 16K-64K, ~3 min
 #   bash benchmarks/run_gpu.sh OUT quality    # bits per byte and operator error on the trained small LM, ~2 min
+#   bash benchmarks/run_gpu.sh OUT soak       # a server's day: 1,000 compiled calls, p99/p50, memory, ~8 min
 #
 # Each part writes its run's tables and log under OUT and appends its rows to OUT/<benchmark>.jsonl; append those
 # to the repository's stores with `cat OUT/bench_e2e.jsonl >> benchmarks/results/bench_e2e.jsonl` (and so on).
 set -uo pipefail
 out=${1:?results folder}
-part=${2:?part: tests, verify, table, kernel, e2e, e2e-long, retrieval or quality}
+part=${2:?part: tests, verify, table, kernel, e2e, e2e-long, retrieval, quality or soak}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 # kernels/ is imported as sparse_compile.kernels through the install's mapping: install this checkout (no network)
@@ -24,7 +25,7 @@ clock() { nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,tempera
 clock
 case "$part" in
 tests)
-    timeout 590 python -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -30 > "$out/gpu_tests.txt"
+    timeout 590 python -m pytest -q -n 4 -m gpu tests/ -p no:cacheprovider 2>&1 | tail -30 > "$out/gpu_tests.txt"
     tail -3 "$out/gpu_tests.txt" ;;
 verify)
     # queued: the host runs ahead of the GPU as inside a forward pass
@@ -47,6 +48,9 @@ retrieval)
         | grep -v "^{" | tail -40 ;;
 quality)
     timeout 590 python benchmarks/quality.py --out-dir "$out" 2>&1 | tee "$out/quality_log.txt" | tail -40 ;;
+soak)
+    timeout 590 python benchmarks/bench_soak.py --layers 1 --max-minutes 7.3 --out "$out" 2>&1 \
+        | tee "$out/soak_log.txt" | grep -v "^{" | tail -12 ;;
 *)
     echo "unknown part: $part" >&2; exit 2 ;;
 esac
