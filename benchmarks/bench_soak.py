@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import threading
 import math
 import os
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -197,11 +197,7 @@ def main(argv=None) -> dict:
         if i + 1 == MARK or (i + 1 == args.calls and not at_mark):
             at_mark = {"rss_mib": rss_mib(), **gpu_memory(device)}
     compiles.close()
-    stats = sparse_compile.runtime_stats()
-    paths = {"sparse": 0, "dense": 0}
-    for entry in stats.values():
-        for (path, _), n in entry.calls.items():
-            paths[path] = paths.get(path, 0) + n
+    sparse_calls, dense_calls, _ = path_counts()
     layers = model.config.num_hidden_layers
     streams_match = None if tiny else two_streams(compiled, vocab, device, regions, args.lengths, args.stream_calls,
                                                  rng)
@@ -211,7 +207,7 @@ def main(argv=None) -> dict:
         "max_batch": args.max_batch, "seed": args.seed, "options": options, "lengths": args.lengths,
         "contenders": sorted(regions), "workloads": len(workloads), "warmup_s": warmup_s,
         "recompiles_after_warmup": counters["stats"]["unique_graphs"] - graphs_after_warmup,
-        "attention_calls_made": calls_made * layers, "sparse_calls": paths["sparse"], "dense_calls": paths["dense"],
+        "attention_calls_made": calls_made * layers, "sparse_calls": sparse_calls, "dense_calls": dense_calls,
         "history_entries": len(sparse_compile.breakeven.HISTORY), "two_streams_match": streams_match,
         "triton_compiles_after_warmup": sum(entry[7] for entry in log),
         # calls over twice their workload's median: (call, length, batch, contender, s, sparse, dense, Triton

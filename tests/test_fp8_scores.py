@@ -114,6 +114,19 @@ def _fp8_gpu():
 needs_fp8 = pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA GPU with FP8 tensor cores (sm_89+)")
 
 
+def _seen_tiles_of_both(shape, emulated, kernel):
+    """The emulation's and the kernel's scores (``fn(q, k, scale)``) of the tiles some query of each block sees, on
+    bf16 inputs of ``shape`` (B, Hq, Hkv, N, D) with one NaN query element."""
+    b, hq, hkv, n, d = shape
+    q, k = _qk(b, hq, hkv, n, d, device="cuda", dtype=torch.bfloat16, seed=3)
+    q[0, 0, 2000 % n, 1] = float("nan")
+    scale = 1 / math.sqrt(d)
+    want, got = emulated(q, k, scale), kernel(q, k, scale)
+    nqb, nkt = want.shape[-2:]
+    seen = torch.arange(nkt, device="cuda")[None, :] <= torch.arange(nqb, device="cuda")[:, None] + (nkt - nqb)
+    return want[..., seen], got[..., seen]
+
+
 @pytest.mark.gpu
 @needs_fp8
 def test_gpu_quantize_heads_matches_the_emulation():
@@ -138,15 +151,8 @@ def test_gpu_quantize_heads_matches_the_emulation():
 def test_gpu_fp8_kernel_matches_the_emulation(shape):
     from sparse_compile.kernels.peak import peak_tile_scores as kernel_scores
 
-    b, hq, hkv, n, d = shape
-    q, k = _qk(b, hq, hkv, n, d, device="cuda", dtype=torch.bfloat16, seed=3)
-    q[0, 0, 2000 % n, 1] = float("nan")
-    scale = 1 / math.sqrt(d)
-    want = peak_tile_scores(q, k, scale, 128, 8, True, fp8=True)
-    got = kernel_scores(q, k, scale, 128, 8, True, fp8=True)
-    nqb, nkt = want.shape[-2:]
-    seen = torch.arange(nkt, device="cuda")[None, :] <= torch.arange(nqb, device="cuda")[:, None] + (nkt - nqb)
-    w, g = want[..., seen], got[..., seen]
+    w, g = _seen_tiles_of_both(shape, lambda q, k, scale: peak_tile_scores(q, k, scale, 128, 8, True, fp8=True),
+                               lambda q, k, scale: kernel_scores(q, k, scale, 128, 8, True, fp8=True))
     assert torch.equal(torch.isnan(w), torch.isnan(g))
     finite = torch.isfinite(w)
     assert torch.equal(finite, torch.isfinite(g))
@@ -159,15 +165,8 @@ def test_gpu_fp8_kernel_matches_the_emulation(shape):
 def test_gpu_fp8_sampled_kernel_matches_the_emulation(shape):
     from sparse_compile.kernels.sampled import sampled_mass_logits
 
-    b, hq, hkv, n, d = shape
-    q, k = _qk(b, hq, hkv, n, d, device="cuda", dtype=torch.bfloat16, seed=3)
-    q[0, 0, 2000 % n, 1] = float("nan")
-    scale = 1 / math.sqrt(d)
-    want = sampled_tile_logits(q, k, scale, 128, 8, fp8=True)
-    got = sampled_mass_logits(q, k, scale, 128, 128, 8, fp8=True)
-    nqb, nkt = want.shape[-2:]
-    seen = torch.arange(nkt, device="cuda")[None, :] <= torch.arange(nqb, device="cuda")[:, None] + (nkt - nqb)
-    w, g = want[..., seen], got[..., seen]
+    w, g = _seen_tiles_of_both(shape, lambda q, k, scale: sampled_tile_logits(q, k, scale, 128, 8, fp8=True),
+                               lambda q, k, scale: sampled_mass_logits(q, k, scale, 128, 128, 8, fp8=True))
     assert torch.equal(torch.isnan(w), torch.isnan(g))
     finite = torch.isfinite(w)
     # logits to the scale's rounding and the products' order (as the peaks, 2e-3): masses to a relative 3e-3
