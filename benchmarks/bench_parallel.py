@@ -192,18 +192,19 @@ def attention_replaced(fn):
         pipeline.attend = real
 
 
-def floor_and_capture(runner: Runner, prompt) -> tuple[dict, tuple]:
-    """The floor (attention doing nothing) timed, and layer ``CAPTURE_LAYER``'s whole-sequence q, k on this rank."""
+def floor_and_capture(runner: Runner, prompt, capture: bool = True, reps: int = 1) -> tuple[dict, tuple]:
+    """The floor (attention doing nothing) timed, and with ``capture`` layer ``CAPTURE_LAYER``'s whole-sequence q, k
+    on this rank (what a calibrated density needs; at 1M tokens 2.5 GiB a rank, so only then)."""
     captured = {}
 
     def noop(real, q, k, v, scale, config, site, dense, **kwargs):
-        if f"layers.{CAPTURE_LAYER}." in site and "qk" not in captured:
+        if capture and f"layers.{CAPTURE_LAYER}." in site and "qk" not in captured:
             captured["qk"] = (q.detach().clone(), k.detach().clone())
         return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
     with attention_replaced(noop):
         first = runner.timed(prompt, {})  # the first call at this length: Dynamo and Inductor compile here if needed
-        row = runner.timed(prompt, {})
+        row = runner.timed(prompt, {}) if reps > 0 else dict(first)
     row.update(first_seconds=first["seconds"], graph_compile_s=first["graph_compile_s"])
     return row, captured.get("qk")
 
@@ -262,31 +263,38 @@ def _tokens(n: int) -> str:
     return f"{n >> 20}M" if n % (1 << 20) == 0 else f"{n >> 10}K"
 
 
+def _card(device: str) -> str:
+    """The card's short name: "NVIDIA H100 80GB HBM3" -> "H100"."""
+    words = [w for w in str(device).split() if w not in ("NVIDIA", "Tesla")]
+    return words[0] if words else str(device)
+
+
 def latest_runs(store: Path) -> dict:
-    """(GPUs, parallelism), N, setting -> the last measurement of that cell, one wide row (lists decoded)."""
+    """(GPUs, parallelism, card), N, setting -> the last measurement of that cell, one wide row (lists decoded)."""
     runs: dict = {}  # long rows -> one wide row per measurement (a run's command and date, GPUs, N, setting)
     for line in store.read_text().splitlines():
         if not line.strip():
             continue
         row = json.loads(line)
         parallel = row.get("parallel") or ("sequence" if row["gpus"] > 1 else "none")
-        wide = runs.setdefault((row["date"], row["command"], row["gpus"], parallel, row["N"], row["setting"]), {
+        card = _card(row.get("device", ""))
+        wide = runs.setdefault((row["date"], row["command"], row["gpus"], parallel, card, row["N"], row["setting"]), {
             key: value for key, value in row.items() if key not in ("metric", "value")})
         wide[row["metric"]] = row["value"]
-        wide["parallel"] = parallel
+        wide["parallel"], wide["card"] = parallel, card
     latest: dict = {}
     for wide in sorted(runs.values(), key=lambda w: w["date"]):
         for key, value in wide.items():
             if isinstance(value, str) and value[:1] == "[":
                 wide[key] = json.loads(value)
         if "ttft_s" in wide:
-            latest[((wide["gpus"], wide["parallel"]), wide["N"], wide["setting"])] = wide
+            latest[((wide["gpus"], wide["parallel"], wide["card"]), wide["N"], wide["setting"])] = wide
     return latest
 
 
 def dense_seconds(latest: dict) -> dict:
-    """(GPUs, parallelism), N -> (dense TTFT seconds, fitted?): measured where dense ran, else the floor (measured,
-    linear in N) plus dense attention at the longest timed length on the same GPUs scaled by N^2."""
+    """(GPUs, parallelism, card), N -> (dense TTFT seconds, fitted?): measured where dense ran, else the floor
+    (measured, linear in N) plus dense attention at the longest timed length on the same GPUs scaled by N^2."""
     dense_at: dict = {}
     for gpus in sorted({g for g, _, _ in latest}):
         timed = sorted((n, r) for (g, n, s), r in latest.items() if g == gpus and s == "dense")
@@ -313,9 +321,8 @@ def report(store: Path, out: Path) -> str:
     dense_at = dense_seconds(latest)
 
     def label(gpus) -> str:
-        return f"{gpus[0]}" + (" (tensor)" if gpus[1] == "tensor" else "")
+        return f"{gpus[0]} {gpus[2]}" + (" (tensor)" if gpus[1] == "tensor" else "")
 
-    one = (1, "none")
     for (gpus, n, setting), row in sorted(latest.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "dense")):
         if setting == "floor":
             continue
@@ -326,6 +333,7 @@ def report(store: Path, out: Path) -> str:
         peak = max(row.get("peak_gib_per_rank") or [0])
         spread = row.get("attention_spread")
         scaling = "-"
+        one = (1, "none", gpus[2])
         if gpus != one and (one, n, setting) in latest:
             scaling = f"{latest[(one, n, setting)]['ttft_s'] / (gpus[0] * row['ttft_s']):.0%}"
         density = row.get("density")
@@ -358,7 +366,7 @@ def report(store: Path, out: Path) -> str:
                           linestyle="-." if gpus[1] == "tensor" else styles.get(gpus[0], "-."),
                           label=f"{setting}, {label(gpus)} GPU")
     axis.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="time to first token (s)",
-             title="Llama-3.1-8B shape, Ulysses over 1 / 2 / 4 H200s")
+             title="Llama-3.1-8B shape, Ulysses over 1 / 2 / 4 GPUs")
     axis.minorticks_off()
     axis.set_xticks([1 << 17, 1 << 18, 1 << 19, 1 << 20], ["128K", "256K", "512K", "1M"])
     axis.set_yticks([2, 5, 10, 20, 50, 100], ["2", "5", "10", "20", "50", "100"])
@@ -380,7 +388,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144])
     parser.add_argument("--settings", nargs="+", default=["dense", "pbs@0.1", "pbs@0.05", "sampled"])
-    parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=1,
+                        help="timed calls after each setting's first (0: the first is the time; with --warmup-length "
+                             "it runs compiled graphs and kernels, as a dense call of minutes at 1M needs)")
+    parser.add_argument("--warmup-length", type=int, default=None,
+                        help="call the floor and every setting once at this length first, untimed: the graph "
+                             "(dynamic) and the kernels compile there")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's 32)")
     parser.add_argument("--parallel", choices=("sequence", "tensor"), default="sequence",
                         help="several GPUs: Ulysses sequence parallelism (default) or tensor parallelism")
@@ -422,14 +435,23 @@ def main() -> None:
                                               "attention_s_per_rank", "error")}
             print(json.dumps(brief, default=str), flush=True)
 
+    calibrating = any(density is not None for _, density in settings)
+    if args.warmup_length:
+        prompt = runner.prompt(args.warmup_length)
+        floor_and_capture(runner, prompt, capture=False, reps=0)
+        for method, density in settings:
+            if method not in ("ring",) and density is None:
+                runner.timed(prompt, {"enabled": False} if method == "dense" else {"method": method})
+        del prompt
     for n in args.lengths:
         prompt = runner.prompt(n)
         if runner.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         floor, qk = {"seconds": None}, None
         if any(method != "ring" for method, _ in settings):  # ring alone runs the eager model: no floor to compile
-            floor, qk = floor_and_capture(runner, prompt)
-            emit(dict(N=n, setting="floor", ttft_s=round(floor["seconds"], 3),
+            floor, qk = floor_and_capture(runner, prompt, capture=calibrating, reps=args.reps)
+            timed_floor = {} if args.reps == 0 else dict(ttft_s=round(floor["seconds"], 3))  # reps 0: compiles in it
+            emit(dict(N=n, setting="floor", **timed_floor,
                       seconds_per_rank=floor["seconds_per_rank"], first_call_s=round(floor["first_seconds"], 3),
                       graph_compile_s=round(floor["graph_compile_s"], 2)))
         for method, density in settings:
@@ -473,7 +495,7 @@ def main() -> None:
                 first["kernels_per_rank"] = runner.max_over_ranks(probe["kernels"])
             else:
                 first = runner.timed(prompt, region)
-            times = [runner.timed(prompt, region) for _ in range(args.reps)]
+            times = [runner.timed(prompt, region) for _ in range(args.reps)] or [first]
             times.sort(key=lambda r: r["seconds"])
             steady = times[len(times) // 2]
             peak = torch.cuda.max_memory_allocated() / 2**30 if runner.device.type == "cuda" else 0.0
@@ -487,7 +509,7 @@ def main() -> None:
                        first_call_kernels_per_rank=first.get("kernels_per_rank"),
                        density=achieved, params={k: v for k, v in region.items() if k != "method"},
                        sparse_calls_per_rank=[r["sparse_calls_per_rank"] for r in times],
-                       dense_reasons=steady["dense_reasons"], floor_s=floor["seconds"],
+                       dense_reasons=steady["dense_reasons"], floor_s=floor["seconds"] if args.reps else None,
                        peak_gib_per_rank=runner.max_over_ranks(round(peak, 2)), sm_clock_mhz=sm_clock_mhz())
             if name in args.balance and runner.device.type == "cuda":
                 per_rank = attention_seconds(runner, prompt, region)
