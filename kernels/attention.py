@@ -73,7 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import interpreting
+from .common import jit_any_length, interpreting
 from .permute import permute_keys
 from .validate import MAX_HEAD_DIM, cdiv, validate_passes, validate_qkv
 
@@ -261,7 +261,7 @@ def _fwd_inner(
     return acc, l_i, m_i, t_stop
 
 
-@triton.jit
+@jit_any_length
 def _block_sparse_attn_fwd(
     Q, K, V, Out, desc_k, desc_v,
     TileOffsets, TileCounts, MaskedCounts, KeyIndex, QueryIndex, Visited, Lse,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (TileGrid, dot, dot_precision, empty_plan_tables, interpreting, is_finite, launchable, mix32,
+from .common import (jit_any_length, TileGrid, dot, dot_precision, empty_plan_tables, interpreting, is_finite, launchable, mix32,
                      physical_rows, plan_buckets, query_block_bounds, row_visibility, row_warps, rows_per_program,
                      split_heads, store_plan_rows)
 from .reference import hash32
@@ -25,7 +25,7 @@ from .validate import cdiv
 __all__ = ["bfla_block_scores", "bfla_tiles"]
 
 
-@triton.jit
+@jit_any_length
 def _bfla_scores_kernel(
     q_ptr, stride_qb, stride_qh, stride_qn, stride_qd,
     k_ptr, stride_kb, stride_kh, stride_kn, stride_kd,
@@ -113,7 +113,7 @@ def bfla_block_scores(q: torch.Tensor, k: torch.Tensor, block: int, group: int,
     return out
 
 
-@triton.jit
+@jit_any_length
 def _bfla_tiles_kernel(
     mass_ptr,
     kmin_ptr, kmax_ptr, kpad_ptr,

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (TileGrid, empty_plan_tables, orderable, plan_buckets, query_block_bounds, row_visibility,
+from .common import (jit_any_length, TileGrid, empty_plan_tables, orderable, plan_buckets, query_block_bounds, row_visibility,
                      row_warps, rows_per_program, store_plan_rows)
 
 __all__ = ["budget_select"]
@@ -43,7 +43,7 @@ def top_count(key, ranked, allowed):
     return above | ((tie > 0) & ((tl.cumsum(tie, 1) - tie) < room[:, None]))
 
 
-@triton.jit
+@jit_any_length
 def _budget_select_kernel(
     score_ptr, stride_sb, stride_sh, stride_si,
     offs_ptr, stride_pb, stride_ph, stride_pi,

@@ -10,6 +10,7 @@ host work is shape arithmetic, cached per shape.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from typing import NamedTuple
 
@@ -20,7 +21,35 @@ import triton.language as tl
 from .validate import cdiv
 
 __all__ = ["interpreting", "pow2", "dot_precision", "launchable", "TileGrid", "PlanTables", "empty_plan_tables",
-           "plan_buckets", "rows_per_program", "row_warps"]
+           "plan_buckets", "rows_per_program", "row_warps", "LENGTH_ARGS", "jit_any_length"]
+
+#: Integer kernel arguments that follow a prompt's length: the length itself, counts derived from it (rows, tiles,
+#: query blocks, segments, work items) and the strides of the tables shaped by them (scores, plan rows, key
+#: indices, row log-sum-exps); and the head counts, so that ``precompile``'s small problem compiles the kernels of
+#: a model with any number of heads above one. Triton specialises an int argument on its divisibility by 16, so each new class of
+#: length (an odd length after even ones, a tile count not a multiple of 16) would compile the kernel again, inside
+#: a server's call (5 planning kernels, 6 s, at 24,577 tokens after 16,384). These bound loops and masks and address
+#: small tables; the loads that need alignment (q, k, v, o) go through their own strides, which stay specialised (a
+#: head dim that is a multiple of 16 makes them length-independent). Compiled without it, a kernel compiled for one
+#: length serves every length of its power-of-two bucket (``precompile`` runs one length per bucket).
+LENGTH_ARGS = ("N", "L", "LQ", "LK", "LENGTH", "COUNT", "TOTAL", "NUM_QUERIES", "NUM_KEYS", "NUM_QUERY_BLOCKS",
+               "NUM_KEY_TILES", "NUM_QUERY_TILES", "NUM_BLOCKS", "NUM_CHUNKS", "NUM_PROGRAMS", "NUM_SEGMENTS",
+               "NUM_SEGMENTS_ALL", "SEGMENTS_END", "ROW0", "ROW1", "ROWS", "N_Q", "N_K", "KEY_LEN", "N_QBLK", "N_PBLK",
+               "N_ITEMS", "WIDTH", "count", "H", "HQ", "HKV", "H_Q", "GROUP", "GQA",
+               # table strides: scores / logits, plan rows, tile counts, key and query indices, LSEs
+               "stride_sb", "stride_sh", "stride_si", "stride_lb", "stride_lh", "stride_li", "stride_pb", "stride_ph",
+               "stride_pi", "stride_tb", "stride_th", "stride_tq", "stride_cb", "stride_ch", "stride_mb", "stride_mh",
+               "stride_kib", "stride_kih", "stride_qib", "stride_qih", "stride_ib", "stride_ih")
+
+
+def jit_any_length(fn=None, *, jit=None):
+    """``@triton.jit`` (or ``jit``, e.g. ``gluon.jit``) with ``LENGTH_ARGS`` compiled for any length."""
+    jit = jit or triton.jit
+    if fn is None:
+        return functools.partial(jit_any_length, jit=jit)
+    params = inspect.signature(fn).parameters.values()  # a constexpr is compiled per value anyway (Triton refuses it)
+    return jit(fn, do_not_specialize_on_alignment=[p.name for p in params if p.name in LENGTH_ARGS
+                                                   and "constexpr" not in str(p.annotation)])
 
 
 

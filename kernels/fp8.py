@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import interpreting, is_finite
+from .common import jit_any_length, interpreting, is_finite
 from .validate import cdiv
 
 __all__ = ["FP8_MAX", "fp8_tensor_cores", "quantize_heads", "quantize_rows"]
@@ -77,14 +77,14 @@ def _head_rows(x_ptr, stride_b, stride_h, stride_n, stride_d, H, N, D: tl.conste
     return x, bh.to(tl.int64) * N * D + rows.to(tl.int64)[:, None] * D + d[None, :], inside, bh
 
 
-@triton.jit
+@jit_any_length
 def _amax_kernel(x_ptr, stride_b, stride_h, stride_n, stride_d, amax_ptr, H, N,
                  D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr):
     x, _, _, bh = _head_rows(x_ptr, stride_b, stride_h, stride_n, stride_d, H, N, D, D_PAD, BLOCK)
     tl.atomic_max(amax_ptr + bh, tl.max(_finite_amax(x, 1), 0))
 
 
-@triton.jit
+@jit_any_length
 def _quantize_kernel(x_ptr, stride_b, stride_h, stride_n, stride_d, amax_ptr, out_ptr, scale_ptr, H, N,
                      D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr, MAX: tl.constexpr):
     x, offsets, inside, bh = _head_rows(x_ptr, stride_b, stride_h, stride_n, stride_d, H, N, D, D_PAD, BLOCK)

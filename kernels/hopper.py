@@ -95,6 +95,8 @@ try:
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .common import jit_any_length
 except Exception as exc:  # pragma: no cover - no Gluon (or a different API) here: the wrapper refuses
     GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
@@ -730,7 +732,7 @@ if GLUON_IMPORT_ERROR is None:
             item_i += 1
             b, h, hkv, qblk, tile_ptr, n_tiles, n_masked = nb, nh, nhkv, nqblk, ntile_ptr, nn_tiles, nn_masked
 
-    @gluon.jit
+    @jit_any_length(jit=gluon.jit)
     def _hopper_fwd_kernel(
         desc_q, desc_k, desc_v, desc_o, Q, Out,
         TileOffsets, TileCounts, MaskedCounts, KeyIndex, QueryIndex, Visited, Lse, Timeline,

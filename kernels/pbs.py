@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot, dot_precision, interpreting, is_finite, launchable, load_head_rows, pow2, split_heads
+from .common import jit_any_length, dot, dot_precision, interpreting, is_finite, launchable, load_head_rows, pow2, split_heads
 from .sorting import segmented_argsort_desc
 from .validate import cdiv
 
@@ -24,7 +24,7 @@ __all__ = ["pbs_key_importance", "pbs_key_permutation"]
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@jit_any_length
 def _pbs_lse_kernel(
     q_ptr, stride_qb, stride_qh, stride_qn, stride_qd,
     k_ptr, stride_kb, stride_kh, stride_kn, stride_kd,
@@ -62,7 +62,7 @@ def _pbs_lse_kernel(
     tl.store(s_ptr + out, s)
 
 
-@triton.jit
+@jit_any_length
 def _pbs_importance_kernel(
     q_ptr, stride_qb, stride_qh, stride_qn, stride_qd,
     k_ptr, stride_kb, stride_kh, stride_kn, stride_kd,

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot, dot_precision, is_finite, launchable
+from .common import jit_any_length, dot, dot_precision, is_finite, launchable
 from .fp8 import quantize_heads, quantize_rows
 from .strided_rows import load_key_tile, program_blocks, program_keys, program_rows, program_shape, rows_per_block
 from .validate import cdiv
@@ -68,7 +68,7 @@ def _peak_inner(q, k_base, level, top, qpos, qmax, out_rows, live_blocks, t0, t1
     return top
 
 
-@triton.jit
+@jit_any_length
 def _peak_kernel(
     q_ptr, stride_qb, stride_qh, stride_qn, stride_qd,
     k_ptr, stride_kb, stride_kh, stride_kn, stride_kd, k_scale_ptr,

@@ -10,10 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import jit_any_length
+
 __all__ = ["permute_keys"]
 
 
-@triton.jit
+@jit_any_length
 def _permute_rows_kernel(
     K, V, KP, VP, KeyIndex,
     stride_kb, stride_kh, stride_kn, stride_kd,

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (dot, dot_precision, interpreting, is_finite, launchable, orderable, physical_rows, pow2,
+from .common import (jit_any_length, dot, dot_precision, interpreting, is_finite, launchable, orderable, physical_rows, pow2,
                      query_block_bounds, split_heads, tile_limit)
 from .sorting import segmented_argsort_desc
 from .validate import cdiv
@@ -61,7 +61,7 @@ def _rows_to_slots(x, ROW_SLOTS: tl.constexpr):
         return x
 
 
-@triton.jit
+@jit_any_length
 def _pool_kernel(
     x_ptr, stride_xb, stride_xh, stride_xn, stride_xd,
     idx_ptr, stride_ib, stride_ih, stride_in,
@@ -223,7 +223,7 @@ def block_pool(x: torch.Tensor, block: int, *, key_index: Optional[torch.Tensor]
     return BlockPool(mean, sim, kmin, kmax, kpad, gdot, order)
 
 
-@triton.jit
+@jit_any_length
 def _pooled_logits_kernel(
     qm_ptr, km_ptr, out_ptr,
     HQ, GROUP, NUM_QUERY_BLOCKS, NUM_KEY_TILES, NUM_QUERIES, NUM_KEYS, SEGMENT_BOUND,

@@ -17,14 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (PlanTables, dot, dot_precision, empty_plan_tables, interpreting, is_finite, launchable,
+from .common import (jit_any_length, PlanTables, dot, dot_precision, empty_plan_tables, interpreting, is_finite, launchable,
                      orderable, pow2, split_heads)
 from .validate import cdiv
 
 __all__ = ["S2ORanking", "s2o_rank_keys", "s2o_assemble", "s2o_select"]
 
 
-@triton.jit
+@jit_any_length
 def _s2o_rank_keys_kernel(
     k_ptr, stride_kb, stride_kh, stride_kn, stride_kd, qm_ptr, out_ptr,
     HKV, NUM_SEGMENTS, SEGMENT, TOTAL, GROUP,
@@ -56,7 +56,7 @@ def _s2o_rank_keys_kernel(
     tl.store(out_ptr + bh.to(tl.int64) * TOTAL + start[None, :] + t[:, None], ~orderable(sc), mask=use)
 
 
-@triton.jit
+@jit_any_length
 def _s2o_segment_of_kernel(slot_ptr, out_ptr, COUNT, NUM_SEGMENTS, SEGMENT, TOTAL, BLOCK: tl.constexpr):
     # the segment (batch * head * g + n) of each slot of the flat list: slot = bh * TOTAL + S * n(n-1)/2 + t
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -125,7 +125,7 @@ def s2o_rank_keys(k: torch.Tensor, query_mean: torch.Tensor, segment: int) -> S2
     return S2ORanking(by_score, torch.sort(seg, stable=True).indices)
 
 
-@triton.jit
+@jit_any_length
 def _s2o_assemble_kernel(by_score_ptr, by_segment_ptr, out_ptr, N, SEGMENT, TOTAL, LENGTH, BLOCK_N,
                          BLOCK: tl.constexpr):
     c = tl.program_id(0)
@@ -161,8 +161,8 @@ def s2o_assemble(ranking: S2ORanking, batch: int, heads: int, n: int, segment: i
     return out
 
 
-@triton.jit
-def _s2o_select_kernel(qidx_ptr, stride_qb, stride_qh, offs_ptr, stride_pb, stride_ph, stride_pi, cnt_ptr, msk_ptr,
+@jit_any_length
+def _s2o_select_kernel(qidx_ptr, stride_qib, stride_qih, offs_ptr, stride_pb, stride_ph, stride_pi, cnt_ptr, msk_ptr,
                        H, N, NUM_QUERY_BLOCKS, SEGMENT, WIDTH,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr,
                        HAS_QUERY_INDEX: tl.constexpr):
@@ -173,7 +173,7 @@ def _s2o_select_kernel(qidx_ptr, stride_qb, stride_qh, offs_ptr, stride_pb, stri
     seg = (i * BLOCK_M) // SEGMENT
     if HAS_QUERY_INDEX:
         r = i[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        qi = tl.load(qidx_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + r, mask=r < N, other=-1)
+        qi = tl.load(qidx_ptr + b.to(tl.int64) * stride_qib + h.to(tl.int64) * stride_qih + r, mask=r < N, other=-1)
         qmax = tl.max(qi, 1)
     else:
         qmax = tl.minimum(i * BLOCK_M + BLOCK_M, N) - 1

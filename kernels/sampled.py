@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot, dot_precision, launchable
+from .common import jit_any_length, dot, dot_precision, launchable
 from .fp8 import quantize_heads, quantize_rows
 from .strided_rows import load_key_tile, program_blocks, program_keys, program_rows, program_shape, rows_per_block
 from .validate import cdiv
@@ -66,7 +66,7 @@ def _mass_inner(q, k_base, mb, inv, qpos, live_blocks, qmax, out_rows, t0, t1, s
         tl.store(out_rows + t, tl.log(mass + tiny), mask=live_blocks & (t * BLOCK_N <= qmax))
 
 
-@triton.jit
+@jit_any_length
 def _sampled_mass_kernel(
     q_ptr, stride_qb, stride_qh, stride_qn, stride_qd,
     k_ptr, stride_kb, stride_kh, stride_kn, stride_kd, k_scale_ptr,

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import interpreting, orderable, pow2
+from .common import jit_any_length, interpreting, orderable, pow2
 from .reference import segmented_argsort_desc as _segmented_argsort_torch
 from .validate import cdiv
 
@@ -18,7 +18,7 @@ __all__ = ["segmented_argsort_desc"]
 MAX_SEGMENT = 4096
 
 
-@triton.jit
+@jit_any_length
 def _segmented_argsort_kernel(x_ptr, out_ptr, L, NUM_SEGMENTS, NUM_SEGMENTS_ALL, SEGMENT: tl.constexpr,
                               SEGMENT_PAD: tl.constexpr, SEGMENTS_PER_PROGRAM: tl.constexpr):
     s = tl.program_id(0) * SEGMENTS_PER_PROGRAM + tl.arange(0, SEGMENTS_PER_PROGRAM)

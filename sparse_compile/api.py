@@ -95,8 +95,9 @@ def precompile(max_len: int, *, methods=None, head_dim: int = 128, group: int = 
 
     The planning kernels are specialised by the power of two of the key tiles a row sees, so each doubling of the
     length compiles new variants; on a first prompt of 512K-1M tokens that compile would land inside the call.
-    This runs each method (default: the configuration's) on one GQA group (``group`` query heads, one key/value
-    head) at every power-of-two length from 4096 to ``max_len``. Triton keeps compiled kernels in its on-disk
+    This runs each method (default: the configuration's) on two GQA groups (``group`` query heads per key/value
+    head) at every power-of-two length from 4096 to ``max_len``; other lengths and head counts (above one) reuse
+    those kernels (``kernels.common.LENGTH_ARGS``). Triton keeps compiled kernels in its on-disk
     cache, so later processes on the machine load them instead of compiling: run it once per machine (and Triton
     or package version), e.g. ``python -c "import sparse_compile; sparse_compile.precompile(1 << 20)"``.
     """
@@ -111,7 +112,7 @@ def precompile(max_len: int, *, methods=None, head_dim: int = 128, group: int = 
     length = PRECOMPILE_LENGTH
     while True:
         for name in names:
-            _run_once(device, dtype, group, 1, head_dim, head_dim, min(length, max_len), base.replace(method=name))
+            _run_once(device, dtype, 2 * group, 2, head_dim, head_dim, min(length, max_len), base.replace(method=name))
         if length >= max_len:
             break
         length *= 2

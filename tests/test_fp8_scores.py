@@ -10,7 +10,8 @@ import torch
 
 from sparse_compile import SparseConfig
 from sparse_compile.methods.peak import FP8_MAX, PeakParams, peak_tile_scores, scores_in_fp8
-from sparse_compile.methods.sampled import SampledParams, sampled_tile_logits
+from sparse_compile.methods.sampled import SampledParams, sampled_rows, sampled_tile_logits
+from sparse_compile.methods.scoring import fp8_rows_and_keys, group_scores
 
 
 def _qk(batch, hq, hkv, n, d, *, seed=0, device="cpu", dtype=torch.float32):
@@ -165,12 +166,22 @@ def test_gpu_fp8_kernel_matches_the_emulation(shape):
 def test_gpu_fp8_sampled_kernel_matches_the_emulation(shape):
     from sparse_compile.kernels.sampled import sampled_mass_logits
 
-    w, g = _seen_tiles_of_both(shape, lambda q, k, scale: sampled_tile_logits(q, k, scale, 128, 8, fp8=True),
+    largest = []
+
+    def emulated(q, k, scale):
+        rows, keys, factor = fp8_rows_and_keys(q[:, :, sampled_rows(q.shape[2], 128, 8, q.device)], k, scale)
+        logits = group_scores(rows, keys) * factor[..., None]
+        largest.append(logits[torch.isfinite(logits)].abs().max().item())
+        return sampled_tile_logits(q, k, scale, 128, 8, fp8=True)
+
+    w, g = _seen_tiles_of_both(shape, emulated,
                                lambda q, k, scale: sampled_mass_logits(q, k, scale, 128, 128, 8, fp8=True))
     assert torch.equal(torch.isnan(w), torch.isnan(g))
     finite = torch.isfinite(w)
-    # logits to the scale's rounding and the products' order (as the peaks, 2e-3): masses to a relative 3e-3
-    assert ((w[finite].exp() - g[finite].exp()).abs() <= 3e-3 * w[finite].exp() + 1e-6).all()
+    # The FP8 tensor cores sum the products with fewer bits than float32 (cuBLAS's FP8 GEMM on the same rounded rows
+    # and keys misses exact sums by 0.012 at logits up to 29, H100), so logits agree to 2e-3 x (largest + 1), as the
+    # peaks do; a tile's log-mass moves by at most twice that (its logits and the row's normaliser).
+    assert ((w[finite] - g[finite]).abs() <= 4e-3 * (largest[0] + 1)).all()
 
 
 @pytest.mark.gpu
