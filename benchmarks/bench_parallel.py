@@ -376,6 +376,11 @@ def report(store: Path, out: Path) -> str:
     return table
 
 
+def region_of(method: str) -> dict:
+    """The ``sparsity(...)`` region a setting's calls run in (its density knob, if any, is added after calibration)."""
+    return {"enabled": False} if method == "dense" else {"method": method}
+
+
 def parse_setting(text: str) -> tuple[str, float | None]:
     method, _, density = text.partition("@")
     if method not in ("dense", "ring") and method not in sparse_compile.registry.registered_methods():
@@ -440,8 +445,8 @@ def main() -> None:
         prompt = runner.prompt(args.warmup_length)
         floor_and_capture(runner, prompt, capture=False, reps=0)
         for method, density in settings:
-            if method not in ("ring",) and density is None:
-                runner.timed(prompt, {"enabled": False} if method == "dense" else {"method": method})
+            if method != "ring" and density is None:
+                runner.timed(prompt, region_of(method))
         del prompt
     for n in args.lengths:
         prompt = runner.prompt(n)
@@ -477,7 +482,7 @@ def main() -> None:
                           sparse_calls_per_rank=[steady["sparse_calls_per_rank"]],
                           peak_gib_per_rank=runner.max_over_ranks(round(peak, 2)), sm_clock_mhz=sm_clock_mhz()))
                 continue
-            region: dict = {"enabled": False} if method == "dense" else {"method": method}
+            region = region_of(method)
             achieved = None
             if density is not None:
                 params, achieved = (calibrate(method, density, [qk], runner.base) if runner.rank == 0 else ({}, None))

@@ -174,7 +174,8 @@ def main(argv=None) -> dict:
     started = run_started = time.perf_counter()
     precompile_s = None
     if not tiny:  # what a server runs at start (README): every method's kernels for every length bucket
-        precompile_s = sparse_compile.precompile(max(args.lengths), methods=tuple(sparse_compile.registry.registered_methods()))
+        methods = tuple(sparse_compile.registry.registered_methods())
+        precompile_s = sparse_compile.precompile(max(args.lengths), methods=methods)
     for length, batch, name in workloads:  # every workload once: compiles, Triton's kernels, break-even probes
         call(batch, length, regions[name])
     warmup_s = time.perf_counter() - started

@@ -73,7 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import jit_any_length, interpreting
+from .common import interpreting, jit_any_length
 from .permute import permute_keys
 from .validate import MAX_HEAD_DIM, cdiv, validate_passes, validate_qkv
 

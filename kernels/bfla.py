@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (jit_any_length, TileGrid, dot, dot_precision, empty_plan_tables, interpreting, is_finite, launchable, mix32,
-                     physical_rows, plan_buckets, query_block_bounds, row_visibility, row_warps, rows_per_program,
-                     split_heads, store_plan_rows)
+from .common import (TileGrid, dot, dot_precision, empty_plan_tables, interpreting, is_finite, jit_any_length,
+                     launchable, mix32, physical_rows, plan_buckets, query_block_bounds, row_visibility, row_warps,
+                     rows_per_program, split_heads, store_plan_rows)
 from .reference import hash32
 from .pooling import BlockPool
 from .validate import cdiv

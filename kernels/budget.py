@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (jit_any_length, TileGrid, empty_plan_tables, orderable, plan_buckets, query_block_bounds, row_visibility,
-                     row_warps, rows_per_program, store_plan_rows)
+from .common import (TileGrid, empty_plan_tables, jit_any_length, orderable, plan_buckets, query_block_bounds,
+                     row_visibility, row_warps, rows_per_program, store_plan_rows)
 
 __all__ = ["budget_select"]
 

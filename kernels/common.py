@@ -26,9 +26,9 @@ __all__ = ["interpreting", "pow2", "dot_precision", "launchable", "TileGrid", "P
 #: Integer kernel arguments that follow a prompt's length: the length itself, counts derived from it (rows, tiles,
 #: query blocks, segments, work items) and the strides of the tables shaped by them (scores, plan rows, key
 #: indices, row log-sum-exps); and the head counts, so that ``precompile``'s small problem compiles the kernels of
-#: a model with any number of heads above one. Triton specialises an int argument on its divisibility by 16, so each new class of
-#: length (an odd length after even ones, a tile count not a multiple of 16) would compile the kernel again, inside
-#: a server's call (5 planning kernels, 6 s, at 24,577 tokens after 16,384). These bound loops and masks and address
+#: a model with any number of heads above one. Triton specialises an int argument on its divisibility by 16, so
+#: each new class of length (an odd length after even ones, a tile count not a multiple of 16) would compile the
+#: kernel again, inside a server's call (5 planning kernels, 6 s, at 24,577 tokens after 16,384). These bound loops and masks and address
 #: small tables; the loads that need alignment (q, k, v, o) go through their own strides, which stay specialised (a
 #: head dim that is a multiple of 16 makes them length-independent). Compiled without it, a kernel compiled for one
 #: length serves every length of its power-of-two bucket (``precompile`` runs one length per bucket).

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import jit_any_length, interpreting, is_finite
+from .common import interpreting, is_finite, jit_any_length
 from .validate import cdiv
 
 __all__ = ["FP8_MAX", "fp8_tensor_cores", "quantize_heads", "quantize_rows"]

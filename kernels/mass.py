@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (jit_any_length, TileGrid, empty_plan_tables, is_finite, plan_buckets, query_block_bounds,
+from .common import (TileGrid, empty_plan_tables, is_finite, jit_any_length, plan_buckets, query_block_bounds,
                      row_visibility, row_warps, rows_per_program, split_heads, store_plan_rows, top_mass)
 from .pooling import BlockPool
 

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import jit_any_length, dot, dot_precision, interpreting, is_finite, launchable, load_head_rows, pow2, split_heads
+from .common import (dot, dot_precision, interpreting, is_finite, jit_any_length, launchable, load_head_rows, pow2,
+                     split_heads)
 from .sorting import segmented_argsort_desc
 from .validate import cdiv
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import jit_any_length, dot, dot_precision, is_finite, launchable
+from .common import dot, dot_precision, is_finite, jit_any_length, launchable
 from .fp8 import quantize_heads, quantize_rows
 from .strided_rows import load_key_tile, program_blocks, program_keys, program_rows, program_shape, rows_per_block
 from .validate import cdiv

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (jit_any_length, dot, dot_precision, interpreting, is_finite, launchable, orderable, physical_rows, pow2,
-                     query_block_bounds, split_heads, tile_limit)
+from .common import (dot, dot_precision, interpreting, is_finite, jit_any_length, launchable, orderable, physical_rows,
+                     pow2, query_block_bounds, split_heads, tile_limit)
 from .sorting import segmented_argsort_desc
 from .validate import cdiv
 

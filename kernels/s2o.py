@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (jit_any_length, PlanTables, dot, dot_precision, empty_plan_tables, interpreting, is_finite, launchable,
-                     orderable, pow2, split_heads)
+from .common import (PlanTables, dot, dot_precision, empty_plan_tables, interpreting, is_finite, jit_any_length,
+                     launchable, orderable, pow2, split_heads)
 from .validate import cdiv
 
 __all__ = ["S2ORanking", "s2o_rank_keys", "s2o_assemble", "s2o_select"]

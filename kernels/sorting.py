@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import jit_any_length, interpreting, orderable, pow2
+from .common import interpreting, jit_any_length, orderable, pow2
 from .reference import segmented_argsort_desc as _segmented_argsort_torch
 from .validate import cdiv
 

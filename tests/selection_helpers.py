@@ -176,12 +176,11 @@ def reference_bounds(select, q, k, scale, r, config):
         bs = p.block_size
         vis = visibility(Nq, Nk, bs, bs, r, B, Hq, q.device)
         visible = vis != VISIBLE_NONE
+        fp8 = scores_in_fp8(p, q)
         if select == "sampled":  # FP8 products summed in another order: an absolute margin too
-            fp8 = scores_in_fp8(p, q)
             mass = torch.where(visible, sampled_tile_logits(qd, kd, scale, bs, p.sample_every, fp8).exp(), -1.0)
             tol = (3e-3 if fp8 else EPS_P) * mass.clamp_min(0) + 1e-12
         else:  # peaks are differences of logits: an absolute margin (FP8 products summed in another order: wider)
-            fp8 = scores_in_fp8(p, q)
             mass = peak_tile_scores(qd, kd, scale, bs, p.sample_every, p.keep_first_block, fp8).double()
             mass = torch.where(visible, mass, mass.new_full((), float("-inf")))
             tol = (2e-3 if fp8 else EPS_ORDER * 10) * (mass.abs().nan_to_num(0.0, 0.0, 0.0) + 1)

@@ -29,8 +29,8 @@ print(json.dumps(found))
 """
 
 #: argument names that follow the length (and head counts), by the kernels' naming conventions
-FOLLOWS_LENGTH = (r"^(N|L|LQ|LK|LENGTH|COUNT|TOTAL|KEY_LEN|ROW[01]|ROWS|WIDTH|SEGMENTS_END|count|NUM_\w+|H|HQ|HKV|H_Q|GROUP|GQA"
-                  r"|N_(Q|K|QBLK|PBLK|ITEMS)|stride_(s|l|p)[bhi]|stride_t[bhq]|stride_(c|m)[bh]|stride_(ki|qi|i)[bh])$")
+FOLLOWS_LENGTH = (r"^(N|L|LQ|LK|LENGTH|COUNT|TOTAL|KEY_LEN|ROW[01]|ROWS|WIDTH|SEGMENTS_END|count|NUM_\w+"
+                  r"|H|HQ|HKV|H_Q|GROUP|GQA|N_(Q|K|QBLK|PBLK|ITEMS)|stride_(s|l|p)[bhi]|stride_t[bhq]|stride_(c|m)[bh]|stride_(ki|qi|i)[bh])$")
 #: the strides of the attention operands, whose alignment vectorises their loads
 OPERAND_STRIDE = r"^stride_[qkvox][bhnmd]$"
 
