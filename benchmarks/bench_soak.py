@@ -56,6 +56,15 @@ def rss_mib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def allocator_events(tiny: bool) -> tuple[int, int]:
+    """(device allocations, retries after freeing the cache) of PyTorch's caching allocator so far: a call that
+    grows or flushes the cache pays cudaMalloc / cudaFree and a device sync inside it."""
+    if tiny:
+        return 0, 0
+    stats = torch.cuda.memory_stats()
+    return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0)
+
+
 def gpu_memory(device: str) -> dict:
     if not device.startswith("cuda"):
         return {}
@@ -158,15 +167,23 @@ def main(argv=None) -> dict:
 
     regions = contenders()
 
+    # the last call's time between events queued at its start and end (GPU side), and until the host had queued it
+    gpu_time = {"s": 0.0, "queued_s": 0.0}
+
     def call(batch: int, length: int, region: dict) -> float:
         ids = torch.randint(0, vocab, (batch, length), device=device)
         if not tiny:
             torch.cuda.synchronize()
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events[0].record()
         started = time.perf_counter()
         with torch.no_grad(), sparse_compile.sparsity(**region):
             compiled(ids, logits_to_keep=1)
+        gpu_time["queued_s"] = time.perf_counter() - started
         if not tiny:
+            events[1].record()
             torch.cuda.synchronize()
+            gpu_time["s"] = events[0].elapsed_time(events[1]) / 1e3
         return time.perf_counter() - started
 
     workloads = [(length, batch, name) for length in args.lengths for batch in range(1, args.max_batch + 1)
@@ -200,11 +217,14 @@ def main(argv=None) -> dict:
         calls_made += 1
         workload = rng.choice(workloads)
         before, compiled_before, collected_before = path_counts(), compiles.count, collections["gen2"]
+        grown_before = allocator_events(tiny)
         seconds = call(workload[1], workload[0], regions[workload[2]])
         after = path_counts()
         times.setdefault(workload, []).append(seconds)
-        log.append((i, *workload, seconds, after[0] - before[0], after[1] - before[1],
-                    compiles.count - compiled_before, after[2][:200], collections["gen2"] - collected_before))
+        log.append((i, *workload, seconds, gpu_time["s"], gpu_time["queued_s"], after[0] - before[0],
+                    after[1] - before[1],
+                    compiles.count - compiled_before, after[2][:200], collections["gen2"] - collected_before,
+                    *(a - b for a, b in zip(allocator_events(tiny), grown_before))))
         if i + 1 == MARK or (i + 1 == args.calls and not at_mark):
             at_mark = {"rss_mib": rss_mib(), **gpu_memory(device)}
     compiles.close()
@@ -216,16 +236,20 @@ def main(argv=None) -> dict:
     meta = {
         "device": torch.cuda.get_device_name() if not tiny else "cpu", "dtype": str(dtype), "layers": layers,
         "calls": args.calls, "calls_made": calls_made, "wall_s": time.perf_counter() - run_started,
-        "max_batch": args.max_batch, "seed": args.seed, "options": options, "lengths": args.lengths,
+        "max_batch": args.max_batch, "seed": args.seed, "options": options,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "lengths": args.lengths,
         "contenders": sorted(regions), "workloads": len(workloads), "warmup_s": warmup_s, "precompile_s": precompile_s,
         "recompiles_after_warmup": counters["stats"]["unique_graphs"] - graphs_after_warmup,
         "attention_calls_made": calls_made * layers, "sparse_calls": sparse_calls, "dense_calls": dense_calls,
         "history_entries": len(sparse_compile.breakeven.HISTORY), "two_streams_match": streams_match,
-        "triton_compiles_after_warmup": sum(entry[7] for entry in log),
+        "triton_compiles_after_warmup": sum(entry[9] for entry in log),
         # calls over 1.2 x their workload's median (the p99 / p50 bound): (call, length, batch, contender, s,
-        # sparse, dense, Triton compiles, the site's last reason, full garbage collections during it)
-        "slow_calls": [entry for entry in log
-                       if entry[4] > 1.2 * percentile(times[(entry[1], entry[2], entry[3])], 0.5)][:64],
+        # s between the call's first and last GPU events, s until the host had queued it, sparse, dense, Triton
+        # compiles, the site's last reason, full garbage collections during it, the caching allocator's new device
+        # segments and its retries after freeing its cache, the workload's median s, the previous call's workload)
+        "slow_calls": [(*entry, median, log[entry[0] - 1][1:4] if entry[0] else None) for entry in log
+                       for median in [percentile(times[(entry[1], entry[2], entry[3])], 0.5)]
+                       if entry[4] > 1.2 * median][:64],
         f"at_call_{min(MARK, calls_made)}": at_mark, "at_end": {"rss_mib": rss_mib(), **gpu_memory(device)},
     }
     rows = []

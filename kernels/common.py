@@ -141,12 +141,15 @@ _ROW_ELEMS = 1024
 
 
 def rows_per_program(width: int, rows: int) -> int:
-    # GPU: one warp per program holding up to 2048 elements, so that the 31 bisection reductions and the prefix
+    # GPU: one warp per program holding up to 1024 elements, so that the 31 bisection reductions and the prefix
     # sums of a row stay inside the warp (shuffles, no shared memory or barriers; v1 spread a row over 4-8 warps
     # and was barrier-bound, see docs/kernels.md). Interpreter: every reduction is a slow Python call, so take
     # as many rows as possible.
-    per = 64 if interpreting() else max(1, _ROW_ELEMS // width)
-    return max(1, min(pow2(per), pow2(rows)))
+    # The GPU count follows the width alone: a constexpr that followed the bucket's row count too would compile
+    # the kernel again for a length whose widest bucket holds fewer rows (16,400 tokens after 32,768).
+    if interpreting():
+        return max(1, min(64, pow2(rows)))
+    return pow2(max(1, _ROW_ELEMS // width))
 
 
 def row_warps(rows: int, width: int) -> int:
