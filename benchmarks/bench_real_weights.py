@@ -214,6 +214,25 @@ def score_retrieval(model, instances: list, batch: int, device: str) -> list:
     return correct
 
 
+def prose_model(length: int, windows: int) -> tuple:
+    """(the model in float32 on the CPU with the rope for ``length``, ``windows`` prose windows of ``length``
+    tokens, seed 0): what the research tools score (``benchmarks/research``)."""
+    model, tokenizer = load_model(find_gguf(None), rope=rope_of(length), dtype=torch.float32, device="cpu",
+                                  cache_dir=default_cache_dir())
+    sources = {"prose": Documents(tokenizer, prose_texts(), "prose")}
+    return model, make_windows("nll_prose", length, windows, sources, line_start_tokens(tokenizer), 0)
+
+
+def last_token_losses(model, windows: list, scored: int) -> list:
+    """Per window (one at a time): mean next-token loss (nats) over its last ``scored`` tokens."""
+    losses = []
+    for window in windows:
+        with torch.no_grad():
+            logits = model(window[None], logits_to_keep=scored + 1, use_cache=False).logits.float()[:, :-1]
+        losses.append(float(F.cross_entropy(logits[0], window[-scored:])))
+    return losses
+
+
 def score_nll(model, windows: list, batch: int, device: str) -> list:
     """Per window: mean next-token loss (nats) over its last NLL_TOKENS tokens."""
     out = []

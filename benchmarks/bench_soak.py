@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -83,6 +84,28 @@ def contenders() -> dict:
             regions[f"{name}@{budget}"] = {"method": name, "budget": budget}
     regions["pbs@0.9"] = {"method": "pbs", "threshold": 0.9}
     return regions
+
+
+class CallRecord(NamedTuple):
+    """One timed call of the soak (``slow_calls`` lists them as plain lists, in this order)."""
+
+    call: int
+    length: int
+    batch: int
+    contender: str
+    seconds: float
+    gpu_s: float  # between events queued at the call's start and end
+    queued_s: float  # until the host had queued the call
+    sparse: int  # attention calls by path
+    dense: int
+    triton_compiles: int
+    reason: str  # the site's last reason
+    full_gcs: int  # Python's full garbage collections during the call
+    device_allocs: int  # the caching allocator's new device segments
+    alloc_retries: int  # its retries after freeing its cache
+
+    def workload(self) -> tuple:
+        return self.length, self.batch, self.contender
 
 
 class TritonCompiles:
@@ -167,10 +190,9 @@ def main(argv=None) -> dict:
 
     regions = contenders()
 
-    # the last call's time between events queued at its start and end (GPU side), and until the host had queued it
-    gpu_time = {"s": 0.0, "queued_s": 0.0}
-
-    def call(batch: int, length: int, region: dict) -> float:
+    def call(batch: int, length: int, region: dict) -> tuple[float, float, float]:
+        """(seconds, seconds between events queued at its start and end on the GPU, seconds until the host had
+        queued it) of one call."""
         ids = torch.randint(0, vocab, (batch, length), device=device)
         if not tiny:
             torch.cuda.synchronize()
@@ -179,12 +201,13 @@ def main(argv=None) -> dict:
         started = time.perf_counter()
         with torch.no_grad(), sparse_compile.sparsity(**region):
             compiled(ids, logits_to_keep=1)
-        gpu_time["queued_s"] = time.perf_counter() - started
+        queued_s = time.perf_counter() - started
+        gpu_s = 0.0
         if not tiny:
             events[1].record()
             torch.cuda.synchronize()
-            gpu_time["s"] = events[0].elapsed_time(events[1]) / 1e3
-        return time.perf_counter() - started
+            gpu_s = events[0].elapsed_time(events[1]) / 1e3
+        return time.perf_counter() - started, gpu_s, queued_s
 
     workloads = [(length, batch, name) for length in args.lengths for batch in range(1, args.max_batch + 1)
                  for name in regions]
@@ -203,12 +226,13 @@ def main(argv=None) -> dict:
 
     compiles = TritonCompiles()
     collections = {"gen2": 0}  # Python's full garbage collections, a host pause that a call can fall into
+
     def count_collections(phase, info):
         collections["gen2"] += phase == "start" and info.get("generation") == 2
 
     gc.callbacks.append(count_collections)
     times: dict = {}
-    log: list = []  # per call: workload, seconds, sparse and dense attention calls, Triton compiles
+    log: list = []  # a CallRecord per call
     at_mark: dict = {}
     calls_made = 0
     for i in range(args.calls):
@@ -218,13 +242,12 @@ def main(argv=None) -> dict:
         workload = rng.choice(workloads)
         before, compiled_before, collected_before = path_counts(), compiles.count, collections["gen2"]
         grown_before = allocator_events(tiny)
-        seconds = call(workload[1], workload[0], regions[workload[2]])
+        seconds, gpu_s, queued_s = call(workload[1], workload[0], regions[workload[2]])
         after = path_counts()
         times.setdefault(workload, []).append(seconds)
-        log.append((i, *workload, seconds, gpu_time["s"], gpu_time["queued_s"], after[0] - before[0],
-                    after[1] - before[1],
-                    compiles.count - compiled_before, after[2][:200], collections["gen2"] - collected_before,
-                    *(a - b for a, b in zip(allocator_events(tiny), grown_before))))
+        log.append(CallRecord(i, *workload, seconds, gpu_s, queued_s, after[0] - before[0], after[1] - before[1],
+                              compiles.count - compiled_before, after[2][:200], collections["gen2"] - collected_before,
+                              *(a - b for a, b in zip(allocator_events(tiny), grown_before))))
         if i + 1 == MARK or (i + 1 == args.calls and not at_mark):
             at_mark = {"rss_mib": rss_mib(), **gpu_memory(device)}
     compiles.close()
@@ -242,14 +265,11 @@ def main(argv=None) -> dict:
         "recompiles_after_warmup": counters["stats"]["unique_graphs"] - graphs_after_warmup,
         "attention_calls_made": calls_made * layers, "sparse_calls": sparse_calls, "dense_calls": dense_calls,
         "history_entries": len(sparse_compile.breakeven.HISTORY), "two_streams_match": streams_match,
-        "triton_compiles_after_warmup": sum(entry[9] for entry in log),
-        # calls over 1.2 x their workload's median (the p99 / p50 bound): (call, length, batch, contender, s,
-        # s between the call's first and last GPU events, s until the host had queued it, sparse, dense, Triton
-        # compiles, the site's last reason, full garbage collections during it, the caching allocator's new device
-        # segments and its retries after freeing its cache, the workload's median s, the previous call's workload)
-        "slow_calls": [(*entry, median, log[entry[0] - 1][1:4] if entry[0] else None) for entry in log
-                       for median in [percentile(times[(entry[1], entry[2], entry[3])], 0.5)]
-                       if entry[4] > 1.2 * median][:64],
+        "triton_compiles_after_warmup": sum(entry.triton_compiles for entry in log),
+        # calls over 1.2 x their workload's median (the p99 / p50 bound): CallRecord's fields, then the workload's
+        # median seconds and the previous call's workload (length, batch, contender)
+        "slow_calls": [(*entry, median, log[entry.call - 1].workload() if entry.call else None) for entry in log
+                       for median in [percentile(times[entry.workload()], 0.5)] if entry.seconds > 1.2 * median][:64],
         f"at_call_{min(MARK, calls_made)}": at_mark, "at_end": {"rss_mib": rss_mib(), **gpu_memory(device)},
     }
     rows = []

@@ -28,10 +28,11 @@ __all__ = ["interpreting", "pow2", "dot_precision", "launchable", "TileGrid", "P
 #: indices, row log-sum-exps); and the head counts, so that ``precompile``'s small problem compiles the kernels of
 #: a model with any number of heads above one. Triton specialises an int argument on its divisibility by 16, so
 #: each new class of length (an odd length after even ones, a tile count not a multiple of 16) would compile the
-#: kernel again, inside a server's call (5 planning kernels, 6 s, at 24,577 tokens after 16,384). These bound loops and masks and address
-#: small tables; the loads that need alignment (q, k, v, o) go through their own strides, which stay specialised (a
-#: head dim that is a multiple of 16 makes them length-independent). Compiled without it, a kernel compiled for one
-#: length serves every length of its power-of-two bucket (``precompile`` runs one length per bucket).
+#: kernel again, inside a server's call (5 planning kernels, 6 s, at 24,577 tokens after 16,384). These bound loops
+#: and masks and address small tables; the loads that need alignment (q, k, v, o) go through their own strides,
+#: which stay specialised (a head dim that is a multiple of 16 makes them length-independent). Compiled without
+#: it, a kernel compiled for one length serves every length of its power-of-two bucket (``precompile`` runs one
+#: length per bucket).
 LENGTH_ARGS = ("N", "L", "LQ", "LK", "LENGTH", "COUNT", "TOTAL", "NUM_QUERIES", "NUM_KEYS", "NUM_QUERY_BLOCKS",
                "NUM_KEY_TILES", "NUM_QUERY_TILES", "NUM_BLOCKS", "NUM_CHUNKS", "NUM_PROGRAMS", "NUM_SEGMENTS",
                "NUM_SEGMENTS_ALL", "SEGMENTS_END", "ROW0", "ROW1", "ROWS", "N_Q", "N_K", "KEY_LEN", "N_QBLK", "N_PBLK",

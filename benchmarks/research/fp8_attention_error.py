@@ -118,22 +118,13 @@ def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def real_model(length: int, windows: int):
-    """(SmolLM2 float32 on the CPU, ``windows`` prose windows of ``length`` tokens)."""
-    from bench_real_weights import default_cache_dir, find_gguf, load_model, rope_of
-    from real_weights_tasks import Documents, line_start_tokens, make_windows, prose_texts
-
-    model, tokenizer = load_model(find_gguf(None), rope=rope_of(length), dtype=torch.float32, device="cpu",
-                                  cache_dir=default_cache_dir())
-    sources = {"prose": Documents(tokenizer, prose_texts(), "prose")}
-    return model, make_windows("nll_prose", length, windows, sources, line_start_tokens(tokenizer), 0)
-
-
 def captured_heads(length: int, layers: list, head_every: int):
     """{layer: [(q, k, v, scale) per measured query head]} of SmolLM2 on one prose window of ``length`` tokens."""
     from transformers import AttentionInterface
 
-    model, windows = real_model(length, 1)
+    from bench_real_weights import prose_model
+
+    model, windows = prose_model(length, 1)
     captured, seen = {}, [0]
 
     def capture(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -157,7 +148,9 @@ def loss_rows(length: int, windows: int, variants: list) -> list:
     """Δ NLL against float32 attention of each variant's attention in every layer."""
     from transformers import AttentionInterface
 
-    model, texts = real_model(length, windows)
+    from bench_real_weights import last_token_losses, prose_model
+
+    model, texts = prose_model(length, windows)
     state = {"variant": None}
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -179,11 +172,7 @@ def loss_rows(length: int, windows: int, variants: list) -> list:
     rows, reference = [], None
     for name in [None, "bf16", *variants]:
         state["variant"] = name
-        losses = []
-        for window in texts:
-            with torch.no_grad():
-                logits = model(window[None], logits_to_keep=scored + 1, use_cache=False).logits.float()[:, :-1]
-            losses.append(float(F.cross_entropy(logits[0], window[-scored:])))
+        losses = last_token_losses(model, texts, scored)
         reference = reference or losses
         delta = sum(a - b for a, b in zip(losses, reference)) / len(losses)
         if name is not None:
@@ -194,10 +183,10 @@ def loss_rows(length: int, windows: int, variants: list) -> list:
 
 def measure(inputs: str, heads: list) -> list:
     rows = []
+    exacts = [float_attention(q, k, v, scale) for q, k, v, scale in heads]
     for name, options in {"bf16": None, **VARIANTS}.items():
         errors = []
-        for q, k, v, scale in heads:
-            exact = float_attention(q, k, v, scale)
+        for (q, k, v, scale), exact in zip(heads, exacts):
             if options is None:
                 q16, k16, v16 = (x.bfloat16().float() for x in (q, k, v))
                 errors.append(relative_l2(float_attention(q16, k16, v16, scale), exact))

@@ -35,6 +35,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import write_results  # noqa: E402
 
+from sparse_compile.methods.sampled import sampled_tile_logits  # noqa: E402
+
 BLOCK = 128
 EVERY = 8
 LOCAL_TILES = 8
@@ -52,10 +54,7 @@ def select(q: torch.Tensor, k: torch.Tensor, scale: float, rule: tuple, floor: f
     """Kept tiles (B, H, nqb, nkt) bool of q (B, H, N, D) and k (B, H, N, D), N a multiple of BLOCK."""
     batch, heads, n, _ = q.shape
     nqb = n // BLOCK
-    rows = (torch.arange(nqb)[:, None] * BLOCK + EVERY - 1 + EVERY * torch.arange(BLOCK // EVERY)[None, :]).reshape(-1)
-    s = (q[:, :, rows] @ k.transpose(-1, -2)) * scale
-    p = torch.softmax(s.masked_fill(torch.arange(n)[None, :] > rows[:, None], float("-inf")), -1)
-    mass = p.view(batch, heads, nqb, BLOCK // EVERY, nqb, BLOCK).sum(-1).mean(3)  # (B, H, nqb, nkt)
+    mass = sampled_tile_logits(q, k, scale, BLOCK, EVERY).exp()  # (B, H, nqb, nkt): the package's scores
     qi, kj = torch.arange(nqb)[:, None], torch.arange(nqb)[None, :]
     visible, full = kj <= qi, kj < qi
     forced = (visible & ~full) | (full & (kj >= qi - LOCAL_TILES)) | (visible & (kj == 0))
@@ -114,12 +113,10 @@ def main(argv=None) -> None:
         parser.error("--length: up to 8,192 (the model's native context; longer needs rope extension)")
     from transformers import AttentionInterface
 
-    from bench_real_weights import default_cache_dir, find_gguf, load_model
-    from real_weights_tasks import Documents, line_start_tokens, make_windows, prose_texts
+    from bench_real_weights import last_token_losses, prose_model
 
     torch.manual_seed(0)
-    model, tokenizer = load_model(find_gguf(None), rope="native", dtype=torch.float32, device="cpu",
-                                  cache_dir=default_cache_dir())
+    model, windows = prose_model(args.length, args.windows)  # native rope up to 8,192 tokens
     state = {"rule": None, "densities": []}
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -131,18 +128,12 @@ def main(argv=None) -> None:
 
     AttentionInterface.register("share_rules", attention)
     model.set_attn_implementation("share_rules")
-    sources = {"prose": Documents(tokenizer, prose_texts(), "prose")}
-    windows = make_windows("nll_prose", args.length, args.windows, sources, line_start_tokens(tokenizer), 0)
     scored = min(2048, args.length // 4)
     rows, dense = [], None
     for rule in [None, *args.rules]:
         state["rule"], state["densities"] = rule, []
         started = time.time()
-        losses = []
-        for window in windows:
-            with torch.no_grad():
-                logits = model(window[None], logits_to_keep=scored + 1, use_cache=False).logits.float()[:, :-1]
-            losses.append(float(F.cross_entropy(logits[0], window[-scored:])))
+        losses = last_token_losses(model, windows, scored)
         dense = dense or losses
         name = "dense" if rule is None else f"{rule[0]}:{rule[1]:g}"
         delta = sum(a - b for a, b in zip(losses, dense)) / len(losses)
