@@ -73,6 +73,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparse_compile  # noqa: E402
+from sparse_compile.pipeline import capturing  # noqa: E402
 from density_calibration import calibrate as calibrate_density, method_spec, split_spec  # noqa: E402
 from bench_retrieval import KNOB_STEPS, base_config  # noqa: E402
 from harness import RESULTS_DIR, RUNS_DIR, append_store, format_table, read_store, write_results  # noqa: E402
@@ -266,7 +267,7 @@ def capture_layers(compiled, ids: torch.Tensor, stride: int) -> list:
     def keep(site, q, k, v, scale, chunked):
         calls.append((q.detach().clone(), k.detach().clone()))
 
-    with torch.no_grad(), sparse_compile.sparsity(enabled=False), sparse_compile.ops.capturing(keep):
+    with torch.no_grad(), sparse_compile.sparsity(enabled=False), capturing(keep):
         compiled(ids, logits_to_keep=KEPT_LOGITS, use_cache=False)
     return calls[::stride]
 

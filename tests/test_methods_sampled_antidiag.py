@@ -82,6 +82,50 @@ def test_sampled_budget_keeps_forced_tiles_and_a_fixed_share_of_the_others():
     assert keep.tolist() == [[True, False, False, False]]
 
 
+def test_sampled_mass_target_keeps_the_fewest_tiles_that_reach_it():
+    from sparse_compile.methods.sampled import keep_top_budget
+
+    # one block's sampled masses: tile 0 forced (0.30); the others 0.25, 0.05, 0.20, 0.10, 0.06, 0.04; tile 7 unseen
+    mass = torch.tensor([[0.30, 0.25, 0.05, 0.20, 0.10, 0.06, 0.04, 0.0]])
+    scores = torch.log(mass + 1e-30)
+    visible = torch.tensor([[True] * 7 + [False]])
+    forced = torch.tensor([[True] + [False] * 7])
+
+    def kept(target, budget=0.99, least=0.0):
+        return keep_top_budget(scores, visible, forced, budget, target, least)[0].nonzero().flatten().tolist()
+
+    assert kept(0.5) == [0, 1]  # 0.30 + 0.25
+    assert kept(0.7) == [0, 1, 3]  # + 0.20 = 0.75
+    assert kept(0.9) == [0, 1, 3, 4, 5]  # + 0.10 + 0.06 = 0.91
+    assert kept(0.2) == [0, 1]  # the forced tiles reach it: still one ranked tile
+    assert kept(0.9, budget=0.3) == [0, 1, 3, 4]  # at most ceil(0.3 x 7) = 3 others
+    assert kept(0.5, least=0.5) == [0, 1, 3, 4, 5]  # at least ceil(0.5 x 7) = 4 others
+    assert kept(0.5, budget=0.3, least=0.5) == [0, 1, 3, 4]  # the cap wins over the floor
+    # NaN scores are kept and take no part in the mass
+    nan = scores.clone()
+    nan[0, 2] = float("nan")
+    assert keep_top_budget(nan, visible, forced, 0.99, 0.7, 0.0)[0].nonzero().flatten().tolist() == [0, 1, 2, 3]
+
+
+def test_sampled_mass_target_spends_density_where_attention_is_spread():
+    """Head 0 reads one key block, head 1 reads everything evenly: with a mass target head 0 keeps its floor and
+    head 1 its cap; the fixed share keeps the same count in both."""
+    n, dim, block = 512, 16, 16
+    q, k, _ = random_qkv(1, 2, 2, n, n, dim)
+    q[:, 1] = 0.0  # uniform attention
+    k[:, 0] = 0.0
+    k[0, 0, 16 * 5: 16 * 6] = 1.0  # key block 5 ...
+    q[0, 0] = 8.0  # ... is where every row of head 0 looks
+    common = dict(block_size=block, sample_every=4, local_tiles=0, exact_tail_blocks=0, keep_first_block=False)
+    counts = {}
+    rules = {"share": dict(budget=0.3, mass_target=0.0), "mass": dict(budget=0.6, mass_target=0.9, min_budget=0.1)}
+    for name, extra in rules.items():
+        config = SparseConfig(method="sampled", sampled={**common, **extra})
+        counts[name] = build_plan(q, k, None, config).tile_counts[0, :, -1].tolist()  # the last block: 32 visible
+    assert counts["share"][0] == counts["share"][1]
+    assert counts["mass"][0] < counts["share"][0] < counts["mass"][1], counts
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the antidiagonal selector
 

@@ -78,7 +78,8 @@ def plan_from_tables(block_m: int, block_n: int, tables, reordering: Reordering,
                      key_index=reordering.key_index, query_index=reordering.query_index, **options)
 
 
-def budget_plan(scores_of, q, k, reordering: Reordering, params, selector: str) -> BlockPlan:
+def budget_plan(scores_of, q, k, reordering: Reordering, params, selector: str, mass_target: float = 0.0,
+                min_budget: float = 0.0) -> BlockPlan:
     """= ``tiles.finish_budget_plan`` on the GPU: ``scores_of()`` (B, Hq, nqb, nkt) float32 tile scores, called
     only when ``params.budget`` keeps a share, ranked and written into plan rows by ``kernels.budget``. Keys and
     queries in order (``selector`` names the refusal otherwise)."""
@@ -89,6 +90,7 @@ def budget_plan(scores_of, q, k, reordering: Reordering, params, selector: str) 
     bs = params.block_size
     scores = None if params.budget >= 1.0 else scores_of()
     tables = budget_select(tile_grid(q, k, reordering, bs, bs), scores, params.budget,
-                           keep_first_key=params.keep_first_block, local=params.local_tiles)
+                           keep_first_key=params.keep_first_block, local=params.local_tiles,
+                           mass_target=mass_target, min_budget=min_budget)
     tail = 0 if scores is None else params.exact_tail_blocks * bs  # keep-all: every row is exact already
     return plan_from_tables(bs, bs, tables, reordering, exact_tail=tail)

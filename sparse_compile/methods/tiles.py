@@ -13,7 +13,7 @@ from ..plan import VISIBLE_NONE, VISIBLE_PARTIAL, BlockPlan, block_visibility, p
 from ..registry import DensityKnob
 from .scoring import Reordering
 
-__all__ = ["BUDGET_KNOB", "StridedRowParams", "scores_in_fp8", "strided_rows", "visibility", "diagonal_tiles", "first_key_tile", "local_tiles", "finish_plan", "keep_top_budget", "finish_budget_plan"]
+__all__ = ["BUDGET_KNOB", "StridedRowParams", "scores_in_fp8", "strided_rows", "visibility", "diagonal_tiles", "first_key_tile", "local_tiles", "finish_plan", "keep_top_budget", "tiles_to_reach", "finish_budget_plan"]
 
 
 def visibility(num_queries: int, num_keys: int, block_m: int, block_n: int, reordering: Reordering, batch: int,
@@ -82,11 +82,16 @@ def finish_plan(keep: torch.Tensor, vis: torch.Tensor, block_m: int, block_n: in
                                 query_index=reordering.query_index, **options)
 
 
-def keep_top_budget(scores: torch.Tensor, visible: torch.Tensor, forced: torch.Tensor,
-                    budget: float) -> torch.Tensor:
-    """Each row keeps its forced tiles and its ceil(budget x visible) (at least one) highest-scoring other visible
-    tiles (ties: lower index first); NaN scores are kept."""
-    allowed = torch.clamp(torch.ceil(budget * visible.sum(-1, keepdim=True) - 1e-9), min=1)
+def keep_top_budget(scores: torch.Tensor, visible: torch.Tensor, forced: torch.Tensor, budget: float,
+                    mass_target: float = 0.0, min_budget: float = 0.0) -> torch.Tensor:
+    """Each row keeps its forced tiles and its ``allowed`` highest-scoring other visible tiles (ties: lower index
+    first); NaN scores are kept.
+
+    ``allowed``: ceil(budget x visible), at least one. With a ``mass_target`` (scores are log masses): the fewest
+    tiles, highest first, that bring the row's mass with its forced tiles' to ``mass_target`` of its whole visible
+    mass, kept between ceil(min(min_budget, budget) x visible) and ceil(budget x visible), at least one."""
+    tiles = visible.sum(-1, keepdim=True)
+    allowed = torch.clamp(torch.ceil(budget * tiles - 1e-9), min=1)
     forced = forced & visible
     unreadable = visible & torch.isnan(scores)
     ranked = visible & ~forced & ~unreadable
@@ -95,16 +100,35 @@ def keep_top_budget(scores: torch.Tensor, visible: torch.Tensor, forced: torch.T
     # ranked tiles first (a ranked tile scored -inf must not lose its place to an unranked one)
     order = order.gather(-1, torch.argsort(ranked.gather(-1, order).to(torch.int8), dim=-1, descending=True,
                                            stable=True))
+    if mass_target > 0.0:
+        allowed = torch.minimum(allowed, torch.clamp(torch.ceil(min(min_budget, budget) * tiles - 1e-9), min=1)
+                                .maximum(tiles_to_reach(scores, visible & ~unreadable, forced, ranked, order,
+                                                        mass_target)))
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
                                             .expand_as(order))
     return ((rank < allowed) & ranked) | unreadable | forced
 
 
+def tiles_to_reach(scores: torch.Tensor, readable: torch.Tensor, forced: torch.Tensor, ranked: torch.Tensor,
+                   order: torch.Tensor, mass_target: float) -> torch.Tensor:
+    """(..., 1): how many ranked tiles, taken in ``order`` (highest score first), bring the forced tiles' mass to
+    ``mass_target`` of the readable tiles' (masses exp(score)); at least one; every ranked one when it is not
+    reached."""
+    zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
+    mass = torch.where(readable, torch.exp(scores), zero)
+    goal = mass_target * mass.sum(-1, keepdim=True)
+    reached = (torch.where(forced, mass, zero).sum(-1, keepdim=True)
+               + torch.where(ranked, mass, zero).gather(-1, order).cumsum(-1))
+    short = (reached < goal) & ranked.gather(-1, order)
+    return short.sum(-1, keepdim=True) + 1
+
+
 def finish_budget_plan(scores: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, reordering: Reordering,
-                       params) -> BlockPlan:
+                       params, mass_target: float = 0.0, min_budget: float = 0.0) -> BlockPlan:
     """The plan of a fixed-share selector (``params``: ``block_size``, ``budget``, ``keep_first_block``) from its
     (B, Hq, nqb, nkt) tile scores: each query block keeps its diagonal tiles, the sink tile (``keep_first_block``)
-    and ``keep_top_budget`` of the others; ``scores`` None keeps every visible tile."""
+    and ``keep_top_budget`` of the others (``mass_target``, ``min_budget``: its mass rule); ``scores`` None keeps
+    every visible tile."""
     bs = params.block_size
     batch, heads_q, num_queries, _ = q.shape
     num_keys = k.shape[2]
@@ -117,7 +141,8 @@ def finish_budget_plan(scores: Optional[torch.Tensor], q: torch.Tensor, k: torch
         forced = forced | first_key_tile(reordering, num_keys, bs, batch, heads_q, q.device)
     if params.local_tiles:
         forced = forced | local_tiles(vis, num_queries, num_keys, bs, bs, params.local_tiles)
-    return finish_plan(keep_top_budget(scores, visible, forced, params.budget), vis, bs, bs, reordering,
+    keep = keep_top_budget(scores, visible, forced, params.budget, mass_target, min_budget)
+    return finish_plan(keep, vis, bs, bs, reordering,
                        exact_tail=params.exact_tail_blocks * bs)
 
 
