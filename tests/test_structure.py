@@ -213,6 +213,19 @@ def test_examples_offer_every_registered_method():
             assert name in offered, (example, name, offered)
 
 
+def test_the_regions_example_runs_every_region():
+    """``examples/regions.py`` as a user runs it (CPU, 2,048 tokens): every region's line printed."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "regions.py")], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [line for line in run.stdout.splitlines() if "logits error vs dense" in line]
+    assert len(lines) == 6, run.stdout
+
+
 def test_importing_the_package_writes_no_module_table():
     """No module of the package or its kernels writes ``sys.modules`` or hooks imports (``sys.meta_path``,
     ``sys.path_hooks``): ``sparse_compile.kernels`` comes from the install's mapping (pyproject.toml's package-dir)."""
