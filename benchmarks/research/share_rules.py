@@ -14,6 +14,9 @@ diagonal forced; the last 128 rows exact), with the rule for the other tiles:
   default and gives the package's loss);
 * ``topp:t``: the fewest highest tiles whose sampled mass, with the forced tiles', reaches t of the block's, and at
   least ``--floor`` x visible tiles;
+* ``pool:t``: ``topp:t`` within a head's total of ``share:--pool-share``: each block wants the tiles that reach t
+  (at least ``--floor``), blocks wanting fewer than the share give the rest to the head's blocks wanting more, each
+  of those getting the same fraction of its extra (so no head keeps more tiles than the share would);
 * ``summaries:b``: ``share:b``, plus every dropped tile as one summary key (logit log(128) + s q.mean(k), value
   mean(v)) in the row's softmax.
 
@@ -40,7 +43,7 @@ from sparse_compile.methods.sampled import sampled_tile_logits  # noqa: E402
 BLOCK = 128
 EVERY = 8
 LOCAL_TILES = 8
-RULES = ("share", "topp", "summaries")
+RULES = ("share", "topp", "pool", "summaries")
 
 
 def rule_of(text: str) -> tuple:
@@ -50,7 +53,8 @@ def rule_of(text: str) -> tuple:
     return name, float(value)
 
 
-def select(q: torch.Tensor, k: torch.Tensor, scale: float, rule: tuple, floor: float) -> torch.Tensor:
+def select(q: torch.Tensor, k: torch.Tensor, scale: float, rule: tuple, floor: float,
+           pool_share: float = 0.1) -> torch.Tensor:
     """Kept tiles (B, H, nqb, nkt) bool of q (B, H, N, D) and k (B, H, N, D), N a multiple of BLOCK."""
     batch, heads, n, _ = q.shape
     nqb = n // BLOCK
@@ -63,22 +67,30 @@ def select(q: torch.Tensor, k: torch.Tensor, scale: float, rule: tuple, floor: f
     order = ranked.argsort(-1, descending=True)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(nqb).expand_as(order))
     tiles = visible.sum(1).float()
-    if rule[0] == "topp":
+    if rule[0] in ("topp", "pool"):
         reached = (mass * forced).sum(-1, keepdim=True) + ranked.gather(-1, order).clamp(min=0).cumsum(-1)
         allowed = torch.maximum((reached < rule[1]).sum(-1) + 1.0, torch.ceil(floor * tiles - 1e-9))
+        if rule[0] == "pool":
+            share = torch.clamp(torch.ceil(pool_share * tiles - 1e-9), min=1).expand_as(allowed)
+            allowed = torch.minimum(allowed, candidate.sum(-1).clamp(min=1).float())
+            give = (share - allowed).clamp(min=0).sum(-1, keepdim=True)
+            take = (allowed - share).clamp(min=0).sum(-1, keepdim=True)
+            fraction = torch.where(take > 0, (give / take.clamp(min=1)).clamp(max=1), torch.ones_like(take))
+            allowed = torch.where(allowed <= share, allowed, share + torch.floor((allowed - share) * fraction))
     else:
         allowed = torch.clamp(torch.ceil(rule[1] * tiles - 1e-9), min=1).expand(batch, heads, nqb)
     return forced | (candidate & (rank < allowed[..., None]))
 
 
-def sparse_attention(q, k, v, scale: float, rule: tuple, floor: float, densities: list) -> torch.Tensor:
+def sparse_attention(q, k, v, scale: float, rule: tuple, floor: float, densities: list,
+                     pool_share: float = 0.1) -> torch.Tensor:
     batch, heads, n, d = q.shape
     group = heads // k.shape[1]
     k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
     q = q.float()
     pad = -n % BLOCK
     qp, kp, vp = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    keep = select(qp, kp, scale, rule, floor)
+    keep = select(qp, kp, scale, rule, floor, pool_share)
     nqb = keep.shape[2]
     densities.append(float(keep.float().sum() / (batch * heads * nqb * (nqb + 1) / 2)))
     tiles_k, tiles_v = kp.view(batch, heads, nqb, BLOCK, d).mean(3), vp.view(batch, heads, nqb, BLOCK, d).mean(3)
@@ -106,7 +118,8 @@ def main(argv=None) -> None:
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--rules", type=rule_of, nargs="+", default=[rule_of("share:0.1"), rule_of("topp:0.97")])
-    parser.add_argument("--floor", type=float, default=0.05, help="the least share a topp rule keeps")
+    parser.add_argument("--floor", type=float, default=0.05, help="the least share a topp or pool rule keeps")
+    parser.add_argument("--pool-share", type=float, default=0.1, help="the share whose total a pool rule keeps")
     parser.add_argument("--out", default=None, help="the run's table and the store go here")
     args = parser.parse_args(argv)
     if args.length > 8192:
@@ -123,7 +136,8 @@ def main(argv=None) -> None:
         if state["rule"] is None or query.shape[2] < 2 * BLOCK:
             out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
         else:
-            out = sparse_attention(query, key, value, scaling, state["rule"], args.floor, state["densities"])
+            out = sparse_attention(query, key, value, scaling, state["rule"], args.floor, state["densities"],
+                                   args.pool_share)
         return out.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register("share_rules", attention)
@@ -139,11 +153,12 @@ def main(argv=None) -> None:
         delta = sum(a - b for a, b in zip(losses, dense)) / len(losses)
         density = sum(state["densities"]) / len(state["densities"]) if state["densities"] else 1.0
         rows.append({"rule": name, "length": args.length, "windows": args.windows, "floor": args.floor,
+                     **({"pool_share": args.pool_share} if rule and rule[0] == "pool" else {}),
                      "nll": sum(losses) / len(losses), "delta_nll": delta, "density": density})
         print(f"{name}: loss {sum(losses) / len(losses):.4f} delta {delta:+.4f} density {density:.3f} "
               f"({time.time() - started:.0f} s)", flush=True)
     print(write_results("share_rules", rows, meta={"length": args.length, "windows": args.windows},
-                        out_dir=args.out, store="share_rules", params=("rule", "length", "windows", "floor")))
+                        out_dir=args.out, store="share_rules", params=("rule", "length", "windows", "floor", "pool_share")))
 
 
 if __name__ == "__main__":

@@ -31,12 +31,14 @@ def test_fp8_emulation_rounds_within_e4m3():
 
 
 def test_share_rule_selects_the_sampled_plan():
-    """share:0.1 keeps exactly the tiles of the package's `sampled` plan at its defaults (CPU: exact scores)."""
+    """share:0.1 keeps exactly the tiles of the package's `sampled` plan with the fixed share 0.1 (CPU: exact
+    scores)."""
     g = torch.Generator().manual_seed(2)
     n, heads = 128 * 24, 2
     q, k = (torch.randn(1, heads, n, 64, generator=g) for _ in range(2))
     keep = share_rules.select(q, k, 0.125, ("share", 0.1), floor=0.05)
-    config = sparse_compile.SparseConfig(method="sampled", min_seq_len=128, dense_when_faster=False)
+    config = sparse_compile.SparseConfig(method="sampled", min_seq_len=128, dense_when_faster=False,
+                                         sampled={"mass_target": 0.0, "budget": 0.1})
     plan = sparse_compile.build_plan(q, k, 0.125, config)
     offsets, counts = expand_heads(plan.tile_offsets, heads).long(), expand_heads(plan.tile_counts, heads).long()
     live = torch.arange(offsets.shape[-1]) < counts[..., None]
@@ -52,3 +54,14 @@ def test_topp_keeps_at_least_the_floor_and_more_for_diffuse_rows():
     share = share_rules.select(q, k, 0.125, ("share", 0.1), floor=0.05)
     topp = share_rules.select(q, k, 0.125, ("topp", 0.97), floor=0.05)
     assert topp.sum() > share.sum()  # a diffuse row needs most tiles to reach 97% of its mass
+
+
+def test_pool_keeps_no_more_than_the_share_and_all_of_it_where_attention_is_spread():
+    g = torch.Generator().manual_seed(4)
+    n = 128 * 32
+    q, k = (torch.randn(1, 2, n, 64, generator=g) for _ in range(2))
+    q[:, 0] *= 0.02  # head 0 nearly uniform: every block wants more than its share, none gives
+    share = share_rules.select(q, k, 0.125, ("share", 0.1), floor=0.05)
+    pool = share_rules.select(q, k, 0.125, ("pool", 0.95), floor=0.05, pool_share=0.1)
+    assert torch.equal(pool[:, 0], share[:, 0])
+    assert int(pool[:, 1].sum()) <= int(share[:, 1].sum())
