@@ -12,8 +12,8 @@ diagonal forced; the last 128 rows exact), with the rule for the other tiles:
 
 * ``share:b``: the ceil(b x visible tiles) of highest sampled mass (the `sampled` rule; ``share:0.1`` is its
   default and gives the package's loss);
-* ``topp:t``: the fewest highest tiles whose sampled mass, with the forced tiles', reaches t of the block's, and at
-  least ``--floor`` x visible tiles;
+* ``topp:t``: the fewest highest tiles whose sampled mass, with the forced tiles', reaches t of the block's, at
+  least ``--floor`` and at most ``--cap`` x visible tiles (`sampled`'s default: t 0.95, floor 0.05, cap 0.2);
 * ``pool:t``: ``topp:t`` within a head's total of ``share:--pool-share``: each block wants the tiles that reach t
   (at least ``--floor``), blocks wanting fewer than the share give the rest to the head's blocks wanting more, each
   of those getting the same fraction of its extra (so no head keeps more tiles than the share would);
@@ -53,12 +53,12 @@ def rule_of(text: str) -> tuple:
     return name, float(value)
 
 
-def select(q: torch.Tensor, k: torch.Tensor, scale: float, rule: tuple, floor: float,
-           pool_share: float = 0.1) -> torch.Tensor:
+def select(q: torch.Tensor, k: torch.Tensor, scale: float, rule: tuple, floor: float, pool_share: float = 0.1,
+           cap: float = 1.0, every: int = EVERY) -> torch.Tensor:
     """Kept tiles (B, H, nqb, nkt) bool of q (B, H, N, D) and k (B, H, N, D), N a multiple of BLOCK."""
     batch, heads, n, _ = q.shape
     nqb = n // BLOCK
-    mass = sampled_tile_logits(q, k, scale, BLOCK, EVERY).exp()  # (B, H, nqb, nkt): the package's scores
+    mass = sampled_tile_logits(q, k, scale, BLOCK, every).exp()  # (B, H, nqb, nkt): the package's scores
     qi, kj = torch.arange(nqb)[:, None], torch.arange(nqb)[None, :]
     visible, full = kj <= qi, kj < qi
     forced = (visible & ~full) | (full & (kj >= qi - LOCAL_TILES)) | (visible & (kj == 0))
@@ -70,6 +70,7 @@ def select(q: torch.Tensor, k: torch.Tensor, scale: float, rule: tuple, floor: f
     if rule[0] in ("topp", "pool"):
         reached = (mass * forced).sum(-1, keepdim=True) + ranked.gather(-1, order).clamp(min=0).cumsum(-1)
         allowed = torch.maximum((reached < rule[1]).sum(-1) + 1.0, torch.ceil(floor * tiles - 1e-9))
+        allowed = torch.minimum(allowed, torch.clamp(torch.ceil(cap * tiles - 1e-9), min=1))
         if rule[0] == "pool":
             share = torch.clamp(torch.ceil(pool_share * tiles - 1e-9), min=1).expand_as(allowed)
             allowed = torch.minimum(allowed, candidate.sum(-1).clamp(min=1).float())
@@ -82,15 +83,14 @@ def select(q: torch.Tensor, k: torch.Tensor, scale: float, rule: tuple, floor: f
     return forced | (candidate & (rank < allowed[..., None]))
 
 
-def sparse_attention(q, k, v, scale: float, rule: tuple, floor: float, densities: list,
-                     pool_share: float = 0.1) -> torch.Tensor:
+def sparse_attention(q, k, v, scale: float, rule: tuple, densities: list, **options) -> torch.Tensor:
     batch, heads, n, d = q.shape
     group = heads // k.shape[1]
     k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
     q = q.float()
     pad = -n % BLOCK
     qp, kp, vp = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    keep = select(qp, kp, scale, rule, floor, pool_share)
+    keep = select(qp, kp, scale, rule, **options)
     nqb = keep.shape[2]
     densities.append(float(keep.float().sum() / (batch * heads * nqb * (nqb + 1) / 2)))
     tiles_k, tiles_v = kp.view(batch, heads, nqb, BLOCK, d).mean(3), vp.view(batch, heads, nqb, BLOCK, d).mean(3)
@@ -120,6 +120,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rules", type=rule_of, nargs="+", default=[rule_of("share:0.1"), rule_of("topp:0.97")])
     parser.add_argument("--floor", type=float, default=0.05, help="the least share a topp or pool rule keeps")
     parser.add_argument("--pool-share", type=float, default=0.1, help="the share whose total a pool rule keeps")
+    parser.add_argument("--cap", type=float, default=1.0, help="the most a topp rule keeps (sampled's budget)")
+    parser.add_argument("--every", type=int, default=EVERY, help="every k-th row of a block scored")
     parser.add_argument("--out", default=None, help="the run's table and the store go here")
     args = parser.parse_args(argv)
     if args.length > 8192:
@@ -136,8 +138,8 @@ def main(argv=None) -> None:
         if state["rule"] is None or query.shape[2] < 2 * BLOCK:
             out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
         else:
-            out = sparse_attention(query, key, value, scaling, state["rule"], args.floor, state["densities"],
-                                   args.pool_share)
+            out = sparse_attention(query, key, value, scaling, state["rule"], state["densities"], floor=args.floor,
+                                   pool_share=args.pool_share, cap=args.cap, every=args.every)
         return out.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register("share_rules", attention)
@@ -153,12 +155,13 @@ def main(argv=None) -> None:
         delta = sum(a - b for a, b in zip(losses, dense)) / len(losses)
         density = sum(state["densities"]) / len(state["densities"]) if state["densities"] else 1.0
         rows.append({"rule": name, "length": args.length, "windows": args.windows, "floor": args.floor,
+                     **({"cap": args.cap} if args.cap < 1.0 else {}), **({"every": args.every} if args.every != EVERY else {}),
                      **({"pool_share": args.pool_share} if rule and rule[0] == "pool" else {}),
                      "nll": sum(losses) / len(losses), "delta_nll": delta, "density": density})
         print(f"{name}: loss {sum(losses) / len(losses):.4f} delta {delta:+.4f} density {density:.3f} "
               f"({time.time() - started:.0f} s)", flush=True)
     print(write_results("share_rules", rows, meta={"length": args.length, "windows": args.windows},
-                        out_dir=args.out, store="share_rules", params=("rule", "length", "windows", "floor", "pool_share")))
+                        out_dir=args.out, store="share_rules", params=("rule", "length", "windows", "floor", "pool_share", "cap", "every")))
 
 
 if __name__ == "__main__":

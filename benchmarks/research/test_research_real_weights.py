@@ -47,6 +47,22 @@ def test_share_rule_selects_the_sampled_plan():
     assert torch.equal(keep, expected[..., :-1])
 
 
+def test_topp_with_a_cap_selects_the_default_sampled_plan():
+    """topp:0.95 with floor 0.05 and cap 0.2 keeps the tiles of `sampled`'s plan at its defaults (the mass target)."""
+    g = torch.Generator().manual_seed(5)
+    n, heads = 128 * 24, 2
+    q, k = (torch.randn(1, heads, n, 64, generator=g) for _ in range(2))
+    q[:, 1] *= 4  # one head concentrated, one spread
+    keep = share_rules.select(q, k, 0.125, ("topp", 0.95), floor=0.05, cap=0.2)
+    config = sparse_compile.SparseConfig(method="sampled", min_seq_len=128, dense_when_faster=False)
+    plan = sparse_compile.build_plan(q, k, 0.125, config)
+    offsets, counts = expand_heads(plan.tile_offsets, heads).long(), expand_heads(plan.tile_counts, heads).long()
+    live = torch.arange(offsets.shape[-1]) < counts[..., None]
+    expected = torch.zeros(1, heads, n // 128, n // 128 + 1, dtype=torch.bool)
+    expected.scatter_(3, torch.where(live, offsets // 128, n // 128), True)
+    assert torch.equal(keep, expected[..., :-1])
+
+
 def test_topp_keeps_at_least_the_floor_and_more_for_diffuse_rows():
     g = torch.Generator().manual_seed(3)
     n = 128 * 32
