@@ -155,13 +155,15 @@ def main(argv=None) -> None:
         delta = sum(a - b for a, b in zip(losses, dense)) / len(losses)
         density = sum(state["densities"]) / len(state["densities"]) if state["densities"] else 1.0
         rows.append({"rule": name, "length": args.length, "windows": args.windows, "floor": args.floor,
-                     **({"cap": args.cap} if args.cap < 1.0 else {}), **({"every": args.every} if args.every != EVERY else {}),
+                     **({"cap": args.cap} if args.cap < 1.0 else {}),
+                     **({"every": args.every} if args.every != EVERY else {}),
                      **({"pool_share": args.pool_share} if rule and rule[0] == "pool" else {}),
                      "nll": sum(losses) / len(losses), "delta_nll": delta, "density": density})
         print(f"{name}: loss {sum(losses) / len(losses):.4f} delta {delta:+.4f} density {density:.3f} "
               f"({time.time() - started:.0f} s)", flush=True)
     print(write_results("share_rules", rows, meta={"length": args.length, "windows": args.windows},
-                        out_dir=args.out, store="share_rules", params=("rule", "length", "windows", "floor", "pool_share", "cap", "every")))
+                        out_dir=args.out, store="share_rules",
+                        params=("rule", "length", "windows", "floor", "pool_share", "cap", "every")))
 
 
 if __name__ == "__main__":
