@@ -29,19 +29,26 @@ __all__ = ["budget_select"]
 
 
 @triton.jit
-def top_count(key, ranked, allowed):
-    """Keep mask of the ``allowed`` (ROWS,) largest int32 ``key`` of each row of (ROWS, W) among ``ranked``, ties to
-    the lower index: v* = the largest value with at least ``allowed`` ranked keys >= it, by bisection."""
+def key_reaching(key, ranked, weight, base, goal):
+    """(ROWS, 1) v*: the largest int32 ``key`` value such that ``base`` plus the ``weight`` of the ``ranked`` tiles
+    with keys >= v* reaches ``goal`` (ROWS,), by bisection on the keys (the smallest ranked key when nothing does)."""
     big = 2147483647
-    lo = tl.min(tl.where(ranked, key, big), 1).to(tl.int64)  # count(>= lo) = all ranked
-    hi = tl.max(tl.where(ranked, key, -big - 1), 1).to(tl.int64) + 1  # count(>= hi) = 0
+    lo = tl.min(tl.where(ranked, key, big), 1).to(tl.int64)  # weight(>= lo) = all ranked
+    hi = tl.max(tl.where(ranked, key, -big - 1), 1).to(tl.int64) + 1  # weight(>= hi) = 0
     for _ in range(32):
         active = hi - lo > 1
         mid = tl.where(active, lo + (hi - lo) // 2, lo)
-        ok = tl.sum((ranked & (key >= mid.to(tl.int32)[:, None])).to(tl.int32), 1) >= allowed
+        ok = base + tl.sum(tl.where(ranked & (key >= mid.to(tl.int32)[:, None]), weight, 0.0), 1) >= goal
         lo = tl.where(active & ok, mid, lo)
         hi = tl.where(active & (ok == 0), mid, hi)
-    v = lo.to(tl.int32)[:, None]
+    return lo.to(tl.int32)[:, None]
+
+
+@triton.jit
+def top_count(key, ranked, allowed):
+    """Keep mask of the ``allowed`` (ROWS,) largest int32 ``key`` of each row of (ROWS, W) among ``ranked``, ties to
+    the lower index: v* = the largest value with at least ``allowed`` ranked keys >= it."""
+    v = key_reaching(key, ranked, 1.0, 0.0, allowed.to(tl.float32))
     above = ranked & (key > v)
     tie = (ranked & (key == v)).to(tl.int32)
     room = allowed - tl.sum(above.to(tl.int32), 1)
@@ -53,16 +60,7 @@ def tiles_to_reach(key, mass, ranked, have, goal):
     """(ROWS,) how many ``ranked`` tiles, by descending int32 ``key`` (ties in tile order), bring ``have`` to
     ``goal`` with their ``mass``; at least one, every ranked one when the goal is out of reach. The key v* of the
     tile that reaches it is the largest with have + mass(key >= v*) >= goal."""
-    big = 2147483647
-    lo = tl.min(tl.where(ranked, key, big), 1).to(tl.int64)
-    hi = tl.max(tl.where(ranked, key, -big - 1), 1).to(tl.int64) + 1
-    for _ in range(32):
-        active = hi - lo > 1
-        mid = tl.where(active, lo + (hi - lo) // 2, lo)
-        ok = have + tl.sum(tl.where(ranked & (key >= mid.to(tl.int32)[:, None]), mass, 0.0), 1) >= goal
-        lo = tl.where(active & ok, mid, lo)
-        hi = tl.where(active & (ok == 0), mid, hi)
-    v = lo.to(tl.int32)[:, None]
+    v = key_reaching(key, ranked, mass, have, goal)
     above = ranked & (key > v)
     tie = ranked & (key == v)
     ties = tl.sum(tie.to(tl.int32), 1)

@@ -111,10 +111,10 @@ for every, blocks, heads, d in ((8, 2, 4, 128), (16, 16, 1, 64)):
 compile_kernel(fp8._amax_kernel, dict(x_ptr="bf16", amax_ptr="fp32"), set(), dict(D=128, D_PAD=128, BLOCK=64))
 compile_kernel(fp8._quantize_kernel, dict(x_ptr="bf16", amax_ptr="fp32", out_ptr="fp8e4nv", scale_ptr="fp32"), set(),
                dict(D=96, D_PAD=128, BLOCK=64, MAX=448.0))
-for keep_all in (False, True):
+for keep_all, by_mass in ((False, False), (True, False), (False, True)):
     compile_kernel(budget._budget_select_kernel, dict(score_ptr="fp32", offs_ptr="i32", cnt_ptr="i32",
-                   msk_ptr="i32"), {"budget"}, dict(BLOCK_M=128, BLOCK_N=128, W=1024, ROWS=1, KEEP_FIRST_KEY=True,
-                   KEEP_ALL=keep_all), warps=1)
+                   msk_ptr="i32"), {"budget", "mass_target", "min_budget"}, dict(BLOCK_M=128, BLOCK_N=128, W=1024,
+                   ROWS=1, KEEP_FIRST_KEY=True, KEEP_ALL=keep_all, BY_MASS=by_mass), warps=1)
 compile_kernel(s2o._s2o_rank_keys_kernel, dict(k_ptr="bf16", qm_ptr="fp32", out_ptr="i32"), set(),
                dict(BLOCK_T=64, G_PAD=64, D=128, D_PAD=128, PREC="tf32x3"))
 compile_kernel(s2o._s2o_segment_of_kernel, dict(slot_ptr="i64", out_ptr="i16"), set(), dict(BLOCK=1024))
