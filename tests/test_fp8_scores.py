@@ -206,25 +206,20 @@ def test_gpu_runs_fp8_and_keeps_the_plan_valid(method):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_mass_target_lists_the_reference_tiles_on_the_same_scores():
-    """The mass rule of ``kernels.budget`` on a 16K prompt's tile scores against ``tiles.keep_top_budget``: the same
-    tiles but where a block's mass sits on the goal within float32 summation order (a tile or two in all)."""
-    from sparse_compile.kernels.budget import budget_select
+    """The mass rule of ``kernels.budget`` on a 16K prompt's tile scores against the reference
+    (``tiles.finish_budget_plan``): the same tiles but where a block's mass sits on the goal within float32
+    summation order (a tile or two in all)."""
     from sparse_compile.kernels.sampled import sampled_mass_logits
-    from sparse_compile.methods.fast_path import tile_grid
+    from sparse_compile.methods.fast_path import budget_plan
+    from sparse_compile.methods.sampled import SampledParams
     from sparse_compile.methods.scoring import Reordering
-    from sparse_compile.methods.tiles import (diagonal_tiles, first_key_tile, keep_top_budget, local_tiles,
-                                              visibility)
-    from sparse_compile.plan import VISIBLE_NONE
+    from sparse_compile.methods.tiles import finish_budget_plan
 
-    b, hq, hkv, n, d, bs = 1, 8, 2, 16384 + 77, 128, 128
+    b, hq, hkv, n, d = 1, 8, 2, 16384 + 77, 128
     q, k = _qk(b, hq, hkv, n, d, device="cuda", dtype=torch.bfloat16, seed=4)
-    scores = sampled_mass_logits(q, k, 1 / math.sqrt(d), bs, bs, 8, False)
-    none = Reordering("none")
-    tables = budget_select(tile_grid(q, k, none, bs, bs), scores, 0.3, keep_first_key=True, local=8,
-                           mass_target=0.95, min_budget=0.05)
-    vis = visibility(n, n, bs, bs, none, b, hq, q.device)
-    forced = (diagonal_tiles(vis, none, n, n, bs, bs) | first_key_tile(none, n, bs, b, hq, q.device)
-              | local_tiles(vis, n, n, bs, bs, 8))
-    want = keep_top_budget(scores, vis != VISIBLE_NONE, forced, 0.3, 0.95, 0.05).sum(-1)
-    got = tables.tile_counts
+    scores = sampled_mass_logits(q, k, 1 / math.sqrt(d), 128, 128, 8, False)
+    none, params = Reordering("none"), SampledParams(budget=0.3, mass_target=0.95, min_budget=0.05)
+    rule = (params.mass_target, params.min_budget)
+    got = budget_plan(lambda: scores, q, k, none, params, "sampled", *rule).tile_counts
+    want = finish_budget_plan(scores, q, k, none, params, *rule).tile_counts
     assert int((want - got).abs().sum()) <= 2, (want - got).abs().sum()

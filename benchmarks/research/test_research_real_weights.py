@@ -14,6 +14,17 @@ import sparse_compile  # noqa: E402
 from sparse_compile.kernels.validate import expand_heads  # noqa: E402
 
 
+def planned_tiles(q: torch.Tensor, k: torch.Tensor, config) -> torch.Tensor:
+    """(1, H, nqb, nkt) bool: the tiles the package's plan for ``config`` lists (128-token tiles, N a multiple)."""
+    heads, n = q.shape[1], q.shape[2]
+    plan = sparse_compile.build_plan(q, k, 0.125, config)
+    offsets, counts = expand_heads(plan.tile_offsets, heads).long(), expand_heads(plan.tile_counts, heads).long()
+    live = torch.arange(offsets.shape[-1]) < counts[..., None]
+    listed = torch.zeros(1, heads, n // 128, n // 128 + 1, dtype=torch.bool)
+    listed.scatter_(3, torch.where(live, offsets // 128, n // 128), True)
+    return listed[..., :-1]
+
+
 def test_fp8_emulation_without_rounding_is_exact_attention():
     """K smoothing, Q smoothing and the rotation change no score: with nothing rounded the output is attention's."""
     g = torch.Generator().manual_seed(0)
@@ -39,12 +50,7 @@ def test_share_rule_selects_the_sampled_plan():
     keep = share_rules.select(q, k, 0.125, ("share", 0.1), floor=0.05)
     config = sparse_compile.SparseConfig(method="sampled", min_seq_len=128, dense_when_faster=False,
                                          sampled={"mass_target": 0.0, "budget": 0.1})
-    plan = sparse_compile.build_plan(q, k, 0.125, config)
-    offsets, counts = expand_heads(plan.tile_offsets, heads).long(), expand_heads(plan.tile_counts, heads).long()
-    live = torch.arange(offsets.shape[-1]) < counts[..., None]
-    expected = torch.zeros(1, heads, n // 128, n // 128 + 1, dtype=torch.bool)
-    expected.scatter_(3, torch.where(live, offsets // 128, n // 128), True)
-    assert torch.equal(keep, expected[..., :-1])
+    assert torch.equal(keep, planned_tiles(q, k, config))
 
 
 def test_topp_with_a_cap_selects_the_default_sampled_plan():
@@ -55,12 +61,7 @@ def test_topp_with_a_cap_selects_the_default_sampled_plan():
     q[:, 1] *= 4  # one head concentrated, one spread
     keep = share_rules.select(q, k, 0.125, ("topp", 0.95), floor=0.05, cap=0.2)
     config = sparse_compile.SparseConfig(method="sampled", min_seq_len=128, dense_when_faster=False)
-    plan = sparse_compile.build_plan(q, k, 0.125, config)
-    offsets, counts = expand_heads(plan.tile_offsets, heads).long(), expand_heads(plan.tile_counts, heads).long()
-    live = torch.arange(offsets.shape[-1]) < counts[..., None]
-    expected = torch.zeros(1, heads, n // 128, n // 128 + 1, dtype=torch.bool)
-    expected.scatter_(3, torch.where(live, offsets // 128, n // 128), True)
-    assert torch.equal(keep, expected[..., :-1])
+    assert torch.equal(keep, planned_tiles(q, k, config))
 
 
 def test_topp_keeps_at_least_the_floor_and_more_for_diffuse_rows():
