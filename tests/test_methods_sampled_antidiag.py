@@ -1,5 +1,7 @@
 """The sampled-row and antidiagonal selectors against hand-computable cases."""
 
+import math
+
 import pytest
 import torch
 
@@ -24,23 +26,73 @@ def test_sampled_rows_end_each_block_and_clip_a_ragged_one():
     assert sampled_rows(5, 16, 16).tolist() == [4]
 
 
-@pytest.mark.parametrize("shape", [(2, 4, 2, 75, 75, 8), (1, 2, 1, 40, 90, 16)], ids=["gqa-ragged", "chunked"])
-def test_sampled_tile_mass_is_the_sampled_rows_exact_softmax(shape, monkeypatch):
-    from sparse_compile.methods.sampled import TINY, sampled_rows, sampled_tile_logits
+@pytest.mark.parametrize("shape", [(2, 4, 2, 75, 75, 8), (1, 2, 1, 40, 90, 16), (1, 2, 1, 250, 330, 8)],
+                         ids=["gqa-ragged", "chunked", "far-tiles"])
+@pytest.mark.parametrize("local,keep_first", [(1, True), (0, False)])
+def test_sampled_tile_mass_is_each_row_over_its_estimated_normaliser(shape, local, keep_first, monkeypatch):
+    """A tile's score: the log of the sum over the block's sampled rows of each row's exact exp-scores in the tile
+    over its normaliser's estimate: its sum in its forced region (its block's diagonal tiles, ``local`` tiles before
+    them, tile 0), plus FAR_STRIDE x its sum in every FAR_STRIDE-th tile before the region, the largest once."""
+    from sparse_compile.methods.sampled import FAR_STRIDE, TINY, sampled_rows, sampled_tile_logits
 
     B, Hq, Hkv, Nq, Nk, D = shape
     q, k, _ = random_qkv(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float64)
     block, every = 16, 4
     monkeypatch.setattr(common, "CHUNK_ELEMENTS", 500)  # several key chunks
-    got = sampled_tile_logits(q, k, 0.3, block, every)
+    got = sampled_tile_logits(q, k, 0.3, block, every, local=local, keep_first=keep_first)
     rows = sampled_rows(Nq, block, every)
     kk = k.repeat_interleave(Hq // Hkv, 1)
     z = q[:, :, rows] @ kk.transpose(-1, -2) * 0.3
-    z = z.masked_fill(torch.arange(Nk)[None, :] > (rows + Nk - Nq)[:, None], float("-inf"))
-    p = torch.nn.functional.pad(torch.softmax(z, -1), (0, -Nk % block))
+    keys = torch.arange(Nk)[None, :]
+    z = z.masked_fill(keys > (rows + Nk - Nq)[:, None], float("-inf"))
+    first_diagonal = ((rows // block) * block + Nk - Nq) // block
+    lo = ((first_diagonal - local) * block)[:, None]
+    region = (keys >= lo) | ((keys < block) & keep_first)
+    sampled_far = ((keys // block) % FAR_STRIDE == FAR_STRIDE - 1) & (keys < lo) & ~region
+    level = z.masked_fill(~(region | sampled_far), float("-inf")).amax(-1, keepdim=True)
+    e = (z - level).exp()
+    far_tiles = torch.nn.functional.pad(e * sampled_far, (0, -Nk % block)).view(*e.shape[:-1], -1, block).sum(-1)
+    far_max = far_tiles.amax(-1, keepdim=True)
+    normaliser = (e * region).sum(-1, keepdim=True) + far_max + FAR_STRIDE * (far_tiles.sum(-1, keepdim=True) - far_max)
+    p = torch.nn.functional.pad(e / normaliser, (0, -Nk % block))
     nqb = -(-Nq // block)
-    want = p.view(B, Hq, nqb, block // every, -1, block).sum(-1).mean(3)
+    want = p.view(B, Hq, nqb, block // every, -1, block).sum(-1).sum(3)
     torch.testing.assert_close(got, torch.log(want + TINY), rtol=1e-9, atol=1e-9)
+
+
+def test_a_row_looking_far_counts_its_far_mass_against_its_forced_mass():
+    """Hand-computed: one sampled row reads a far key with 4x its forced region's mass; the others score every key
+    alike. Before block 7's region (tiles 6-7, 0) no tile is sampled for the far estimate (tile 7 would be), so
+    each row's tile mass is its exp-scores in the tile over their sum in its forced region."""
+    from sparse_compile.methods.sampled import sampled_tile_logits
+
+    block, every, n, d = 16, 4, 128, 8
+    q = torch.zeros(1, 1, n, d, dtype=torch.float64)
+    k = torch.zeros(1, 1, n, d, dtype=torch.float64)
+    reader, needle = 16 * 7 + 7, 40  # block 7's sampled rows are 115, 119, 123, 127; key 40 is in tile 2
+    k[0, 0, needle, 0] = 1.0
+    q[0, 0, reader, 0] = 1.0
+    # row r's forced region (local=1): keys 96..r and tile 0's 16 keys; the reader's holds 40, scored 0
+    scale = math.log(4 * 40)  # the needle's exp-score: 160 = 4x the reader's forced sum
+    mass = sampled_tile_logits(q, k, scale, block, every, local=1)[0, 0, 7].exp()
+    others = 16 / 36 + 16 / 44 + 16 / 48  # rows 115, 123, 127: 16 keys of the tile over 36, 44, 48 forced keys
+    assert math.isclose(mass[2], (160 + 15) / 40 + others, rel_tol=1e-9)
+    assert math.isclose(mass[3], 16 / 40 + others, rel_tol=1e-9)
+
+
+def test_far_mass_is_estimated_from_every_eighth_far_tile_the_largest_once():
+    """Hand-computed, every score equal: a row of block 19 (local=1) has far tiles 1..17, of which 7 and 15 are
+    sampled (16 keys each): its normaliser is its forced keys + 16 + 8 x 16."""
+    from sparse_compile.methods.sampled import FAR_STRIDE, sampled_tile_logits
+
+    assert FAR_STRIDE == 8
+    block, every, n, d = 16, 4, 320, 8
+    q = torch.zeros(1, 1, n, d, dtype=torch.float64)
+    k = torch.randn(1, 1, n, d, dtype=torch.float64)
+    mass = sampled_tile_logits(q, k, 1.0, block, every, local=1)[0, 0, 19].exp()
+    # rows 307, 311, 315, 319: 16 sink keys and keys 288..r forced (36, 40, 44, 48)
+    want = sum(16 / (forced + 16 + 8 * 16) for forced in (36, 40, 44, 48))
+    assert math.isclose(mass[5], want, rel_tol=1e-9) and math.isclose(mass[7], want, rel_tol=1e-9)
 
 
 def test_sampled_selector_finds_one_row_looking_up_one_key():

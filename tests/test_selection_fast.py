@@ -394,3 +394,22 @@ def test_bfla_score_scale_softens_the_block_softmax():
     assert densities[1] > densities[0], densities
     with pytest.raises(ValueError, match="score_scale"):
         BFLAParams(score_scale=0.0)
+
+
+@pytest.mark.parametrize("shape,local,keep_first", [((1, 4, 2, 400, 400, 16), 1, True),
+                                                    ((2, 2, 1, 150, 420, 32), 2, False)], ids=["gqa", "chunked"])
+def test_sampled_mass_kernel_matches_the_reference(shape, local, keep_first):
+    """``kernels.sampled`` against ``sampled_tile_logits`` on every visible tile, with far tiles sampled for the
+    normaliser (tiles 7, 15, ... before each block's region), rows of several blocks per program."""
+    from sparse_compile.kernels.sampled import sampled_mass_logits
+    from sparse_compile.methods.sampled import sampled_tile_logits
+
+    b, hq, hkv, nq, nk, d = shape
+    torch.manual_seed(0)
+    q, k = torch.randn(b, hq, nq, d), torch.randn(b, hkv, nk, d) * 2
+    want = sampled_tile_logits(q, k, 0.2, 16, 4, local=local, keep_first=keep_first)
+    got = sampled_mass_logits(q, k, 0.2, 16, 16, 4, local=local, keep_first=keep_first)
+    nqb = want.shape[2]
+    latest = torch.clamp(torch.arange(nqb) * 16 + 16, max=nq) - 1 + nk - nq
+    seen = torch.arange(want.shape[3])[None, :] * 16 <= latest[:, None]
+    torch.testing.assert_close(got[..., seen], want[..., seen], rtol=1e-5, atol=1e-5)

@@ -6,9 +6,9 @@
 The next-token loss of SmolLM2-135M (the model of ``bench_real_weights.py``, float32 on the CPU, its native rope up
 to 8,192 tokens) on ``--windows`` prose windows (the last ``length / 4`` tokens, at most 2,048, of each), with
 every layer's attention replaced by a block-sparse attention computed here in PyTorch (exact on the kept tiles,
-N x N never built: one 128-row block at a time). The selection is `sampled`'s at its defaults (every 8th row of
-each 128-row block scored exactly against every key; the diagonal tile, tile 0 and the 8 tiles before the
-diagonal forced; the last 128 rows exact), with the rule for the other tiles:
+N x N never built: one 128-row block at a time). The selection is `sampled`'s at its defaults (the package's tile
+masses of every 8th row of each 128-row block; the diagonal tile, tile 0 and the 8 tiles before the diagonal
+forced; the last 128 rows exact), with the rule for the other tiles:
 
 * ``share:b``: the ceil(b x visible tiles) of highest sampled mass (the `sampled` rule; ``share:0.1`` is its
   default and gives the package's loss);
@@ -58,9 +58,10 @@ def select(q: torch.Tensor, k: torch.Tensor, scale: float, rule: tuple, floor: f
     """Kept tiles (B, H, nqb, nkt) bool of q (B, H, N, D) and k (B, H, N, D), N a multiple of BLOCK."""
     batch, heads, n, _ = q.shape
     nqb = n // BLOCK
-    mass = sampled_tile_logits(q, k, scale, BLOCK, every).exp()  # (B, H, nqb, nkt): the package's scores
     qi, kj = torch.arange(nqb)[:, None], torch.arange(nqb)[None, :]
     visible, full = kj <= qi, kj < qi
+    mass = sampled_tile_logits(q, k, scale, BLOCK, every, local=LOCAL_TILES).exp() * visible  # the package's
+    mass = mass / mass.sum(-1, keepdim=True)  # each tile's share of its block's sampled mass
     forced = (visible & ~full) | (full & (kj >= qi - LOCAL_TILES)) | (visible & (kj == 0))
     candidate = full & ~forced
     ranked = mass.masked_fill(~candidate, -1.0)

@@ -33,7 +33,8 @@ Per query head (queries are the last Nq of Nk positions):
 Cost: the matmul is 2 (N/R)(N/S)(R D) H = 2 N^2 D H / S flops before causality and about half with it (each chunk
 of rows scores only the key groups it sees): 1/S of dense QK^T, no P.V, so 1/(2S) of dense attention's flops; exp
 runs on (N/R)(N/S)/2 elements per head, 1/(R S) of dense attention's. At the defaults (S = 8, R = 2) both are 1/16
-(6%) of dense attention's work; ``sampled`` does 2/8 of QK^T and 2/8 of the exps (two passes over every 8th row).
+(6%) of dense attention's work; ``sampled`` does 1/8 of QK^T and 1/8 of the exps (one pass over every 8th row,
+after a few tiles for each row's normaliser).
 XAttention's S = R = 16 would be 3% and 0.4%. Half-precision inputs are scored in their own dtype (tensor cores,
 float32 accumulation) after folding the scale into q; the softmax and the masses run in float32. In PyTorch the
 softmax over the reduced table is a few passes of memory traffic over (N/R)(N/S)/2 floats per head; a fused kernel

@@ -2,7 +2,8 @@
 measured against what those rows already read in the tiles every plan keeps. One pass over the keys, no exp.
 
 Why: ``sampled`` keeps retrieval because it scores sampled rows exactly (a lookup is one row and one key, and
-pooling dilutes both), but its two passes with exp cost about 2/k of dense attention's QK^T and exp. Ranking the
+pooling dilutes both), but its exps cost (a pass with exp over every k-th row: about 1/k of dense attention's QK^T
+and exp, after each row's normaliser is estimated). Ranking the
 same rows' tiles by their largest score instead of their softmax mass lists the same lookups (the sampled-row
 rankings by mass and by max agree at every sample rate, ``benchmarks/bench_selectors.py --plan-only``,
 docs/methods.md), and a max needs neither exp nor the row's final normaliser when it is measured against a level

@@ -12,10 +12,15 @@ Per query head h and query block i of B rows (keys in order; queries are the las
 1. Sampled rows: rows k-1, 2k-1, ..., B-1 of the block (k = ``sample_every``; the block's last row is one of them,
    so every key any row of the block sees is seen by a sampled row). In a ragged last block, rows past its end are
    replaced by its last row.
-2. Each sampled row r: p_r = causal softmax over every key it sees of q_r . k_j * scale (exact, float32).
-3. m_ij = mean over the block's sampled rows of the mass p_r puts in key tile j.
-4. The forced tiles: the diagonal (partially visible) tiles and, if ``keep_first_block``, tile 0 (the attention
-   sink).
+2. Each sampled row r: e_r = exp(q_r . k_j * scale - level_r) over every key it sees (exact, float32). Its
+   normaliser's estimate Z_r: the sum of e_r over its forced region (step 4's tiles: its block's diagonal tiles,
+   the ``local_tiles`` before them, tile 0 with ``keep_first_block``), plus, of the tiles before the region, every
+   ``FAR_STRIDE``-th one's (tiles 7, 15, ...) times ``FAR_STRIDE``, the largest of them counted once. level_r is
+   its highest score in those tiles.
+3. m_ij = sum over the block's sampled rows of the e_r in key tile j, over Z_r: the mean of the rows' softmax
+   masses (times the rows) where the estimate holds.
+4. The forced tiles: the diagonal (partially visible) tiles, the ``local_tiles`` before them and, if
+   ``keep_first_block``, tile 0 (the attention sink).
 5. Keep the forced tiles and the block's ceil(budget x visible tiles) (at least one) other tiles of highest m_ij
    (ties: lower tile first); so a plan's density is the budget plus the forced tiles. budget >= 1 keeps every
    visible tile. With a ``mass_target`` t > 0, the block keeps instead the fewest of its highest tiles that bring
@@ -27,21 +32,32 @@ share: with the same masses, a threshold tau set for density 0.1 kept 59% of den
 share 95% (H100): a block whose sampled rows look at their diagonal and the sink reaches tau with a few tiles, and
 its rows that were not sampled lose what they read elsewhere; the floor keeps them. A fixed share spends as much on
 a block whose attention sits on three tiles as on one whose attention is spread over forty: on SmolLM2 at 32K
-(YaRN) it lost +0.027 nats per token on prose at density 0.19, the target 0.95 with cap 0.2 +0.009 at 0.20, with
+(YaRN) it lost +0.027 nats per token on prose at density 0.19, the target 0.96 with cap 0.2 +0.010 at 0.21, with
 all held-out retrieval kept at 16K-64K (docs/methods.md). The cap bounds the cost where every block is spread
 (random weights: the cap everywhere).
 
-Cost: two passes of QK^T and exp over 1/k of the rows (row statistics, then masses): about 2/k of dense attention's
-QK^T and exp work, none of its P.V. Block-level table (B, Hq, nqb, nkt); scores are formed one key chunk at a time.
+Why an estimated normaliser: the exact one needs a pass over every key before the masses can be written (two
+passes); the region and one far tile in eight are a few tiles per block, so one pass follows, at 60% of the
+two-pass time (docs/methods.md). Where a row's far attention is spread, the estimate holds and the rows weigh as
+in the mean of their softmaxes; where it sits in a few tiles the estimate falls short and the row (a lookup)
+weighs more, never less: the largest sampled far tile is counted once so that one far lookup is not multiplied.
+Without the far tiles (the region's sum alone) rows that read widely outweighed the rest and blocks needed twice
+the tiles on a trained retrieval model; with them, SmolLM2 loses as with the exact normaliser (docs/methods.md).
+
+Cost: one pass of QK^T and exp over 1/k of the rows, after each program's region and 1/8 of its far tiles: about
+1/k (1 + 1/8) of dense attention's QK^T and exp work, none of its P.V. Block-level table (B, Hq, nqb, nkt); scores are formed one key
+chunk at a time.
 
 GQA: per query head (the kernel reads each KV head's keys for its group's heads).
 
 Non-finite inputs (kept confined as in dense attention): a block whose sampled rows score a key they see as NaN
-or +inf keeps every visible tile (its scores are NaN, and NaN scores are kept). So a NaN key reaches
+or +inf keeps every visible tile (its scores are NaN, and NaN scores are kept), and so does a block with a row
+whose masses sum to ``LIMIT`` or more (a score ~44 nats above the best the normaliser saw). So a NaN key reaches
 every row that sees it (the block's last row sees it, and the block keeps everything), and a block whose sampled
 row is NaN keeps every visible tile. A NaN row that is not sampled does not change the plan; its own output is
 NaN, as in dense attention, because every key it scores is NaN. A -inf score weighs nothing, as in dense
-attention. The kernel needs no per-score test for this: such a score turns its row's sum of exp NaN.
+attention. The kernel needs no per-score test for this: such a score turns its row's sum of masses NaN or
+infinite.
 """
 
 from __future__ import annotations
@@ -64,6 +80,12 @@ sampled_rows = strided_rows  # step 1's rows
 
 #: added to a tile's mass before the log (= ``kernels.sampled.TINY``): a tile with no mass keeps a finite score
 TINY = 1e-30
+#: a row whose masses sum to LIMIT or more (= ``kernels.sampled.LIMIT``): its block keeps every visible tile (a
+#: score ~44 nats above the best its normaliser saw: the ranking would be that tile's anyway)
+LIMIT = 2.0 ** 64
+#: every FAR_STRIDE-th tile before a row's forced region (t % FAR_STRIDE == FAR_STRIDE - 1) estimates its far mass
+#: (= ``kernels.sampled.FAR_STRIDE``)
+FAR_STRIDE = 8
 
 
 @dataclass(frozen=True)
@@ -80,60 +102,84 @@ class SampledParams(StridedRowParams):
     """
 
     budget: float = 0.2
-    mass_target: float = 0.95
+    mass_target: float = 0.96
     min_budget: float = 0.05
 
     field_checks: ClassVar[dict] = {**StridedRowParams.field_checks, "mass_target": fraction_field(0.0, 1.0),
                                     "min_budget": fraction_field(0.0, 1.0)}
 
 
-def sampled_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: int, every: int,
-                        fp8: bool = False) -> torch.Tensor:
-    """(B, Hq, nqb, nkt) in the compute dtype: log(mean sampled-row mass of each key tile + ``TINY``) (steps 1-3;
-    tiles no sampled row sees get log(TINY)), NaN in every tile of a block whose sampled rows score a key they see
-    as NaN or +inf (a -inf score weighs nothing, as in dense attention). Two passes over key chunks (log-sum-exp,
-    then masses); never the (rows x Nk) matrix whole. ``fp8``: rows and keys rounded to e4m3 as ``kernels.fp8``
-    does (a scale per row, per (batch, KV head)), the products summed in float32."""
+def sampled_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: int, every: int, fp8: bool = False,
+                        local: int = 0, keep_first: bool = True) -> torch.Tensor:
+    """(B, Hq, nqb, nkt) in the compute dtype: log(sum over the block's sampled rows of each row's exp-scores in
+    each key tile over its normaliser's estimate, + ``TINY``) (steps 1-3; tiles no sampled row sees get
+    log(TINY)); NaN in every tile of a block with a row whose masses sum to ``LIMIT`` or more, or to NaN (a NaN or
+    +inf score it sees; a -inf score weighs nothing, as in dense attention). A row's forced region: the keys it sees
+    from its block's first diagonal tile minus ``local`` tiles on, and tile 0 with ``keep_first``; its far tiles:
+    the tiles before that region, of which those t with t % FAR_STRIDE == FAR_STRIDE - 1 are sampled. Exp-scores
+    are relative to its best score in the region and the sampled far tiles; the normaliser's estimate is their sum
+    in the region plus the largest sampled far tile's plus FAR_STRIDE times the other sampled far tiles'. Key chunks
+    in two passes (the normaliser, then the masses); never the (rows x Nk) matrix whole. ``fp8``: rows and keys
+    rounded to e4m3 as ``kernels.fp8`` does (a scale per row, per (batch, KV head)), the products summed in
+    float32."""
     batch, heads_q, num_queries, _ = q.shape
     num_keys = k.shape[2]
     cdt = torch.float32 if fp8 else compute_dtype(q)
     rows = sampled_rows(num_queries, block, every, q.device)
     per = max(1, block // every)
     nqb, nkt = -(-num_queries // block), -(-num_keys // block)
-    qs = q[:, :, rows].to(cdt)  # (B, Hq, R, D)
+    qs = q[:, :, rows].to(cdt)
     logit_scale = torch.full((1, 1, 1), scale, dtype=cdt, device=q.device)
     if fp8:
         qs, k, logit_scale = fp8_rows_and_keys(qs, k, scale)
     positions = rows + (num_keys - num_queries)
-    step = chunk_count(batch * heads_q * rows.numel() * block) * block  # keys per chunk: whole tiles
+    lo = ((rows // block) * block + (num_keys - num_queries)) // block * block - local * block
+    step = chunk_count(batch * heads_q * rows.numel() * block) * block
     neg = torch.finfo(cdt).min
     zero = torch.zeros((), dtype=cdt, device=q.device)
 
     def logits(c0: int, c1: int):
         z = group_scores(qs, k[:, :, c0:c1].to(cdt)) * logit_scale[..., None]
-        seen = torch.arange(c0, c1, device=q.device)[None, :] <= positions[:, None]
-        bad = seen & (torch.isnan(z) | (z == float("inf")))
+        keys = torch.arange(c0, c1, device=q.device)[None, :]
+        seen = keys <= positions[:, None]
+        region = seen & ((keys >= lo[:, None]) | ((keys < block) & keep_first))
         weighed = seen & torch.isfinite(z)
-        return torch.where(weighed, z, torch.full((), neg, dtype=cdt, device=q.device)), weighed, bad.any(-1)
+        bad = (seen & (torch.isnan(z) | (z == float("inf")))).any(-1)
+        return torch.where(weighed, z, torch.full((), neg, dtype=cdt, device=q.device)), weighed, region, bad
 
-    mx = torch.full((batch, heads_q, rows.numel()), neg, dtype=cdt, device=q.device)
-    se = torch.zeros((batch, heads_q, rows.numel()), dtype=cdt, device=q.device)
-    bad = torch.zeros((batch, heads_q, rows.numel()), dtype=torch.bool, device=q.device)
-    for c0 in range(0, num_keys, step):
-        z, weighed, bad_rows = logits(c0, min(c0 + step, num_keys))
-        new = torch.maximum(mx, z.amax(-1))
-        se = se * torch.exp(mx - new) + torch.where(weighed, torch.exp(z - new[..., None]), zero).sum(-1)
-        mx, bad = new, bad | bad_rows
-    inv = 1.0 / (se * per)
+    shape = (batch, heads_q, rows.numel())
+    mx = torch.full(shape, neg, dtype=cdt, device=q.device)
+    se, far, far_max = (torch.zeros(shape, dtype=cdt, device=q.device) for _ in range(3))
+    bad = torch.zeros(shape, dtype=torch.bool, device=q.device)
+    for c0 in range(0, num_keys, step):  # the region's sum, the sampled far tiles' sums
+        c1 = min(c0 + step, num_keys)
+        z, weighed, region, _ = logits(c0, c1)
+        keys = torch.arange(c0, c1, device=q.device)
+        sampled_far = ((keys // block) % FAR_STRIDE == FAR_STRIDE - 1)[None, :] & (keys[None, :] < lo[:, None])
+        w, f = weighed & region, weighed & sampled_far & ~region
+        new = torch.maximum(mx, torch.where(w | f, z, neg).amax(-1))
+        decay = torch.exp(mx - new)
+        e = torch.exp(z - new[..., None])
+        pad = -(c1 - c0) % block
+        tile_sums = torch.nn.functional.pad(torch.where(f, e, zero), (0, pad)).view(*shape, -1, block).sum(-1)
+        se = se * decay + torch.where(w, e, zero).sum(-1)
+        far = far * decay + tile_sums.sum(-1)
+        far_max = torch.maximum(far_max * decay, tile_sums.amax(-1))
+        mx = new
+    se = se + far_max + FAR_STRIDE * (far - far_max)  # the normaliser's estimate: far tiles scaled, the largest once
+    inv = 1.0 / se
+    total = torch.zeros_like(se)
     mass = torch.zeros((batch, heads_q, nqb, nkt), dtype=cdt, device=q.device)
     for c0 in range(0, num_keys, step):
         c1 = min(c0 + step, num_keys)
-        z, weighed, _ = logits(c0, c1)
+        z, weighed, _, bad_rows = logits(c0, c1)
         prob = torch.where(weighed, torch.exp(z - mx[..., None]), zero) * inv[..., None]
+        total, bad = total + prob.sum(-1), bad | bad_rows
         pad = -(c1 - c0) % block
         tiles = (c1 - c0 + pad) // block
         prob = torch.nn.functional.pad(prob, (0, pad)).view(batch, heads_q, nqb, per, tiles, block)
         mass[..., c0 // block: c0 // block + tiles] = prob.sum((3, 5))
+    bad = bad | ~(total < LIMIT)
     out = torch.log(mass + TINY)
     block_bad = bad.view(batch, heads_q, nqb, per).any(-1)
     return torch.where(block_bad[..., None], torch.full((), float("nan"), dtype=cdt, device=q.device), out)
@@ -143,7 +189,8 @@ def select_sampled(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: R
     params = config.params_of(SampledParams)
     keep_all = params.budget >= 1.0
     scores = None if keep_all else sampled_tile_logits(q, k, scale, params.block_size, params.sample_every,
-                                                       scores_in_fp8(params, q))
+                                                       scores_in_fp8(params, q), params.local_tiles,
+                                                       params.keep_first_block)
     return finish_budget_plan(scores, q, k, reordering, params, params.mass_target, params.min_budget)
 
 
@@ -158,12 +205,13 @@ def select_sampled_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reorderi
     params = config.params_of(SampledParams)
     bs = params.block_size
     return budget_plan(lambda: sampled_mass_logits(q, k, scale, bs, bs, params.sample_every,
-                                                   scores_in_fp8(params, q)), q, k, reordering, params, "sampled",
+                                                   scores_in_fp8(params, q), params.local_tiles,
+                                                   params.keep_first_block), q, k, reordering, params, "sampled",
                        params.mass_target, params.min_budget)
 
 
 register_method(Method(
     name="sampled", params=SampledParams, select=select_sampled, fast_select=select_sampled_fast,
     density=BUDGET_KNOB, keep_all={"budget": 1.0},
-    description="sampled-row mass: exact softmax of every k-th query row, a share of tiles per block",
+    description="sampled-row mass: exact scores of every k-th query row, per block the tiles holding a target of it",
 ))
