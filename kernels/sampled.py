@@ -114,23 +114,23 @@ def _sampled_mass_kernel(
     # the forced region: each row's block's diagonal tiles, the LOCAL tiles before them and (KEEP_FIRST) tile 0
     offset = NUM_KEYS - NUM_QUERIES
     lo = ((blk * BLOCK_M + offset) // BLOCK_N - LOCAL) * BLOCK_N
-    region = tl.maximum((g * BLOCKS * BLOCK_M + offset) // BLOCK_N - LOCAL, 0)
+    first_region_tile = tl.maximum((g * BLOCKS * BLOCK_M + offset) // BLOCK_N - LOCAL, 0)  # of the program
     m = tl.full([M], -1.0e30, tl.float32)
     f = tl.zeros([M], tl.float32)
     far = tl.zeros([M], tl.float32)
     far_max = tl.zeros([M], tl.float32)
     if KEEP_FIRST:
-        m, f, far, far_max = _normaliser_inner(q, k_base, m, f, far, far_max, qpos, lo, 0, tl.minimum(1, region), 1,
-                                               stride_kn, stride_kd, NUM_KEYS, qk_scale, d, dmask, BLOCK_N,
-                                               KEEP_FIRST, FAR_STRIDE, PREC)
+        m, f, far, far_max = _normaliser_inner(q, k_base, m, f, far, far_max, qpos, lo, 0,
+                                               tl.minimum(1, first_region_tile), 1, stride_kn, stride_kd, NUM_KEYS,
+                                               qk_scale, d, dmask, BLOCK_N, KEEP_FIRST, FAR_STRIDE, PREC)
     # the sampled far tiles every row of the program sees whole, then the region's tiles (where later blocks' rows
     # may still find sampled far tiles)
-    m, f, far, far_max = _normaliser_inner(q, k_base, m, f, far, far_max, qpos, lo, FAR_STRIDE - 1, region,
+    m, f, far, far_max = _normaliser_inner(q, k_base, m, f, far, far_max, qpos, lo, FAR_STRIDE - 1, first_region_tile,
                                            FAR_STRIDE, stride_kn, stride_kd, NUM_KEYS, qk_scale, d, dmask, BLOCK_N,
                                            KEEP_FIRST, FAR_STRIDE, PREC)
-    m, f, far, far_max = _normaliser_inner(q, k_base, m, f, far, far_max, qpos, lo, region, num_tiles, 1, stride_kn,
-                                           stride_kd, NUM_KEYS, qk_scale, d, dmask, BLOCK_N, KEEP_FIRST, FAR_STRIDE,
-                                           PREC)
+    m, f, far, far_max = _normaliser_inner(q, k_base, m, f, far, far_max, qpos, lo, first_region_tile, num_tiles, 1,
+                                           stride_kn, stride_kd, NUM_KEYS, qk_scale, d, dmask, BLOCK_N, KEEP_FIRST,
+                                           FAR_STRIDE, PREC)
     # each row's normaliser: its region's sum and its far mass estimated from every FAR_STRIDE-th far tile (the
     # largest counted once, so that one far lookup is not multiplied)
     inv = 1.0 / (f + far_max + FAR_STRIDE * (far - far_max))

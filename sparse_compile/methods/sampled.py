@@ -45,8 +45,8 @@ Without the far tiles (the region's sum alone) rows that read widely outweighed 
 the tiles on a trained retrieval model; with them, SmolLM2 loses as with the exact normaliser (docs/methods.md).
 
 Cost: one pass of QK^T and exp over 1/k of the rows, after each program's region and 1/8 of its far tiles: about
-1/k (1 + 1/8) of dense attention's QK^T and exp work, none of its P.V. Block-level table (B, Hq, nqb, nkt); scores are formed one key
-chunk at a time.
+1/k (1 + 1/8) of dense attention's QK^T and exp work, none of its P.V. Block-level table (B, Hq, nqb, nkt); scores
+are formed one key chunk at a time.
 
 GQA: per query head (the kernel reads each KV head's keys for its group's heads).
 
@@ -128,51 +128,48 @@ def sampled_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: i
     rows = sampled_rows(num_queries, block, every, q.device)
     per = max(1, block // every)
     nqb, nkt = -(-num_queries // block), -(-num_keys // block)
-    qs = q[:, :, rows].to(cdt)
+    qs = q[:, :, rows].to(cdt)  # (B, Hq, R, D)
     logit_scale = torch.full((1, 1, 1), scale, dtype=cdt, device=q.device)
     if fp8:
         qs, k, logit_scale = fp8_rows_and_keys(qs, k, scale)
     positions = rows + (num_keys - num_queries)
-    lo = ((rows // block) * block + (num_keys - num_queries)) // block * block - local * block
-    step = chunk_count(batch * heads_q * rows.numel() * block) * block
+    lo = ((rows // block) * block + (num_keys - num_queries)) // block * block - local * block  # each region's start
+    step = chunk_count(batch * heads_q * rows.numel() * block) * block  # keys per chunk: whole tiles
     neg = torch.finfo(cdt).min
     zero = torch.zeros((), dtype=cdt, device=q.device)
 
     def logits(c0: int, c1: int):
         z = group_scores(qs, k[:, :, c0:c1].to(cdt)) * logit_scale[..., None]
-        keys = torch.arange(c0, c1, device=q.device)[None, :]
-        seen = keys <= positions[:, None]
-        region = seen & ((keys >= lo[:, None]) | ((keys < block) & keep_first))
+        seen = torch.arange(c0, c1, device=q.device)[None, :] <= positions[:, None]
+        bad = seen & (torch.isnan(z) | (z == float("inf")))
         weighed = seen & torch.isfinite(z)
-        bad = (seen & (torch.isnan(z) | (z == float("inf")))).any(-1)
-        return torch.where(weighed, z, torch.full((), neg, dtype=cdt, device=q.device)), weighed, region, bad
+        return torch.where(weighed, z, torch.full((), neg, dtype=cdt, device=q.device)), weighed, bad.any(-1)
 
     shape = (batch, heads_q, rows.numel())
     mx = torch.full(shape, neg, dtype=cdt, device=q.device)
-    se, far, far_max = (torch.zeros(shape, dtype=cdt, device=q.device) for _ in range(3))
-    bad = torch.zeros(shape, dtype=torch.bool, device=q.device)
-    for c0 in range(0, num_keys, step):  # the region's sum, the sampled far tiles' sums
+    in_region, far, far_max = (torch.zeros(shape, dtype=cdt, device=q.device) for _ in range(3))
+    for c0 in range(0, num_keys, step):  # the normaliser: the region's sum, the sampled far tiles' sums
         c1 = min(c0 + step, num_keys)
-        z, weighed, region, _ = logits(c0, c1)
-        keys = torch.arange(c0, c1, device=q.device)
-        sampled_far = ((keys // block) % FAR_STRIDE == FAR_STRIDE - 1)[None, :] & (keys[None, :] < lo[:, None])
-        w, f = weighed & region, weighed & sampled_far & ~region
-        new = torch.maximum(mx, torch.where(w | f, z, neg).amax(-1))
+        z, weighed, _ = logits(c0, c1)
+        keys = torch.arange(c0, c1, device=q.device)[None, :]
+        region = weighed & ((keys >= lo[:, None]) | ((keys < block) & keep_first))
+        sampled_far = weighed & ~region & ((keys // block) % FAR_STRIDE == FAR_STRIDE - 1) & (keys < lo[:, None])
+        new = torch.maximum(mx, torch.where(region | sampled_far, z, neg).amax(-1))
         decay = torch.exp(mx - new)
         e = torch.exp(z - new[..., None])
         pad = -(c1 - c0) % block
-        tile_sums = torch.nn.functional.pad(torch.where(f, e, zero), (0, pad)).view(*shape, -1, block).sum(-1)
-        se = se * decay + torch.where(w, e, zero).sum(-1)
+        tile_sums = torch.nn.functional.pad(torch.where(sampled_far, e, zero), (0, pad)).view(*shape, -1, block).sum(-1)
+        in_region = in_region * decay + torch.where(region, e, zero).sum(-1)
         far = far * decay + tile_sums.sum(-1)
         far_max = torch.maximum(far_max * decay, tile_sums.amax(-1))
         mx = new
-    se = se + far_max + FAR_STRIDE * (far - far_max)  # the normaliser's estimate: far tiles scaled, the largest once
-    inv = 1.0 / se
-    total = torch.zeros_like(se)
+    inv = 1.0 / (in_region + far_max + FAR_STRIDE * (far - far_max))  # far tiles scaled, the largest once
+    bad = torch.zeros(shape, dtype=torch.bool, device=q.device)
+    total = torch.zeros(shape, dtype=cdt, device=q.device)
     mass = torch.zeros((batch, heads_q, nqb, nkt), dtype=cdt, device=q.device)
     for c0 in range(0, num_keys, step):
         c1 = min(c0 + step, num_keys)
-        z, weighed, _, bad_rows = logits(c0, c1)
+        z, weighed, bad_rows = logits(c0, c1)
         prob = torch.where(weighed, torch.exp(z - mx[..., None]), zero) * inv[..., None]
         total, bad = total + prob.sum(-1), bad | bad_rows
         pad = -(c1 - c0) % block
