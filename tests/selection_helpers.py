@@ -128,9 +128,12 @@ def assert_keep_agrees(fast_keep, sure, maybe, *, max_ambiguous_rows=0.2, what="
     return amb_rows
 
 
-def reference_bounds(select, q, k, scale, r, config):
+def reference_bounds(select, q, k, scale, r, config, kept=None):
     """Float64 masses of the reference selector for (sure, maybe) keep bounds at its block level.
 
+    ``kept`` (sampled / peak with a mass target): the keep tables of the plans compared. A mass target's tile count
+    per block moves with rounding near the target, so the counts come from the plans (the fewer for sure, the more
+    for maybe) and the bounds check that each plan keeps its block's best tiles, not how many.
     Returns (sure, maybe) bool (B, H, nqb, nkt) including the forced tiles, restricted to visible tiles.
     """
     qd, kd = q.double(), k.double()
@@ -178,7 +181,8 @@ def reference_bounds(select, q, k, scale, r, config):
         visible = vis != VISIBLE_NONE
         fp8 = scores_in_fp8(p, q)
         if select == "sampled":  # FP8 products summed in another order: an absolute margin too
-            mass = torch.where(visible, sampled_tile_logits(qd, kd, scale, bs, p.sample_every, fp8).exp(), -1.0)
+            mass = torch.where(visible, sampled_tile_logits(qd, kd, scale, bs, p.sample_every, fp8, p.local_tiles,
+                                                           p.keep_first_block).exp(), -1.0)
             tol = (3e-3 if fp8 else EPS_P) * mass.clamp_min(0) + 1e-12
         else:  # peaks are differences of logits: an absolute margin (FP8 products summed in another order: wider)
             mass = peak_tile_scores(qd, kd, scale, bs, p.sample_every, p.keep_first_block, fp8).double()
@@ -191,11 +195,16 @@ def reference_bounds(select, q, k, scale, r, config):
             forced = forced | local_tiles(vis, Nq, Nk, bs, bs, p.local_tiles)
         forced = forced & visible
         allowed = torch.clamp(torch.ceil(p.budget * visible.sum(-1, keepdim=True) - 1e-9), min=1)
+        allowed_sure = allowed_maybe = allowed
+        if kept is not None and getattr(p, "mass_target", 0) > 0:
+            counts = [(t & visible & ~forced).sum(-1, keepdim=True) for t in kept]
+            allowed_sure = torch.minimum(*counts)
+            allowed_maybe = torch.maximum(*counts)
         others = (visible & ~forced)[..., None, :]
         above_sure = ((mass[..., None, :] > mass[..., :, None] + tol[..., :, None]) & others).sum(-1)
         above_maybe = ((mass[..., None, :] >= mass[..., :, None] - tol[..., :, None]) & others).sum(-1) - 1
-        sure = visible & (above_maybe < allowed)
-        maybe = visible & (above_sure < allowed)
+        sure = visible & (above_maybe < allowed_sure)
+        maybe = visible & (above_sure < allowed_maybe)
     elif select == "bfla_coarse":
         p = config.params_of("bfla")
         b = p.coarse_block_size

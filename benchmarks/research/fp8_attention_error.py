@@ -20,7 +20,13 @@ Variants (a name lists what differs from the first):
 * ``token+qsmooth``: per token, and each 128-row block's mean query subtracted before rounding, its product with
   the keys added back unrounded (a rank-one term per block and tile);
 * ``... p-float``: P and V left in float32 (only QK^T in FP8);
-* ``qk-float``: QK^T in float32, only P and V in FP8 (as ``block``).
+* ``qk-float``: QK^T in float32, only P and V in FP8 (as ``block``);
+* ``block+qsmooth-head``: as ``block+qsmooth`` but the mean query of the whole sequence (per head) subtracted, so the
+  term added back (its product with the unrounded keys, float32) is one value per key, the same for every query block:
+  what a kernel can add to each score column cheaply;
+* ``head-scales``: the design of the FP8 kernel measured in docs/kernels.md: Q a scale per 128 rows, K smoothed and
+  ONE scale per head, V per channel, P scaled by 256 (not 448) before rounding;
+* ``head-scales+qsmooth-head``: ``head-scales`` with the per-head mean query subtracted (as ``block+qsmooth-head``).
 
 With ``--nll-windows W`` it also scores the model's next-token loss on W prose windows (the last quarter of each)
 with every layer's attention replaced by each ``--nll-variants`` emulation (and ``bf16``), against float32
@@ -55,6 +61,9 @@ VARIANTS = {
     "token+qsmooth": {"per_token": True, "smooth_q": True},
     "token+qsmooth, p-float": {"per_token": True, "smooth_q": True, "p_float": True},
     "qk-float": {"qk_float": True},
+    "block+qsmooth-head": {"smooth_q": "head"},
+    "head-scales": {"k_per_head": True, "p_scale": 256.0},
+    "head-scales+qsmooth-head": {"k_per_head": True, "p_scale": 256.0, "smooth_q": "head"},
 }
 
 
@@ -78,19 +87,23 @@ def random_hadamard(d: int, seed: int = 1) -> torch.Tensor:
     return h * signs[None, :] / math.sqrt(d)
 
 
-def causal_softmax_out(s: torch.Tensor, v: torch.Tensor, p_round: bool) -> torch.Tensor:
+def causal_softmax_out(s: torch.Tensor, v: torch.Tensor, p_round: bool, p_scale: float = E4M3_MAX) -> torch.Tensor:
     n = s.shape[0]
     s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
     p = torch.exp(s - s.amax(-1, keepdim=True))
     total = p.sum(-1, keepdim=True)  # from P before rounding, as a kernel sums its row in float32
     if p_round:
-        p = rounded(p, torch.full((), 1.0 / E4M3_MAX))
+        p = rounded(p, torch.full((), 1.0 / p_scale))
     return (p @ v) / total
 
 
 def fp8_attention(q, k, v, scale, *, per_token=False, smooth_k=True, smooth_q=False, hadamard=False, p_float=False,
-                  qk_float=False):
-    """Causal attention of one head, q/k/v (N, D) float32 with N a multiple of 128, rounded as the variant says."""
+                  qk_float=False, k_per_head=False, p_scale=E4M3_MAX):
+    """Causal attention of one head, q/k/v (N, D) float32 with N a multiple of 128, rounded as the variant says.
+
+    ``smooth_q``: False, True (each 128-row block's mean query subtracted) or ``"head"`` (the mean of all N query
+    rows); the mean's product with the unrounded (smoothed) keys is added back in float32. ``k_per_head``: one K scale
+    for all N keys (after smoothing). ``p_scale``: P (in [0, 1]) is multiplied by it before rounding to e4m3."""
     n, d = q.shape
     if smooth_k:
         k = k - k.mean(0, keepdim=True)
@@ -98,16 +111,19 @@ def fp8_attention(q, k, v, scale, *, per_token=False, smooth_k=True, smooth_q=Fa
         r = random_hadamard(d)
         q, k = q @ r, k @ r
     bias = 0.0
-    if smooth_q:
+    if smooth_q == "head":  # one (1, N) row of per-key terms, the same for every query row
+        mean = q.mean(0, keepdim=True)
+        bias, q = (mean @ k.T) * scale, q - mean
+    elif smooth_q:
         mean = q.view(n // BLOCK, BLOCK, d).mean(1, keepdim=True).expand(-1, BLOCK, -1).reshape(n, d)
         bias, q = (mean @ k.T) * scale, q - mean
     rows = 1 if per_token else BLOCK
-    if not qk_float:
-        q, k = rounded(q, scale_of(q, rows)), rounded(k, scale_of(k, rows))
+    if not qk_float:  # scales from the operands as rounded: Q after smoothing, K after smoothing
+        q, k = rounded(q, scale_of(q, rows)), rounded(k, scale_of(k, n if k_per_head else rows))
     s = (q @ k.T) * scale + bias
     if not p_float:
         v = rounded(v, v.abs().amax(0, keepdim=True).clamp(min=1e-12) / E4M3_MAX)
-    return causal_softmax_out(s, v, p_round=not p_float)
+    return causal_softmax_out(s, v, p_round=not p_float, p_scale=p_scale)
 
 
 def float_attention(q, k, v, scale):
