@@ -128,12 +128,12 @@ def assert_keep_agrees(fast_keep, sure, maybe, *, max_ambiguous_rows=0.2, what="
     return amb_rows
 
 
-def reference_bounds(select, q, k, scale, r, config, kept=None):
+def reference_bounds(select, q, k, scale, r, config, plans=()):
     """Float64 masses of the reference selector for (sure, maybe) keep bounds at its block level.
 
-    ``kept`` (sampled / peak with a mass target): the keep tables of the plans compared. A mass target's tile count
-    per block moves with rounding near the target, so the counts come from the plans (the fewer for sure, the more
-    for maybe) and the bounds check that each plan keeps its block's best tiles, not how many.
+    ``plans`` (sampled with a mass target): the plans compared. A mass target's tile count per block moves
+    with rounding near the target, so the counts come from the plans (the fewer for sure, the more for maybe) and
+    the bounds check that each plan keeps its block's best tiles, not how many.
     Returns (sure, maybe) bool (B, H, nqb, nkt) including the forced tiles, restricted to visible tiles.
     """
     qd, kd = q.double(), k.double()
@@ -196,8 +196,9 @@ def reference_bounds(select, q, k, scale, r, config, kept=None):
         forced = forced & visible
         allowed = torch.clamp(torch.ceil(p.budget * visible.sum(-1, keepdim=True) - 1e-9), min=1)
         allowed_sure = allowed_maybe = allowed
-        if kept is not None and getattr(p, "mass_target", 0) > 0:
-            counts = [(t & visible & ~forced).sum(-1, keepdim=True) for t in kept]
+        if plans and getattr(p, "mass_target", 0.0) > 0:  # (peak keeps a fixed share)
+            counts = [(keep_table(plan, visible.shape[-1]) & visible & ~forced).sum(-1, keepdim=True)
+                      for plan in plans]
             allowed_sure = torch.minimum(*counts)
             allowed_maybe = torch.maximum(*counts)
         others = (visible & ~forced)[..., None, :]

@@ -186,8 +186,7 @@ def test_gpu_bf16_agreement(method, shape):
     check_plan(p_fast, q, k)
     if method in ("pbs", "sparge", "sampled", "peak") and not plans_identical(p_fast, p_ref):
         # a mass target's tile counts come from the plans (reference_bounds)
-        kept = (keep_table(p_fast, -(-N // 128)), keep_table(p_ref, -(-N // 128))) if block == 128 else None
-        sure, maybe = reference_bounds(select, q, k, scale, r_ref, cfg, kept=kept)
+        sure, maybe = reference_bounds(select, q, k, scale, r_ref, cfg, plans=(p_fast, p_ref))
         assert_keep_agrees(keep_table(p_fast, sure.shape[-1]), sure, maybe, what=method, max_ambiguous_rows=0.25)
     if method == "bfla":
         alpha = block_softmax_scale(cfg.params_of("bfla"), scale)  # the block softmax's scale (Eq. 9)

@@ -111,11 +111,9 @@ def fp8_attention(q, k, v, scale, *, per_token=False, smooth_k=True, smooth_q=Fa
         r = random_hadamard(d)
         q, k = q @ r, k @ r
     bias = 0.0
-    if smooth_q == "head":  # one (1, N) row of per-key terms, the same for every query row
-        mean = q.mean(0, keepdim=True)
-        bias, q = (mean @ k.T) * scale, q - mean
-    elif smooth_q:
-        mean = q.view(n // BLOCK, BLOCK, d).mean(1, keepdim=True).expand(-1, BLOCK, -1).reshape(n, d)
+    if smooth_q:  # "head": one mean, so one (1, N) row of per-key terms for every query row
+        mean = q.mean(0, keepdim=True) if smooth_q == "head" else \
+            q.view(n // BLOCK, BLOCK, d).mean(1, keepdim=True).expand(-1, BLOCK, -1).reshape(n, d)
         bias, q = (mean @ k.T) * scale, q - mean
     rows = 1 if per_token else BLOCK
     if not qk_float:  # scales from the operands as rounded: Q after smoothing, K after smoothing
