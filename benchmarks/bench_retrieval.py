@@ -64,7 +64,7 @@ from sparse_compile.pipeline import capturing  # noqa: E402
 import retrieval_families as rf  # noqa: E402
 import retrieval_tasks as rt  # noqa: E402
 import train_small_lm as tsl  # noqa: E402
-from density_calibration import calibrate  # noqa: E402
+from density_calibration import calibrate, method_spec, split_spec  # noqa: E402
 from harness import RUNS_DIR, format_table, read_store, write_results  # noqa: E402
 
 # bisection steps of a density knob: on a model with concentrated attention, mass thresholds must come within 1e-4
@@ -103,8 +103,8 @@ def contender_region(name: str, params: dict) -> dict:
         return {"enabled": False}
     if "-calibrated@" in name:
         return dict(params)
-    # "pbs@0.1/layer2" too: params carry its site_params
-    method, reorder = method_and_reorder(name.split("@")[0].removesuffix("-global"))
+    # "pbs@0.1/layer2" too: params carry its site_params; "sampled:mass_target=0.97": its fields
+    method, reorder = method_and_reorder(name.split("@")[0].removesuffix("-global").partition(":")[0])
     return {"method": method, **({"reorder": reorder} if reorder else {}), **params}
 
 
@@ -300,11 +300,12 @@ def run(args) -> list[dict]:
         first = (first.tokens if isinstance(first, rt.Instance) else first)[None].to(device).long()
         sites: list = []
         layers = [] if dense_only else capture_qk(compiled, first, sites)  # calibration input
-        contenders = [("dense", {})] + ([] if dense_only else [(m, {}) for m in args.methods])
+        contenders = [("dense", {})] + ([] if dense_only else [(spec, split_spec(spec)[1]) for spec in args.methods])
         if "pbs" in args.methods and not dense_only:
             contenders.append(("pbs-noperm", {}))
+        plain = [m for m in args.methods if not split_spec(m)[1]]  # the density knobs are fitted at the defaults
         for rho in [] if dense_only else args.densities:
-            for m in list(args.methods) + (["pbs-noperm"] if "pbs" in args.methods else []):
+            for m in plain + (["pbs-noperm"] if "pbs" in plain else []):
                 method, reorder = method_and_reorder(m)
                 params, _ = calibrate(method, rho, layers, base, reorder=reorder, steps=KNOB_STEPS)
                 contenders.append((f"{m}@{rho}", params))
@@ -460,7 +461,9 @@ def main(argv=None) -> None:
                         help=f"the model (default {DEFAULT_CHECKPOINT.relative_to(tsl.REPO)}; --smoke: an untrained "
                              "tiny model unless this is given)")
     parser.add_argument("--lengths", type=int, nargs="*", default=[16384, 32768, 65536])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), type=method_spec,
+                        help="registered methods at their defaults, or name:field=value,... (e.g. "
+                             "sampled:mass_target=0.97)")
     parser.add_argument("--densities", type=float, nargs="*", default=[0.05, 0.1, 0.2, 0.3])
     parser.add_argument("--per-task", type=int, default=8, help="instances per task, style and length")
     parser.add_argument("--styles", nargs="+", default=["vkey"], choices=list(rt.STYLES),

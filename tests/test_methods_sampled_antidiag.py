@@ -120,7 +120,7 @@ def test_sampled_selector_finds_one_row_looking_up_one_key():
 
 
 def test_sampled_budget_keeps_forced_tiles_and_a_fixed_share_of_the_others():
-    from sparse_compile.methods.sampled import keep_top_budget
+    from sparse_compile.methods.tiles import keep_top_budget
 
     scores = torch.tensor([[0.0, 5.0, 1.0, float("nan"), 3.0, 2.0, 4.0, -1.0]])
     visible = torch.tensor([[True] * 7 + [False]])
@@ -135,7 +135,7 @@ def test_sampled_budget_keeps_forced_tiles_and_a_fixed_share_of_the_others():
 
 
 def test_sampled_mass_target_keeps_the_fewest_tiles_that_reach_it():
-    from sparse_compile.methods.sampled import keep_top_budget
+    from sparse_compile.methods.tiles import keep_top_budget
 
     # one block's sampled masses: tile 0 forced (0.30); the others 0.25, 0.05, 0.20, 0.10, 0.06, 0.04; tile 7 unseen
     mass = torch.tensor([[0.30, 0.25, 0.05, 0.20, 0.10, 0.06, 0.04, 0.0]])

@@ -205,11 +205,14 @@ def test_retrieval_training_smoke_records_dense_accuracy(tmp_path):
 
 def test_retrieval_benchmark_smoke(tmp_path):
     bench = importlib.import_module("bench_retrieval")
-    bench.main(["--smoke", "--methods", "pbs", "bfla", "sampled", "--coverage", "1", "--styles", "vkey", "comment",
+    bench.main(["--smoke", "--methods", "pbs", "bfla", "sampled", "sampled:budget=1.0", "--coverage", "1", "--styles", "vkey", "comment",
                 "--layer-ablation", "pbs", "--layer-densities", "1,0.2", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "retrieval.json").read_text())["rows"]
     names = {r["contender"] for r in rows}
     assert {"dense", "pbs", "bfla", "sampled", "pbs-noperm", "pbs@0.3", "bfla@0.3", "sampled@0.3", "pbs-noperm@0.3"} <= names
+    # a method with fields set runs as given (its density knob is not fitted): budget 1.0 keeps every causal tile
+    assert "sampled:budget=1.0@0.3" not in names
+    assert abs(next(r for r in rows if r["contender"] == "sampled:budget=1.0")["density"] - 1.0) < 1e-6
     # one layer at a time at pbs@0.3's threshold: the other layers keep every tile, so the mean density is higher
     one_layer = [r for r in rows if r["contender"].startswith("pbs@0.3/layer")]
     assert len(one_layer) >= 2 and "bfla@0.3/layer0" not in names

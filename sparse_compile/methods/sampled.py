@@ -70,8 +70,7 @@ import torch
 from ..params import fraction_field
 from ..plan import BlockPlan
 from ..registry import Method, register_method
-from .tiles import (BUDGET_KNOB, StridedRowParams, finish_budget_plan, keep_top_budget,  # noqa: F401 (keep_top_budget: step 5)
-                      scores_in_fp8, strided_rows)
+from .tiles import BUDGET_KNOB, StridedRowParams, finish_budget_plan, scores_in_fp8, strided_rows
 from .scoring import Reordering, chunk_count, compute_dtype, fp8_rows_and_keys, group_scores
 
 __all__ = ["SampledParams", "sampled_rows", "sampled_tile_logits", "select_sampled", "select_sampled_fast"]
