@@ -77,9 +77,9 @@ from sparse_compile.pipeline import capturing  # noqa: E402
 from density_calibration import calibrate as calibrate_density, method_spec, split_spec  # noqa: E402
 from bench_retrieval import KNOB_STEPS, base_config  # noqa: E402
 from harness import RESULTS_DIR, RUNS_DIR, append_store, format_table, read_store, write_results  # noqa: E402
-from real_weights_tasks import (CODE_SOURCE, DEPTH_BINS, NLL_KINDS, PROMPT_STYLES, PROSE_SOURCE, TASKS,  # noqa: E402
-                                Documents, PromptBuilder, code_texts, line_start_tokens, make_instances,
-                                make_windows, prose_texts)
+from real_weights_tasks import (CODE_SOURCE, DEFAULT_SEED, DEPTH_BINS, NLL_KINDS, PROMPT_STYLES,  # noqa: E402
+                                PROSE_SOURCE, TASKS, Documents, PromptBuilder, code_texts, line_start_tokens,
+                                make_instances, make_windows, prose_texts)
 
 STORE = "bench_real_weights"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -418,7 +418,8 @@ def wide_rows(rows: list) -> list:
                 cell = f"{cell:.2f} (not judged)"
             line[r["task"]] = cell
         elif r["task"] in NLL_KINDS:
-            line[r["task"]] = r.get("nll") if r["contender"] == "dense" else r.get("delta_nll")
+            dense = r["contender"] == "dense" or r.get("setting") == "dense"  # "dense (seed 1)" too
+            line[r["task"]] = r.get("nll") if dense else r.get("delta_nll")
         if r.get("density") is not None:
             line["_densities"].append(r["density"])
         if r.get("flag"):
@@ -482,12 +483,15 @@ def plot(rows: list, path: Path, methods: list) -> None:
 
 
 def report(commits: list, out_dir: Optional[str]) -> None:
-    """The store's rows (of ``commits`` when given; the latest row per length, contender, task and metric wins) as
-    a markdown table, and ``results/real_weights.png``."""
+    """The store's rows (of ``commits`` when given; the latest row per length, contender, seed, task and metric
+    wins) as a markdown table, and ``results/real_weights.png``. Rows of another seed than the default (other
+    windows and instances) are their own contender, ``name (seed S)``."""
     latest: dict = {}
     for r in read_store(STORE, out_dir=out_dir):
         if commits and r.get("commit") not in commits:
             continue
+        if r.get("seed", DEFAULT_SEED) != DEFAULT_SEED:
+            r = {**r, "contender": f"{r['contender']} (seed {r['seed']})"}
         key = (r["N"], r["contender"], r["task"])
         row = latest.setdefault(key, {"_date": {}})
         if r["date"] >= row["_date"].get(r["metric"], ""):
@@ -501,7 +505,7 @@ def report(commits: list, out_dir: Optional[str]) -> None:
     print(f"\n{REPORT_NOTE}")
     methods = sorted({r["method"] for r in rows if r.get("method")})
     path = (Path(out_dir) if out_dir else RESULTS_DIR) / "real_weights.png"
-    plot(rows, path, methods)
+    plot([r for r in rows if r.get("seed", DEFAULT_SEED) == DEFAULT_SEED], path, methods)  # one point per setting
     print(f"plot: {path}")
 
 
@@ -535,7 +539,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=None,
                         help="sequences per forward (default: 65536 // length tokens, 1 to 8)")
     parser.add_argument("--prompt-style", default="chat", choices=PROMPT_STYLES)
-    parser.add_argument("--seed", type=int, default=20261127)
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--smoke", action="store_true",
                         help="CPU: 2K, one passkey instance and one code window, sampled and pbs at their defaults "
                              "and at density 0.1, small blocks; options given explicitly are kept")

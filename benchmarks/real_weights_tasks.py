@@ -42,6 +42,8 @@ NLL_KINDS = ("nll_code", "nll_prose")
 DEPTH_RANGE = (0.1, 0.9)
 DEPTH_BINS = (0.1, 0.26, 0.42, 0.58, 0.74, 0.9001)
 PROMPT_STYLES = ("chat", "plain")
+#: the instances' and windows' seed of the published rows (``bench_real_weights.py --seed``'s default)
+DEFAULT_SEED = 20261127
 CODE_SOURCE = "Python standard library source (sysconfig stdlib, top-level *.py), PSF License"
 PROSE_SOURCE = "pydoc_data.topics (Python Language Reference topic texts, in the stdlib), PSF License"
 

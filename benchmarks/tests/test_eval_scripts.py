@@ -221,3 +221,22 @@ def test_soak_benchmark_tiny_on_the_cpu(tmp_path, fresh_compile_state):
     assert "all" in buckets and buckets - {"all"} <= {40, 72}
     stored = [json.loads(line) for line in (tmp_path / "bench_soak.jsonl").read_text().splitlines()]
     assert {"median_p50_s", "max_p99_over_p50", "recompiles_after_warmup", "sparse_calls"} <= {r["metric"] for r in stored}
+
+
+def test_real_weights_report_keeps_other_seeds_apart(tmp_path, capsys):
+    """Rows of another seed (other windows) are their own contender in the report, dense ones showing their NLL,
+    and never overwrite the default seed's rows."""
+    brw = importlib.import_module("bench_real_weights")
+    base = {"N": 16384, "task": "nll_prose", "rope": "yarn4", "commit": "c", "command": "x"}
+    rows = []
+    runs = ((brw.DEFAULT_SEED, "2026-01-01", 2.3, 0.010), (1, "2026-01-02", 2.4, -0.013))  # the other seed later
+    for seed, date, dense_nll, delta in runs:
+        for contender, setting, metric, value in (("dense", "dense", "nll", dense_nll),
+                                                  ("sampled", "defaults", "delta_nll", delta)):
+            rows.append({**base, "seed": seed, "date": date, "contender": contender, "setting": setting,
+                         "method": None if contender == "dense" else "sampled", "metric": metric, "value": value})
+    (tmp_path / f"{brw.STORE}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    brw.report([], str(tmp_path))
+    table = {line.split("|")[3].strip(): line.split("|")[9].strip() for line in capsys.readouterr().out.splitlines()
+             if line.startswith("| 16384")}
+    assert table == {"dense": "2.300", "sampled": "0.010", "dense (seed 1)": "2.400", "sampled (seed 1)": "-0.013"}
