@@ -205,8 +205,9 @@ def test_retrieval_training_smoke_records_dense_accuracy(tmp_path):
 
 def test_retrieval_benchmark_smoke(tmp_path):
     bench = importlib.import_module("bench_retrieval")
-    bench.main(["--smoke", "--methods", "pbs", "bfla", "sampled", "sampled:budget=1.0", "--coverage", "1", "--styles", "vkey", "comment",
-                "--layer-ablation", "pbs", "--layer-densities", "1,0.2", "--out", str(tmp_path)])
+    bench.main(["--smoke", "--methods", "pbs", "bfla", "sampled", "sampled:budget=1.0", "--coverage", "1",
+                "--styles", "vkey", "comment", "--layer-ablation", "pbs", "--layer-densities", "1,0.2",
+                "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "retrieval.json").read_text())["rows"]
     names = {r["contender"] for r in rows}
     assert {"dense", "pbs", "bfla", "sampled", "pbs-noperm", "pbs@0.3", "bfla@0.3", "sampled@0.3", "pbs-noperm@0.3"} <= names
