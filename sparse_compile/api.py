@@ -18,7 +18,7 @@ from .context import resolve
 from .masks import example_value
 from .parallel import is_dtensor, register_dtensor_sharding
 from .pipeline import EAGER_SITE, attend_eager, run_method
-from .rules import SUPPORTED_DTYPES, validate_qkv
+from .rules import SUPPORTED_DTYPES, autocast_inputs, validate_qkv
 from .site import SiteSpec
 
 __all__ = ["sparse_attention", "precompile", "precompile_kernels", "PRECOMPILE_LENGTH", "PRECOMPILED_ENTRIES"]
@@ -34,6 +34,7 @@ def sparse_attention(
     steps and anything the method cannot do run exact dense attention, as under the compiled backend; a
     ``sparsity(...)`` block in force applies here too.
     """
+    q, k, v = autocast_inputs(q, k, v)  # as SDPA runs under autocast
     validate_qkv(q, k, v, who="sparse_attention", dtypes=SUPPORTED_DTYPES + (torch.float64,), empty_ok=True)
     if config is not None and not isinstance(config, SparseConfig):
         raise TypeError(f"sparse_attention: config must be a SparseConfig, got {type(config).__name__}")

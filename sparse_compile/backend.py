@@ -17,10 +17,10 @@ import torch
 import torch.fx as fx
 from . import report
 from .config import SparseConfig
-from .eager_attention import EAGER_RULE, SOFTCAP_RULE, find_eager_attention, is_eager
+from .eager_attention import EAGER_RULE, FUSED_RULE, SOFTCAP_RULE, find_eager_attention, is_eager
 from .padding import per_forward
 from .report import SiteRecord
-from .rewrite import rewrite_graph
+from .rewrite import reads_mutated_input, rewrite_graph
 from .rules import forward_transform
 from .transformers_attention import register as register_transformers_attention
 
@@ -164,7 +164,9 @@ def sparse_prefill(
 
         compiled = refuse_under_sequence_parallel(_counting_plain_sdpa(compiled, left_as_sdpa), left_as_sdpa)
     if any(r.rewritten for r in records):
-        compiled = _eager_under_transforms(per_forward(compiled), original)
+        # a summary of a mask read once per call, unless the graph writes that mask in place between its sites
+        scoped = compiled if reads_mutated_input(gm) else per_forward(compiled)
+        compiled = _eager_under_transforms(scoped, original)
     if not _QUIET.get():
         _warn_plain_sdpa(gm, records)
         _warn_recompile_limit(gm, records)
@@ -219,7 +221,7 @@ def _counting_plain_sdpa(compiled: Callable, left_as_sdpa: list[SiteRecord]) -> 
 
 
 # how a call's reason starts where the site is no SDPA call (else report.PLAIN_SDPA_REASON)
-_KEPT = {rule: "left dense at compile time: " for rule in (EAGER_RULE, SOFTCAP_RULE)}
+_KEPT = {rule: "left dense at compile time: " for rule in (EAGER_RULE, SOFTCAP_RULE, FUSED_RULE)}
 
 # What the user can do about a site kept as plain SDPA, by the rewrite rule it failed (``rules.REWRITE_RULES``).
 _REMEDIES = {
@@ -233,6 +235,8 @@ _REMEDIES = {
     "heads": "pass enable_gqa=True to scaled_dot_product_attention",
     EAGER_RULE: "compute it with torch.nn.functional.scaled_dot_product_attention; a transformers model: set "
                 "attn_implementation='sdpa' where the model supports it",
+    FUSED_RULE: "project q, k, v yourself and call torch.nn.functional.scaled_dot_product_attention(q, k, v, "
+                "is_causal=True)",
 }
 
 _WARNED_LOCK = threading.Lock()

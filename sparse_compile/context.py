@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
+
+import torch
 
 from .config import SparseConfig, normalize_site_params
 from .registry import registered_methods
@@ -40,6 +44,9 @@ class RegionState:
 
 
 _REGION: contextvars.ContextVar[RegionState] = contextvars.ContextVar("sparse_compile_region", default=RegionState())
+# the blocks entered in this context, innermost last: (block, its token, the state it set). Held per context, not
+# per block object, so one block object entered by two threads or asyncio tasks keeps their entries apart
+_ENTERED: contextvars.ContextVar[tuple] = contextvars.ContextVar("sparse_compile_entered", default=())
 
 
 def current_region() -> RegionState:
@@ -87,7 +94,6 @@ class sparsity:
         self._params = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
         if "site_params" in params:
             self._params["site_params"] = normalize_site_params(params["site_params"], "sparsity(site_params=...)")
-        self._entered: list[tuple[contextvars.Token, RegionState]] = []
 
     def _state(self, outer: RegionState) -> RegionState:
         merged = dict(outer.params)
@@ -102,22 +108,87 @@ class sparsity:
         )
 
     def __enter__(self) -> "sparsity":
+        _warn_if_inside_compiled_code()
         state = self._state(_REGION.get())
-        self._entered.append((_REGION.set(state), state))
+        token = _REGION.set(state)
+        _ENTERED.set(_ENTERED.get() + ((self, token, state),))
         return self
 
     def __exit__(self, *exc) -> None:
-        token, state = self._entered[-1]
-        if _REGION.get() is not state:
+        entered = _ENTERED.get()
+        if not any(block is self for block, _, _ in entered):
+            raise RuntimeError(f"{self!r} exited in a thread or task that did not enter it")
+        block, token, state = entered[-1]
+        if block is not self or _REGION.get() is not state:
             raise RuntimeError(f"{self!r} exited while an inner sparsity region is still active: leave regions in "
                                "the reverse order of entering them (use `with`)")
-        self._entered.pop()
+        _ENTERED.set(entered[:-1])
         _REGION.reset(token)
 
     def __call__(self, fn):
+        """``fn`` with this region in force while its body runs: a function, a coroutine function (the region
+        spans its awaits), a generator or an async generator function (the region is in force while the body runs
+        between yields, not in the caller's code between them)."""
+        def region() -> "sparsity":
+            return sparsity(self._enabled, self._method, **self._params)
+
+        if inspect.isasyncgenfunction(fn):
+            @functools.wraps(fn)
+            async def wrapped_async_gen(*args, **kwargs):
+                agen = fn(*args, **kwargs)
+                step, value = agen.asend, None
+                try:
+                    while True:
+                        with region():
+                            try:
+                                out = await step(value)
+                            except StopAsyncIteration:
+                                return
+                        try:
+                            value, step = (yield out), agen.asend
+                        except GeneratorExit:
+                            raise
+                        except BaseException as exc:  # thrown in by the caller: into the body, under the region
+                            value, step = exc, agen.athrow
+                finally:
+                    with region():
+                        await agen.aclose()
+
+            return wrapped_async_gen
+        if inspect.isgeneratorfunction(fn):
+            @functools.wraps(fn)
+            def wrapped_gen(*args, **kwargs):
+                gen = fn(*args, **kwargs)
+                step, value = gen.send, None
+                try:
+                    while True:
+                        with region():
+                            try:
+                                out = step(value)
+                            except StopIteration as stop:
+                                return stop.value
+                        try:
+                            value, step = (yield out), gen.send
+                        except GeneratorExit:
+                            raise
+                        except BaseException as exc:  # thrown in by the caller: into the body, under the region
+                            value, step = exc, gen.throw
+                finally:
+                    with region():
+                        gen.close()
+
+            return wrapped_gen
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def wrapped_coroutine(*args, **kwargs):
+                with region():
+                    return await fn(*args, **kwargs)
+
+            return wrapped_coroutine
+
         @functools.wraps(fn)
         def wrapped(*args, **kwargs):
-            with sparsity(self._enabled, self._method, **self._params):
+            with region():
                 return fn(*args, **kwargs)
 
         return wrapped
@@ -125,6 +196,22 @@ class sparsity:
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v in self._params.items())
         return f"sparsity(enabled={self._enabled}, method={self._method!r}{extra})"
+
+
+def _warn_if_inside_compiled_code() -> None:
+    """A block entered in a function that torch.compile compiles is code Dynamo cannot trace: it runs that function
+    eagerly (plain dense attention, nothing in ``runtime_stats()``). Say so where it happens: this frame is never
+    traced (disabled, not recursively), so it runs with Dynamo's frame callback still in force."""
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+    if get_eval_frame_callback() not in (None, False):
+        warnings.warn("sparse_compile.sparsity(...) entered inside a function compiled by torch.compile: Dynamo "
+                      "cannot trace the block, so that function runs eagerly (plain dense attention, not counted in "
+                      "runtime_stats()). Enter the block around the call of the compiled function instead.",
+                      UserWarning, stacklevel=3)
+
+
+_warn_if_inside_compiled_code = torch.compiler.disable(_warn_if_inside_compiled_code, recursive=False)
 
 
 def _check_method_value(owner: str, key: str, value: Any) -> None:

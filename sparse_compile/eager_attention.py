@@ -22,10 +22,18 @@ import torch.fx as fx
 
 from .report import SiteRecord
 
-__all__ = ["find_eager_attention", "EAGER_RULE", "SOFTCAP_RULE", "is_eager"]
+__all__ = ["find_eager_attention", "EAGER_RULE", "SOFTCAP_RULE", "FUSED_RULE", "is_eager"]
 
 EAGER_RULE = "eager_attention"  # SiteRecord.rule of such a site
 SOFTCAP_RULE = "eager_attention_softcap"  # one with tanh soft-capping: no sparse path for it, whatever the user does
+FUSED_RULE = "fused_attention_module"  # PyTorch's own attention modules, kept whole by Dynamo
+
+# calls Dynamo keeps whole (nn.MultiheadAttention, nn.TransformerEncoderLayer's fast path): attention inside, no
+# SDPA call the rewrite could see
+_FUSED = {"multi_head_attention_forward": "nn.MultiheadAttention (F.multi_head_attention_forward)",
+          "_native_multi_head_attention": "nn.MultiheadAttention's fast path (torch._native_multi_head_attention)",
+          "_transformer_encoder_layer_fwd": "nn.TransformerEncoderLayer's fast path "
+                                            "(torch._transformer_encoder_layer_fwd)"}
 
 _MATMULS = {"matmul", "bmm", "baddbmm", "__matmul__", "einsum"}
 _SOFTMAXES = {"softmax", "_softmax", "_safe_softmax"}
@@ -46,8 +54,9 @@ _SOFTCAP = ("attention computed without scaled_dot_product_attention (eager atte
 
 
 def is_eager(record: SiteRecord) -> bool:
-    """Whether ``record`` is attention computed by hand (found here, not an SDPA site)."""
-    return record.rule in (EAGER_RULE, SOFTCAP_RULE)
+    """Whether ``record`` is attention found here (computed by hand, or inside a fused PyTorch call), not an SDPA
+    site."""
+    return record.rule in (EAGER_RULE, SOFTCAP_RULE, FUSED_RULE)
 
 
 def _name(node: fx.Node) -> str:
@@ -150,11 +159,22 @@ def _shape(arg: Any) -> tuple:
 
 
 def find_eager_attention(gm: fx.GraphModule) -> list[SiteRecord]:
-    """One record (never rewritten, with the reason) per attention computed by hand in ``gm``'s graph."""
+    """One record (never rewritten, with the reason) per attention computed by hand in ``gm``'s graph, and per
+    fused PyTorch attention call."""
     from .rewrite import module_path
 
     records = []
     for node in gm.graph.nodes:
+        fused = _FUSED.get(_name(node)) if node.op == "call_function" else None
+        if fused is not None:
+            query = node.args[0] if node.args else None
+            dtype = getattr(_value(query), "dtype", None)
+            records.append(SiteRecord(
+                site=module_path(node) or f"<{node.name}>", node=node.name, q_shape=_shape(query), k_shape=(),
+                dtype=str(dtype).replace("torch.", "") if dtype is not None else "?", rewritten=False,
+                reason=f"attention inside {fused}, a fused call whose scaled_dot_product_attention the graph does not "
+                       "show: it stays dense", rule=FUSED_RULE))
+            continue
         if _name(node) not in _SOFTMAXES or not _last_dim_softmax(node):
             continue
         scores, capped = _scores(node)

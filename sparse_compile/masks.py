@@ -73,7 +73,7 @@ import torch
 import torch.fx as fx
 
 __all__ = ["MaskMatch", "NotProven", "analyse_mask", "removable_nodes", "undo_repeat_kv", "example_value",
-           "is_input_view", "proof_holds_at"]
+           "is_input_view", "proof_holds_at", "mutated_inputs", "input_of"]
 
 # evaluation lengths (odd, unaligned with any block size): the first pair, and how the reach moves past constants
 FIRST_LENGTH = 19
@@ -154,7 +154,10 @@ def _is_size_query(node: fx.Node) -> bool:
 
 def _is_mutation(node: fx.Node) -> bool:
     if node.op == "call_function":
-        if node.target in _INPLACE_OPERATORS or "out" in node.kwargs:
+        if node.target in _INPLACE_OPERATORS or "out" in node.kwargs or node.kwargs.get("inplace") is True:
+            return True
+        name = getattr(node.target, "__name__", "")  # torch.relu_, torch.Tensor.masked_fill_ called as functions
+        if name.endswith("_") and not name.endswith("__"):
             return True
         schema = getattr(node.target, "_schema", None)
         return bool(schema is not None and schema.is_mutable)
@@ -952,6 +955,18 @@ def is_input_view(node: fx.Node) -> bool:
         if not node.args or not isinstance(node.args[0], fx.Node):
             return False
         node = node.args[0]
+
+
+def mutated_inputs(graph: fx.Graph) -> set:
+    """The graph inputs that some node of ``graph`` writes in place, through a view or directly."""
+    return {root for node in graph.nodes if _is_mutation(node) and node.args and isinstance(node.args[0], fx.Node)
+            for root in [_root(node.args[0])] if root.op == "placeholder"}
+
+
+def input_of(node: fx.Node) -> Optional[fx.Node]:
+    """The graph input ``node`` views (through views and dtype conversions), or None."""
+    root = _root(node)
+    return root if root.op == "placeholder" else None
 
 
 def proof_holds_at(match: MaskMatch, site: fx.Node) -> bool:

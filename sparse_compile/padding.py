@@ -108,19 +108,21 @@ def read_once(tensor: Tensor, tag: tuple, compute: Callable, *args):
     """``compute(*args)``, a summary of ``tensor``'s values (``tag`` names which), read once per ``forward_scope``
     (or per ``owned_mask``) and recomputed outside one (module docstring)."""
     cache = _SCOPE.get()
+    holder = tensor  # a scope's entry holds its tensor, so that the tensor's id is not reused inside the scope
     if cache is None:
         owned = _OWNED.get(id(tensor))
         if owned is None or owned[0]() is not tensor:
             return compute(*args)  # outside a compiled graph's call: nothing vouches for an earlier read
-        cache = owned[1]
+        # the cache belongs to this one tensor (checked through the weak reference): holding the tensor there
+        # would keep it, and its cache, alive for ever
+        cache, holder = owned[1], None
     key = (id(tensor), tag)
     entry = cache.get(key)
-    # the entry holds the tensor, so its id is not reused inside the scope; version and pointer catch a tracked
-    # in-place change or a swapped storage
-    if entry is not None and entry[0] is tensor and entry[1] == (tensor._version, tensor.data_ptr()):
+    # version and pointer catch a tracked in-place change or a swapped storage
+    if entry is not None and entry[0] is holder and entry[1] == (tensor._version, tensor.data_ptr()):
         return entry[2]
     value = compute(*args)
-    cache[key] = (tensor, (tensor._version, tensor.data_ptr()), value)
+    cache[key] = (holder, (tensor._version, tensor.data_ptr()), value)
     return value
 
 

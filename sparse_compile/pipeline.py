@@ -153,13 +153,23 @@ def _run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: Sparse
          dense: DenseForm, chunked_allowed: bool, dense_because: Optional[str] = None) -> Outcome:
     """``attempt`` (unless ``dense_because``), then ``dense`` where the method did not run: an outcome with its
     output."""
-    if dense_because is None:
-        outcome = attempt(q, k, v, scale, config, site, chunked_allowed=chunked_allowed)
-    else:
-        outcome = Outcome(DENSE, dense_because)
-    if outcome.output is None:
-        outcome = dataclasses.replace(outcome, output=run_dense(q, k, v, scale, dense))
+    with _without_autocast(q):
+        if dense_because is None:
+            outcome = attempt(q, k, v, scale, config, site, chunked_allowed=chunked_allowed)
+        else:
+            outcome = Outcome(DENSE, dense_because)
+        if outcome.output is None:
+            outcome = dataclasses.replace(outcome, output=run_dense(q, k, v, scale, dense))
     return outcome
+
+
+def _without_autocast(q: Tensor):
+    """Autocast off while a call runs: its inputs arrive in the dtype autocast gives attention
+    (``rules.autocast_inputs``), and the planners and kernels choose their own precisions inside."""
+    kind = q.device.type
+    if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+        return torch.autocast(kind, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _recorded(site: str, outcome: Outcome, shape, note: str = "") -> Tensor:

@@ -28,13 +28,13 @@ import torch.nn.functional as F
 
 from .attention_op import OP, output_layout
 from .config import SparseConfig
-from .masks import (MaskMatch, NotProven, analyse_mask, example_value, is_input_view, proof_holds_at, removable_nodes,
-                    undo_repeat_kv)
+from .masks import (MaskMatch, NotProven, analyse_mask, example_value, input_of, is_input_view, mutated_inputs,
+                    proof_holds_at, removable_nodes, undo_repeat_kv)
 from .report import SiteRecord
 from .rules import REWRITE_RULES, first_failure, layer_index
 from .site import SiteSpec
 
-__all__ = ["rewrite_graph", "module_path", "find_sdpa_calls", "SdpaCall"]
+__all__ = ["rewrite_graph", "module_path", "find_sdpa_calls", "SdpaCall", "reads_mutated_input"]
 
 log = logging.getLogger("sparse_compile")
 
@@ -88,6 +88,24 @@ class SdpaCall:
                 and (example.dtype == torch.bool or example.dtype.is_floating_point)):
             return None
         return arg if is_input_view(arg) else None
+
+    @property
+    def autocast_dtype(self) -> Optional[torch.dtype]:
+        """The dtype autocast runs this call in, where it casts the inputs: the traced output's dtype (Dynamo
+        traces under the autocast in force) when an input's differs from it. None without such a cast."""
+        out = example_value(self.node)
+        if not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
+            return None
+        inputs = [self.q, self.k, self.v]
+        if all(isinstance(t, torch.Tensor) and t.dtype == out.dtype for t in inputs):
+            return None
+        return out.dtype
+
+    @property
+    def dtypes(self) -> tuple:
+        """q, k and v's dtypes as the attention computes them (after autocast's cast)."""
+        cast = self.autocast_dtype
+        return (cast,) * 3 if cast is not None else (self.q.dtype, self.k.dtype, self.v.dtype)
 
     @property
     def q(self):
@@ -159,6 +177,16 @@ def _native_kv(call: SdpaCall) -> tuple[Any, Any, bool, tuple]:
     return key, value, gqa, ()
 
 
+def _cast(gm: fx.GraphModule, node: fx.Node, dtype: torch.dtype) -> fx.Node:
+    example = example_value(node)
+    if example.dtype == dtype:
+        return node
+    cast = gm.graph.call_method("to", (node, dtype))
+    cast.meta.update(node.meta)
+    cast.meta["example_value"] = example.to(dtype)
+    return cast
+
+
 def _heads_inner(call: SdpaCall) -> bool:
     """The replaced call's output layout (``attention_op.output_layout``); heads-inner when the graph has no
     example."""
@@ -198,9 +226,13 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
         spec = SiteSpec(call.site, config, enable_gqa=gqa, queries_last=mask is not None,
                         binary_padding=isinstance(mask, MaskMatch) and mask.binary_padding,
                         heads_inner=_heads_inner(call))
+        query = call.args["query"]
         with gm.graph.inserting_before(node):
+            cast = call.autocast_dtype
+            if cast is not None:  # as autocast casts SDPA's inputs (the op has no autocast rule of its own)
+                query, key, value = (_cast(gm, t, cast) for t in (query, key, value))
             new = gm.graph.call_function(
-                OP, (call.args["query"], key, value, call.args["scale"], spec.to_json(), padding, positions, checked),
+                OP, (query, key, value, call.args["scale"], spec.to_json(), padding, positions, checked),
             )
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
@@ -225,6 +257,17 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
         gm.graph.lint()
         gm.recompile()
     return records
+
+
+def reads_mutated_input(gm: fx.GraphModule) -> bool:
+    """Whether a rewritten site reads, at run time, a graph input (its padding, query positions or mask) that the
+    graph writes in place. Inductor writes such an input without bumping its version counter, so a summary read at
+    one site cannot vouch for the next within the call: the backend then reads each site's inputs afresh."""
+    mutated = mutated_inputs(gm.graph)
+    if not mutated:
+        return False
+    return any(input_of(arg) in mutated for node in gm.graph.nodes if node.op == "call_function" and node.target is OP
+               for arg in node.args[5:8] if isinstance(arg, fx.Node))
 
 
 def _warn_unmatched_skips(records: list[SiteRecord], config: SparseConfig) -> None:

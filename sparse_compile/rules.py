@@ -26,7 +26,7 @@ from .kernels.validate import MAX_HEAD_DIM, SUPPORTED_DTYPES, validate_qkv
 
 __all__ = ["Rule", "first_failure", "REWRITE_RULES", "RUNTIME_RULES", "CallInfo", "validate_qkv",
            "SUPPORTED_DTYPES", "MIN_HEAD_DIM", "MAX_HEAD_DIM", "head_dim_supported", "layer_index", "excluded", "path_matches", "scale_problem",
-           "forward_ad_active", "forward_transform"]
+           "forward_ad_active", "forward_transform", "autocast_inputs"]
 
 Subject = TypeVar("Subject")
 
@@ -97,7 +97,13 @@ def scale_problem(scale: Any) -> Optional[str]:
         return f"scale {scale!r} is not a number"
     if not (value > 0 and math.isfinite(value)):
         return f"scale {value!r}: the sparse kernels need a positive finite softmax scale; left dense"
+    if value < _SMALLEST_SCALE:  # a subnormal in float32, where the kernels scale the scores
+        return (f"scale {value!r} is below float32's smallest normal number ({_SMALLEST_SCALE:.3g}): the sparse "
+                "kernels would compute another softmax than dense attention; left dense")
     return None
+
+
+_SMALLEST_SCALE = torch.finfo(torch.float32).tiny
 
 
 def forward_ad_active() -> bool:
@@ -116,6 +122,18 @@ def forward_transform(*tensors: Tensor) -> Optional[str]:
             return "forward-mode AD is active: the sparse path has no forward derivative, dense attention has"
         return "inputs carry forward-mode AD tangents: the sparse path has no forward derivative, dense attention has"
     return None
+
+
+def autocast_inputs(*tensors: Tensor) -> tuple:
+    """``tensors`` as autocast casts SDPA's inputs where it is in force on their device (SDPA is one of its
+    lower-precision ops on the CPU and CUDA): floating tensors in the autocast dtype; else unchanged."""
+    if not all(isinstance(t, Tensor) for t in tensors):
+        return tensors  # the caller's validation names the problem
+    kind = tensors[0].device.type
+    if kind not in ("cpu", "cuda") or not torch.is_autocast_enabled(kind):
+        return tensors
+    dtype = torch.get_autocast_dtype(kind)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.device.type == kind else t for t in tensors)
 
 
 # -- compile time -----------------------------------------------------------------------------------------------
@@ -154,6 +172,15 @@ def _lengths_may_match(call) -> bool:
     return True  # symbolic lengths: the op decides per call
 
 
+def _grad_input(call) -> Optional[str]:
+    """Which input of the call requires grad (the mask too: the op has no derivative for it), or None."""
+    for name in ("query", "key", "value", "attn_mask"):
+        value = call.value(name)
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            return "attn_mask requires grad" if name == "attn_mask" else "inputs require grad"
+    return None
+
+
 def _mask_problem(call) -> Optional[str]:
     from .masks import NotProven  # the analysis runs only for sites that passed every other rule
 
@@ -170,8 +197,9 @@ REWRITE_RULES: tuple[Rule, ...] = (
     Rule("causal", lambda c: _causal_form(c) is None, lambda c: _causal_form(c) or ""),
     Rule("no_dropout", lambda c: _is_const(c, "dropout_p") and float(c.args["dropout_p"]) == 0.0,
          lambda c: f"dropout_p={c.args['dropout_p']} (training)"),
-    Rule("dtype", lambda c: c.q.dtype in SUPPORTED_DTYPES and c.k.dtype == c.q.dtype and c.v.dtype == c.q.dtype,
-         lambda c: f"dtype {c.q.dtype} not supported (float16, bfloat16, float32)"),
+    Rule("dtype", lambda c: c.dtypes[0] in SUPPORTED_DTYPES and len(set(c.dtypes)) == 1,
+         lambda c: f"dtype {c.dtypes[0]} not supported (float16, bfloat16, float32)" if len(set(c.dtypes)) == 1
+         else f"q, k, v dtypes differ ({', '.join(str(d).replace('torch.', '') for d in c.dtypes)})"),
     Rule("head_dim", lambda c: head_dim_supported(c.q.shape[-1]) and str(c.v.shape[-1]) == str(c.q.shape[-1]),
          lambda c: f"head dim {c.q.shape[-1]} (value {c.v.shape[-1]}) not supported; supported: multiples of 8 "
                    f"in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] with an equal value dim"),
@@ -180,8 +208,8 @@ REWRITE_RULES: tuple[Rule, ...] = (
          lambda c: f"query heads {c.q.shape[1]} vs key/value heads {c.k.shape[1]} without enable_gqa"),
     Rule("self_attention", _lengths_may_match,
          lambda c: f"q_len {c.q.shape[-2]} != kv_len {c.k.shape[-2]} (cross-attention or cached prefill)"),
-    Rule("inference", lambda c: not (c.q.requires_grad or c.k.requires_grad or c.v.requires_grad),
-         lambda c: "inputs require grad: the sparse path is forward-only (inference)"),
+    Rule("inference", lambda c: _grad_input(c) is None,
+         lambda c: f"{_grad_input(c)}: the sparse path is forward-only (inference)"),
     Rule("scale", lambda c: scale_problem(c.args["scale"]) is None, lambda c: scale_problem(c.args["scale"]) or ""),
     Rule("layer_selected", lambda c: excluded(c.site, c.config.skip_layers) is None,
          lambda c: excluded(c.site, c.config.skip_layers) or ""),

@@ -51,6 +51,7 @@ from .attention_op import in_output_layout
 from .dense import DenseForm
 from .padding import owned_mask, padding_layout
 from .pipeline import DENSE, attend, attend_causal
+from .rules import autocast_inputs
 
 __all__ = ["NAME", "MIN_TRANSFORMERS", "register", "enable_transformers_attention", "attention_forward",
            "mask_forward"]
@@ -438,13 +439,17 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     if feature is None and isinstance(window, int) and keys > window:
         feature = f"sliding window {window} shorter than the {keys} keys: not causal prefill (the window drops keys)"
     if feature is not None:
-        mask = None if padding is None and keys == kv_len == q_len else _full_mask(
+        # the model's eager function applies no causal rule of its own: it needs the mask its mask function builds
+        # (SDPA takes is_causal instead where no key is padded and the queries are all the keys)
+        as_sdpa = not eager and padding is None and keys == kv_len == q_len
+        mask = None if as_sdpa else _full_mask(
             attention_mask if padding is not None else query.new_ones(query.shape[0], keys, dtype=torch.bool),
             q_len, kv_len)
         return _delegate(module, query, key, value, mask, dropout, scaling, is_causal if mask is None else False,
                          kwargs, site, feature, eager)
 
     config = resolve(_config_of(module)).for_site(site)
+    query, key, value = autocast_inputs(query, key, value)  # as transformers' SDPA call would run under autocast
     k, v = (key, value) if keys == kv_len else (key[:, :, :keys], value[:, :, :keys])
     gqa = query.shape[1] != k.shape[1]
     if padding is not None and q_len == 1:  # decode: one query sees every valid key; a (B, 1, 1, N) mask
