@@ -175,10 +175,27 @@ def density_from_visits(visited: torch.Tensor, plan, num_queries: int, num_keys:
     Each query block counts at most the tiles dense causal attention computes for it: a layout that computes more
     than dense does for a block (PBS's permuted diagonal segment is a full square of tiles, S2O's key lists are
     tile-padded per segment) reads as 1 there, not above. What a plan costs against dense attention, which can
-    exceed 1, is ``plan.density`` (tiles listed over causal tiles)."""
+    exceed 1, is ``plan.density`` (tiles listed over causal tiles).
+
+    Where the plan reorders the queries (``query_index``), a block holds rows from anywhere in its segment: it is
+    counted against the tiles its own rows reach (its last row's causal prefix), so an exact plan reads as 1."""
+    if plan.query_index is not None:
+        return _density_of_reordered_queries(visited, plan, num_queries, num_keys)
     blocks = -(-num_queries // plan.block_m)
     total = int(causal_tiles_per_block(blocks, num_queries, num_keys, plan.block_m, plan.block_n).sum())
     causal = causal_tiles_per_block(visited.shape[-1], num_queries, num_keys, plan.block_m, plan.block_n)
     kept = torch.minimum(visited.to(torch.float64), causal.to(visited.device, torch.float64))
     per_head = kept.sum(dim=2).mean(dim=0) / max(total, 1)
+    return [float(x) for x in per_head.cpu()]
+
+
+def _density_of_reordered_queries(visited: torch.Tensor, plan, num_queries: int, num_keys: int) -> list[float]:
+    batch, heads, blocks = visited.shape
+    index = plan.query_index.to(visited.device, torch.int64)  # (B, Hq' dividing heads, Nq): each row's position
+    padded = torch.nn.functional.pad(index, (0, blocks * plan.block_m - index.shape[-1]), value=-1)
+    last = padded[..., :blocks * plan.block_m].reshape(*index.shape[:2], blocks, plan.block_m).amax(-1)
+    reach = torch.where(last >= 0, (last + num_keys - num_queries) // plan.block_n + 1, 0).to(torch.float64)
+    reach = reach.repeat_interleave(heads // reach.shape[1], dim=1).expand(batch, heads, blocks)
+    kept = torch.minimum(visited.to(torch.float64), reach)
+    per_head = (kept.sum(dim=2) / reach.sum(dim=2).clamp_min(1)).mean(dim=0)
     return [float(x) for x in per_head.cpu()]

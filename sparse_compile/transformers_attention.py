@@ -36,6 +36,7 @@ import functools
 import re
 import sys
 import types
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -410,6 +411,10 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     """transformers' attention interface for ``"sparse_prefill"``: q ``(B, Hq, Nq, D)``, k and v ``(B, Hkv, Nk, D)``
     (GQA kept, never repeated); returns ``((B, Nq, Hq, D), None)`` as transformers' SDPA function does."""
     site = _site_of(module)
+    if kwargs.get("output_attentions"):  # as transformers' SDPA function says it
+        warnings.warn(f"the {NAME!r} attention implementation does not return attention weights "
+                      "(output_attentions=True): set attn_implementation='eager' to get them", UserWarning,
+                      stacklevel=2)
     q_len, kv_len = query.shape[-2], key.shape[-2]
     feature, eager = _unsupported(dropout, kwargs)
     note = _note_of(attention_mask) if isinstance(attention_mask, Tensor) else None

@@ -330,3 +330,23 @@ def test_pytorch_attention_modules_are_listed_dense():
     stats = sparse_compile.runtime_stats()
     assert set(stats) == {"mha", "layer"}
     assert all("fused call" in s.last_reason for s in stats.values())
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 1, 130), (2, 8, 2, 515)])
+def test_an_exact_plan_with_reordered_queries_reads_density_one(shape):
+    batch, heads, kv_heads, n = shape
+    q, k = torch.randn(batch, heads, n, 16), torch.randn(batch, kv_heads, n, 16)
+    config = SparseConfig(method="s2o", min_seq_len=2, record_density=True, s2o={"early_stop": 0.0})
+    out = sparse_compile.sparse_attention(q, k, k, config=config)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True))
+    stats = sparse_compile.runtime_stats()["sparse_attention"]
+    assert stats.last_density_per_head == [1.0] * heads
+
+
+@needs_interface
+def test_front_door_says_it_returns_no_attention_weights():
+    T = transformers
+    model = T.LlamaForCausalLM(T.LlamaConfig(**HEADS, **SIZES)).eval()
+    sparse_compile.enable_transformers_attention(model, SparseConfig(**PBS))
+    with torch.no_grad(), pytest.warns(UserWarning, match="does not return attention weights"):
+        model(torch.randint(1, 128, (1, 20)), output_attentions=True)
