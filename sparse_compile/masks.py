@@ -643,8 +643,18 @@ class _Space:
     prefix_symbols: set = field(default_factory=set)  # kv_len's symbols other than q_len's (a cached prefix)
     tied: set = field(default_factory=set)  # symbols that take kv_len's value
     ranges: dict = field(default_factory=dict)  # symbol -> (lowest, highest) value the shape guards allow
+    # a static chunk over a symbolic cache (chunked prefill): q_len is the int nq at every call, and a length n is
+    # the cached prefix, kv_len = nq + n, reached by giving kv_len's one symbol the value n + chunk_offset
+    chunk_offset: Optional[int] = None
+
+    def _chunk_symbol_value(self, n: int) -> int:
+        return n + self.chunk_offset
 
     def allows(self, n: int, prefix: int) -> bool:
+        if self.chunk_offset is not None:
+            value = self._chunk_symbol_value(n)
+            return n >= 0 and all(lo <= value <= hi for lo, hi in
+                                  (self.ranges.get(s, (2, math.inf)) for s in self.prefix_symbols))
         if self.static:
             return True
         lo, hi = self.ranges.get(self.q_symbol, (2, math.inf))
@@ -653,8 +663,14 @@ class _Space:
         return all(lo <= prefix <= hi for lo, hi in (self.ranges.get(s, (2, math.inf)) for s in self.prefix_symbols))
 
     def point(self, n: int, prefix: int) -> tuple:
-        """(sizes, batch, q_len, kv_len) with ``n`` queries (and a cached prefix of ``prefix`` keys)."""
-        if self.exact:
+        """(sizes, batch, q_len, kv_len) with ``n`` queries (and a cached prefix of ``prefix`` keys); for a static
+        chunk, ``n`` cached keys before the chunk's queries."""
+        if self.chunk_offset is not None:
+            symbols = dict(self.base)
+            for s in self.prefix_symbols:
+                symbols[s] = self._chunk_symbol_value(n)
+            sizes = _Sizes(symbols=symbols)
+        elif self.exact:
             sizes = _Sizes(symbols=dict(self.base))
         elif self.static:
             sizes = _Sizes(symbols=dict(self.base), literals={self.nq + d: n + d for d in range(-2, 3)})
@@ -671,14 +687,20 @@ class _Space:
             raise _Unsupported(f"kv_len {self.nk} can be shorter than q_len {self.nq}")
         return sizes, self.batch, n_q, n_k
 
+    def keys_at(self, n: int) -> int:
+        """The largest length (queries or keys) an evaluation at ``n`` runs at."""
+        return self.nq + n if self.chunk_offset is not None else n
+
     def elements(self, n: int) -> int:
+        if self.chunk_offset is not None:
+            return self.batch * self.nq * (self.nq + n)
         return self.batch * n * (n + (n if self.prefix_symbols else 0))
 
 
 def _space(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set) -> _Space:
     nq, nk = q.shape[-2], k.shape[-2]
-    if isinstance(nq, int) != isinstance(nk, int):
-        raise _Unsupported("q_len and kv_len are one static and one symbolic: mask not analysed")
+    if not isinstance(nq, int) and isinstance(nk, int):
+        raise _Unsupported("q_len is symbolic and kv_len static: mask not analysed")
     shape_env = None
     all_symbols: set = set()
     for x in (*q.shape, *k.shape):
@@ -702,6 +724,8 @@ def _space(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set) -> _
         base[s] = hint
     batch_traced = q.shape[0]
     batch = batch_traced if isinstance(batch_traced, int) else _Sizes(symbols=base).value(batch_traced)
+    if isinstance(nq, int) and not isinstance(nk, int):
+        return _chunk_space(nq, nk, batch, base, shape_env, tied_to_keys)
     if isinstance(nq, int):
         if nq > nk:
             raise _Unsupported(f"static q_len {nq} > kv_len {nk}: mask not analysed")
@@ -724,6 +748,28 @@ def _space(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set) -> _
         ranges[s] = (lo, hi)
     return _Space(static=False, exact=False, nq=nq, nk=nk, batch=batch, base=base, q_symbol=next(iter(q_syms)),
                   prefix_symbols=_symbols(nk) - q_syms - set(tied_to_keys), tied=set(tied_to_keys), ranges=ranges)
+
+
+def _chunk_space(nq: int, nk: Any, batch: int, base: dict, shape_env, tied_to_keys: set) -> _Space:
+    """A static chunk of ``nq`` queries over ``nk`` keys, one symbol ``s`` plus a constant (``s + c``: a cache
+    that grows between calls): every length the graph runs at is ``nq`` queries after some cached prefix."""
+    symbols = _symbols(nk)
+    if len(symbols) != 1:
+        raise _Unsupported(f"kv_len {nk} of a static chunk is not one size symbol plus a constant: mask not analysed")
+    symbol = next(iter(symbols))
+    at_zero = int(nk.node.expr.xreplace({symbol: 0}))
+    if int(nk.node.expr.xreplace({symbol: 10})) - at_zero != 10:
+        raise _Unsupported(f"kv_len {nk} of a static chunk does not grow one key per unit of {symbol}: mask not "
+                           "analysed")
+    lo, hi = 2, math.inf
+    value_range = getattr(shape_env, "var_to_range", {}).get(symbol) if shape_env is not None else None
+    if value_range is not None:
+        lo, hi = max(lo, _bound(value_range.lower, 2)), _bound(value_range.upper, math.inf)
+    ranges = {symbol: (lo, hi)}
+    for tied in tied_to_keys:
+        ranges[tied] = (2, math.inf)
+    return _Space(static=False, exact=False, nq=nq, nk=nk, batch=batch, base=base, prefix_symbols={symbol},
+                  tied=set(tied_to_keys), ranges=ranges, chunk_offset=nq - at_zero)
 
 
 def _bound(value: Any, default: float) -> float:
@@ -780,7 +826,7 @@ def _reach(gm: fx.GraphModule, ordered: list, mask: fx.Node, space: _Space, inpu
     n_a = FIRST_LENGTH
     for _ in range(MAX_ROUNDS):
         n_b = n_a + LENGTH_STEP
-        if n_b > MAX_EVAL_LENGTH or space.elements(n_b) > MAX_EVAL_ELEMENTS:
+        if space.keys_at(n_b) > MAX_EVAL_LENGTH or space.elements(n_b) > MAX_EVAL_ELEMENTS:
             raise _Unsupported(f"proving it would evaluate the mask at {n_b} tokens (limit {MAX_EVAL_LENGTH} tokens, "
                                f"{MAX_EVAL_ELEMENTS} elements)")
         if not (space.allows(n_a, n_a) and space.allows(n_b, n_b)):
@@ -808,7 +854,7 @@ def _reach(gm: fx.GraphModule, ordered: list, mask: fx.Node, space: _Space, inpu
                                 "relate to a length")
             raise _Unsupported(f"cannot bound where {worst.node} changes the mask: {why}")
         n_a = _odd(REACH_FACTOR * worst.length + REACH_MARGIN)
-        if n_a + LENGTH_STEP > MAX_EVAL_LENGTH or space.elements(n_a + LENGTH_STEP) > MAX_EVAL_ELEMENTS:
+        if space.keys_at(n_a + LENGTH_STEP) > MAX_EVAL_LENGTH or space.elements(n_a + LENGTH_STEP) > MAX_EVAL_ELEMENTS:
             raise _Unsupported(f"the mask depends on the constant {worst.constant:g} ({worst.node}, about "
                                f"{worst.length:.0f} tokens); proving it would evaluate the mask at {n_a} tokens "
                                f"(limit {MAX_EVAL_LENGTH} tokens, {MAX_EVAL_ELEMENTS} elements)")
@@ -831,6 +877,8 @@ def _points(gm: fx.GraphModule, ordered: list, mask: fx.Node, space: _Space, inp
         if bite.length < n_a:
             lengths |= {int(bite.length) + d for d in range(-2, 4)}
     points = []
+    if space.chunk_offset is not None:  # n is the cached prefix: none at all too, and a single key
+        return [space.point(n, n) for n in sorted(lengths | {0, 1}) if space.allows(n, n)]
     for n in sorted(lengths):
         for prefix in ((SMALL_PREFIX, n) if space.prefix_symbols else (0,)):
             if n >= 2 and space.allows(n, prefix):

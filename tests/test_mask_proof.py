@@ -296,14 +296,16 @@ class MaskProgram(nn.Module):
             return self.width_buffer
         return min(n, self.width_int)  # size_min
 
-    def keep(self, n, am: torch.Tensor) -> torch.Tensor:
+    def keep(self, n, am: torch.Tensor, nk=None) -> torch.Tensor:
+        """The mask of ``n`` queries at the last positions of ``nk`` keys (``n`` by default)."""
         p = self.p
-        i = torch.arange(n)[:, None]
-        j = torch.arange(n)[None, :]
+        nk = n if nk is None else nk
+        i = torch.arange(nk - n, nk)[:, None]
+        j = torch.arange(nk)[None, :]
         if p.causal == "le":
             keep = j <= i
         elif p.causal == "tril":
-            keep = torch.ones(n, n, dtype=torch.bool).tril()
+            keep = torch.ones(n, nk, dtype=torch.bool).tril(nk - n)
         elif p.causal == "not_gt":
             keep = ~(j > i)
         else:
@@ -341,8 +343,7 @@ class MaskProgram(nn.Module):
         return keep & valid[:, None, None, :]
 
     def forward(self, q, k, v, am):
-        n = q.shape[-2]
-        keep = self.keep(n, am)
+        keep = self.keep(q.shape[-2], am, k.shape[-2])
         style = self.p.style
         if self.p.padding == "additive":  # transformers 4.46-4.52: 0/1 padding added to a float causal mask
             low = torch.finfo(q.dtype).min
@@ -489,3 +490,50 @@ def test_random_mask_programs_through_inductor(p):
     calls = sparse_calls()
     assert calls == 0 if not p.always_causal() else (calls == len(p.lengths) or not p.must_be_proven()), \
         (p, sparse_compile.runtime_stats())
+
+
+# -- chunked prefill: a static chunk of queries over a growing cache -------------------------------------------------
+CHUNK_GROUPS = [random_group(random.Random(100 + seed), size=12) for seed in range(4)]
+
+
+@pytest.mark.parametrize("group", CHUNK_GROUPS, ids=lambda g: f"chunk{g.lengths[0]}")
+def test_random_mask_programs_over_a_growing_cache(group):
+    """The same programs with a static chunk of queries (the last positions) over a key length Dynamo made
+    symbolic: every rewritten mask gives eager's result at cache lengths far from the traced ones, and the plain
+    causal constructions are proven."""
+    torch._dynamo.reset()
+    chunk = group.lengths[0]
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(rewrite_graph(gm, KEEP_ALL))
+        return gm.forward
+
+    model = Programs(group.programs)
+    compiled = torch.compile(model, backend=backend)
+    generator = torch.Generator().manual_seed(zlib.crc32(repr(group).encode()))
+    for past in (7, 2, 41, 3 * chunk + 5, 180):
+        n = chunk + past
+        q = torch.randn(2, 2, chunk, 16, generator=generator)
+        k, v = torch.randn(2, 2, 2, n, 16, generator=generator).unbind(0)
+        am = padding_for(group, 2, n)
+        for tensor, dim in ((k, 2), (v, 2), (am, 1)):
+            torch._dynamo.mark_dynamic(tensor, dim)
+        with torch.no_grad():
+            refs = model(q, k, v, am)
+            try:
+                outs = compiled(q, k, v, am)
+            except ValueError as exc:
+                assert group.odd_values and "values other than 0 and 1" in str(exc), (group, exc)
+                continue
+        for p, out, ref in zip(group.programs, outs, refs):
+            assert_equal(p, out, ref, am[:, past:], f"with {past} cached keys")
+    records = [r for graph in graphs for r in graph]
+    symbolic = [graph for graph in graphs if any("s" in str(r.k_shape[-2]) for r in graph)]
+    assert symbolic, "the key length never became symbolic"
+    for graph in symbolic:
+        for p, record in zip(group.programs, graph):
+            plain = p.family == "causal" or (p.family == "offset" and p.width == 0)
+            if plain and p.width_kind != "buffer" and not group.odd_values:
+                assert record.rewritten, f"{p}: a causal mask over a growing cache not proven: {record.reason}"
+    assert records
