@@ -35,7 +35,7 @@ from .params import MethodParams  # noqa: E402
 from .context import sparsity  # noqa: E402
 from .calibrate import Calibration, SiteCalibration, calibrate  # noqa: E402
 from .explain import ExplainReport, explain  # noqa: E402
-from .api import precompile, sparse_attention  # noqa: E402
+from .api import precompile, sparse_attention, varlen_attention  # noqa: E402
 from .plan import BlockPlan, execute_plan  # noqa: E402
 from .registry import DensityKnob, Method, register_method  # noqa: E402
 from .parallel import sequence_parallel, ulysses_attention  # noqa: E402
@@ -46,6 +46,7 @@ _register()  # the "sparse_prefill" attention implementation, where transformers
 
 __all__ = [
     "SparseConfig",
+    "varlen_attention",
     "PBSParams",
     "SpargeParams",
     "BFLAParams",

@@ -17,11 +17,11 @@ from .config import SparseConfig
 from .context import resolve
 from .masks import example_value
 from .parallel import is_dtensor, register_dtensor_sharding
-from .pipeline import EAGER_SITE, attend_eager, run_method
+from .pipeline import EAGER_SITE, attend_eager, attend_segments, run_method
 from .rules import SUPPORTED_DTYPES, autocast_inputs, validate_qkv
 from .site import SiteSpec
 
-__all__ = ["sparse_attention", "precompile", "precompile_kernels", "PRECOMPILE_LENGTH", "PRECOMPILED_ENTRIES"]
+__all__ = ["sparse_attention", "varlen_attention", "VARLEN_SITE", "precompile", "precompile_kernels", "PRECOMPILE_LENGTH", "PRECOMPILED_ENTRIES"]
 
 
 def sparse_attention(
@@ -46,6 +46,71 @@ def sparse_attention(
         spec = SiteSpec(EAGER_SITE, config or SparseConfig(), enable_gqa=True, queries_last=True)
         return causal_attention(q, k, v, scale, spec.to_json())
     return attend_eager(q, k, v, scale, config)
+
+
+VARLEN_SITE = "varlen_attention"  # the site of varlen_attention's calls in runtime_stats()
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
+                     scale: Optional[float] = None, config: Optional[SparseConfig] = None) -> Tensor:
+    """Causal attention over packed sequences, in ``flash_attn_varlen_func``'s convention.
+
+    q ``(T_q, Hq, D)``, k and v ``(T_k, Hkv, D)``: the sequences one after another; ``cu_seqlens_q`` /
+    ``cu_seqlens_k``: ``(S + 1,)`` integer offsets from 0 to ``T_q`` / ``T_k``. Sequence ``s`` is the queries
+    ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]``, the last positions of its keys ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]``
+    (a whole prompt, a chunk over its cache, or one decode token). Each sequence is decided by the same rules as a
+    call of its own and recorded as one in ``runtime_stats()`` (site ``"varlen_attention"``): long ones run the
+    method, short ones and decode tokens dense, each with its reason. Returns ``(T_q, Hq, D)``. Reads the offsets on
+    the host once per call; sequences run one after another.
+    """
+    lengths = _varlen_segments(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if config is not None and not isinstance(config, SparseConfig):
+        raise TypeError(f"varlen_attention: config must be a SparseConfig, got {type(config).__name__}")
+    q4, k4, v4 = (t.transpose(0, 1)[None] for t in autocast_inputs(q, k, v))
+    validate_qkv(q4, k4, v4, who="varlen_attention", dtypes=SUPPORTED_DTYPES + (torch.float64,), empty_ok=True,
+                 longer_queries_ok=True)
+    resolved = resolve(config or SparseConfig()).for_site(VARLEN_SITE)
+    out = attend_segments(q4, k4, v4, scale, resolved, VARLEN_SITE, lengths)
+    return out[0].transpose(0, 1)
+
+
+def _varlen_segments(q, k, v, cu_seqlens_q, cu_seqlens_k) -> tuple:
+    """The (q_start, q_end, k_start, k_end) of each sequence, or a ValueError naming the argument at fault."""
+    who = "varlen_attention"
+    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{who}: {name} must be 3-D (total_tokens, heads, head_dim), got shape {tuple(t.shape)}")
+    offsets = {}
+    for name, cu, tensor in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
+        if cu.dim() != 1 or cu.numel() < 1:
+            raise ValueError(f"{who}: {name} must be 1-D with at least one offset, got shape {tuple(cu.shape)}")
+        if cu.dtype.is_floating_point or cu.dtype == torch.bool or cu.is_complex():
+            raise ValueError(f"{who}: {name} must hold integers (int32 or int64), got {cu.dtype}")
+        if cu.device != tensor.device:
+            raise ValueError(f"{who}: {name} is on {cu.device}, the tensors on {tensor.device}")
+        values = cu.tolist()
+        if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])):
+            raise ValueError(f"{who}: {name} must start at 0 and never decrease, got {values[:8]}"
+                             f"{'...' if len(values) > 8 else ''}")
+        if values[-1] != tensor.shape[0]:
+            raise ValueError(f"{who}: {name} ends at {values[-1]}, but {'q' if tensor is q else 'k'} holds "
+                             f"{tensor.shape[0]} tokens")
+        offsets[name] = values
+    starts_q, starts_k = offsets["cu_seqlens_q"], offsets["cu_seqlens_k"]
+    if len(starts_q) != len(starts_k):
+        raise ValueError(f"{who}: cu_seqlens_q and cu_seqlens_k describe {len(starts_q) - 1} and "
+                         f"{len(starts_k) - 1} sequences")
+    segments = []
+    for s, (q0, q1, k0, k1) in enumerate(zip(starts_q, starts_q[1:], starts_k, starts_k[1:])):
+        if q1 - q0 > k1 - k0:
+            raise ValueError(f"{who}: sequence {s} has {q1 - q0} queries but {k1 - k0} keys (the queries are the "
+                             "last positions of their keys)")
+        if q1 > q0:
+            segments.append((q0, q1, k0, k1))
+    return tuple(segments)
 
 
 # -- kernels compiled ahead of the first long prompt ---------------------------------------------------------------

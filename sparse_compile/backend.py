@@ -310,7 +310,7 @@ def _warn_recompile_limit(gm: fx.GraphModule, records: list[SiteRecord]) -> None
     none of its compiled versions run plain dense attention and no sparse op is ever called to say so. Warn at the
     last compile Dynamo allows."""
     cid = _compile_id(gm)
-    if cid is None or not records:
+    if cid is None:
         return
     # a torch.compile(recompile_limit=...) is patched in here; older torch names it cache_size_limit
     name = next((n for n in ("recompile_limit", "cache_size_limit") if hasattr(torch._dynamo.config, n)), None)
@@ -322,12 +322,16 @@ def _warn_recompile_limit(gm: fx.GraphModule, records: list[SiteRecord]) -> None
         return
     where, cause = _frame_and_recompile_reason()
     rewritten = sum(r.rewritten for r in records)
+    # a frame without attention matters too: the frames it calls (a layer's attention after a graph break) are
+    # then run, and compiled again, from eager code
+    what = (f"this graph's {len(records)} attention sites ({rewritten} rewritten) then run plain dense SDPA, never "
+            "sparse, with nothing in runtime_stats()" if records else
+            "attention that this frame reaches then runs uncompiled, dense, where no other compiled frame takes it")
     message = (f"sparse_compile: Dynamo has now compiled {where} {limit} times, torch._dynamo.config.{name} "
-               f"({limit}): calls that match none of its compiled versions now run eagerly, and this graph's "
-               f"{len(records)} attention sites ({rewritten} rewritten) then run plain dense SDPA, never sparse, with "
-               f"nothing in runtime_stats(). {cause}Raise torch._dynamo.config.{name}, or stop the "
-               "recompiles: TORCH_LOGS=recompiles gives each reason; a size that changes between calls can be "
-               "marked dynamic (torch._dynamo.mark_dynamic, or torch.compile(..., dynamic=True))")
+               f"({limit}): calls that match none of its compiled versions now run eagerly, and {what}. {cause}"
+               f"Raise torch._dynamo.config.{name}, or stop the recompiles: TORCH_LOGS=recompiles gives each "
+               "reason; a size that changes between calls can be marked dynamic (torch._dynamo.mark_dynamic, or "
+               "torch.compile(..., dynamic=True))")
     if _first_time(gm, ("recompile_limit", cid.frame_compile_id)):  # once, whichever of the frame's graphs
         warnings.warn(message, UserWarning, stacklevel=2)
 

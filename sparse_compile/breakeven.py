@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 
 from .plan import causal_tile_count
+from .rules import prefill_length
 
 __all__ = ["Advice", "advise", "plan_shape", "break_even_density", "lowest_density", "has_table", "DensityHistory",
            "HISTORY", "MARGIN", "PROBE_EVERY", "PROBE_MAX", "HISTORY_ENTRIES", "HISTORY_CONFIGS", "load_tables"]
@@ -285,7 +286,7 @@ def advise(q: torch.Tensor, k: torch.Tensor, config, site: str) -> Advice:
     key = HISTORY.key(site, config, q, k)
     predicted = HISTORY.prediction(key)
     shape = predicted[1] if predicted is not None else HISTORY.shape_of(config)
-    limit = None if shape is None else break_even_density(q.device, shape, num_keys)
+    limit = None if shape is None else break_even_density(q.device, shape, prefill_length(num_queries, num_keys))
     if limit is not None:
         lowest = lowest_density(shape, num_queries, num_keys)
         if limit < lowest:  # no plan can win at this length: do not even plan

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -47,6 +48,9 @@ _REGION: contextvars.ContextVar[RegionState] = contextvars.ContextVar("sparse_co
 # the blocks entered in this context, innermost last: (block, its token, the state it set). Held per context, not
 # per block object, so one block object entered by two threads or asyncio tasks keeps their entries apart
 _ENTERED: contextvars.ContextVar[tuple] = contextvars.ContextVar("sparse_compile_entered", default=())
+# thread id -> regions open in it: a call in a thread with none, while another thread has one open, is most likely
+# work that a server or an executor handed to its own thread, where the caller's region does not reach
+_OPEN_IN_THREADS: dict[int, int] = {}
 
 
 def current_region() -> RegionState:
@@ -112,6 +116,8 @@ class sparsity:
         state = self._state(_REGION.get())
         token = _REGION.set(state)
         _ENTERED.set(_ENTERED.get() + ((self, token, state),))
+        thread = threading.get_ident()
+        _OPEN_IN_THREADS[thread] = _OPEN_IN_THREADS.get(thread, 0) + 1
         return self
 
     def __exit__(self, *exc) -> None:
@@ -124,6 +130,12 @@ class sparsity:
                                "the reverse order of entering them (use `with`)")
         _ENTERED.set(entered[:-1])
         _REGION.reset(token)
+        thread = threading.get_ident()
+        left = _OPEN_IN_THREADS.get(thread, 1) - 1
+        if left > 0:
+            _OPEN_IN_THREADS[thread] = left
+        else:
+            _OPEN_IN_THREADS.pop(thread, None)
 
     def __call__(self, fn):
         """``fn`` with this region in force while its body runs: a function, a coroutine function (the region
@@ -251,4 +263,18 @@ def _resolve_cached(config: SparseConfig, region: RegionState) -> SparseConfig:
 
 def resolve(config: SparseConfig) -> SparseConfig:
     """The configuration in force here: ``config`` with the innermost ``sparsity`` block applied."""
-    return _resolve_cached(config, _REGION.get())
+    region = _REGION.get()
+    if _OPEN_IN_THREADS and region is _NO_REGION and threading.get_ident() not in _OPEN_IN_THREADS:
+        _warn_region_elsewhere()
+    return _resolve_cached(config, region)
+
+
+_NO_REGION = _REGION.get()
+
+
+def _warn_region_elsewhere() -> None:
+    warnings.warn("sparse_compile: attention runs in a thread where no sparsity(...) region is open while another "
+                  "thread has one: regions are per thread (and asyncio task), so work that continuous batching, a "
+                  "server or an executor runs in its own thread does not see the caller's region. Configure the "
+                  "model instead (compile options, enable_transformers_attention(model, config)), or run the work "
+                  "in contextvars.copy_context().run", UserWarning, stacklevel=3)

@@ -38,7 +38,7 @@ from .runtime_mask import check_runtime_mask
 from .site import SiteSpec
 
 __all__ = ["Outcome", "DENSE", "SPARSE", "EAGER_SITE", "attend_site", "attend_eager", "attend_causal", "attend",
-           "attend_padded", "attempt", "run_method", "dense_reason", "capturing"]
+           "attend_padded", "attend_segments", "attempt", "run_method", "dense_reason", "capturing"]
 
 DENSE, SPARSE = "dense", "sparse"
 
@@ -85,6 +85,8 @@ def attend_site(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], site: S
     if runtime_mask is None and not site.queries_last:  # is_causal=True: SDPA aligns the queries top-left
         return attend(q, k, v, scale, config, site.site, DenseForm(top_left=True, enable_gqa=site.enable_gqa))
     keys = _keys_seen(site, q.shape, k.shape[-2], key_padding, query_positions, runtime_mask)
+    if keys.segments:  # packed sequences (a continuous batch's block-diagonal mask): each on its own
+        return attend_segments(q, k, v, scale, config, site.site, keys.segments, note=keys.note)
     if keys.not_causal is not None:  # a mask checked at run time, not causal: the call as it was, with its mask
         return attend(q, k, v, scale, config, site.site, DenseForm(enable_gqa=site.enable_gqa, mask=runtime_mask),
                       dense_because=keys.not_causal)
@@ -102,12 +104,15 @@ class _Keys:
     layout: Optional[PaddingLayout] = None
     note: str = ""
     not_causal: Optional[str] = None
+    segments: tuple = ()  # packed sequences: (q_start, q_end, k_start, k_end) each
 
 
 def _keys_seen(site: SiteSpec, q_shape, num_keys: int, key_padding: Optional[Tensor],
                query_positions: Optional[Tensor], runtime_mask: Optional[Tensor]) -> _Keys:
     if runtime_mask is not None:  # a graph input: its values checked here, once per forward pass
         verdict = check_runtime_mask(runtime_mask, q_shape[0], q_shape[1], q_shape[-2], num_keys)
+        if verdict.segments:
+            return _Keys(num_keys, note=f"; {PACKED}", segments=verdict.segments)
         if not verdict.causal:
             return _Keys(num_keys, not_causal=verdict.reason)
         # keys past the last query's reach are masked for every row: not attended
@@ -176,6 +181,21 @@ def _recorded(site: str, outcome: Outcome, shape, note: str = "") -> Tensor:
     """``outcome``'s row in ``runtime_stats()``; returns its output."""
     report.record_call(site, outcome.path, outcome.reason + note, tuple(shape), outcome.density)
     return outcome.output
+
+
+PACKED = "one of the packed sequences of an attn_mask checked at run time"
+
+
+def attend_segments(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
+                    segments: tuple, note: str = "") -> Tensor:
+    """Packed sequences: each ``(q_start, q_end, k_start, k_end)`` is causal attention of those query rows at the
+    last positions of those keys, decided, run and recorded as a call of its own (a long prompt sparse, a decode
+    token dense, each with its reason); rows in no sequence give zeros."""
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    for q0, q1, k0, k1 in segments:
+        out[:, :, q0:q1] = attend(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], scale, config, site, QUERIES_LAST,
+                                  chunked_allowed=True, note=note)
+    return out
 
 
 def attend_padded(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,

@@ -26,7 +26,7 @@ from .kernels.validate import MAX_HEAD_DIM, SUPPORTED_DTYPES, validate_qkv
 
 __all__ = ["Rule", "first_failure", "REWRITE_RULES", "RUNTIME_RULES", "CallInfo", "validate_qkv",
            "SUPPORTED_DTYPES", "MIN_HEAD_DIM", "MAX_HEAD_DIM", "head_dim_supported", "layer_index", "excluded", "path_matches", "scale_problem",
-           "forward_ad_active", "forward_transform", "autocast_inputs"]
+           "forward_ad_active", "forward_transform", "autocast_inputs", "prefill_length"]
 
 Subject = TypeVar("Subject")
 
@@ -134,6 +134,23 @@ def autocast_inputs(*tensors: Tensor) -> tuple:
         return tensors
     dtype = torch.get_autocast_dtype(kind)
     return tuple(t.to(dtype) if t.is_floating_point() and t.device.type == kind else t for t in tensors)
+
+
+def prefill_length(num_queries: int, num_keys: int) -> int:
+    """The length of the whole causal prefill that computes as much as this call: ``num_queries`` queries at the
+    last positions of ``num_keys`` keys attend to ``q (2k - q) / 2`` pairs, a prefill of ``L`` to ``L^2 / 2``. A
+    prompt's own length for a whole prefill; for a chunk over a long cache, the work it really does (an 8K chunk
+    over 120K keys is a 43K prefill's worth)."""
+    if num_queries >= num_keys:
+        return num_queries
+    return math.isqrt(num_queries * (2 * num_keys - num_queries))
+
+
+def _too_short(num_queries: int, num_keys: int, min_seq_len: int) -> str:
+    if num_queries >= num_keys:
+        return f"q_len {num_queries} < min_seq_len {min_seq_len}"
+    return (f"q_len {num_queries} over {num_keys} keys computes as much as a {prefill_length(num_queries, num_keys)}"
+            f"-token prefill < min_seq_len {min_seq_len}")
 
 
 # -- compile time -----------------------------------------------------------------------------------------------
@@ -248,8 +265,8 @@ RUNTIME_RULES: tuple[Rule, ...] = (
          lambda c: c.q.shape[-2] == c.k.shape[-2] or (c.chunked_allowed and c.q.shape[-2] < c.k.shape[-2]),
          lambda c: f"q_len {c.q.shape[-2]} != kv_len {c.k.shape[-2]}: SDPA's is_causal aligns top-left there; "
                    "left dense"),
-    Rule("long_enough", lambda c: c.q.shape[-2] >= c.config.min_seq_len,
-         lambda c: f"q_len {c.q.shape[-2]} < min_seq_len {c.config.min_seq_len}"),
+    Rule("long_enough", lambda c: prefill_length(c.q.shape[-2], c.k.shape[-2]) >= c.config.min_seq_len,
+         lambda c: _too_short(c.q.shape[-2], c.k.shape[-2], c.config.min_seq_len)),
     Rule("dtype", lambda c: c.q.dtype in SUPPORTED_DTYPES and c.k.dtype == c.q.dtype,
          lambda c: f"dtype {c.q.dtype} not supported by the sparse path (float16, bfloat16, float32)"),
     Rule("head_dim", lambda c: head_dim_supported(c.q.shape[-1]) and c.v.shape[-1] == c.q.shape[-1],

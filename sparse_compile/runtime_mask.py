@@ -37,12 +37,15 @@ NOT_CAUSAL = f"{CHECKED}: not causal: "
 
 @dataclass(frozen=True)
 class MaskVerdict:
-    """``causal``: the mask is ``key_valid AND j <= i + offset``; keep ``num_keys`` = q_len + offset keys."""
+    """``causal``: the mask is ``key_valid AND j <= i + offset``; keep ``num_keys`` = q_len + offset keys.
+    ``segments``: not that, but packed sequences (continuous batching's block-diagonal mask): each
+    ``(q_start, q_end, k_start, k_end)`` is causal attention of those query rows, the last positions of those keys."""
 
     causal: bool
     reason: str
     num_keys: int = 0
     key_valid: Optional[Tensor] = None  # (batch, num_keys) bool, when causal
+    segments: tuple = ()
 
 
 def check_runtime_mask(mask: Tensor, batch: int, heads: int, num_queries: int, num_keys: int) -> MaskVerdict:
@@ -114,16 +117,60 @@ def _check(mask: Tensor, batch: int, num_queries: int, num_keys: int) -> MaskVer
     if bad:
         return MaskVerdict(False, NOT_CAUSAL + "float values other than 0 (attend) and <= finfo.min / 2 (masked): "
                                   "an additive bias, not a mask")
-    if not any_seen:
-        return MaskVerdict(False, NOT_CAUSAL + "the last query row sees no key")
     for offset, miss in ((offset_by_last, miss_by_last), (offset_last_keys, miss_last_keys)):
-        if not miss:
+        if any_seen and not miss:
             kept = nq + int(offset)
             valid = last[:, :kept]
             if valid.shape[0] != batch:
                 valid = valid.expand(batch, kept)
             return MaskVerdict(True, f"{CHECKED}: causal AND key padding", kept, valid)
+    segments = _segments(mask)
+    if segments:
+        return MaskVerdict(False, f"{CHECKED}: {len(segments)} packed causal sequences", segments=segments)
+    if not any_seen:
+        return MaskVerdict(False, NOT_CAUSAL + "the last query row sees no key")
     return MaskVerdict(False, NOT_CAUSAL + _first_difference(mask, int(offset_last_keys)))
+
+
+def _segments(mask: Tensor) -> tuple:
+    """Packed sequences, or ``()``: every query row sees one contiguous range of keys ``[lo, hi]``, the same in
+    every batch row and head, and consecutive rows with the same ``lo`` see one key more each (causal, the queries
+    at the last positions of ``[lo, last hi]``). A row that sees no key (padding) belongs to no sequence; its output
+    is undefined, as for padded rows of a proven mask. One device-to-host read."""
+    b, h, nq, nk = mask.shape
+    if b != 1:
+        return ()
+    allowed = _allowed(mask[0, 0])  # (nq, nk)
+    same_heads = torch.ones((), dtype=torch.bool, device=mask.device)
+    rows_per_chunk = max(1, CHECK_ELEMENTS // max(1, h * nk * 2))
+    for start in range(0, nq, rows_per_chunk) if h > 1 else ():
+        chunk = _allowed(mask[0, :, start:start + rows_per_chunk])
+        same_heads &= (chunk == chunk[:1]).all()
+    keys = torch.arange(nk, device=mask.device)
+    count = allowed.sum(-1)
+    seen = count > 0
+    lo = torch.where(allowed, keys, nk).amin(-1)
+    hi = torch.where(allowed, keys, -1).amax(-1)
+    contiguous = (~seen | (count == hi - lo + 1)).all() & same_heads
+    previous_lo = torch.cat([lo.new_full((1,), -1), lo[:-1]])
+    previous_hi = torch.cat([hi.new_full((1,), -2), hi[:-1]])
+    continues = seen & (lo == previous_lo) & (hi == previous_hi + 1)
+    starts = (seen & ~continues).nonzero().squeeze(1)
+    ends = torch.cat([starts[1:], starts.new_full((1,), nq)])
+    # a sequence runs from its start to the row before the next start, or to its last row that sees keys
+    rows = torch.arange(nq, device=mask.device)
+    owner = torch.searchsorted(starts, rows, right=True) - 1
+    last_row = torch.where(seen & (owner >= 0), rows, -1)
+    ends = torch.full_like(starts, -1).scatter_reduce(0, owner.clamp_min(0)[seen], last_row[seen], "amax") + 1 \
+        if starts.numel() else ends
+    summary = torch.cat([contiguous.to(torch.int64)[None], starts, ends, lo[starts], hi[(ends - 1).clamp_min(0)]])
+    values = summary.tolist()  # the one device-to-host read
+    if not values[0] or not starts.numel():
+        return ()
+    n = starts.numel()
+    firsts, lasts, los, his = values[1:1 + n], values[1 + n:1 + 2 * n], values[1 + 2 * n:1 + 3 * n], values[1 + 3 * n:]
+    # rows between a sequence's last row and the next start must see nothing (checked: they are not 'continues')
+    return tuple((q0, q1, k0, k1 + 1) for q0, q1, k0, k1 in zip(firsts, lasts, los, his))
 
 
 def _first_difference(mask: Tensor, offset: int) -> str:
