@@ -27,7 +27,7 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 @torch.library.custom_op("sparse_compile::causal_attention", mutates_args=(), tags=_TAGS)
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], spec: str,
                      key_padding: Optional[Tensor] = None, query_positions: Optional[Tensor] = None,
-                     runtime_mask: Optional[Tensor] = None) -> Tensor:
+                     runtime_mask: Optional[Tensor] = None, documents: Optional[Tensor] = None) -> Tensor:
     """Drop-in for the attention call the rewrite replaced; ``spec`` is its ``SiteSpec`` as JSON.
 
     ``spec.queries_last`` False: ``scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
@@ -36,6 +36,8 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], sp
     ``query_positions`` is the ``cache_position`` input the mask read, held to ``arange(kv_len - q_len, kv_len)``.
     ``runtime_mask``: the call's ``attn_mask``, a graph input the rewrite could not prove: checked per forward pass
     (``runtime_mask.py``); causal AND key padding runs as a proven mask, anything else as the original call.
+    ``documents``: the ``(batch, kv_len)`` position ids of a mask proven causal within the documents packed in each
+    row (a new one wherever a position is not its predecessor's plus one): each document runs on its own.
     """
     site = SiteSpec.from_json(spec)
     # an empty call, or (is_causal, top-left) more queries than keys: valid SDPA calls, run dense (RUNTIME_RULES)
@@ -53,8 +55,8 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], sp
     # all-to-all runs the pipeline on whole sequences for this rank's share of the heads
     group = active_sequence_group()
     if group is None:
-        out = attend_site(q, k, v, scale, site, key_padding, query_positions, runtime_mask)
-    elif runtime_mask is not None:
+        out = attend_site(q, k, v, scale, site, key_padding, query_positions, runtime_mask, documents)
+    elif runtime_mask is not None or documents is not None:
         # each rank holds its chunk of the mask: it cannot be checked for, or applied to, the whole sequence
         raise RuntimeError(
             f"sparse_compile.causal_attention ({site.site}): this site's attn_mask arrives as a graph input (checked "
@@ -70,7 +72,8 @@ OP = torch.ops.sparse_compile.causal_attention.default  # what the rewrite inser
 
 
 @causal_attention.register_fake
-def _causal_attention_fake(q, k, v, scale, spec, key_padding=None, query_positions=None, runtime_mask=None):
+def _causal_attention_fake(q, k, v, scale, spec, key_padding=None, query_positions=None, runtime_mask=None,
+                           documents=None):
     if SiteSpec.from_json(spec).heads_inner:
         return q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1])).transpose(1, 2)
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[-1]))

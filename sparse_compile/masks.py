@@ -73,7 +73,7 @@ import torch
 import torch.fx as fx
 
 __all__ = ["MaskMatch", "NotProven", "analyse_mask", "removable_nodes", "undo_repeat_kv", "example_value",
-           "is_input_view", "proof_holds_at", "mutated_inputs", "input_of"]
+           "is_input_view", "proof_holds_at", "mutated_inputs", "input_of", "document_ids"]
 
 # evaluation lengths (odd, unaligned with any block size): the first pair, and how the reach moves past constants
 FIRST_LENGTH = 19
@@ -112,9 +112,15 @@ class MaskMatch:
     query_positions: Optional[fx.Node]  # the (q_len,) input it reads (cache_position), if any
     nodes: frozenset  # the slice: what the graph no longer needs once the mask is dropped
     binary_padding: bool = False  # proven for 0/1 padding values only (other values mean something else here)
+    # the (batch, n) position ids it reads instead of a padding mask: documents packed in a row, each causal on its
+    # own, a new one wherever a position is not its predecessor's plus one (transformers' packed sequences)
+    documents: Optional[fx.Node] = None
 
     @property
     def reason(self) -> str:
+        if self.documents is not None:
+            return (f"causal mask within the documents packed in each row proven from the graph (documents from the "
+                    f"position ids in input {self.documents.name})")
         what = "causal mask" if self.key_padding is None else "causal mask AND key padding"
         values = " (0/1 padding values)" if self.binary_padding else ""
         return f"{what} proven from the graph ({_describe(self.key_padding, self.query_positions)}){values}"
@@ -365,13 +371,38 @@ def _keep(mask: torch.Tensor) -> Optional[torch.Tensor]:
     return None
 
 
-def _expected(batch: int, nq: int, nk: int, padding: Optional[torch.Tensor], device) -> torch.Tensor:
+def _expected(batch: int, nq: int, nk: int, padding: Optional[torch.Tensor], device,
+              documents: Optional[torch.Tensor] = None) -> torch.Tensor:
     qpos = torch.arange(nk - nq, nk, device=device)
     causal = torch.arange(nk, device=device)[None, :] <= qpos[:, None]  # (nq, nk)
     out = causal.expand(batch, nq, nk)
     if padding is not None:
         out = out & (padding != 0)[:, None, :]
+    if documents is not None:
+        ids = document_ids(documents)
+        out = out & (ids[:, -nq:, None] == ids[:, None, :])
     return out
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """(batch, n) position ids -> the index of each token's document in its row: a document starts wherever a
+    position is not its predecessor's plus one (transformers' packed sequences, ``find_packed_sequence_indices``)."""
+    step = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
+    return (step != 1).cumsum(-1)
+
+
+def _document_trials(batch: int, n: int, dtype: torch.dtype, device, generator: torch.Generator) -> list:
+    """Position ids of packed documents: one, two, restarts at 0 and elsewhere, jumps, one-token documents."""
+    cols = torch.arange(n)
+    one = cols.expand(batch, n)
+    half = torch.where(cols < n // 2, cols, cols - n // 2).expand(batch, n)
+    every = (cols % 3).expand(batch, n)  # documents of three tokens
+    jumps = torch.where(cols < n // 3, cols + 5, cols + 40).expand(batch, n)  # starts past 0, then jumps ahead
+    singles = torch.where(cols % 2 == 0, torch.zeros_like(cols), cols).expand(batch, n)  # 0, 1, 0, 3, 0, 5, ...
+    restarts = torch.rand(batch, n, generator=generator) < 0.15
+    random_docs = cols[None, :] - torch.cummax(torch.where(restarts, cols[None, :], 0), dim=1).values
+    trials = [one, half, every, jumps, singles, random_docs]
+    return [t.to(device=device, dtype=dtype).contiguous() for t in trials]
 
 
 def _padding_trials(batch: int, nk: int, dtype: torch.dtype, device, generator: torch.Generator) -> list:
@@ -911,8 +942,23 @@ def analyse_mask(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q: torch.Tens
             return NotProven(f"the mask reads graph input {node.name} (shape {tuple(value.shape)}) by value, "
                              "which is neither a (batch, kv_len) padding mask nor the query positions")
     ordered = sorted(nodes, key=order.get)
+    proven = _prove(gm, ordered, nodes, mask, q, k, padding, positions)
+    if isinstance(proven, NotProven) and padding is not None and positions is None and _same(nq, nk):
+        # a (batch, n) integer input may be position ids, read for the documents packed in each row
+        dtype = example_value(padding).dtype
+        if not dtype.is_floating_point and dtype != torch.bool:
+            documents = _prove(gm, ordered, nodes, mask, q, k, None, None, documents=padding)
+            if isinstance(documents, MaskMatch):
+                return documents
+    return proven
+
+
+def _prove(gm: fx.GraphModule, ordered: list, nodes: set, mask: fx.Node, q: torch.Tensor, k: torch.Tensor,
+           padding: Optional[fx.Node], positions: Optional[fx.Node],
+           documents: Optional[fx.Node] = None) -> Union[MaskMatch, NotProven]:
     device = example_value(mask).device
     pad_dtype = example_value(padding).dtype if padding is not None else None
+    nk = k.shape[-2]
 
     def inputs_for(batch: int, n_q: int, n_k: int, trial: Optional[torch.Tensor]) -> dict:
         inputs: dict = {}
@@ -920,10 +966,15 @@ def analyse_mask(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q: torch.Tens
             inputs[positions] = torch.arange(n_k - n_q, n_k, device=device, dtype=example_value(positions).dtype)
         if padding is not None:
             inputs[padding] = trial if trial is not None else _classification_padding(batch, n_k, pad_dtype, device)
+        if documents is not None:  # one document, its positions growing with the length, unless a trial's
+            dtype = example_value(documents).dtype
+            inputs[documents] = trial if trial is not None else torch.arange(n_k, device=device, dtype=dtype).expand(
+                batch, n_k).contiguous()
         return inputs
 
     try:
-        tied = _symbols(example_value(padding).shape[1]) if padding is not None else set()
+        read = padding if padding is not None else documents
+        tied = _symbols(example_value(read).shape[1]) if read is not None else set()
         space = _space(nodes, q, k, tied - _symbols(nk))
         _check_other_sizes(ordered, set(space.base))
         points = _points(gm, ordered, mask, space, inputs_for)
@@ -937,21 +988,26 @@ def analyse_mask(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q: torch.Tens
         trials = [None]
         if padding is not None:
             trials = _padding_trials(batch, n_k, pad_dtype, device, generator)
+        if documents is not None:
+            trials = _document_trials(batch, n_k, example_value(documents).dtype, device, generator)
         if padding is not None and pad_dtype != torch.bool and not binary:
             trials.append(_other_values_trial(batch, n_k, pad_dtype, device, generator))
         for number, trial in enumerate(trials):
             try:
                 value = _evaluate(gm, ordered, mask, sizes, inputs_for(batch, n_q, n_k, trial))
-                problem = _compare(value, batch, n_q, n_k, trial)
+                problem = (_compare(value, batch, n_q, n_k, None, documents=trial) if documents is not None else
+                           _compare(value, batch, n_q, n_k, trial))
             except Exception as exc:  # noqa: BLE001 - any failure means "not proven"
                 problem = f"could not be evaluated ({type(exc).__name__}: {str(exc)[:120]})"
-            if problem and number == 4:
+            if problem and number == 4 and padding is not None:
                 binary = True  # values other than 0/1 read differently than the structure suggested: 0/1 only
             elif problem:
-                what = "" if trial is None else " with a padding mask"
+                what = "" if trial is None else " with packed documents" if documents is not None else \
+                    " with a padding mask"
                 return NotProven(f"not a causal{' & key-padding' if padding is not None else ''} mask: at "
                                  f"{n_q} tokens{what} it {problem}")
-    return MaskMatch(key_padding=padding, query_positions=positions, nodes=frozenset(nodes), binary_padding=binary)
+    return MaskMatch(key_padding=padding, query_positions=positions, nodes=frozenset(nodes), binary_padding=binary,
+                     documents=documents)
 
 
 def _tied(a: Any, b: Any) -> bool:
@@ -967,7 +1023,8 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _compare(value: Any, batch: int, nq: int, nk: int, padding: Optional[torch.Tensor]) -> Optional[str]:
+def _compare(value: Any, batch: int, nq: int, nk: int, padding: Optional[torch.Tensor],
+             documents: Optional[torch.Tensor] = None) -> Optional[str]:
     if not isinstance(value, torch.Tensor) or value.dim() not in (2, 3, 4):
         return f"is not a 2-D to 4-D tensor ({type(value).__name__})"
     if tuple(value.shape[-2:]) != (nq, nk):
@@ -980,7 +1037,7 @@ def _compare(value: Any, batch: int, nq: int, nk: int, padding: Optional[torch.T
         keep = keep[:, None]
     if keep.shape[0] not in (1, batch):
         return f"has batch {keep.shape[0]}, expected {batch}"
-    expected = _expected(batch, nq, nk, padding, keep.device)[:, None]  # (B, 1, nq, nk)
+    expected = _expected(batch, nq, nk, padding, keep.device, documents)[:, None]  # (B, 1, nq, nk)
     compared = expected.any(-1, keepdim=True)  # rows with no visible key are undefined everywhere
     differs = (keep != expected) & compared
     if bool(differs.any()):

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["RowGroup", "PaddingLayout", "padding_layout", "check_query_positions", "forward_scope", "per_forward",
-           "owned_mask", "read_once"]
+           "owned_mask", "read_once", "document_segments"]
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,26 @@ def _layout(key_padding: Tensor) -> PaddingLayout:
             holes.append(RowGroup((row,), lo, hi + 1, valid[row].nonzero().squeeze(1)))
     groups = [RowGroup(tuple(rows), lo, hi) for (lo, hi), rows in sorted(ranges.items(), key=lambda kv: kv[1][0])]
     return PaddingLayout(False, tuple(groups) + tuple(holes), binary)
+
+
+def document_segments(positions: Tensor, num_keys: int) -> tuple:
+    """Per batch row, the documents packed in it as ``(start, end, start, end)`` sequences (queries and keys the
+    same tokens), from ``(batch, num_keys)`` position ids: a document starts wherever a position is not its
+    predecessor's plus one. One host read per ``forward_scope``."""
+    if positions.dim() != 2 or positions.shape[1] != num_keys:
+        raise ValueError(f"position ids: expected shape (batch, {num_keys}), got {tuple(positions.shape)}")
+    return read_once(positions, ("documents", tuple(positions.shape)), _documents, positions)
+
+
+def _documents(positions: Tensor) -> tuple:
+    batch, n = positions.shape
+    step = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
+    step[:, 0] = 0  # every row's first token starts a document
+    starts = (step != 1).nonzero().tolist()  # the one device-to-host read
+    rows: list = [[] for _ in range(batch)]
+    for row, start in starts:
+        rows[row].append(start)
+    return tuple(tuple((a, b, a, b) for a, b in zip(row, row[1:] + [n])) for row in rows)
 
 
 def check_query_positions(positions: Tensor, num_queries: int, num_keys: int) -> None:

@@ -31,7 +31,7 @@ from .context import resolve
 from .dense import QUERIES_LAST, DenseForm, run_dense
 from . import methods  # its stages looked up per call: tools and tests may wrap them
 from .methods import Unsupported
-from .padding import PaddingLayout, check_query_positions, padding_layout
+from .padding import PaddingLayout, check_query_positions, document_segments, padding_layout
 from .registry import method_spec
 from .rules import RUNTIME_RULES, CallInfo, first_failure
 from .runtime_mask import check_runtime_mask
@@ -79,9 +79,15 @@ def capturing(callback: Callable) -> Iterator[None]:
 # -- the op's mask forms ---------------------------------------------------------------------------------------
 def attend_site(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], site: SiteSpec,
                 key_padding: Optional[Tensor] = None, query_positions: Optional[Tensor] = None,
-                runtime_mask: Optional[Tensor] = None) -> Tensor:
+                runtime_mask: Optional[Tensor] = None, documents: Optional[Tensor] = None) -> Tensor:
     """One call of the op on whole sequences, in the form ``site`` says the replaced call had."""
     config = resolve(site.config).for_site(site.site)
+    if documents is not None:  # documents packed in each row: each row's documents on their own
+        rows = document_segments(documents, k.shape[-2])
+        if all(row == rows[0] for row in rows):
+            return attend_segments(q, k, v, scale, config, site.site, rows[0], note=f"; {DOCUMENT}")
+        return torch.cat([attend_segments(q[b:b + 1], k[b:b + 1], v[b:b + 1], scale, config, site.site, row,
+                                          note=f"; {DOCUMENT}") for b, row in enumerate(rows)])
     if runtime_mask is None and not site.queries_last:  # is_causal=True: SDPA aligns the queries top-left
         return attend(q, k, v, scale, config, site.site, DenseForm(top_left=True, enable_gqa=site.enable_gqa))
     keys = _keys_seen(site, q.shape, k.shape[-2], key_padding, query_positions, runtime_mask)
@@ -184,6 +190,7 @@ def _recorded(site: str, outcome: Outcome, shape, note: str = "") -> Tensor:
 
 
 PACKED = "one of the packed sequences of an attn_mask checked at run time"
+DOCUMENT = "one of the documents packed in a row"
 
 
 def attend_segments(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,

@@ -218,10 +218,10 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
         if repeat_chain:
             dropped |= set(repeat_chain)
             record["k_shape"] = _shape(example_value(key))
-        padding = positions = None
+        padding = positions = documents = None
         checked = call.runtime_mask if isinstance(mask, NotProven) else None
         if isinstance(mask, MaskMatch):
-            padding, positions = mask.key_padding, mask.query_positions
+            padding, positions, documents = mask.key_padding, mask.query_positions, mask.documents
             dropped |= set(mask.nodes)
         spec = SiteSpec(call.site, config, enable_gqa=gqa, queries_last=mask is not None,
                         binary_padding=isinstance(mask, MaskMatch) and mask.binary_padding,
@@ -232,7 +232,7 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
             if cast is not None:  # as autocast casts SDPA's inputs (the op has no autocast rule of its own)
                 query, key, value = (_cast(gm, t, cast) for t in (query, key, value))
             new = gm.graph.call_function(
-                OP, (query, key, value, call.args["scale"], spec.to_json(), padding, positions, checked),
+                OP, (query, key, value, call.args["scale"], spec.to_json(), padding, positions, checked, documents),
             )
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
@@ -267,7 +267,7 @@ def reads_mutated_input(gm: fx.GraphModule) -> bool:
     if not mutated:
         return False
     return any(input_of(arg) in mutated for node in gm.graph.nodes if node.op == "call_function" and node.target is OP
-               for arg in node.args[5:8] if isinstance(arg, fx.Node))
+               for arg in node.args[5:9] if isinstance(arg, fx.Node))
 
 
 def _warn_unmatched_skips(records: list[SiteRecord], config: SparseConfig) -> None:

@@ -51,7 +51,7 @@ from .context import resolve
 from .attention_op import in_output_layout
 from .dense import DenseForm
 from .padding import owned_mask, padding_layout
-from .pipeline import DENSE, attend, attend_causal
+from .pipeline import DENSE, DOCUMENT, attend, attend_causal, attend_segments
 from .rules import autocast_inputs
 
 __all__ = ["NAME", "MIN_TRANSFORMERS", "register", "enable_transformers_attention", "attention_forward",
@@ -232,6 +232,11 @@ class _Causal:
 
 
 @dataclass(frozen=True)
+class _Documents:
+    """A (batch, n) tensor of document ids: documents packed in each row, each causal on its own."""
+
+
+@dataclass(frozen=True)
 class _Dense:
     """transformers' 4-D SDPA mask for a pattern the sparse path does not run."""
 
@@ -303,6 +308,39 @@ def _causal_pattern(masking, mask_function, local_size, q_last: int, kv_first: i
             "(packed sequences, chunked attention or an overlay)")
 
 
+def _packed_documents(masking, mask_function) -> Optional[Tensor]:
+    """The document ids of ``and_masks(causal_mask_function, packed_sequence_mask_function(ids))`` (how
+    transformers masks documents packed in a row), else None."""
+    factory = getattr(masking, "packed_sequence_mask_function", None)
+    if factory is None or not isinstance(mask_function, types.FunctionType) or not mask_function.__closure__:
+        return None
+    parts = mask_function.__closure__[0].cell_contents
+    if mask_function.__code__ is not masking.and_masks(masking.causal_mask_function).__code__ or \
+            not isinstance(parts, tuple) or len(parts) != 2 or not _causal_in_documents(masking, parts[0]):
+        return None
+    packed = parts[1]
+    probe = torch.zeros(1, 1, dtype=torch.int64)
+    if not isinstance(packed, types.FunctionType) or packed.__code__ is not factory(probe).__code__:
+        return None
+    ids = packed.__closure__[0].cell_contents if packed.__closure__ else None
+    return ids if isinstance(ids, Tensor) and ids.dim() == 2 else None
+
+
+def _causal_in_documents(masking, function) -> bool:
+    """The causal mask, or (5.x) the causal mask on the positions within each document: inside one document the
+    positions are consecutive, so the two agree there."""
+    if function is masking.causal_mask_function:
+        return True
+    remap = getattr(masking, "remap_positions_for_packed_sequence", None)
+    if remap is None or not isinstance(function, types.FunctionType):
+        return False
+    probe = remap(masking.causal_mask_function, torch.zeros(1, 1, dtype=torch.int64))
+    if function.__code__ is not probe.__code__:
+        return False
+    cells = dict(zip(function.__code__.co_freevars, (c.cell_contents for c in function.__closure__)))
+    return cells.get("mask_function") is masking.causal_mask_function
+
+
 def _query_positions(cache_position: Tensor) -> Optional[tuple[int, int]]:
     """(first, length) when ``cache_position`` is ``arange(first, first + length)``; one small host read."""
     n = cache_position.numel()
@@ -345,6 +383,10 @@ def mask_forward(batch_size: int, cache_position: Optional[Tensor] = None, kv_le
     if positions is None:
         return dense("query positions (cache_position) are not consecutive")
     first, q_len = positions
+    documents = _packed_documents(masking, mask_function)
+    if documents is not None and attention_mask is None and first == kv_offset == 0 and \
+            q_len == kv_length == documents.shape[-1]:
+        return _noted(documents, _Documents())  # each document on its own (attention_forward)
     why = _causal_pattern(masking, mask_function, local_size, first + q_len - 1, kv_offset)
     if why is not None:
         return dense(why)
@@ -376,6 +418,29 @@ def _unsupported(dropout, kwargs) -> tuple[Optional[str], bool]:
     if dropout:
         return f"dropout {dropout} (training)", False
     return None, False
+
+
+def _attend_documents(module, query: Tensor, key: Tensor, value: Tensor, ids: Tensor, scaling, site: str) -> Tensor:
+    """Each document of each row on its own (``pipeline.attend_segments``); ``(B, N, Hq, D)``."""
+    config = resolve(_config_of(module)).for_site(site)
+    query, key, value = autocast_inputs(query, key, value)
+    changes = torch.diff(ids, dim=-1) != 0
+    starts = changes.nonzero().tolist()  # one host read
+    rows: list = [[0] for _ in range(ids.shape[0])]
+    for row, at in starts:
+        rows[row].append(at + 1)
+    out = [attend_segments(query[b:b + 1], key[b:b + 1], value[b:b + 1], scaling, config, site,
+                           tuple((a, e, a, e) for a, e in zip(row, row[1:] + [ids.shape[-1]])),
+                           note=f"; {DOCUMENT}") for b, row in enumerate(rows)]
+    return in_output_layout(torch.cat(out)).transpose(1, 2)
+
+
+def _document_mask(ids: Tensor, q_len: int, kv_len: int) -> Tensor:
+    """The 4-D boolean mask of documents packed in a row: causal within each document."""
+    positions = torch.arange(kv_len, device=ids.device)
+    causal = positions[None, :] <= positions[kv_len - q_len:, None]
+    same = ids[:, kv_len - q_len:, None] == ids[:, None, :]
+    return (causal[None] & same)[:, None]
 
 
 def _full_mask(mask: Tensor, q_len: int, kv_len: int) -> Tensor:
@@ -428,11 +493,18 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
             return _delegate(module, query, key, value, None, dropout, scaling, is_causal, kwargs, site,
                              f"no mask and q_len {q_len} != kv_len {kv_len}: query positions unknown", eager)
         keys, padding = kv_len, None
+    elif isinstance(note, _Documents) and feature is None and attention_mask.shape == (query.shape[0], kv_len) \
+            and q_len == kv_len:
+        return _attend_documents(module, query, key, value, attention_mask, scaling, site), None
     elif isinstance(note, _Causal):
         keys, padding = attention_mask.shape[-1], (None if note.all_valid else attention_mask)
         if keys > kv_len or keys < q_len or attention_mask.shape[0] != query.shape[0]:
             raise ValueError(f"sparse_compile ({site}): a {tuple(attention_mask.shape)} padding mask does not fit "
                              f"q {tuple(query.shape)} and k {tuple(key.shape)}")
+    elif isinstance(note, _Documents):  # what the sparse path lacks, or shapes it was not built for: their mask
+        mask = _document_mask(attention_mask, q_len, kv_len)
+        return _delegate(module, query, key, value, mask, dropout, scaling, False, kwargs, site,
+                         feature or "documents packed in a row, at shapes the mask was not built for", eager)
     else:
         reason = note.reason if isinstance(note, _Dense) else (
             f"a {attention_mask.dim()}-D attention_mask not built by the {NAME!r} mask function (e.g. one the caller "

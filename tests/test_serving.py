@@ -190,3 +190,35 @@ def test_a_region_open_in_another_thread_is_warned_about():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sparse_compile.sparse_attention(q, q, q)  # no region open anywhere: nothing to say
+
+
+@pytest.mark.parametrize("path", ["compiled", pytest.param("front door", marks=needs_interface)])
+def test_documents_packed_in_rows_run_each_on_its_own(path):
+    model = llama()
+    ids = torch.randint(1, 128, (2, 200))
+    positions = torch.stack([torch.cat([torch.arange(70), torch.arange(130)]),
+                             torch.cat([torch.arange(30), torch.arange(90), torch.arange(80)])])
+    config = SparseConfig(**PBS, min_seq_len=2).keep_all()
+    with torch.no_grad():
+        ref = model(ids, position_ids=positions, use_cache=False).logits
+        alone = model(ids[:1, :70], use_cache=False).logits
+        if path == "compiled":
+            run = torch.compile(model, backend="sparse_prefill", options=config)
+        else:
+            run = sparse_compile.enable_transformers_attention(model, config)
+        out = run(ids, position_ids=positions, use_cache=False).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[:1, :70], alone, rtol=1e-5, atol=1e-5)  # a document sees nothing before it
+    assert calls("sparse") == {site: 5 for site in calls("sparse")} and len(calls("sparse")) == 2
+
+
+def test_one_document_with_arange_positions_runs_sparse_compiled():
+    model = llama()
+    ids = torch.randint(1, 128, (1, 150))
+    config = SparseConfig(**PBS, min_seq_len=2).keep_all()
+    with torch.no_grad():
+        ref = model(ids, use_cache=False).logits
+        out = torch.compile(model, backend="sparse_prefill", options=config)(
+            ids, position_ids=torch.arange(150)[None], use_cache=False).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert calls("sparse") == {site: 1 for site in calls("sparse")} and len(calls("sparse")) == 2
