@@ -15,7 +15,7 @@ import json
 import os
 import warnings
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional, TypeVar, Union, overload
+from typing import Any, Iterable, Mapping, Optional, TypeVar, Union, overload
 
 from . import params as _params
 from .params import MAX_INT, MethodParams, check_int
@@ -31,7 +31,7 @@ PLANNER_NAMES = ("auto", "fast", "reference")
 def check_skip_layers(skip_layers: Any, owner: str = "SparseConfig.skip_layers") -> tuple:
     """``skip_layers`` as a tuple, or ValueError: layer indices (int >= 0) and module paths (str) naming whole
     components (``"layers.1"`` matches ``model.layers.1.self_attn``, not ``model.layers.10.self_attn``)."""
-    if isinstance(skip_layers, (str, int)) or not all(
+    if isinstance(skip_layers, (str, int)) or not isinstance(skip_layers, Iterable) or not all(
         isinstance(x, (int, str)) and not isinstance(x, bool) for x in skip_layers
     ):
         raise ValueError(f"{owner}: must be a sequence of layer indices (int) or module paths (str), got "
@@ -49,14 +49,82 @@ def check_skip_layers(skip_layers: Any, owner: str = "SparseConfig.skip_layers")
 P = TypeVar("P", bound=MethodParams)
 
 
-def _method_params(name: str, value: Any) -> MethodParams:
+def _method_params(name: str, value: Any, spelling: Optional[str] = None) -> MethodParams:
     cls = method_spec(name).params
     if isinstance(value, cls):
         return value
     if isinstance(value, Mapping):
         return cls().updated(value)
-    raise ValueError(f"SparseConfig.{name}: must be a {cls.__name__} or a dict of its fields, got "
+    raise ValueError(f"SparseConfig.{spelling or name}: must be a {cls.__name__} or a dict of its fields, got "
                      f"{type(value).__name__}")
+
+
+def _params_argument(value: Any, registered: Mapping[str, Any]) -> dict:
+    """``SparseConfig(params=...)`` as ``{method: its parameters}``: a mapping ``{method: params or dict}``, or the
+    ``(method, params)`` pairs that ``config.params`` holds. Anything else is a ValueError saying what it takes."""
+    if value is None:
+        return {}
+    shape = ("must be a dict {method name: its parameters (a dict of them or its params dataclass)}, e.g. "
+             "params={'<method>': {'<parameter>': value}}, or the (name, params) pairs that config.params holds")
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ValueError(f"SparseConfig.params: {shape}; got {type(value).__name__} {value!r}")
+    else:
+        items = list(value)
+        if not all(isinstance(item, (tuple, list)) and len(item) == 2 for item in items):
+            raise ValueError(f"SparseConfig.params: {shape}; got {value!r}")
+    out: dict = {}
+    for name, params in items:
+        if not isinstance(name, str) or name not in registered:
+            owners = [m for m, spec in registered.items() if name in spec.params.field_names()]
+            hint = (f" ({name!r} is a parameter of method(s) {owners}, not a method: give it by its own name, "
+                    f"{name}=..., or in its method's section, {owners[0]}={{{name!r}: ...}})" if owners else "")
+            raise ValueError(f"SparseConfig.params: unknown method {name!r}; valid: {list(registered)}{hint}")
+        if name in out:
+            raise ValueError(f"SparseConfig.params: method {name!r} appears twice")
+        _fields_given(name, params, f"params[{name!r}]")  # its kind, checked before anything is merged
+        out[name] = params
+    return out
+
+
+def _fields_given(name: str, value: Any, spelling: str) -> tuple:
+    """The fields that ``value`` (a method's section: its params dataclass or a dict) sets: a dataclass sets all."""
+    cls = method_spec(name).params
+    if isinstance(value, cls):
+        return cls.field_names()
+    if isinstance(value, Mapping):
+        return tuple(value)
+    raise ValueError(f"SparseConfig.{spelling}: must be a {cls.__name__} or a dict of its fields, got "
+                     f"{type(value).__name__}")
+
+
+def _spelled(spelling: str, value: Any, field: str) -> str:
+    """How the user wrote one field of a section: ``pbs['threshold']=0.5`` or ``pbs=PBSParams(...)``."""
+    if isinstance(value, Mapping):
+        return f"{spelling}[{field!r}]={value[field]!r}"
+    return f"{spelling}={type(value).__name__}({field}={getattr(value, field)!r}, ...)"  # a dataclass sets all
+
+
+def _twice(method: str, field: str, first: str, second: str) -> ValueError:
+    return ValueError(f"SparseConfig: parameter {field!r} of method {method!r} is given twice, as {first} and as "
+                      f"{second}; give it once (the last would silently win)")
+
+
+def _merge_sections(name: str, sources: list) -> Any:
+    """One method's section from several spellings ``[(spelling, value), ...]`` (``params[...]``, its keyword):
+    their fields merged; a field set by two of them is a ValueError naming both."""
+    if len(sources) == 1:
+        return sources[0][1]
+    (first, a), (second, b) = sources
+    both = sorted(set(_fields_given(name, a, first)) & set(_fields_given(name, b, second)), key=str)
+    if both:
+        raise _twice(name, both[0], _spelled(first, a, both[0]), _spelled(second, b, both[0]))
+    if not isinstance(a, Mapping):  # a dataclass sets every field: the other is an empty dict
+        return a
+    if not isinstance(b, Mapping):
+        return b
+    return {**a, **b}
 
 
 def normalize_site_params(value: Any, owner: str = "SparseConfig.site_params") -> tuple:
@@ -123,9 +191,15 @@ class SparseConfig:
                     switches the method (``sparsity(method=...)``) leaves them behind.
     <method name>   that method's parameters (a dict of its fields or its params dataclass), e.g. ``pbs={...}``;
                     read back as ``config.params_of(PBSParams)`` or ``config.params_of("pbs")``. ``params`` holds
-                    them all, as (name, params) pairs.
+                    them all, as (name, params) pairs, and takes them so, or as a dict ``{name: params}``
+                    (``SparseConfig(params=other.params)``); a method in both ``params`` and its own keyword gets
+                    the fields of both.
     <parameter>     a parameter of the configured method (its select stage) by its own name, as ``sparsity`` and
                     ``options`` take it: ``SparseConfig(threshold=0.5)`` is ``SparseConfig(pbs={"threshold": 0.5})``.
+                    A parameter given by two of these spellings (``{"sampled": {"budget": 0.5}, "budget": 0.3}``)
+                    is a ValueError naming both: no spelling silently wins. Size-like parameters are bounded where
+                    they are given (``params.MAX_SPAN`` tokens for segments and coarse blocks, ``params.MAX_TILES``
+                    for counts of tiles, BFLA's ``MAX_GROUPS`` groups per coarse block).
     """
 
     method: str = DEFAULT_METHOD
@@ -149,13 +223,22 @@ class SparseConfig:
         registered = registered_methods()
         knobs = {k: v for k, v in method_params.items() if k not in registered}
         method_params = {k: v for k, v in method_params.items() if k in registered}
-        given = dict(params or {})
-        given.update(method_params)
+        # each method's section may come as params[name] and as the keyword name=...: merged field by field, and
+        # one parameter given by two spellings (or by a section and a flat key below) is an error, not "last wins"
+        from_params = _params_argument(params, registered)
+        given, spelling = {}, {}
+        for name in registered:
+            sources = [(f"params[{name!r}]", from_params[name])] if name in from_params else []
+            if name in method_params:
+                sources.append((name, method_params[name]))
+            if sources:
+                given[name] = _merge_sections(name, sources)
+                spelling[name] = sources[-1][0]  # where a wrong kind of value is named: the keyword, if given
         if knobs:  # the configured method's parameters by their own names, as sparsity(...) takes them
             stage = select if select is not None else method
-            if method not in registered:
+            if not isinstance(method, str) or method not in registered:
                 raise ValueError(f"SparseConfig.method: unknown method {method!r}; valid: {list(registered)}")
-            if stage not in registered:
+            if not isinstance(stage, str) or stage not in registered:
                 raise ValueError(f"SparseConfig: unknown field(s) {sorted(knobs)}; valid: "
                                  f"{list(self.field_names())}")
             names = registered[stage].params.field_names()
@@ -163,14 +246,20 @@ class SparseConfig:
             if unknown:
                 raise ValueError(f"SparseConfig: unknown field(s) {unknown}; valid: {list(self.field_names())} and "
                                  f"the parameters of method {stage!r}: {list(names)}")
-            base = _method_params(stage, given[stage]) if stage in given else registered[stage].params()
-            given[stage] = base.updated(knobs)
-        resolved = {name: _method_params(name, given[name]) if name in given else spec.params()
+            if stage in given:
+                section = given[stage]
+                both = sorted(set(_fields_given(stage, section, spelling[stage])) & set(knobs))
+                if both:
+                    raise _twice(stage, both[0], _spelled(spelling[stage], section, both[0]) + " (the method's "
+                                 "section)", f"{both[0]}={knobs[both[0]]!r} (a flat key: the configured method's "
+                                 "parameter by its own name)")
+            # merged before the parameters are built: fields valid only together (a group and its coarse block)
+            # may come one in the section, one by its own name (a dataclass section sets every field: no knobs)
+            given[stage] = {**given.get(stage, {}), **knobs}
+            spelling.setdefault(stage, stage)
+        resolved = {name: _method_params(name, given[name], spelling[name]) if name in given else spec.params()
                     for name, spec in registered.items()}
-        extra = sorted(set(given) - set(registered))
-        if extra:
-            raise ValueError(f"SparseConfig.params: unknown method(s) {extra}; valid: {list(registered)}")
-        if method not in registered:
+        if not isinstance(method, str) or method not in registered:
             raise ValueError(f"SparseConfig.method: unknown method {method!r}; valid: {list(registered)}")
         for name, value in (("method", method), ("reorder", reorder), ("select", select), ("enabled", enabled),
                             ("min_seq_len", min_seq_len), ("kernel", kernel), ("planner", planner),
@@ -257,6 +346,9 @@ class SparseConfig:
             raise ValueError(f"sparse_prefill options: expected a dict of SparseConfig fields or a SparseConfig, got "
                              f"{type(options).__name__}")
         options = dict(options or {})
+        odd = [key for key in options if not isinstance(key, str)]
+        if odd:
+            raise ValueError(f"sparse_prefill options: keys must be names (str), got {odd!r}")
         valid = list(cls.field_names())
         stage = options.get("select") or options.get("method", DEFAULT_METHOD)
         if isinstance(stage, str) and stage in registered_methods():  # its parameters by their own names
@@ -284,8 +376,21 @@ class SparseConfig:
         return _from_json(text)
 
     def replace(self, **changes: Any) -> "SparseConfig":
-        """A copy with some fields (or some methods' whole parameters) changed."""
-        return SparseConfig(**{**self.to_dict(), **changes})
+        """A copy with some fields (or some methods' whole parameters, or parameters of the configured method by
+        their own names: ``replace(threshold=0.5)``) changed."""
+        base = self.to_dict()
+        registered = registered_methods()
+        method, select = changes.get("method", self.method), changes.get("select", self.select)
+        stage = select if select is not None else method
+        if isinstance(stage, str) and stage in registered and stage not in changes:
+            # a parameter by its own name changes the configured method's section (which to_dict spells out)
+            names = registered[stage].params.field_names()
+            knobs = {k: changes.pop(k) for k in list(changes) if k in names and k not in base}
+            if knobs and stage in base:
+                base[stage] = {**base[stage], **knobs}
+            else:
+                changes.update(knobs)
+        return SparseConfig(**{**base, **changes})
 
     # -- stages ---------------------------------------------------------------------------------------------
     @property

@@ -14,25 +14,45 @@ import math
 from dataclasses import fields
 from typing import Any, Callable, ClassVar, Mapping, Optional
 
-__all__ = ["MethodParams", "MAX_BLOCK", "MAX_INT", "fail", "check_block", "check_fraction", "check_stride",
-           "check_share", "check_int", "check_finite", "block_field", "fraction_field", "int_field", "finite_field",
-           "optional_field"]
+__all__ = ["MethodParams", "MAX_BLOCK", "MAX_INT", "MAX_SPAN", "MAX_TILES", "SPAN_REASON", "TILES_REASON", "fail",
+           "check_block", "check_fraction", "check_stride", "check_share", "check_int", "check_finite", "block_field",
+           "fraction_field", "int_field", "finite_field", "optional_field", "span_field", "tiles_field"]
 
 #: the largest block / tile the attention kernel takes (``kernels/attention.py``: powers of two in [16, 256])
 MAX_BLOCK = 256
 #: integer parameters reach the kernels as 32-bit integers
 MAX_INT = 2**31 - 1
+#: the longest span, in tokens, that a size parameter may name: a segment (PBS, S2O) or a coarse block (BFLA).
+#: Plans lay such a span out whole, padded past the prompt's end (S2O pools the queries of whole segments and lists
+#: S / block_n tiles per query block; BFLA pads queries and keys to whole coarse blocks and scores their groups
+#: pairwise), so what a plan costs grows with the size asked for, not with the prompt: unbounded, a 200-token
+#: prompt asked for 8.6 GB (S2O, S = 2**30) and 8.8 TB (BFLA, b = 2**20, g = 1). 2**16 is 32 times S2O's default
+#: segment and 256 times PBS's and BFLA's defaults; a span at least as long as the prompt is one segment (block)
+#: of it whatever its size, so on prompts under 64K tokens a longer one plans nothing a 2**16 one does not.
+MAX_SPAN = 2**16
+SPAN_REASON = f"the longest segment or coarse block supported is MAX_SPAN = 2**16 = {MAX_SPAN} tokens"
+#: the most tiles a tile count may name (a local band, sink tiles, exact tail blocks): more than any prompt has
+#: (2**20 tiles of >= 16 tokens are 16M tokens), and small enough that a count times a block (<= 2**28) stays in
+#: the kernels' 32-bit arithmetic (``kernels/sampled.py`` forms (first tile - LOCAL) * BLOCK_N in int32)
+MAX_TILES = 2**20
+TILES_REASON = (f"a count of tiles, times the block size, must stay in the kernels' 32-bit arithmetic: "
+                f"at most MAX_TILES = 2**20 = {MAX_TILES} tiles, more than any prompt has")
 
 
 def fail(owner: str, name: str, problem: str) -> None:
     raise ValueError(f"{owner}.{name}: {problem}")
 
 
-def check_block(owner: str, name: str, value: Any, *, high: Optional[int] = MAX_BLOCK) -> None:
+def _because(why: str) -> str:
+    return f" ({why})" if why else ""
+
+
+def check_block(owner: str, name: str, value: Any, *, high: Optional[int] = MAX_BLOCK, why: str = "") -> None:
+    """A power of two in [16, high]; ``why`` (the reason for ``high``) joins the error."""
     if (not isinstance(value, int) or isinstance(value, bool) or value < 16 or value & (value - 1)
             or (high is not None and value > high)):
         where = f"in [16, {high}]" if high is not None else ">= 16"
-        fail(owner, name, f"must be a power of two {where}, got {value!r}")
+        fail(owner, name, f"must be a power of two {where}, got {value!r}{_because(why)}")
 
 
 def check_fraction(owner: str, name: str, value: Any, *, low: float = 0.0, high: float = 1.0) -> None:
@@ -54,9 +74,10 @@ def check_share(owner: str, name: str, value: Any) -> None:
         fail(owner, name, f"must be a number in (0, 1], got {value!r}")
 
 
-def check_int(owner: str, name: str, value: Any, *, low: int = 0, high: int = MAX_INT) -> None:
+def check_int(owner: str, name: str, value: Any, *, low: int = 0, high: int = MAX_INT, why: str = "") -> None:
+    """An integer in [low, high]; ``why`` (the reason for the bound) joins the error."""
     if not isinstance(value, int) or isinstance(value, bool) or not (low <= value <= high):
-        fail(owner, name, f"must be an integer in [{low}, {high}], got {value!r}")
+        fail(owner, name, f"must be an integer in [{low}, {high}], got {value!r}{_because(why)}")
 
 
 def check_finite(owner: str, name: str, value: Any, *, sign: int = 0) -> None:
@@ -70,16 +91,27 @@ def check_finite(owner: str, name: str, value: Any, *, sign: int = 0) -> None:
 
 
 # field checks for ``MethodParams.field_checks``: each is ``check(owner, name, value)``
-def block_field(high: Optional[int] = MAX_BLOCK) -> Callable:
-    return functools.partial(check_block, high=high)
+def block_field(high: Optional[int] = MAX_BLOCK, why: str = "") -> Callable:
+    return functools.partial(check_block, high=high, why=why)
 
 
 def fraction_field(low: float = 0.0, high: float = 1.0) -> Callable:
     return functools.partial(check_fraction, low=low, high=high)
 
 
-def int_field(low: int = 0, high: int = MAX_INT) -> Callable:
-    return functools.partial(check_int, low=low, high=high)
+def int_field(low: int = 0, high: int = MAX_INT, why: str = "") -> Callable:
+    return functools.partial(check_int, low=low, high=high, why=why)
+
+
+def span_field(why: str = "", low: int = 16) -> Callable:
+    """A segment's length in tokens, an integer in [low, MAX_SPAN] (its rules against the blocks are the params');
+    ``why``: what a longer one would cost in this method, joined to ``SPAN_REASON`` in the error."""
+    return int_field(low=low, high=MAX_SPAN, why=f"{why}; {SPAN_REASON}" if why else SPAN_REASON)
+
+
+def tiles_field() -> Callable:
+    """A count of tiles in [0, MAX_TILES]."""
+    return int_field(low=0, high=MAX_TILES, why=TILES_REASON)
 
 
 def finite_field(sign: int = 0) -> Callable:
@@ -155,7 +187,7 @@ class MethodParams:
         return tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
 
     def updated(self, overrides: Mapping[str, Any]):
-        unknown = sorted(set(overrides) - set(self.field_names()))
+        unknown = sorted(set(overrides) - set(self.field_names()), key=str)  # a key may be any object
         if unknown:
             raise ValueError(
                 f"{type(self).__name__}: unknown parameter(s) {unknown}; valid: {list(self.field_names())}"

@@ -67,7 +67,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from ..params import MethodParams, block_field, check_finite, check_share, check_stride, fail, int_field
+from ..params import MethodParams, block_field, check_finite, check_share, check_stride, fail, tiles_field
 from ..plan import BlockPlan
 from ..registry import Method, register_method
 from .tiles import BUDGET_KNOB, finish_budget_plan
@@ -115,8 +115,8 @@ class AntidiagParams(MethodParams):
 
     field_checks: ClassVar[dict] = {"block_size": block_field(), "score_stride": check_stride,
                                     "row_stride": check_stride, "budget": check_share, "antidiagonals": _antidiagonals,
-                                    "temperature_factor": _temperature, "local_tiles": int_field(),
-                                    "exact_tail_blocks": int_field()}
+                                    "temperature_factor": _temperature, "local_tiles": tiles_field(),
+                                    "exact_tail_blocks": tiles_field()}
 
     def check_fields(self) -> None:
         if self.score_stride > self.block_size:

@@ -49,7 +49,8 @@ from typing import ClassVar
 
 import torch
 
-from ..params import MethodParams, block_field, fail, finite_field, fraction_field, int_field, optional_field
+from ..params import (MAX_SPAN, MethodParams, block_field, fail, finite_field, fraction_field, int_field,
+                      optional_field, tiles_field)
 from ..kernels.reference import hash32
 from ..kernels.validate import cdiv, expand_heads
 from ..plan import VISIBLE_NONE, BlockPlan
@@ -58,8 +59,21 @@ from .tiles import finish_plan, visibility
 from .scoring import Reordering, chunk_count, compute_dtype, group_scores, logical_keys, mass_keep
 from .fast_path import check_selectable, plan_from_tables, segment_bound, tile_grid
 
-__all__ = ["BFLAParams", "select_bfla", "select_bfla_fast", "bfla_block_scores", "block_softmax_scale",
+__all__ = ["BFLAParams", "MAX_GROUPS", "select_bfla", "select_bfla_fast", "bfla_block_scores", "block_softmax_scale",
            "RANDOM_SALT"]
+
+
+#: the most groups per coarse block (coarse_block_size / group_size). Every pair of groups of two coarse blocks is
+#: scored: the reference holds B x Hq x G x (N / b) x G scores for each coarse query block (chunks never split a
+#: block: G = 2**20 asked for 8.8 TB at 200 tokens), and a program of the kernel (``kernels/bfla.py``) covers
+#: max(its 64 or 128 group rows, G): past 128 its (G x G) float32 accumulator and (G x D) operands, staged in shared
+#: memory, outgrow the GPU (H200, head dim 128: G = 128 ran; G = 256, b = 512, asked for 393216 bytes of shared
+#: memory where there are 232448). The paper's operating point has G = 4 (b = 256, g = 64).
+MAX_GROUPS = 128
+_GROUPS_REASON = ("every pair of groups of two coarse blocks is scored: G x G scores per block pair, in one "
+                  "kernel program")
+_COARSE_REASON = ("queries and keys are padded to whole coarse blocks, so the scores' memory grows with it even "
+                  f"on a short prompt; the longest coarse block supported is MAX_SPAN = 2**16 = {MAX_SPAN} tokens")
 
 
 @dataclass(frozen=True)
@@ -83,6 +97,10 @@ class BFLAParams(MethodParams):
     PBS's error at its own defaults (0.019 / 0.016 at density 0.40 / 0.31), and random inputs (no structure to
     exploit) keep every tile
     (``docs/methods.md``).
+
+    Bounds (refused where given): ``coarse_block_size`` <= ``params.MAX_SPAN`` (2**16 tokens), at most
+    ``MAX_GROUPS`` (128) groups per coarse block (``group_size`` >= ``coarse_block_size / 128``), ``local_tiles``
+    and ``sink_tiles`` <= ``params.MAX_TILES``.
     """
 
     coarse_block_size: int = 256
@@ -98,10 +116,12 @@ class BFLAParams(MethodParams):
     score_scale: float | None = None
 
     field_checks: ClassVar[dict] = {
-        # the coarse block is a selection granularity, not a kernel tile: no 256 cap
-        "coarse_block_size": block_field(high=1 << 20), "group_size": int_field(low=1, high=1 << 20),
+        # the coarse block is a selection granularity, not a kernel tile: no 256 cap, but a bound (params.MAX_SPAN)
+        "coarse_block_size": block_field(high=MAX_SPAN, why=_COARSE_REASON),
+        "group_size": int_field(low=1, high=MAX_SPAN, why="a group is part of a coarse block, at most MAX_SPAN = "
+                                                          f"{MAX_SPAN} tokens"),
         "mass_threshold": fraction_field(), "tile_size_q": block_field(), "tile_size_kv": block_field(),
-        "local_tiles": int_field(), "sink_tiles": int_field(), "stride": int_field(),
+        "local_tiles": tiles_field(), "sink_tiles": tiles_field(), "stride": int_field(),
         "random_rescue": fraction_field(), "seed": int_field(),
         "score_scale": optional_field(finite_field(sign=1)),
     }
@@ -112,6 +132,12 @@ class BFLAParams(MethodParams):
         for name in ("tile_size_q", "tile_size_kv"):
             if self.coarse_block_size % getattr(self, name):
                 fail("BFLAParams", name, f"must divide coarse_block_size={self.coarse_block_size}")
+        groups = self.coarse_block_size // self.group_size
+        if groups > MAX_GROUPS:
+            fail("BFLAParams", "group_size",
+                 f"must be at least coarse_block_size / {MAX_GROUPS} = {self.coarse_block_size // MAX_GROUPS} "
+                 f"(coarse_block_size={self.coarse_block_size}), got {self.group_size}: that is {groups} groups per "
+                 f"coarse block, and at most MAX_GROUPS = {MAX_GROUPS} are supported ({_GROUPS_REASON})")
 
 
 def block_softmax_scale(params: BFLAParams, scale: float) -> float:

@@ -37,7 +37,7 @@ from typing import ClassVar
 
 import torch
 
-from ..params import MethodParams, block_field, fail, fraction_field, int_field
+from ..params import MethodParams, block_field, fail, fraction_field, span_field
 from ..kernels.reference import segmented_argsort_desc
 from ..plan import VISIBLE_NONE, BlockPlan
 from ..registry import DensityKnob, Method, register_method
@@ -62,8 +62,12 @@ class PBSParams(MethodParams):
     threshold: float = 0.97
     keep_first_block: bool = True
 
-    field_checks: ClassVar[dict] = {"block_size": block_field(), "segment_size": int_field(low=16),
-                                    "threshold": fraction_field()}
+    field_checks: ClassVar[dict] = {
+        # params.MAX_SPAN, as every segment: keys move only inside whole segments, so one longer than the prompt
+        # permutes nothing (reorder="none" says so)
+        "block_size": block_field(),
+        "segment_size": span_field("keys are sorted inside whole segments only: one past the prompt sorts none"),
+        "threshold": fraction_field()}
 
     def check_fields(self) -> None:
         if self.segment_size % self.block_size:

@@ -37,7 +37,7 @@ from typing import ClassVar
 
 import torch
 
-from ..params import MethodParams, block_field, fail, fraction_field, int_field
+from ..params import MethodParams, block_field, fail, fraction_field, span_field
 from ..kernels.reference import segmented_argsort_desc
 from ..kernels.validate import cdiv
 from ..plan import BlockPlan, execute_plan, runs_on_kernels
@@ -54,7 +54,7 @@ class S2OParams(MethodParams):
     """S2O (Zhang et al. 2026): query sort inside segments, per-segment prefix-key ranking, early stop.
 
     Defaults from the paper (Sec. 4.1): S=2048, τ=0.005, tiles (128, 128).
-    ``early_stop=0.0`` never stops: every causal key is visited.
+    ``early_stop=0.0`` never stops: every causal key is visited. ``segment_size`` <= ``params.MAX_SPAN`` (2**16).
     """
 
     segment_size: int = 2048
@@ -63,8 +63,11 @@ class S2OParams(MethodParams):
     block_size_kv: int = 128
     sort_queries: bool = True
 
-    field_checks: ClassVar[dict] = {"segment_size": int_field(low=16), "early_stop": fraction_field(),
-                                    "block_size_q": block_field(), "block_size_kv": block_field()}
+    field_checks: ClassVar[dict] = {
+        # params.MAX_SPAN: the plans are laid out by whole segments, whatever the prompt's length
+        "segment_size": span_field("the queries of a whole segment are pooled and each query block lists "
+                                   "segment_size / block_size_kv window tiles, even on a short prompt"),
+        "early_stop": fraction_field(), "block_size_q": block_field(), "block_size_kv": block_field()}
 
     def check_fields(self) -> None:
         for name in ("block_size_q", "block_size_kv"):

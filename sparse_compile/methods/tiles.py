@@ -7,7 +7,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from ..params import MethodParams, block_field, check_share, check_stride, fail, int_field
+from ..params import MethodParams, block_field, check_share, check_stride, fail, tiles_field
 from ..kernels.validate import cdiv, expand_heads
 from ..plan import VISIBLE_NONE, VISIBLE_PARTIAL, BlockPlan, block_visibility, plan_from_block_mask
 from ..registry import DensityKnob
@@ -184,7 +184,8 @@ class StridedRowParams(MethodParams):
     fp8_scores: bool = True
 
     field_checks: ClassVar[dict] = {"block_size": block_field(), "sample_every": check_stride,
-                                    "budget": check_share, "local_tiles": int_field(), "exact_tail_blocks": int_field()}
+                                    "budget": check_share, "local_tiles": tiles_field(),
+                                    "exact_tail_blocks": tiles_field()}
 
     def check_fields(self) -> None:
         if self.sample_every > self.block_size:
