@@ -272,9 +272,10 @@ class Program:
 
 
 class MaskProgram(nn.Module):
-    def __init__(self, p: Program):
+    def __init__(self, p: Program, chunked: bool = False):
         super().__init__()
         self.p = p
+        self.chunked = chunked  # the queries are the last positions of longer keys (chunked prefill)
         self.width_int = int(p.width)
         self.width_float = float(p.width)
         self.double_width = 2 * p.width
@@ -343,7 +344,7 @@ class MaskProgram(nn.Module):
         return keep & valid[:, None, None, :]
 
     def forward(self, q, k, v, am):
-        keep = self.keep(q.shape[-2], am, k.shape[-2])
+        keep = self.keep(q.shape[-2], am, k.shape[-2] if self.chunked else None)
         style = self.p.style
         if self.p.padding == "additive":  # transformers 4.46-4.52: 0/1 padding added to a float causal mask
             low = torch.finfo(q.dtype).min
@@ -361,9 +362,9 @@ class MaskProgram(nn.Module):
 class Programs(nn.Module):
     """Many programs in one graph (one trace for all): each its own attention site, proven on its own."""
 
-    def __init__(self, programs):
+    def __init__(self, programs, chunked: bool = False):
         super().__init__()
-        self.programs = nn.ModuleList(MaskProgram(p) for p in programs)
+        self.programs = nn.ModuleList(MaskProgram(p, chunked) for p in programs)
 
     def forward(self, q, k, v, am):
         return [m(q, k, v, am) for m in self.programs]
@@ -509,7 +510,7 @@ def test_random_mask_programs_over_a_growing_cache(group):
         graphs.append(rewrite_graph(gm, KEEP_ALL))
         return gm.forward
 
-    model = Programs(group.programs)
+    model = Programs(group.programs, chunked=True)
     compiled = torch.compile(model, backend=backend)
     generator = torch.Generator().manual_seed(zlib.crc32(repr(group).encode()))
     for past in (7, 2, 41, 3 * chunk + 5, 180):
