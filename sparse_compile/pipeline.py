@@ -183,9 +183,9 @@ def _without_autocast(q: Tensor):
     return contextlib.nullcontext()
 
 
-def _recorded(site: str, outcome: Outcome, shape, note: str = "") -> Tensor:
+def _recorded(site: str, outcome: Outcome, shape, note: str = "", rows: Optional[tuple] = None) -> Tensor:
     """``outcome``'s row in ``runtime_stats()``; returns its output."""
-    report.record_call(site, outcome.path, outcome.reason + note, tuple(shape), outcome.density)
+    report.record_call(site, outcome.path, outcome.reason + note, tuple(shape), outcome.density, rows)
     return outcome.output
 
 
@@ -232,13 +232,15 @@ def attend_padded(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], confi
         else:
             for i, row in enumerate(rows):
                 out[row, :, queries] = outcome.output[i]
-        outcomes.append(outcome)
-    path = SPARSE if any(o.path == SPARSE for o in outcomes) else DENSE
-    distinct = sorted({o.reason for o in outcomes})
+        outcomes.append((outcome, len(group.rows)))
+    path = SPARSE if any(o.path == SPARSE for o, _ in outcomes) else DENSE
+    distinct = sorted({o.reason for o, _ in outcomes})
     reason = f"{distinct[0] if len(distinct) == 1 else ' | '.join(distinct)} (padded batch: {layout.describe()})"
-    densities = [o.density for o in outcomes if o.density is not None]
+    densities = [o.density for o, _ in outcomes if o.density is not None]
     density = [sum(col) / len(col) for col in zip(*densities)] if densities else None
-    return _recorded(site, Outcome(path, reason, out, density), q.shape, note)
+    # every row counted on the path it took; a row with no valid query took none
+    rows = tuple((o.path, o.reason + note + " (padded batch)", n) for o, n in outcomes)
+    return _recorded(site, Outcome(path, reason, out, density), q.shape, note, rows)
 
 
 def dense_reason(q: Tensor, k: Tensor, v: Tensor, config: SparseConfig, site: str = "", *,

@@ -53,6 +53,9 @@ class SiteRuntime:
     # why compiled graphs kept this site as plain SDPA (one reason per distinct decision): those graphs never run
     # it sparse. Empty when every graph that has the site rewrote it.
     plain_sdpa: tuple = ()
+    # (path, reason) -> batch rows that took it: a padded call whose rows took different paths is one call (under
+    # its joined reason) and shows every path here
+    rows: Counter = field(default_factory=Counter)
 
     @property
     def mean_density(self) -> Optional[float]:
@@ -69,11 +72,12 @@ MAX_REASONS_PER_PATH = 32
 OTHER_REASONS = f"other reasons (past the first {MAX_REASONS_PER_PATH} distinct ones; last_reason: the latest)"
 
 
-def _count(entry: SiteRuntime, path: str, reason: str) -> None:
+def _count(entry: SiteRuntime, path: str, reason: str, rows: int = 0, counter: str = "calls") -> None:
+    counts = getattr(entry, counter)
     key = (path, reason)
-    if key not in entry.calls and sum(p == path for p, _ in entry.calls) >= MAX_REASONS_PER_PATH:
+    if key not in counts and sum(p == path for p, _ in counts) >= MAX_REASONS_PER_PATH:
         key = (path, OTHER_REASONS)
-    entry.calls[key] += 1
+    counts[key] += rows if counter == "rows" else 1
 
 
 def _reinit_lock() -> None:
@@ -86,10 +90,15 @@ if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_reinit_lock)
 
 
-def record_call(site: str, path: str, reason: str, shape: tuple, density: Optional[list[float]] = None) -> None:
+def record_call(site: str, path: str, reason: str, shape: tuple, density: Optional[list[float]] = None,
+                rows: Optional[tuple] = None) -> None:
+    """One call at ``site``. ``rows``: ``(path, reason, number of batch rows)`` per group of rows that ran
+    differently (a padded batch); by default every row took ``path``."""
     with _LOCK:
         entry = _RUNTIME.setdefault(site, SiteRuntime())
         _count(entry, path, reason)
+        for row_path, row_reason, count in rows if rows is not None else ((path, reason, shape[0] if shape else 1),):
+            _count(entry, row_path, row_reason, count, "rows")
         entry.last_shape, entry.last_path, entry.last_reason = shape, path, reason
         if density is not None:
             entry.last_density_per_head = density
@@ -113,9 +122,23 @@ def record_plain_sdpa_calls(calls: tuple) -> None:
         for site, reason, shape, said in calls:
             entry = _RUNTIME.setdefault(site, SiteRuntime())
             _count(entry, PLAIN_SDPA, said)
+            _count(entry, PLAIN_SDPA, said, shape[0] if shape and isinstance(shape[0], int) else 1, "rows")
             entry.last_shape, entry.last_path, entry.last_reason = shape, PLAIN_SDPA, said
             if reason not in entry.plain_sdpa:  # registered before a reset_runtime_stats()
                 entry.plain_sdpa += (reason,)
+
+
+def _reasons(by_reason: Counter) -> str:
+    """The most frequent reason, and the next ones where there are several (a second method stays visible)."""
+    shown = by_reason.most_common(SHOWN_REASONS)
+    if len(shown) == 1:
+        return shown[0][0]
+    said = " | ".join(f"{reason} ({n}x)" for reason, n in shown)
+    hidden = len(by_reason) - len(shown)
+    return said + (f" (+{hidden} other reasons)" if hidden else "")
+
+
+SHOWN_REASONS = 2  # reasons a table row shows per site and path
 
 
 class RuntimeStats(dict):
@@ -127,11 +150,13 @@ class RuntimeStats(dict):
             return "runtime_stats: no attention call recorded"
         rows, measured = [], False
         for site, entry in self.items():
-            for i, path in enumerate(sorted({p for p, _ in entry.calls})):
+            for i, path in enumerate(sorted({p for p, _ in entry.calls} | {p for p, _ in entry.rows})):
                 by_reason = Counter({r: n for (p, r), n in entry.calls.items() if p == path})
-                reason, _ = by_reason.most_common(1)[0]
-                if len(by_reason) > 1:
-                    reason += f" (+{len(by_reason) - 1} other reasons)"
+                if by_reason:
+                    reason = _reasons(by_reason)
+                else:  # rows of padded calls counted under another path
+                    in_rows = Counter({r: n for (p, r), n in entry.rows.items() if p == path})
+                    reason = f"{sum(in_rows.values())} rows of padded calls: {_reasons(in_rows)}"
                 density = entry.mean_density if path == "sparse" else None
                 measured |= density is not None
                 rows.append((site if i == 0 else "", path, str(sum(by_reason.values())),
@@ -159,7 +184,8 @@ def runtime_stats() -> RuntimeStats:
     with _LOCK:
         return RuntimeStats({
             site: SiteRuntime(Counter(e.calls), e.last_shape, e.last_path, e.last_reason, e.density_sum,
-                              e.density_count, list(e.last_density_per_head or []) or None, e.plain_sdpa)
+                              e.density_count, list(e.last_density_per_head or []) or None, e.plain_sdpa,
+                              Counter(e.rows))
             for site, e in _RUNTIME.items()
         })
 

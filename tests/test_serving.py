@@ -222,3 +222,21 @@ def test_one_document_with_arange_positions_runs_sparse_compiled():
             ids, position_ids=torch.arange(150)[None], use_cache=False).logits
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert calls("sparse") == {site: 1 for site in calls("sparse")} and len(calls("sparse")) == 2
+
+
+def test_a_padded_call_whose_rows_took_different_paths_counts_each_row():
+    model = llama()
+    ids = torch.randint(1, 128, (2, 80))
+    mask = torch.ones_like(ids)
+    mask[1, :70] = 0  # a 10-token prompt beside an 80-token one
+    config = SparseConfig(**PBS, min_seq_len=40).keep_all()
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        out = torch.compile(model, backend="sparse_prefill", options=config)(ids, attention_mask=mask).logits
+    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], rtol=1e-5, atol=1e-5)
+    for site, stats in sparse_compile.runtime_stats().items():
+        assert sum(stats.calls.values()) == 1, site  # one call
+        by_path = {path: n for (path, _), n in stats.rows.items()}
+        assert by_path == {"sparse": 1, "dense": 1}, stats.rows  # each row on its own path
+    table = str(sparse_compile.runtime_stats())
+    assert "1 rows of padded calls: q_len 10 < min_seq_len 40" in table
