@@ -39,6 +39,7 @@ def cache_sizes() -> dict[str, tuple[int, int]]:
         "padding._OWNED (live masks)": (len(padding._OWNED), 64),
         "transformers_attention._NOTES (live masks)": (len(front_door._NOTES), 64),
         "transformers_attention._entry (two functions)": _lru(front_door._entry, 2),
+        "context._OPEN_IN_THREADS (threads inside a region)": (len(context._OPEN_IN_THREADS), 64),
     }
     try:
         from sparse_compile.kernels import common
