@@ -42,6 +42,8 @@ def own_attention(name: str):
         "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(**HEADS, **SIZES)),
         "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**HEADS, **SIZES)),
         "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**HEADS, **SIZES)),
+        "qwen3": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**HEADS, head_dim=16, **SIZES)),
+        "phi3": lambda: T.Phi3ForCausalLM(T.Phi3Config(**HEADS, pad_token_id=0, **SIZES)),
         "gemma3": lambda: T.Gemma3ForCausalLM(T.Gemma3TextConfig(**kv1, head_dim=16, query_pre_attn_scalar=20,
                                                                  **SIZES)),
         "gemma2": lambda: T.Gemma2ForCausalLM(T.Gemma2Config(**kv1, head_dim=16, **SIZES)),
@@ -59,7 +61,7 @@ def own_attention(name: str):
 
 
 @needs_interface
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gemma3", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "gemma2", "gpt_oss"])
 def test_front_door_equals_the_models_own_attention(name):
     torch.manual_seed(0)
     model = own_attention(name)
