@@ -10,6 +10,10 @@ Non-finite scores: a visible tile whose scaled score is NaN or infinite is kept 
 block whose pooled statistics are not finite has such scores in every column, so it keeps every visible tile; a
 key tile whose pooled statistics are not finite has them in every row, so every query block that sees it keeps
 it. The references (``methods.scoring.mass_keep``) apply the same rule.
+
+The strided-row selectors (``kernels.sampled``, ``kernels.peak``) score a sample of rows, whose scores cannot say
+where the others meet a non-finite input: ``keep_nonfinite`` gives NaN scores (kept) to the query blocks and key
+tiles that hold one (``nonfinite_blocks``: one pass over Q and over K), as ``methods.scoring.keep_nonfinite``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from .common import (TileGrid, empty_plan_tables, is_finite, jit_any_length, pla
                      row_visibility, row_warps, rows_per_program, split_heads, store_plan_rows, top_mass)
 from .pooling import BlockPool
 
-__all__ = ["MassRule", "mass_select"]
+__all__ = ["MassRule", "mass_select", "nonfinite_blocks", "keep_nonfinite"]
 
 
 @dataclass(frozen=True)
@@ -183,3 +187,65 @@ def mass_select(grid: TileGrid, rule: MassRule, logits: Optional[torch.Tensor] =
             WRITE_PLAN=not keep_table, num_warps=row_warps(rows, width),
         )
     return keep if keep_table else tables
+
+
+# -- non-finite inputs of the strided-row selectors (the twins of ``methods.scoring.keep_nonfinite``'s flags) -----
+@jit_any_length
+def _nonfinite_blocks_kernel(x_ptr, stride_xb, stride_xh, stride_xn, stride_xd, out_ptr, HEADS, N, NUM_BLOCKS,
+                             BLOCK: tl.constexpr, STEP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    i = tl.program_id(0)
+    bh = tl.program_id(1)
+    d = tl.arange(0, D_PAD)
+    base = x_ptr + (bh // HEADS).to(tl.int64) * stride_xb + (bh % HEADS).to(tl.int64) * stride_xh
+    bad = tl.zeros([STEP], tl.int32)
+    for r0 in tl.static_range(0, BLOCK, STEP):
+        rows = i * BLOCK + r0 + tl.arange(0, STEP)
+        x = tl.load(base + rows.to(tl.int64)[:, None] * stride_xn + d[None, :] * stride_xd,
+                    mask=(rows < N)[:, None] & (d < D)[None, :], other=0.0)
+        bad = tl.maximum(bad, tl.max((is_finite(x) == 0).to(tl.int32), 1))
+    tl.store(out_ptr + bh.to(tl.int64) * NUM_BLOCKS + i, tl.max(bad, 0).to(tl.int8))
+
+
+def nonfinite_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """int8 (B, H, ceil(N/block)), contiguous, of ``x`` (B, H, N, D): 1 for the blocks of ``block`` rows holding a
+    NaN or infinite element (= ``methods.scoring``'s ``nonfinite_key_tiles`` / ``nonfinite_query_blocks``), from
+    one pass over ``x`` (a program per block). The strided-row kernels score a sample of rows, which cannot tell
+    what the others score: a key with an infinite element scores +inf or -inf by each row's sign, and a query row
+    with one outputs NaN or zeros by every key it sees (``keep_nonfinite``)."""
+    B, H, N, D = x.shape
+    nb = -(-N // block)
+    out = torch.empty(B, H, nb, dtype=torch.int8, device=x.device)
+    _nonfinite_blocks_kernel[(nb, B * H)](x, *x.stride(), out, H, N, nb, BLOCK=block, STEP=min(block, 32), D=D,
+                                          D_PAD=max(16, triton.next_power_of_2(D)))
+    return out
+
+
+@jit_any_length
+def _keep_nonfinite_kernel(score_ptr, key_bad_ptr, query_bad_ptr, HQ, GROUP, NUM_QUERY_BLOCKS, NUM_KEY_TILES,
+                           NUM_QUERIES, NUM_KEYS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    i = tl.program_id(0)  # query block
+    bh = tl.program_id(1)  # batch * HQ + query head
+    hk = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP  # batch * HKV + its KV head
+    block_bad = tl.load(query_bad_ptr + bh.to(tl.int64) * NUM_QUERY_BLOCKS + i).to(tl.int32)
+    _, qmax = query_block_bounds(i, BLOCK_M, NUM_QUERIES, NUM_KEYS)
+    row = score_ptr + (bh.to(tl.int64) * NUM_QUERY_BLOCKS + i) * NUM_KEY_TILES
+    c = tl.arange(0, CHUNK)
+    for t0 in range(0, qmax // BLOCK_N + 1, CHUNK):
+        t = t0 + c
+        seen = t * BLOCK_N <= qmax
+        flagged = (tl.load(key_bad_ptr + hk.to(tl.int64) * NUM_KEY_TILES + t, mask=seen, other=0) + block_bad) != 0
+        tl.store(row + t, tl.full([CHUNK], float("nan"), tl.float32), mask=seen & flagged)
+
+
+def keep_nonfinite(scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int) -> torch.Tensor:
+    """``scores`` (B, Hq, nqb, nkt) float32, contiguous, of a strided-row kernel, with NaN (kept) in place: in every
+    visible tile of a query block of ``block_m`` rows holding a NaN or infinite element of ``q``, and in the tiles
+    of ``block_n`` keys holding one of ``k`` (its query head's KV head's), in every block that sees them
+    (= ``methods.scoring.keep_nonfinite``). Flags from one pass over Q and over K (``nonfinite_blocks``), then a
+    program per plan row that reads its row's flags and writes only the NaN; the kernels' passes are unchanged.
+    Returns ``scores``."""
+    B, Hq, nqb, nkt = scores.shape
+    key_bad, query_bad = nonfinite_blocks(k, block_n), nonfinite_blocks(q, block_m)
+    _keep_nonfinite_kernel[(nqb, B * Hq)](scores, key_bad, query_bad, Hq, Hq // k.shape[1], nqb, nkt, q.shape[2],
+                                           k.shape[2], BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=64)
+    return scores

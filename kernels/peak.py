@@ -11,8 +11,10 @@ Programs as in ``kernels.strided_rows`` (BLOCKS query blocks of HEADS query head
 once for all): first the levels (tile 0 and the tiles from the program's first diagonal on: BLOCKS + 1 tiles more
 than the pass), then one pass over every tile the program sees, storing each tile's peak per (head, block) as it
 goes. Reductions propagate NaN; a block whose rows see a NaN or +inf score, or have no finite level, gets NaN in
-every visible tile (it keeps them all). A -inf score weighs nothing. Tiles no query of the block sees are not
-written.
+every visible tile (it keeps them all). A -inf score weighs nothing. What the sampled rows cannot see, after the
+launch (``kernels.mass.keep_nonfinite``: whether a row scores a key with an infinite element +inf or -inf depends on
+the row): NaN in every visible tile of a block with a NaN or infinite element in any row, and in the tiles with one
+in a key, in every block that sees them. Tiles no query of the block sees are not written.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import triton.language as tl
 
 from .common import dot, dot_precision, is_finite, jit_any_length, launchable
 from .fp8 import quantize_heads, quantize_rows
+from .mass import keep_nonfinite
 from .strided_rows import load_key_tile, program_blocks, program_keys, program_rows, program_shape, rows_per_block
 from .validate import cdiv
 
@@ -118,7 +121,8 @@ def _peak_kernel(
 def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int, every: int,
                      keep_first: bool, fp8: bool = False) -> torch.Tensor:
     """(B, Hq, nqb, nkt) float32 peaks (``methods.peak``'s s_ij), NaN in every visible tile of a block with a
-    non-finite score or level; entries of tiles no query of the block sees are left unwritten.
+    non-finite score or level or a non-finite query element in any row, and in the tiles with a non-finite key
+    element that a block sees; entries of tiles no query of the block sees are left unwritten.
 
     q (B, Hq, Nq, D), k (B, Hkv, Nk, D), keys in order, queries the last Nq positions; query blocks and key tiles of
     ``block`` rows; ``every`` a power of two <= ``block``. ``fp8``: QK^T in e4m3 on the tensor cores (keys per
@@ -127,7 +131,7 @@ def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int,
     if every < 1 or every & (every - 1) or every > block:
         raise ValueError(f"peak_tile_scores: every must be a power of two <= block={block}, got {every}")
     q, k = launchable(q), launchable(k)
-    k_scale = None
+    keys, k_scale = k, None  # keys: before any FP8 rounding
     if fp8:
         k, k_scale = quantize_heads(k)  # raises where the device has no FP8
     B, Hq, Nq, D = q.shape
@@ -145,4 +149,4 @@ def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int,
         FP8=fp8, num_warps=warps,
         num_stages=stages,
     )
-    return out
+    return keep_nonfinite(out, q, keys, block, block)  # what the sampled rows cannot see

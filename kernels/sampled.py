@@ -17,7 +17,10 @@ each tile's mass as it goes; tiles that every row sees whole skip the position t
 (plus ``TINY``) per visible tile. A row whose masses sum to ``LIMIT`` or more, or to NaN (a NaN or +inf score it
 sees, or statistics that weigh nothing), makes its block NaN in every visible tile: the block keeps every visible
 tile (as a block with non-finite pooled statistics does everywhere in selection); no score is tested one by one. A
--inf score weighs nothing, as in dense attention. Tiles no query of the block sees are not written.
+-inf score weighs nothing, as in dense attention. What the sampled rows cannot see, after the launch
+(``kernels.mass.keep_nonfinite``: whether a row scores a key with an infinite element +inf or -inf depends on the
+row, ``methods.sampled``): NaN in every visible tile of a block with a NaN or infinite element in any row, and in
+the tiles with one in a key, in every block that sees them. Tiles no query of the block sees are not written.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import triton.language as tl
 
 from .common import dot, dot_precision, jit_any_length, launchable
 from .fp8 import quantize_heads, quantize_rows
+from .mass import keep_nonfinite
 from .strided_rows import load_key_tile, program_blocks, program_keys, program_rows, program_shape, rows_per_block
 from .validate import cdiv
 
@@ -155,7 +159,8 @@ def sampled_mass_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block_m:
                         every: int, fp8: bool = False, local: int = 0, keep_first: bool = True) -> torch.Tensor:
     """(B, Hq, nqb, nkt) float32: log(sum over the sampled rows of each's mass in each visible tile over its
     normaliser's estimate + ``TINY``), NaN in every tile of a block with a row whose masses sum to ``LIMIT`` or more
-    or to NaN; entries of tiles no query of the block sees are left unwritten. The forced region: ``local`` tiles
+    or to NaN or with a non-finite query element in any row, and in the tiles with a non-finite key element that a
+    block sees; entries of tiles no query of the block sees are left unwritten. The forced region: ``local`` tiles
     before each block's diagonal, the diagonal tiles and, with ``keep_first``, tile 0.
 
     q (B, Hq, Nq, D), k (B, Hkv, Nk, D), keys in order, queries the last Nq positions. ``every`` a power of two
@@ -165,7 +170,7 @@ def sampled_mass_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block_m:
     if every < 1 or every & (every - 1) or every > block_m:
         raise ValueError(f"sampled_mass_logits: every must be a power of two <= block_m={block_m}, got {every}")
     q, k = launchable(q), launchable(k)
-    k_scale = None
+    keys, k_scale = k, None  # keys: before any FP8 rounding
     if fp8:
         k, k_scale = quantize_heads(k)  # raises where the device has no FP8
     B, Hq, Nq, D = q.shape
@@ -183,4 +188,4 @@ def sampled_mass_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block_m:
         FAR_STRIDE=FAR_STRIDE, D=D, D_PAD=d_pad,
         PREC="none" if fp8 else dot_precision(q.dtype), FP8=fp8, num_warps=warps, num_stages=stages,
     )
-    return out
+    return keep_nonfinite(out, q, keys, block_m, block_n)  # what the sampled rows cannot see

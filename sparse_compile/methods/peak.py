@@ -26,10 +26,14 @@ and the plan rows come from one fused top-share kernel (``kernels.budget``). Whe
 (``scores_in_fp8``), QK^T runs in e4m3: keys rounded with one scale per (batch, KV head), each sampled row with its
 own (``kernels.fp8``); 35% less selection time at 128K on an H100, the same retrieval (docs/methods.md).
 
-Non-finite inputs: a block whose sampled rows score any key they see as NaN or +inf, or whose level is not finite,
-keeps every visible tile (its scores are NaN). So a NaN or +inf key reaches every row that sees it (the block's
-last row sees it), and a block whose sampled row is NaN keeps every visible tile. A -inf score weighs nothing
-(in FP8 any non-finite element becomes NaN: its blocks keep every visible tile).
+Non-finite inputs (rows as in dense attention; ``sampled``'s rule and its reasons): a key tile holding a NaN or
+infinite key element has a NaN score (kept) in every block that sees it, and a block with a NaN or infinite query
+element in any of its rows, sampled or not, keeps every visible tile (``scoring.keep_nonfinite``): a row scores a
+key with an infinite element +inf or -inf by the sign of its own element, so sampled rows that score it -inf could
+not speak for the others. Also a block whose sampled rows score any key they see as NaN or +inf, or whose level is
+not finite, keeps every visible tile (its scores are NaN). A -inf score weighs nothing (in FP8 any non-finite
+element becomes NaN: its blocks keep every visible tile). As in ``sampled``, a non-finite element of V reaches only
+the rows whose blocks compute its tile (every row from it on in dense attention): values are never read to plan.
 
 GQA: per query head (the keys of its KV head).
 """
@@ -43,7 +47,8 @@ import torch
 from ..plan import BlockPlan
 from ..registry import Method, register_method
 from .tiles import BUDGET_KNOB, StridedRowParams, finish_budget_plan, scores_in_fp8, strided_rows
-from .scoring import FP8_MAX, Reordering, chunk_count, compute_dtype, fp8_rows_and_keys, group_scores  # noqa: F401
+from .scoring import (FP8_MAX, Reordering, chunk_count, compute_dtype, fp8_rows_and_keys,  # noqa: F401
+                      group_scores, keep_nonfinite)
 
 __all__ = ["PeakParams", "scores_in_fp8", "peak_tile_scores", "select_peak", "select_peak_fast"]
 
@@ -64,7 +69,8 @@ class PeakParams(StridedRowParams):
 def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int, every: int,
                      keep_first_block: bool, fp8: bool = False) -> torch.Tensor:
     """(B, Hq, nqb, nkt) in the compute dtype: s_ij of the module docstring (steps 1-3); NaN in every tile of a
-    block whose sampled rows see a NaN or +inf score or have a non-finite level. Key chunks at a time (levels, then
+    block whose sampled rows see a NaN or +inf score or have a non-finite level, or with a non-finite query element
+    in any row, and in every block in the tiles with a non-finite key element. Key chunks at a time (levels, then
     peaks); never the (rows x Nk) matrix whole. ``fp8``: q rows and keys rounded to e4m3 as ``kernels.fp8`` does
     (a scale per row, per (batch, KV head)), the products summed in float32."""
     batch, heads_q, num_queries, _ = q.shape
@@ -76,6 +82,7 @@ def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int,
     nqb, nkt = -(-num_queries // block), -(-num_keys // block)
     qs = q[:, :, rows].to(cdt)  # (B, Hq, R, D)
     row_scale = torch.full((), scale, dtype=cdt, device=dev)
+    k_in = k  # before any FP8 rounding
     if fp8:
         qs, k, row_scale = fp8_rows_and_keys(qs, k, scale)  # row_scale: (B, Hq, R)
     offset = num_keys - num_queries
@@ -109,7 +116,8 @@ def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int,
         peak = (z.amax(-1) - level[..., None]) * row_scale[..., None]  # per row, or one scale (0-d: broadcasts)
         out[..., c0 // block: c0 // block + tiles] = peak.view(batch, heads_q, nqb, per, tiles).amax(-2)
     block_bad = bad.view(batch, heads_q, nqb, per).any(-1)
-    return torch.where(block_bad[..., None], torch.full((), float("nan"), dtype=cdt, device=dev), out)
+    out = torch.where(block_bad[..., None], torch.full((), float("nan"), dtype=cdt, device=dev), out)
+    return keep_nonfinite(out, q, k_in, block)  # the rows not sampled: a non-finite key or query element
 
 
 def select_peak(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:

@@ -50,14 +50,24 @@ are formed one key chunk at a time.
 
 GQA: per query head (the kernel reads each KV head's keys for its group's heads).
 
-Non-finite inputs (kept confined as in dense attention): a block whose sampled rows score a key they see as NaN
-or +inf keeps every visible tile (its scores are NaN, and NaN scores are kept), and so does a block with a row
-whose masses sum to ``LIMIT`` or more (a score ~44 nats above the best the normaliser saw). So a NaN key reaches
-every row that sees it (the block's last row sees it, and the block keeps everything), and a block whose sampled
-row is NaN keeps every visible tile. A NaN row that is not sampled does not change the plan; its own output is
-NaN, as in dense attention, because every key it scores is NaN. A -inf score weighs nothing, as in dense
-attention. The kernel needs no per-score test for this: such a score turns its row's sum of masses NaN or
-infinite.
+Non-finite inputs (rows as in dense attention): a key tile holding a NaN or infinite key element has a NaN score
+(kept) in every block that sees it, and a block with a NaN or infinite query element in any of its rows, sampled
+or not, has NaN in every visible tile (``scoring.keep_nonfinite``). Why the inputs and not the sampled rows'
+scores: a row scores a key with an infinite element +inf or -inf by the sign of its own element (NaN where that is
+0), so the sampled rows can score it -inf (it weighs nothing) while rows not sampled score it +inf (their softmax
+is NaN in dense attention); and whether a query row with an infinite element outputs NaN (a key it sees scores it
++inf) or zeros (every key scores it -inf) depends on every key it sees. Each row then reads them as in dense
+attention.
+Also a block whose sampled rows score a key they see NaN or +inf keeps every visible tile (its scores are NaN), and
+so does a block with a row whose masses sum to ``LIMIT`` or more (a score ~44 nats above the best the normaliser
+saw); a -inf score weighs nothing, as in dense attention. The kernel needs no per-score test: such a score turns its
+row's sum of masses NaN or infinite; the input rule follows it, from one pass over Q and over K
+(``kernels.mass.keep_nonfinite``).
+
+Where the plan differs from dense attention by design: values are never read to plan, so a NaN or infinite element
+of V reaches the rows whose blocks compute its tile (every row from it on in dense attention, which multiplies it
+by each row's weight, however small; the rows of its tile before it too, 0 times NaN or inf, in the kernels and in
+SDPA's tiles alike).
 """
 
 from __future__ import annotations
@@ -71,7 +81,7 @@ from ..params import fraction_field
 from ..plan import BlockPlan
 from ..registry import Method, register_method
 from .tiles import BUDGET_KNOB, StridedRowParams, finish_budget_plan, scores_in_fp8, strided_rows
-from .scoring import Reordering, chunk_count, compute_dtype, fp8_rows_and_keys, group_scores
+from .scoring import Reordering, chunk_count, compute_dtype, fp8_rows_and_keys, group_scores, keep_nonfinite
 
 __all__ = ["SampledParams", "sampled_rows", "sampled_tile_logits", "select_sampled", "select_sampled_fast"]
 
@@ -113,7 +123,8 @@ def sampled_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: i
     """(B, Hq, nqb, nkt) in the compute dtype: log(sum over the block's sampled rows of each row's exp-scores in
     each key tile over its normaliser's estimate, + ``TINY``) (steps 1-3; tiles no sampled row sees get
     log(TINY)); NaN in every tile of a block with a row whose masses sum to ``LIMIT`` or more, or to NaN (a NaN or
-    +inf score it sees; a -inf score weighs nothing, as in dense attention). A row's forced region: the keys it sees
+    +inf score it sees; a -inf score weighs nothing, as in dense attention), or with a non-finite query element in
+    any row, and in every block in the tiles with a non-finite key element. A row's forced region: the keys it sees
     from its block's first diagonal tile minus ``local`` tiles on, and tile 0 with ``keep_first``; its far tiles:
     the tiles before that region, of which those t with t % FAR_STRIDE == FAR_STRIDE - 1 are sampled. Exp-scores
     are relative to its best score in the region and the sampled far tiles; the normaliser's estimate is their sum
@@ -129,6 +140,7 @@ def sampled_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: i
     nqb, nkt = -(-num_queries // block), -(-num_keys // block)
     qs = q[:, :, rows].to(cdt)  # (B, Hq, R, D)
     logit_scale = torch.full((1, 1, 1), scale, dtype=cdt, device=q.device)
+    k_in = k  # before any FP8 rounding
     if fp8:
         qs, k, logit_scale = fp8_rows_and_keys(qs, k, scale)
     positions = rows + (num_keys - num_queries)
@@ -178,7 +190,8 @@ def sampled_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: i
     bad = bad | ~(total < LIMIT)
     out = torch.log(mass + TINY)
     block_bad = bad.view(batch, heads_q, nqb, per).any(-1)
-    return torch.where(block_bad[..., None], torch.full((), float("nan"), dtype=cdt, device=q.device), out)
+    out = torch.where(block_bad[..., None], torch.full((), float("nan"), dtype=cdt, device=q.device), out)
+    return keep_nonfinite(out, q, k_in, block)  # the rows not sampled: a non-finite key or query element
 
 
 def select_sampled(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:

@@ -10,7 +10,9 @@ Conventions used throughout ``sparse_compile.methods``:
   materialised whole.
 * No host synchronisation: only Python integers derived from shapes and parameters drive control flow.
 * Non-finite inputs stay confined as in dense attention: a pooled score that is not finite keeps its tile
-  (``mass_keep``), and rankings leave non-finite rows out of their means.
+  (``mass_keep``), and rankings leave non-finite rows out of their means. The selectors that score a sample of rows
+  exactly keep the tiles of non-finite keys and every tile of blocks with a non-finite query row
+  (``keep_nonfinite``): the scores of the rows they sample cannot say what the others score.
 
 The helpers the kernels share with the package live in ``sparse_compile.kernels``: ``cdiv`` and
 ``expand_heads`` in ``kernels.validate``, ``hash32`` and ``segmented_argsort_desc`` in ``kernels.reference``.
@@ -43,6 +45,10 @@ __all__ = [
     "fp8_round",
     "finite_amax",
     "fp8_rows_and_keys",
+    "nonfinite_rows",
+    "nonfinite_key_tiles",
+    "nonfinite_query_blocks",
+    "keep_nonfinite",
 ]
 
 #: Upper bound on the element count of any chunked intermediate (about 256 MB in float32).
@@ -253,3 +259,49 @@ def mass_keep(logits: torch.Tensor, candidates: torch.Tensor, tau: float) -> tor
     unreadable = candidates & ~torch.isfinite(logits)
     readable = candidates & ~unreadable
     return top_mass(masked_softmax(logits, readable), readable, tau) | unreadable
+
+
+def nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
+    """bool (..., N) of ``x`` (..., N, D): rows holding a NaN or infinite element. One reduction over ``x``
+    (``aminmax`` propagates NaN), no elementwise copy of it."""
+    lo, hi = torch.aminmax(x, dim=-1)
+    return ~(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def _blocks_any(flags: torch.Tensor, block: int) -> torch.Tensor:
+    """(..., ceil(N/block)) of (..., N) bool: whether each block of ``block`` entries holds a True one."""
+    pad = -flags.shape[-1] % block
+    return torch.nn.functional.pad(flags, (0, pad)).unflatten(-1, (-1, block)).any(-1)
+
+
+def nonfinite_key_tiles(k: torch.Tensor, block: int) -> torch.Tensor:
+    """bool (B, Hkv, ceil(Nk/block)): key tiles of ``block`` keys holding a NaN or infinite element. Whether a
+    query row scores such a key +inf, -inf or NaN depends on the row (the sign of its element against the infinite
+    one), so a selector that scores a sample of rows cannot tell from their scores whether the others see a +inf:
+    the fixed-share selectors keep these tiles for every block that sees them (their scores are NaN), and each
+    row then reads the key as in dense attention."""
+    return _blocks_any(nonfinite_rows(k), block)
+
+
+def nonfinite_query_blocks(q: torch.Tensor, block: int) -> torch.Tensor:
+    """bool (B, Hq, ceil(Nq/block)): query blocks of ``block`` rows with a NaN or infinite element in one of their
+    rows (such a row's output depends on every key it sees: NaN where one scores it +inf or NaN, zeros where all
+    score -inf, as in dense attention); the fixed-share selectors keep every visible tile of these blocks."""
+    return _blocks_any(nonfinite_rows(q), block)
+
+
+def keep_nonfinite(scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, block: int) -> torch.Tensor:
+    """A fixed-share selector's (B, Hq, nqb, nkt) tile ``scores`` (query blocks and key tiles of ``block``) with NaN,
+    which ``tiles.keep_top_budget`` keeps, in every tile of a block of ``nonfinite_query_blocks`` and, in every
+    block that sees them, in the tiles of ``nonfinite_key_tiles`` (those of each query head's KV head): non-finite
+    inputs reach exactly the rows they reach in dense attention. The fast path's kernels (``kernels.sampled``,
+    ``kernels.peak``) apply the same rule."""
+    num_queries, num_keys = q.shape[2], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    tiles = nonfinite_key_tiles(k, block).repeat_interleave(group, 1)[:, :, None, :]
+    # the tiles each block sees: from its last position's (queries are the last Nq of Nk positions)
+    last = torch.clamp((torch.arange(scores.shape[-2], device=q.device) + 1) * block, max=num_queries) - 1
+    seen = torch.arange(scores.shape[-1], device=q.device)[None, :] * block <= (last + num_keys - num_queries)[:, None]
+    blocks = nonfinite_query_blocks(q, block)[..., None]
+    nan = torch.full((), float("nan"), dtype=scores.dtype, device=scores.device)
+    return torch.where((tiles & seen) | blocks, nan, scores)
