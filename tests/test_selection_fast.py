@@ -369,10 +369,18 @@ def test_density_reaches_runtime_stats():
         from sparse_compile.plan import causal_tile_count
         from sparse_compile.report import causal_tiles_per_block
 
-        # each query block counts at most its causal tiles (a permuted diagonal segment is a full square)
-        causal = causal_tiles_per_block(visited.shape[-1], 128, 128, plan.block_m, plan.block_n)
-        kept = torch.minimum(visited.double(), causal.double())
-        want = kept.sum(2).mean(0) / causal_tile_count(128, 128, plan.block_m, plan.block_n)
+        if plan.query_index is None:
+            # each query block counts at most its causal tiles (a permuted diagonal segment is a full square)
+            causal = causal_tiles_per_block(visited.shape[-1], 128, 128, plan.block_m, plan.block_n)
+            kept = torch.minimum(visited.double(), causal.double())
+            want = kept.sum(2).mean(0) / causal_tile_count(128, 128, plan.block_m, plan.block_n)
+        else:  # reordered queries (S2O): each block against the tiles its own rows reach
+            blocks = visited.shape[-1]
+            rows = torch.nn.functional.pad(plan.query_index.long(), (0, blocks * plan.block_m - 128), value=-1)
+            last = rows.view(*rows.shape[:2], blocks, plan.block_m).amax(-1)
+            reach = torch.where(last >= 0, last // plan.block_n + 1, 0).double()
+            reach = reach.repeat_interleave(4 // reach.shape[1], dim=1)
+            want = (torch.minimum(visited.double(), reach).sum(2) / reach.sum(2)).mean(0)
         assert max(abs(a - float(b)) for a, b in zip(dens, want)) < 1e-9
         assert all(0 < d <= 1 for d in dens)
         if method == "pbs":
