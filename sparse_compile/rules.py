@@ -26,7 +26,7 @@ from .kernels.validate import MAX_HEAD_DIM, SUPPORTED_DTYPES, validate_qkv
 
 __all__ = ["Rule", "first_failure", "REWRITE_RULES", "RUNTIME_RULES", "CallInfo", "validate_qkv",
            "SUPPORTED_DTYPES", "MIN_HEAD_DIM", "MAX_HEAD_DIM", "head_dim_supported", "layer_index", "excluded", "path_matches", "scale_problem",
-           "forward_ad_active", "forward_transform", "autocast_inputs", "prefill_length"]
+           "forward_ad_active", "forward_transform", "autocast_inputs", "prefill_length", "too_short"]
 
 Subject = TypeVar("Subject")
 
@@ -146,7 +146,7 @@ def prefill_length(num_queries: int, num_keys: int) -> int:
     return math.isqrt(num_queries * (2 * num_keys - num_queries))
 
 
-def _too_short(num_queries: int, num_keys: int, min_seq_len: int) -> str:
+def too_short(num_queries: int, num_keys: int, min_seq_len: int) -> str:
     if num_queries >= num_keys:
         return f"q_len {num_queries} < min_seq_len {min_seq_len}"
     return (f"q_len {num_queries} over {num_keys} keys computes as much as a {prefill_length(num_queries, num_keys)}"
@@ -266,7 +266,7 @@ RUNTIME_RULES: tuple[Rule, ...] = (
          lambda c: f"q_len {c.q.shape[-2]} != kv_len {c.k.shape[-2]}: SDPA's is_causal aligns top-left there; "
                    "left dense"),
     Rule("long_enough", lambda c: prefill_length(c.q.shape[-2], c.k.shape[-2]) >= c.config.min_seq_len,
-         lambda c: _too_short(c.q.shape[-2], c.k.shape[-2], c.config.min_seq_len)),
+         lambda c: too_short(c.q.shape[-2], c.k.shape[-2], c.config.min_seq_len)),
     Rule("dtype", lambda c: c.q.dtype in SUPPORTED_DTYPES and c.k.dtype == c.q.dtype,
          lambda c: f"dtype {c.q.dtype} not supported by the sparse path (float16, bfloat16, float32)"),
     Rule("head_dim", lambda c: head_dim_supported(c.q.shape[-1]) and c.v.shape[-1] == c.q.shape[-1],
