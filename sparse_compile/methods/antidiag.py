@@ -71,7 +71,7 @@ from ..params import MethodParams, block_field, check_finite, check_share, check
 from ..plan import BlockPlan
 from ..registry import Method, register_method
 from .tiles import BUDGET_KNOB, finish_budget_plan
-from .scoring import Reordering, chunk_count, compute_dtype, group_scores
+from .scoring import Reordering, chunk_count, compute_dtype, group_scores, keep_nonfinite
 
 __all__ = ["AntidiagParams", "reduced_queries", "reduced_keys", "slot_mask", "antidiag_tile_logits", "select_antidiag"]
 
@@ -222,6 +222,8 @@ def select_antidiag(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: 
     scores = None if keep_all else antidiag_tile_logits(q, k, scale, params.block_size, params.score_stride,
                                                         params.row_stride, params.antidiagonals,
                                                         params.temperature_factor)
+    if scores is not None:  # non-finite inputs reach the rows they reach in dense attention
+        scores = keep_nonfinite(scores, q, k, params.block_size)
     return finish_budget_plan(scores, q, k, reordering, params)
 
 
