@@ -4,6 +4,7 @@
     python examples/hf_model.py --arch qwen2   # another architecture
     python examples/hf_model.py --seq-len 65536 --full-size   # GPU: Llama-3.1-8B shapes, bf16
     python examples/hf_model.py --generate     # generate() on a left-padded batch, as a tokenizer pads it
+    python examples/hf_model.py --seq-len 1024 --layers 2   # smaller and faster (CPU)
 
 Builds the model from a config (no download), prefills one prompt with the compiled model, and compares the
 last-token logits with sparsity on and off. With ``--generate``, compiles the module in place
@@ -20,6 +21,7 @@ import torch
 import transformers
 
 import sparse_compile
+from density_note import explain_density
 
 ARCHS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -28,13 +30,16 @@ ARCHS = {
 }
 
 
-def build(arch: str, full_size: bool, device: str, dtype: torch.dtype):
+MIN_SEQ_LEN = 1024  # the example's: shorter prompts run dense (the package default, 16384, suits GPUs)
+
+
+def build(arch: str, full_size: bool, device: str, dtype: torch.dtype, layers: int):
     config_cls, model_cls = ARCHS[arch]
     if full_size:  # Llama-3.1-8B shapes
         sizes = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256)
     else:
-        sizes = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        sizes = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=1000)
     config = config_cls(max_position_embeddings=131072, **sizes)
     config._attn_implementation = "sdpa"
@@ -52,17 +57,23 @@ def main() -> None:
                         choices=list(sparse_compile.registry.registered_methods()))
     parser.add_argument("--full-size", action="store_true", help="Llama-3.1-8B shapes (GPU)")
     parser.add_argument("--generate", action="store_true", help="generate() on a left-padded batch")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the small model (default 4)")
     args = parser.parse_args()
+    shortest = args.seq_len * 3 // 4 if args.generate else args.seq_len  # --generate pads a quarter of one row
+    if shortest < MIN_SEQ_LEN:
+        parser.error(f"--seq-len: the prompts must reach the example's min_seq_len {MIN_SEQ_LEN} to run sparse "
+                     f"(with --generate the shorter prompt is 3/4 of --seq-len)")
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     torch.manual_seed(0)
-    model = build(args.arch, args.full_size, device, dtype)
+    model = build(args.arch, args.full_size, device, dtype, args.layers)
     ids = torch.randint(1, model.config.vocab_size, (1, args.seq_len), device=device)
     if args.generate:
         generate(model, ids, args.method)
         return
 
-    compiled = torch.compile(model, backend="sparse_prefill",
-                             options={"method": args.method, "min_seq_len": 1024, "skip_layers": (0,)})
+    # record_density costs a host sync per call; it is on here to show what each site did
+    options = {"method": args.method, "min_seq_len": MIN_SEQ_LEN, "skip_layers": (0,), "record_density": True}
+    compiled = torch.compile(model, backend="sparse_prefill", options=options)
     with torch.no_grad():
         for enabled in (False, True):
             with sparse_compile.sparsity(enabled=enabled):
@@ -81,12 +92,21 @@ def main() -> None:
             print(f"{args.arch} {args.seq_len} tokens, sparsity {'on (' + args.method + ')' if enabled else 'off'}: "
                   f"{timing}")
     err = (logits - dense).norm() / dense.norm()
-    print(f"relative error of last-token logits, sparse vs dense: {err:.2e} (layer 0 kept dense)")
-    # random weights attend almost uniformly, so every skipped tile held real weight: errors of 0.1-0.5 are expected
-    # here. Trained models concentrate attention; there the loss is what the README's method table measures.
-    print("(random weights: attention is nearly uniform, so a sparse plan drops real weight; expect 0.1-0.5 here,\n"
-          " far less on trained weights: see the README's method table)")
-    print(sparse_compile.runtime_stats())
+    stats = sparse_compile.runtime_stats()
+    densities = [s.mean_density for s in stats.values() if s.mean_density is not None]
+    density = sum(densities) / len(densities) if densities else None
+    shown = f"{density:.3f}" if density is not None else "-"
+    print(f"relative error of last-token logits, sparse vs dense: {err:.2e} at mean density {shown} of the sparse "
+          f"sites (layer 0 kept dense), {args.seq_len} tokens on {device}")
+    # what this run measured, not a prediction: random weights attend almost uniformly, so every skipped tile held
+    # real weight and the error grows as the density falls; trained weights concentrate attention
+    if density is not None and density < 0.99:
+        print("(random weights: each skipped tile held real attention weight, so the error grows as the density "
+              "falls;\n on trained weights the loss is what the README's method table measures)")
+    note = explain_density(sparse_compile.SparseConfig(**options), args.seq_len, density)
+    if note:
+        print(note)
+    print(stats)
 
 
 def generate(model, ids, method: str) -> None:
@@ -94,11 +114,17 @@ def generate(model, ids, method: str) -> None:
     mask = torch.ones_like(batch)
     mask[1, : ids.shape[1] // 4] = 0  # the shorter prompt, left-padded as tokenizers pad for generation
     batch[1, : ids.shape[1] // 4] = 0
-    model.compile(backend="sparse_prefill", options={"method": method, "min_seq_len": 1024})
+    model.compile(backend="sparse_prefill", options={"method": method, "min_seq_len": MIN_SEQ_LEN})
     sparse_compile.reset_runtime_stats()
     with torch.no_grad():
         out = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     print("generated:", out[:, ids.shape[1]:].tolist())
+    calls = {path: 0 for path in ("sparse", "dense")}
+    for stats in sparse_compile.runtime_stats().values():
+        for (path, _), count in stats.calls.items():
+            calls[path] = calls.get(path, 0) + count
+    print(f"attention calls: {calls['sparse']} sparse (the prefill of both prompts, once per site), {calls['dense']} "
+          "dense (the decode steps: one query each)")
     print(sparse_compile.runtime_stats())
 
 

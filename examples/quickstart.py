@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import sparse_compile
+from density_note import explain_density
 
 
 class Block(nn.Module):
@@ -84,6 +85,8 @@ def main() -> None:
                         choices=list(sparse_compile.registry.registered_methods()))
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
+    if args.seq_len < 1024:
+        parser.error("--seq-len: at least 1024 (the example's min_seq_len: shorter prompts run dense)")
 
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -109,9 +112,15 @@ def main() -> None:
     else:
         print("(CPU: the sparse path runs the PyTorch reference executor; time it on a GPU)")
     print("density: share of the causal attention tiles computed (1.0 = all of them, as dense attention)")
+    densities = []
     for site, stats in sparse_compile.runtime_stats().items():
         density = f"{stats.mean_density:.3f}" if stats.mean_density is not None else "-"
         print(f"  {site:12s} {stats.last_path:6s} density {density}   ({stats.last_reason})")
+        densities += [stats.mean_density] if stats.mean_density is not None else []
+    note = explain_density(sparse_compile.SparseConfig(**options), args.seq_len,
+                           sum(densities) / len(densities) if densities else None)
+    if note:
+        print(note)
 
 
 if __name__ == "__main__":

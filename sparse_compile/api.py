@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numbers
 import time
+import warnings
 from collections import OrderedDict
 from typing import Optional
 
@@ -18,7 +19,7 @@ from .context import resolve
 from .masks import example_value
 from .parallel import is_dtensor, register_dtensor_sharding
 from .pipeline import EAGER_SITE, attend_eager, attend_segments, run_method
-from .rules import SUPPORTED_DTYPES, autocast_inputs, validate_qkv
+from .rules import SUPPORTED_DTYPES, autocast_inputs, prefill_length, too_short, validate_qkv
 from .site import SiteSpec
 
 __all__ = ["sparse_attention", "varlen_attention", "VARLEN_SITE", "precompile", "precompile_kernels", "PRECOMPILE_LENGTH", "PRECOMPILED_ENTRIES"]
@@ -33,6 +34,12 @@ def sparse_attention(
     repeated). Queries are the last ``Nq`` positions (``Nq < Nk`` is chunked prefill). Short sequences, decode
     steps and anything the method cannot do run exact dense attention, as under the compiled backend; a
     ``sparsity(...)`` block in force applies here too.
+
+    At the defaults (``SparseConfig()``: ``min_seq_len=16384``) every call shorter than 16,384 tokens runs dense:
+    its error against SDPA is exactly 0 and nothing is skipped. The first such prefill in a process says so once
+    (a ``UserWarning`` naming ``min_seq_len``); to run the method on shorter inputs pass
+    ``config=SparseConfig(min_seq_len=...)`` or open ``sparsity(min_seq_len=...)``. ``runtime_stats()
+    ["sparse_attention"]`` records each call's path and reason.
     """
     q, k, v = autocast_inputs(q, k, v)  # as SDPA runs under autocast
     validate_qkv(q, k, v, who="sparse_attention", dtypes=SUPPORTED_DTYPES + (torch.float64,), empty_ok=True)
@@ -41,11 +48,31 @@ def sparse_attention(
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"sparse_attention: scale must be a float or None (1/sqrt(head_dim)), got "
                         f"{type(scale).__name__}")
+    if not _WARNED_SHORT:
+        _warn_if_short(q, k, config)
     if is_dtensor(q):  # tensor parallelism: the op's DTensor sharding rule runs each rank's heads (parallel.py)
         register_dtensor_sharding()
         spec = SiteSpec(EAGER_SITE, config or SparseConfig(), enable_gqa=True, queries_last=True)
         return causal_attention(q, k, v, scale, spec.to_json())
     return attend_eager(q, k, v, scale, config)
+
+
+_WARNED_SHORT = False  # sparse_attention's first prefill below min_seq_len in this process has said so
+
+
+def _warn_if_short(q: Tensor, k: Tensor, config: Optional[SparseConfig]) -> None:
+    """Once per process: a ``UserWarning`` at the first prefill (more than one query) that runs dense only because
+    it is shorter than ``min_seq_len`` (an exact result that reads as "sparse and exact" otherwise)."""
+    global _WARNED_SHORT
+    resolved = resolve(config or SparseConfig())
+    queries, keys = q.shape[-2], k.shape[-2]
+    if not resolved.enabled or queries < 2 or prefill_length(queries, keys) >= resolved.min_seq_len:
+        return
+    _WARNED_SHORT = True
+    warnings.warn(f"sparse_attention: {too_short(queries, keys, resolved.min_seq_len)}: this call runs exact dense "
+                  "attention (error 0 against SDPA, no speedup), as does every call shorter than min_seq_len; to run "
+                  "the sparse method on shorter inputs pass config=SparseConfig(min_seq_len=...) or open "
+                  "sparse_compile.sparsity(min_seq_len=...) (said once per process)", UserWarning, stacklevel=3)
 
 
 VARLEN_SITE = "varlen_attention"  # the site of varlen_attention's calls in runtime_stats()

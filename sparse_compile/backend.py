@@ -66,6 +66,9 @@ def log_level() -> Optional[int]:
     return _LOG_LEVELS[value]
 
 
+log_level()  # a bad SPARSE_COMPILE_LOG fails at import, in one line (the backend reads it again at each compile)
+
+
 def _check_environment() -> None:
     """Every SPARSE_COMPILE_ variable is read when the backend compiles, so a typo fails there, named."""
     try:

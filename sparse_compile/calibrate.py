@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -37,7 +39,7 @@ from .dense import dense_causal_attention
 from .padding import per_forward
 from .pipeline import capturing, dense_reason, run_method
 from .registry import DensityKnob, method_spec, registered_methods
-from .rules import excluded
+from .rules import excluded, prefill_length
 
 __all__ = ["calibrate", "Calibration", "SiteCalibration", "METRICS", "operator_error"]
 
@@ -191,8 +193,9 @@ class Calibration:
 
     def sparsity(self) -> sparsity:
         """A ``sparsity`` region that applies this calibration to a model compiled with any configuration, at
-        run time and without recompiling: its method and that method's parameters, ``site_params`` and
-        ``skip_layers``. Other fields (``min_seq_len``, ``kernel``, ...) stay as compiled."""
+        run time and without recompiling: its method and that method's parameters, ``site_params``,
+        ``skip_layers`` and ``min_seq_len`` (so the sample's length runs sparse there too). Other fields
+        (``kernel``, ``record_density``, ...) stay as compiled."""
         return sparsity(**self.sparsity_options())
 
     def sparsity_options(self) -> dict[str, Any]:
@@ -202,7 +205,7 @@ class Calibration:
         for name in ("reorder", "select"):
             if getattr(config, name) is not None:
                 params[name] = getattr(config, name)
-        return dict(method=config.method, skip_layers=config.skip_layers,
+        return dict(method=config.method, skip_layers=config.skip_layers, min_seq_len=config.min_seq_len,
                     site_params={site: dict(overrides) for site, overrides in config.site_params}, **params)
 
     # -- JSON ---------------------------------------------------------------------------------------------------
@@ -258,7 +261,7 @@ class Calibration:
 
     def __str__(self) -> str:
         head = (f"sparse_compile.calibrate: method {self.method}, {self.knob} per site, {self.metric} <= "
-                f"{self.target_error:g}; mean density {self.density:.3f}")
+                f"{self.target_error:g}; mean density {self.density:.3f}; min_seq_len {self.config.min_seq_len}")
         width = max([len(s.site) for s in self.sites] + [4])
         rows = [f"{'site':<{width}}  {self.knob:>14}  density  error"]
         for s in self.sites:
@@ -377,7 +380,7 @@ def _search(site: str, calls: list[_Call], config: SparseConfig, knob: DensityKn
 
 def calibrate(model: Callable, example_inputs: Any, *, method: Optional[str] = None, target_error: float,
               config: Optional[SparseConfig] = None, metric: str = "relative_l1", steps: int = 10,
-              offload: bool = False) -> Calibration:
+              offload: bool = False, min_seq_len: Optional[int] = None) -> Calibration:
     """Per attention site, the sparsest value of ``method``'s density knob whose error on the sample stays at most
     ``target_error``; returns a ``Calibration`` (its ``config`` goes to the backend, its ``sparsity()`` to a model
     compiled before; ``save``/``load`` as JSON).
@@ -397,12 +400,17 @@ def calibrate(model: Callable, example_inputs: Any, *, method: Optional[str] = N
     steps          bisection steps per site (the knob's range / 2**steps is the resolution).
     offload        keep the captured q, k, v on the CPU between the capture and the search (long samples on a GPU:
                    otherwise every site's q, k, v stay on the device until the search ends).
+    min_seq_len    the returned configuration's ``min_seq_len``. Unset (None, and ``config`` leaves it at the
+                   default 16384 or is None): the sample's length (its shortest calibrated call, as the length rule
+                   counts it) where that is shorter, so the calibrated prompts run sparse under ``config`` and
+                   shorter ones stay dense. Set here or in ``config`` (any other value): kept, with a UserWarning
+                   naming ``min_seq_len`` where it is above the sample's length (the sample would run dense).
 
     Sites whose error exceeds the target even at the knob's keep-most end (or where the method declines the
     input) are left dense, through ``skip_layers``. One knob per site (per layer): per-head settings are not
     searched. Every site is searched on the inputs of the dense model, so each bounds its own operator error;
     errors of earlier sites still move the inputs of later ones when all run sparse. The sample's length need not
-    reach ``min_seq_len``; the configuration keeps the base's.
+    reach ``min_seq_len`` (the search runs every call of the sample); ``min_seq_len`` above says what is returned.
     """
     if config is not None and not isinstance(config, SparseConfig):
         raise ValueError(f"calibrate(config=...): must be a SparseConfig, got {type(config).__name__}")
@@ -419,6 +427,11 @@ def calibrate(model: Callable, example_inputs: Any, *, method: Optional[str] = N
     base = SparseConfig(method=method) if config is None else config
     if base.method != method:
         base = base.with_overrides(method)
+    if min_seq_len is not None:
+        try:
+            base.replace(min_seq_len=min_seq_len)
+        except ValueError as exc:
+            raise ValueError(f"calibrate(min_seq_len=...): {exc}") from None
     base = base.replace(site_params=(), record_density=True)  # the search measures density per call
     knob = method_spec(base.select_stage).density
 
@@ -427,6 +440,8 @@ def calibrate(model: Callable, example_inputs: Any, *, method: Optional[str] = N
         raise ValueError("calibrate: the sample ran no attention call the sparse_prefill backend would make sparse "
                          "(no causal self-attention site was rewritten, or every call was a decode step or skipped); "
                          "sparse_compile.explain(model, ...) says why per site")
+    sample_length = min(prefill_length(call.q.shape[-2], call.k.shape[-2]) for calls in captured.values()
+                        for call in calls)
     results = []
     with torch.no_grad():
         for site, calls in captured.items():
@@ -439,5 +454,28 @@ def calibrate(model: Callable, example_inputs: Any, *, method: Optional[str] = N
     final = SparseConfig(method=method) if config is None else config
     if final.method != method:
         final = final.with_overrides(method)
-    final = final.replace(site_params=site_params, skip_layers=skip)
+    length = _returned_min_seq_len(min_seq_len, config, sample_length)
+    final = final.replace(site_params=site_params, skip_layers=skip, min_seq_len=length)
     return Calibration(final, float(target_error), metric, tuple(results))
+
+
+#: ``SparseConfig``'s default ``min_seq_len``: a config holding it is taken to leave the length unset
+_DEFAULT_MIN_SEQ_LEN = next(f.default for f in dataclasses.fields(SparseConfig) if f.name == "min_seq_len")
+
+
+def _returned_min_seq_len(given: Optional[int], config: Optional[SparseConfig], sample_length: int) -> int:
+    """The calibrated configuration's ``min_seq_len``: the caller's (``calibrate(min_seq_len=...)``, else a
+    ``config`` value other than the default), warned about where the sample would run dense under it; otherwise
+    the default lowered to the sample's length, so that the calibrated sample runs sparse."""
+    if given is None and config is not None and config.min_seq_len != _DEFAULT_MIN_SEQ_LEN:
+        given, source = config.min_seq_len, "config.min_seq_len"
+    else:
+        source = "calibrate(min_seq_len=...)"
+    if given is None:
+        return min(_DEFAULT_MIN_SEQ_LEN, max(sample_length, 2))
+    if given > sample_length:
+        warnings.warn(f"calibrate: min_seq_len={given} ({source}) is above the sample's length {sample_length}: "
+                      f"compiled with calibration.config the sample's prompts run dense (q_len {sample_length} < "
+                      f"min_seq_len {given}); pass calibrate(..., min_seq_len={sample_length}) or leave min_seq_len "
+                      "unset (it then becomes the sample's length)", UserWarning, stacklevel=3)
+    return given

@@ -291,6 +291,20 @@ class SparseConfig:
                 raise ValueError(f"SparseConfig.site_params[{site!r}] (parameters of method {stage!r}): "
                                  f"{exc}") from None
 
+    def __repr__(self) -> str:
+        """Only what differs from ``SparseConfig()``, as keyword arguments that rebuild it (a method's section
+        shows its changed fields): ``SparseConfig(method='pbs', pbs={'threshold': 1.0})``."""
+        default = SparseConfig().to_dict()
+        parts = []
+        for key, value in self.to_dict().items():
+            if isinstance(value, dict) and key in registered_methods():
+                value = {name: item for name, item in value.items() if item != default.get(key, {}).get(name)}
+                if value:
+                    parts.append(f"{key}={value!r}")
+            elif value != default.get(key):
+                parts.append(f"{key}={value!r}")
+        return f"SparseConfig({', '.join(parts)})"
+
     def __hash__(self) -> int:
         # hashed on every call of the op (the resolved configuration and the density history are keyed by it):
         # computed once per process (string hashes differ between processes, and a pickled config may travel)
