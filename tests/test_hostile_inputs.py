@@ -61,7 +61,9 @@ def own_attention(name: str):
 
 
 @needs_interface
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "gemma2", "gpt_oss"])
+# the models whose own attention is SDPA (qwen2, qwen3, mistral, phi3, gemma3) are compared with it the same way in
+# test_attention_interface.py; here one of them beside those that ship eager attention
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_oss"])
 def test_front_door_equals_the_models_own_attention(name):
     torch.manual_seed(0)
     model = own_attention(name)
