@@ -156,9 +156,11 @@ def test_generate_batch_runs_long_sequences_sparse_and_counts_every_call():
     steps = transformers.GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-1, pad_token_id=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref = model.generate_batch(prompts, generation_config=steps)
+        # a small paged cache: by default continuous batching sizes it by the free memory (gigabytes on a CPU)
+        small = transformers.ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=512)
+        ref = model.generate_batch(prompts, generation_config=steps, continuous_batching_config=small)
         model.compile(backend="sparse_prefill", options=SparseConfig(**PBS, min_seq_len=100).keep_all())
-        out = model.generate_batch(prompts, generation_config=steps)
+        out = model.generate_batch(prompts, generation_config=steps, continuous_batching_config=small)
     for request in ref:
         assert out[request].generated_tokens == ref[request].generated_tokens
     counted = sum(n for s in sparse_compile.runtime_stats().values() for n in s.calls.values())
