@@ -90,7 +90,7 @@ def main() -> None:
             ("sparge", dict(method="sparge")),
             ("s2o, early stop 0.01", dict(method="s2o", early_stop=0.01)),
         ]
-        said = set()
+        said: dict = {}  # reason -> the regions' methods it explains
         for name, region in regions:
             sparse_compile.reset_runtime_stats()
             with sparse_compile.sparsity(**region):  # the same compiled graph: no recompile
@@ -100,9 +100,12 @@ def main() -> None:
             err = (out - reference).norm() / reference.norm()
             print(f"{name:24s} density {density:.3f}   logits error vs dense {err:.2e}")
             note = explain_density(sparse_compile.SparseConfig(**options, **region), args.seq_len, density)
-            if note and note not in said:  # said once per method
-                said.add(note)
+            said.setdefault(note, []).append(name.split(",")[0].split(" ")[0])
+            if note and len(said[note]) == 1:  # each reason once, where it first applies
                 print("  " + note.replace("\n", "\n  "))
+        for note, names in said.items():
+            if note and len(names) > 1 and len(set(names)) > 1:  # a reason several methods share: name them
+                print(f"  (the same holds for {', '.join(names[1:])})")
 
 
 if __name__ == "__main__":
