@@ -60,7 +60,7 @@ from .scoring import Reordering, chunk_count, compute_dtype, group_scores, logic
 from .fast_path import check_selectable, plan_from_tables, segment_bound, tile_grid
 
 __all__ = ["BFLAParams", "MAX_GROUPS", "select_bfla", "select_bfla_fast", "bfla_block_scores", "block_softmax_scale",
-           "RANDOM_SALT"]
+           "planned_coarse_block", "RANDOM_SALT"]
 
 
 #: the most groups per coarse block (coarse_block_size / group_size). Every pair of groups of two coarse blocks is
@@ -151,6 +151,29 @@ def block_softmax_scale(params: BFLAParams, scale: float) -> float:
 RANDOM_SALT = 0x5851F42D
 
 
+def planned_coarse_block(params: BFLAParams, num_queries: int, key_length: int) -> int:
+    """The coarse block BFLA's stage 1 runs with on ``num_queries`` queries over ``key_length`` logical keys:
+    ``params.coarse_block_size``, or, where that holds the whole prompt and the mass rule keeps some mass
+    (0 < ``mass_threshold`` < 1), the smallest power of two >= the prompt holding whole groups and tiles (never
+    longer than the block asked for).
+
+    A coarse block holding the whole prompt is its only one (one coarse query block, one coarse key block) and
+    every tile maps to it, so the plan reads one score per (batch, query head): a visible block that is the
+    softmax's only candidate, probability exactly 1, kept by the cumulative-mass rule for any threshold > 0, and
+    kept as well where its score is not finite (``mass_keep``, ``kernels.mass``). So the plan does not depend on
+    the score, and the score needs no queries and keys padded to the block asked for: a 200-token prompt with
+    ``coarse_block_size=2**16`` padded 32 query heads to 2**16 rows (1.3 GB extra on the CPU reference). At
+    ``mass_threshold=0`` the block is kept only where its score is not finite, which a float32 sum of finite
+    products can decide by its order of summation: there the block asked for stays.
+    """
+    coarse = params.coarse_block_size
+    prompt = max(num_queries, key_length)
+    if coarse < prompt or not 0.0 < params.mass_threshold < 1.0:
+        return coarse
+    fit = max(1 << max(0, prompt - 1).bit_length(), params.group_size, params.tile_size_q, params.tile_size_kv)
+    return min(coarse, fit)
+
+
 def bfla_block_scores(q: torch.Tensor, k: torch.Tensor, block: int, group: int, key_index=None) -> torch.Tensor:
     """Steps 1-2: max-over-group-pairs block scores (B, Hq, ceil(Nq/b), ceil(L/b)) (unscaled, unmasked).
 
@@ -186,9 +209,11 @@ def bfla_block_scores(q: torch.Tensor, k: torch.Tensor, block: int, group: int, 
 
 def select_bfla(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
     params = config.params_of("bfla")
-    coarse, tile_q, tile_k = params.coarse_block_size, params.tile_size_q, params.tile_size_kv
     batch, heads_q, num_queries, _ = q.shape
     heads_kv, num_keys = k.shape[1], k.shape[2]
+    key_length = reordering.key_index.shape[-1] if reordering.key_index is not None else num_keys
+    coarse = planned_coarse_block(params, num_queries, key_length)
+    tile_q, tile_k = params.tile_size_q, params.tile_size_kv
     dev = q.device
     # per KV head: the tile mask is shared by the group
     tile_vis = visibility(num_queries, num_keys, tile_q, tile_k, reordering, batch, heads_kv, dev)
@@ -235,7 +260,9 @@ def select_bfla_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering:
 
     check_selectable(reordering)
     params = config.params_of("bfla")
-    coarse, tile_q, tile_k = params.coarse_block_size, params.tile_size_q, params.tile_size_kv
+    key_length = reordering.key_index.shape[-1] if reordering.key_index is not None else k.shape[2]
+    coarse = planned_coarse_block(params, q.shape[2], key_length)
+    tile_q, tile_k = params.tile_size_q, params.tile_size_kv
     segment = reordering.segment_size or 0
     permuted = reordering.key_index is not None
     rule = MassRule(threshold=params.mass_threshold, segment=segment,

@@ -45,8 +45,8 @@ from ..registry import DensityKnob, Method, register_method
 from .scoring import Reordering, Unsupported, block_mean, chunk_count, compute_dtype, finite_row_mean
 from .fast_path import plan_from_tables
 
-__all__ = ["S2OParams", "S2OLayout", "s2o_layout", "s2o_segment_tensors", "reorder_s2o", "select_s2o",
-           "reorder_s2o_fast", "select_s2o_fast"]
+__all__ = ["S2OParams", "S2OLayout", "s2o_layout", "s2o_segment_tensors", "planned_segment", "reorder_s2o",
+           "select_s2o", "reorder_s2o_fast", "select_s2o_fast"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,8 @@ class S2OParams(MethodParams):
     sort_queries: bool = True
 
     field_checks: ClassVar[dict] = {
-        # params.MAX_SPAN: the plans are laid out by whole segments, whatever the prompt's length
+        # params.MAX_SPAN: the plans are laid out by whole segments (on a prompt shorter than the segment, by the
+        # shortest with the same plans: planned_segment)
         "segment_size": span_field("the queries of a whole segment are pooled and each query block lists "
                                    "segment_size / block_size_kv window tiles, even on a short prompt"),
         "early_stop": fraction_field(), "block_size_q": block_field(), "block_size_kv": block_field()}
@@ -116,6 +117,27 @@ def s2o_layout(n: int, segment: int, block_n: int) -> S2OLayout:
     return S2OLayout(segment, tuple(seg_len), tuple(intra_pad), tuple(prefix_len), tuple(base), acc)
 
 
+def planned_segment(params: S2OParams, n: int) -> int:
+    """The segment S2O's plans of an ``n``-token prompt are laid out with: ``params.segment_size``, or, where that
+    is longer than the prompt, the smallest power of two >= n holding whole query and key blocks (never longer than
+    the segment asked for).
+
+    A segment at least as long as the prompt is its only segment whatever its length, so the plans are the same:
+    every segment of S2O's layout is [its own keys, padded to whole key tiles] + [its causal prefix], and the one
+    segment has n own keys and no prefix (the layout's lists, the key list and the tile tables are equal); the
+    query sort is a stable sort of the same n scores, the -inf padding after them being either length; the pooled
+    segment query means, which alone pool over the whole padded segment, rank the prefixes of later segments and
+    there are none. Without the clamp a 200-token prompt with ``segment_size=2**16`` pooled 32 heads of 2**16
+    padded query rows (2.9 GB extra on the CPU reference). Powers of two: few distinct segments (kernels compile
+    per segment length). ``execute_s2o`` keeps the segment asked for: its window pass's tables (segment / block_kv
+    int32 columns per query block: 512 at 2**16 / 128) pick the kernel's schedule by their width.
+    """
+    segment = params.segment_size
+    if segment <= n:
+        return segment
+    return min(segment, max(1 << (n - 1).bit_length(), params.block_size_q, params.block_size_kv))
+
+
 def _full_prefill_shape(q: torch.Tensor, k: torch.Tensor) -> tuple:
     """q's shape (B, Hq, N, D); ``Unsupported`` unless N == Nk (the paper's segments describe a full prefill)."""
     if q.shape[2] != k.shape[2]:
@@ -132,7 +154,8 @@ def _rank_first_if_nonfinite(scores: torch.Tensor) -> torch.Tensor:
 def reorder_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reordering:
     """S2O Algorithm 1 (intra-segment lightweight ranking), laid out as one logical key list for the plan.
 
-    * Segments of S over the sequence; the last one may be shorter (it is treated like the others).
+    * Segments of S over the sequence; the last one may be shorter (it is treated like the others). S is
+      ``planned_segment``: the segment asked for, or a shorter one with the same plans on a shorter prompt.
     * Query permutation (if ``sort_queries``): inside each segment, queries sorted by descending
       <Q[t], k_guide>, k_guide = mean of the first segment's keys (per KV head; Eq. 1). Per query head.
     * Key ranking: segment n's causal prefix [0, nS) sorted by descending <q_mean[n], K[t]> (Eq. 2), q_mean[n]
@@ -148,7 +171,7 @@ def reorder_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reord
     """
     params = config.params_of("s2o")
     batch, heads_q, n, dim = _full_prefill_shape(q, k)
-    heads_kv, S, bn = k.shape[1], params.segment_size, params.block_size_kv
+    heads_kv, S, bn = k.shape[1], planned_segment(params, n), params.block_size_kv
     group = heads_q // heads_kv
     cdt = compute_dtype(q)
     dev = q.device
@@ -254,13 +277,20 @@ def _s2o_width(n: int, segment: int, block_n: int):
 
 
 def reorder_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reordering:
-    """= ``reorder_s2o``: query sort inside segments, ranked causal prefixes, the logical key list."""
+    """= ``reorder_s2o``: query sort inside segments, ranked causal prefixes, the logical key list.
+
+    The layout, the ranking and the key list take ``planned_segment``; the pass over Q keeps the segment asked
+    for (its launch shape follows the segment, and with it the order of each row's guide product on the GPU), but
+    where that segment is too long to be sorted in its program (``kernels.sorting.MAX_SEGMENT``) the rows are
+    sorted apart, over the planned segment: the same stable sort, without a Q-sized padding to the whole
+    segment."""
     from ..kernels.pooling import block_pool
     from ..kernels.s2o import s2o_assemble, s2o_rank_keys
+    from ..kernels.sorting import MAX_SEGMENT, segmented_argsort_desc as sort_in_segments
 
     params = config.params_of("s2o")
     batch, heads_q, n, dim = _full_prefill_shape(q, k)
-    heads_kv, S, bn = k.shape[1], params.segment_size, params.block_size_kv
+    heads_kv, S, bn = k.shape[1], planned_segment(params, n), params.block_size_kv
     layout, _ = _s2o_width(n, S, bn)
     g = len(layout.seg_len)
     # k_guide (B, Hkv, D): the first segment's mean finite key (one launch, float32 accumulation)
@@ -269,9 +299,13 @@ def reorder_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> 
         first = layout.seg_len[0]
         guide = block_pool(k[:, :, :first], first, finite_rows_mean=True).mean[:, :, 0]
     # one pass over Q: per-head segment means (for the key ranking) and <Q[t], k_guide> sorted inside each
-    # segment by the same program (the query order)
-    pool = block_pool(q, S, guide=guide, sort_guide=True, finite_rows_mean=True)
-    query_index = pool.guide_order if params.sort_queries else None
+    # segment by the same program (the query order), or after it where the segment asked for is longer than a
+    # program sorts and the prompt plans a shorter one
+    sort_apart = S != params.segment_size and params.segment_size > MAX_SEGMENT
+    pool = block_pool(q, params.segment_size, guide=guide, sort_guide=not sort_apart, finite_rows_mean=True)
+    query_index = None
+    if params.sort_queries:
+        query_index = sort_in_segments(pool.guide_score, S, g) if sort_apart else pool.guide_order
     # the GQA group's mean of the segment means, once (averaging inside the ranking kernel re-read every head's
     # means in every program: 0.41 -> 0.58 ms at 128K, docs/kernels.md)
     q_mean = pool.mean.view(batch, heads_kv, heads_q // heads_kv, g, dim).mean(2)
