@@ -82,3 +82,12 @@ def fresh_compile_state():
     sparse_compile.reset_runtime_stats()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def one_thread():
+    """Many small tensors, two pytest workers on two cores: a second intra-op thread per worker only adds waiting."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

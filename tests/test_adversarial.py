@@ -27,14 +27,9 @@ COMPILED = "<scaled_dot_product_attention>"  # the site of a bare F.scaled_dot_p
 ROUNDING = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 FULL_PREFILL_ONLY = {"s2o"}  # declines q_len < kv_len ("needs a full prefill (Nq == Nk)"): runs dense, exactly
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensors, two pytest workers on two cores: a second intra-op thread per worker only adds waiting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+
 
 
 # ------------------------------------------------------------------------------------------ the error criterion

@@ -22,12 +22,6 @@ OPTIONS = dict(SMALL, kernel="reference", planner="reference")
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # many tiny calls: a second intra-op thread only adds waiting
-    yield
-    torch.set_num_threads(threads)
 
 
 def _tensor(rng, shape, dtype, layout):

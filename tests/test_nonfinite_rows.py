@@ -46,14 +46,9 @@ METHODS = sorted(registered_methods())
 FAST = ("sampled", "peak")  # the selectors whose fast path is their own scoring kernel (kernels.sampled, .peak)
 INF, NAN = float("inf"), float("nan")
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensors: a second intra-op thread only adds waiting (and CI runs two workers on two cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+
 
 
 def _config(method: str, **params) -> SparseConfig:

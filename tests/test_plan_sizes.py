@@ -25,14 +25,9 @@ from sparse_compile.params import MAX_SPAN
 
 LENGTHS = [7, 200, 257]
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread is quicker, and several oversubscribe a busy machine (a run of seconds per plan)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+
 
 
 def _round_up(n: int, block: int) -> int:
