@@ -63,11 +63,14 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(autouse=True)
 def _fresh_run_time_state():
-    """Every test starts from the same run-time state, whatever ran before it in this worker: no run-time records
-    and no break-even density history (both process-wide)."""
+    """Every test starts from the same run-time state, whatever ran before it in this worker: no compiled code (a
+    frame transformers shares between models, such as its deprecation wrapper, would otherwise reach Dynamo's
+    recompile limit after enough tests and run eager), no run-time records and no break-even density history (all
+    process-wide)."""
     import sparse_compile
     from sparse_compile import breakeven
 
+    torch._dynamo.reset()
     sparse_compile.reset_runtime_stats()
     breakeven.HISTORY.clear()
     yield
