@@ -72,6 +72,8 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx as fx
 
+from .local import CAUSAL, Local
+
 __all__ = ["MaskMatch", "NotProven", "analyse_mask", "removable_nodes", "undo_repeat_kv", "example_value",
            "is_input_view", "proof_holds_at", "mutated_inputs", "input_of", "document_ids"]
 
@@ -115,6 +117,7 @@ class MaskMatch:
     # the (batch, n) position ids it reads instead of a padding mask: documents packed in a row, each causal on its
     # own, a new one wherever a position is not its predecessor's plus one (transformers' packed sequences)
     documents: Optional[fx.Node] = None
+    local: Local = CAUSAL  # also a sliding window / chunked local attention (``local.py``)
 
     @property
     def reason(self) -> str:

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .local import CAUSAL, Local
 from .padding import read_once
 
 __all__ = ["MaskVerdict", "check_runtime_mask", "CHECK_ELEMENTS", "CHECKED", "NOT_CAUSAL"]
@@ -46,6 +47,7 @@ class MaskVerdict:
     num_keys: int = 0
     key_valid: Optional[Tensor] = None  # (batch, num_keys) bool, when causal
     segments: tuple = ()
+    local: Local = CAUSAL  # when causal: also a sliding window / chunks, relative to each row's first valid key
 
 
 def check_runtime_mask(mask: Tensor, batch: int, heads: int, num_queries: int, num_keys: int) -> MaskVerdict:

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field, fields
 
 from .config import SparseConfig
+from .local import Local
 
 __all__ = ["SiteSpec"]
 
@@ -30,6 +31,8 @@ class SiteSpec:
                     aligns top-left.
     binary_padding  the mask was proven for 0/1 key-padding values only: other values are an error.
     heads_inner     the replaced call's output memory layout (``attention_op.output_layout``).
+    window, chunk   the mask was proven to be causal AND a sliding window / chunked local attention (``local.py``;
+                    0: none).
     """
 
     site: str
@@ -38,6 +41,8 @@ class SiteSpec:
     queries_last: bool = False
     binary_padding: bool = False
     heads_inner: bool = True
+    window: int = 0
+    chunk: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.site, str):
@@ -45,8 +50,16 @@ class SiteSpec:
         if not isinstance(self.config, SparseConfig):
             raise TypeError(f"SiteSpec.config: must be a SparseConfig, got {type(self.config).__name__}")
         for f in fields(self)[2:]:
+            if f.name in ("window", "chunk"):
+                continue
             if not isinstance(getattr(self, f.name), bool):
                 raise TypeError(f"SiteSpec.{f.name}: must be True or False, got {getattr(self, f.name)!r}")
+        Local(self.window, self.chunk)  # validates both
+
+    @property
+    def local(self) -> Local:
+        """What the mask restricts beyond causal."""
+        return Local(self.window, self.chunk)
 
     def to_json(self) -> str:
         """Compact: the site, the configuration's non-default fields and the flags that differ from the defaults."""
