@@ -240,3 +240,14 @@ def test_real_weights_report_keeps_other_seeds_apart(tmp_path, capsys):
     table = {line.split("|")[3].strip(): line.split("|")[9].strip() for line in capsys.readouterr().out.splitlines()
              if line.startswith("| 16384")}
     assert table == {"dense": "2.300", "sampled": "0.010", "dense (seed 1)": "2.400", "sampled (seed 1)": "-0.013"}
+
+
+def test_serving_benchmark_smoke_every_chunk_counted_sparse(tmp_path):
+    # a prompt prefilled in chunks over one cache against one call, through the front door: every chunk's every
+    # layer counted sparse, the dense contenders counted nowhere, rows in the store under --out
+    _run_script(["benchmarks/bench_serving.py", "--smoke", "--out", str(tmp_path), "--store"], tmp_path)
+    rows = {r["contender"]: r for r in json.loads((tmp_path / "bench_serving.json").read_text())["rows"]}
+    assert rows["sparse one call"]["sparse_calls"] == 2 and rows["sparse chunked"]["sparse_calls"] == 2 * 4
+    assert rows["dense one call"]["sparse_calls"] == rows["dense chunked"]["sparse_calls"] == 0
+    stored = [json.loads(line) for line in (tmp_path / "bench_serving.jsonl").read_text().splitlines()]
+    assert {r["contender"] for r in stored if r["metric"] == "ttft_ms"} == set(rows)

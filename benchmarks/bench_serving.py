@@ -1,0 +1,145 @@
+"""Serving-shaped prefill: one long prompt prefilled in fixed chunks over a growing cache, against one call.
+
+Servers prefill long prompts in chunks (vLLM, SGLang and transformers' continuous batching all cap the tokens per
+step); each chunk's queries then attend to the whole prefix. This benchmark times, on the Llama-3.1-8B shape
+(random weights, ``e2e_model.build_model``) and through the front door (``enable_transformers_attention``):
+
+* ``dense one call`` / ``sparse one call``: the whole prompt in one forward (``logits_to_keep=1``);
+* ``dense chunked`` / ``sparse chunked``: ``--chunk`` tokens per forward over one ``DynamicCache``.
+
+Contenders alternate in one loop (``harness.alternating_samples``); every row carries the sparse and dense call
+counts the run made (``runtime_stats()``, per forward pass of the whole prompt) and the mean density of the sparse
+calls (``record_density``). Rows go to the store ``benchmarks/results/bench_serving.jsonl`` with ``--store``.
+
+    python benchmarks/bench_serving.py --lengths 131072 --chunk 8192 --store      # GPU
+    python benchmarks/bench_serving.py --smoke                                    # CPU, toy sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import sparse_compile  # noqa: E402
+from e2e_model import build_model, sync  # noqa: E402
+from harness import alternating_samples, write_results  # noqa: E402
+
+from sparse_compile import SparseConfig  # noqa: E402
+
+
+def chunked(model, ids, chunk: int):
+    """Prefill ``ids`` in ``chunk``-token forwards over one cache; the last chunk's last logits."""
+    import transformers
+
+    cache = transformers.DynamicCache()
+    logits = None
+    for start in range(0, ids.shape[1], chunk):
+        logits = model(ids[:, start:start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    return logits
+
+
+def one_call(model, ids):
+    return model(ids, use_cache=False, logits_to_keep=1).logits
+
+
+def counted(fn, model, implementation: str):
+    """``fn`` with the model on ``implementation`` for the call, and the calls it made by path."""
+    def call(ids):
+        model.config._attn_implementation = implementation
+        try:
+            return fn(ids)
+        finally:
+            model.config._attn_implementation = "sdpa"
+    return call
+
+
+def calls_by_path() -> dict:
+    totals = {"sparse": 0, "dense": 0}
+    for stats in sparse_compile.runtime_stats().values():
+        for (path, _), n in stats.calls.items():
+            totals[path] = totals.get(path, 0) + n
+    return totals
+
+
+def mean_density():
+    values = [s.mean_density for s in sparse_compile.runtime_stats().values() if s.mean_density is not None]
+    return statistics.fmean(values) if values else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[65536, 131072])
+    parser.add_argument("--chunk", type=int, default=8192)
+    parser.add_argument("--method", default=None, help="a method name (default: the package's default config)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's 32)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, for testing the script")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--store", action="store_true", help="append the rows to the benchmark's store")
+    args = parser.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if args.smoke:
+        args.lengths, args.chunk, args.reps = [256], 64, 1
+    model = build_model(args.smoke, device, dtype, args.layers)
+    options = dict(record_density=True)
+    if args.method:
+        options["method"] = args.method
+    if args.smoke:  # toy lengths: lower the floor and the blocks so the toy run takes the sparse path
+        options.update(method=args.method or "pbs", min_seq_len=16, pbs={"block_size": 16, "segment_size": 32})
+    config = SparseConfig(**options)
+    sparse_compile.enable_transformers_attention(model, config)
+    name = model.config._attn_implementation
+    model.config._attn_implementation = "sdpa"
+
+    rows = []
+    for length in args.lengths:
+        ids = torch.randint(1, model.config.vocab_size, (1, length), device=device)
+        contenders = {
+            "dense one call": counted(lambda x: one_call(model, x), model, "sdpa"),
+            "sparse one call": counted(lambda x: one_call(model, x), model, name),
+            "dense chunked": counted(lambda x: chunked(model, x, args.chunk), model, "sdpa"),
+            "sparse chunked": counted(lambda x: chunked(model, x, args.chunk), model, name),
+        }
+        per_run = {}
+        for label, fn in contenders.items():  # one untimed run each: its call counts and density
+            sparse_compile.reset_runtime_stats()
+            with torch.no_grad():
+                fn(ids)
+            sync()
+            per_run[label] = (calls_by_path(), mean_density())
+        memory = {}
+        if device == "cuda":
+            for label, fn in contenders.items():
+                torch.cuda.reset_peak_memory_stats()
+                with torch.no_grad():
+                    fn(ids)
+                memory[label] = torch.cuda.max_memory_allocated() / 2**30
+        with torch.no_grad():
+            samples = alternating_samples({k: (lambda f=f: f(ids)) for k, f in contenders.items()}, args.reps,
+                                          warmup=1)
+        one = statistics.median(samples["sparse one call"])
+        for label, times in samples.items():
+            calls, density = per_run[label]
+            rows.append(dict(length=length, chunk=args.chunk if "chunked" in label else length, contender=label,
+                             ttft_ms=statistics.median(times), sparse_calls=calls["sparse"],
+                             dense_calls=calls["dense"], density=density,
+                             vs_sparse_one_call=statistics.median(times) / one,
+                             peak_gib=memory.get(label)))
+    meta = dict(model="Llama-3.1-8B shape" if not args.smoke else "toy", layers=model.config.num_hidden_layers,
+                device=torch.cuda.get_device_name() if device == "cuda" else "cpu", dtype=str(dtype),
+                config=repr(config))
+    print(write_results("bench_serving", rows, meta=meta, out_dir=args.out,
+                        store="bench_serving" if args.store else None, params=("length", "chunk", "contender"),
+                        extra=dict(layers=model.config.num_hidden_layers, method=args.method or "default")))
+
+
+if __name__ == "__main__":
+    main()
