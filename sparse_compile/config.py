@@ -13,11 +13,9 @@ import dataclasses
 import functools
 import json
 import os
-import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Iterable, Mapping, Optional, TypeVar, Union, overload
 
-from . import params as _params
 from .params import MAX_INT, MethodParams, check_int
 from .registry import NO_REORDER, check_stage_pair, method_spec, registered_methods, reserve_names
 
@@ -337,14 +335,6 @@ class SparseConfig:
         raise ValueError(f"SparseConfig.params_of: method {name!r} was registered after this configuration was made; "
                          "make it again (or use sparsity(method=...))")
 
-    def __getattr__(self, name: str):
-        # deprecated: ``config.<method>`` for ``config.params_of("<method>")`` (where typed properties stood)
-        if not name.startswith("_") and name in registered_methods():
-            warnings.warn(f"SparseConfig.{name} is deprecated: use config.params_of({name!r}) (or the parameter "
-                          "class)", DeprecationWarning, stacklevel=2)
-            return self.params_of(name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         """The keyword names: the backend's own fields and one per registered method."""
@@ -468,20 +458,6 @@ class SparseConfig:
 
 
 reserve_names(f.name for f in fields(SparseConfig))  # no method may be called as a field
-
-#: names that lived here before ``params.py`` held them (deprecated here)
-_MOVED_TO_PARAMS = ("MethodParams", "MAX_BLOCK", "MAX_INT", "fail", "check_block", "check_fraction", "check_stride",
-                    "check_share", "check_int", "check_finite", "block_field", "fraction_field", "int_field",
-                    "finite_field", "optional_field")
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_PARAMS:
-        warnings.warn(f"sparse_compile.config.{name} is deprecated: use sparse_compile.params.{name}",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(_params, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 def _non_default(value: dict, default: dict) -> dict:
     out = {}

@@ -72,16 +72,14 @@ def test_registry_derives_the_rest():
 
 
 def test_method_parameters_are_typed_and_read_through_params_of():
-    """Any method's parameters: ``params_of`` by name or by class (typed as that class); ``config.<method>`` (the
-    typed properties the paper methods had) still reads them, deprecated; any other name is an AttributeError."""
+    """Any method's parameters: ``params_of`` by name or by class (typed as that class); any other
+    attribute is an AttributeError."""
     from sparse_compile import PBSParams, SampledParams
 
     config = SparseConfig(method="sampled", sampled={"budget": 0.2}, pbs=PBSParams(threshold=0.5))
     assert isinstance(config.params_of("pbs"), PBSParams) and config.params_of("pbs").threshold == 0.5
     assert config.params_of(SampledParams).budget == 0.2 and config.params_of("sampled") is config.params_of(
         SampledParams)
-    with pytest.warns(DeprecationWarning, match=r"params_of\('pbs'\)"):
-        assert config.pbs is config.params_of("pbs")  # noqa: B018
     with pytest.raises(AttributeError):
         config.nope  # noqa: B018
     with pytest.raises(ValueError, match="unknown method"):
