@@ -264,7 +264,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, scale: Opt
     """
     validate_qkv(q, k, v, who="ulysses_attention", dtypes=SUPPORTED_DTYPES + (torch.float64,))
     if config is not None and not isinstance(config, SparseConfig):
-        raise TypeError(f"sparse_attention: config must be a SparseConfig, got {type(config).__name__}")
+        raise TypeError(f"ulysses_attention: config must be a SparseConfig, got {type(config).__name__}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError("ulysses_attention: inference only (the all-to-all has no backward); "
                            "call it under torch.no_grad()")
