@@ -117,14 +117,18 @@ class MaskMatch:
     # the (batch, n) position ids it reads instead of a padding mask: documents packed in a row, each causal on its
     # own, a new one wherever a position is not its predecessor's plus one (transformers' packed sequences)
     documents: Optional[fx.Node] = None
-    local: Local = CAUSAL  # also a sliding window / chunked local attention (``local.py``)
+    # also a sliding window / chunked local attention (``local.py``), in the keys' positions in the row: chunks
+    # start at the row's first valid key, and a row whose valid keys have holes has its window in those positions,
+    # not among its valid keys (the same as among them for left or right padding)
+    local: Local = CAUSAL
 
     @property
     def reason(self) -> str:
         if self.documents is not None:
             return (f"causal mask within the documents packed in each row proven from the graph (documents from the "
                     f"position ids in input {self.documents.name})")
-        what = "causal mask" if self.key_padding is None else "causal mask AND key padding"
+        what = "causal mask" if self.local.is_causal else f"causal mask AND {self.local.describe()}"
+        what += "" if self.key_padding is None else " AND key padding"
         values = " (0/1 padding values)" if self.binary_padding else ""
         return f"{what} proven from the graph ({_describe(self.key_padding, self.query_positions)}){values}"
 
@@ -375,10 +379,14 @@ def _keep(mask: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def _expected(batch: int, nq: int, nk: int, padding: Optional[torch.Tensor], device,
-              documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+              documents: Optional[torch.Tensor] = None, local: Local = CAUSAL) -> torch.Tensor:
     qpos = torch.arange(nk - nq, nk, device=device)
-    causal = torch.arange(nk, device=device)[None, :] <= qpos[:, None]  # (nq, nk)
-    out = causal.expand(batch, nq, nk)
+    keys = torch.arange(nk, device=device)
+    if local.chunk and padding is not None:  # chunks start at each row's first valid key (nk: none)
+        first = torch.where(padding != 0, keys, nk).amin(-1)[:, None]  # (B, 1)
+        out = local.visible(qpos - first, keys - first)  # (B, nq, nk)
+    else:  # a window is the same relative to any origin
+        out = local.visible(qpos, keys).expand(batch, nq, nk)
     if padding is not None:
         out = out & (padding != 0)[:, None, :]
     if documents is not None:
@@ -854,10 +862,12 @@ def _odd(x: float) -> int:
     return n if n % 2 else n + 1
 
 
-def _reach(gm: fx.GraphModule, ordered: list, mask: fx.Node, space: _Space, inputs_for) -> tuple:
+def _reach(gm: fx.GraphModule, ordered: list, mask: fx.Node, space: _Space, inputs_for,
+           first: int = FIRST_LENGTH) -> tuple:
     """(n_a, n_b, bites): two lengths past every constant the mask depends on, found by evaluating the slice at two
-    lengths, measuring each call's bites, and moving both lengths past twice the largest until none is beyond."""
-    n_a = FIRST_LENGTH
+    lengths (from ``first``), measuring each call's bites, and moving both lengths past twice the largest until none
+    is beyond."""
+    n_a = first
     for _ in range(MAX_ROUNDS):
         n_b = n_a + LENGTH_STEP
         if space.keys_at(n_b) > MAX_EVAL_LENGTH or space.elements(n_b) > MAX_EVAL_ELEMENTS:
@@ -895,11 +905,20 @@ def _reach(gm: fx.GraphModule, ordered: list, mask: fx.Node, space: _Space, inpu
     raise _Unsupported("the lengths past every constant of the mask did not settle")
 
 
-def _points(gm: fx.GraphModule, ordered: list, mask: fx.Node, space: _Space, inputs_for) -> list:
-    """Every (sizes, batch, q_len, kv_len) the mask is checked at."""
+def _points(gm: fx.GraphModule, ordered: list, mask: fx.Node, space: _Space, inputs_for,
+            local: Local = CAUSAL) -> list:
+    """Every (sizes, batch, q_len, kv_len) the mask is checked at; ``local``'s window and chunk are bites too (the
+    expected mask changes where they start to matter, and the lengths past every bite are past them)."""
     if space.exact:
         return [space.point(space.nq, 0)]
-    n_a, n_b, bites = _reach(gm, ordered, mask, space, inputs_for)
+    widths = [w for w in (local.window, local.chunk) if w]
+    first = max([FIRST_LENGTH] + [_odd(REACH_FACTOR * w + REACH_MARGIN) for w in widths])
+    n_a, n_b, bites = _reach(gm, ordered, mask, space, inputs_for, first)
+    bites = bites + [_Bite(float(w), "the window" if w == local.window else "the chunk size", float(w))
+                     for w in widths]
+    if space.chunk_offset is not None:  # n is the cached prefix: where the first and last query reach a width
+        bites += [_Bite(float(w - d), "the local width", float(w)) for w in widths for d in (0, space.nq)
+                  if w - d > 0]
     if space.static:
         if space.nq < n_a:  # the traced length is not past every constant: a substituted length proves nothing
             raise _Unsupported(f"static length {space.nq} is too long to evaluate the mask at and within reach of "
@@ -981,6 +1000,11 @@ def _prove(gm: fx.GraphModule, ordered: list, nodes: set, mask: fx.Node, q: torc
         space = _space(nodes, q, k, tied - _symbols(nk))
         _check_other_sizes(ordered, set(space.base))
         points = _points(gm, ordered, mask, space, inputs_for)
+        local = CAUSAL
+        if documents is None:
+            local = _infer_local(gm, ordered, mask, points, pad_dtype, inputs_for)
+            if not local.is_causal:  # its widths are bites of the expected mask: checked around and past them too
+                points = _points(gm, ordered, mask, space, inputs_for, local)
     except _Unsupported as exc:
         return NotProven(str(exc))
     # 0/1 padding values must give the causal & padding mask; other values only where the mask reads nothing but
@@ -999,7 +1023,7 @@ def _prove(gm: fx.GraphModule, ordered: list, nodes: set, mask: fx.Node, q: torc
             try:
                 value = _evaluate(gm, ordered, mask, sizes, inputs_for(batch, n_q, n_k, trial))
                 problem = (_compare(value, batch, n_q, n_k, None, documents=trial) if documents is not None else
-                           _compare(value, batch, n_q, n_k, trial))
+                           _compare(value, batch, n_q, n_k, trial, local=local))
             except Exception as exc:  # noqa: BLE001 - any failure means "not proven"
                 problem = f"could not be evaluated ({type(exc).__name__}: {str(exc)[:120]})"
             if problem and number == 4 and padding is not None:
@@ -1007,10 +1031,57 @@ def _prove(gm: fx.GraphModule, ordered: list, nodes: set, mask: fx.Node, q: torc
             elif problem:
                 what = "" if trial is None else " with packed documents" if documents is not None else \
                     " with a padding mask"
-                return NotProven(f"not a causal{' & key-padding' if padding is not None else ''} mask: at "
+                structure = "causal" if local.is_causal else f"causal AND {local.describe()}"
+                return NotProven(f"not a {structure}{' & key-padding' if padding is not None else ''} mask: at "
                                  f"{n_q} tokens{what} it {problem}")
     return MaskMatch(key_padding=padding, query_positions=positions, nodes=frozenset(nodes), binary_padding=binary,
-                     documents=documents)
+                     documents=documents, local=local)
+
+
+def _infer_local(gm: fx.GraphModule, ordered: list, mask: fx.Node, points: list, pad_dtype,
+                 inputs_for) -> Local:
+    """The window and chunk size the mask restricts causal attention to, read from its values with every key valid
+    (batch row 0, head 0): first at the longest point (past every bite), then, where that shows one, from every
+    point (a chunk size is the gcd of where chunks start: a short static chunk of queries may see one chunk only).
+    A guess only: the proof is the comparison at every point that follows; anything else (not causal, not
+    contiguous, heads that differ) is left to that comparison to report."""
+    def rows_at(point) -> Optional[tuple]:
+        sizes, batch, n_q, n_k = point
+        trial = None if pad_dtype is None else torch.ones(batch, n_k, dtype=pad_dtype, device=example_value(mask).device)
+        try:
+            keep = _keep_4d(_evaluate(gm, ordered, mask, sizes, inputs_for(batch, n_q, n_k, trial)), n_q, n_k)
+        except Exception:  # noqa: BLE001 - the comparison reports it
+            return None
+        if isinstance(keep, str):
+            return None
+        keep = keep[0, 0]
+        qpos, keys = torch.arange(n_k - n_q, n_k), torch.arange(n_k)
+        lo = torch.where(keep, keys, n_k).amin(-1)
+        hi = torch.where(keep, keys, -1).amax(-1)
+        if not bool(((hi == qpos) & (keep.sum(-1) == hi - lo + 1)).all()):
+            return None  # not causal with one contiguous range per row: no window to read
+        return qpos, lo
+
+    longest = max(points, key=lambda p: (p[3], p[2]))
+    rows = rows_at(longest)
+    if rows is None or not bool(rows[1].any()):
+        return CAUSAL
+    everywhere = [r for r in (rows_at(p) for p in points) if r is not None] + [rows]
+    window = max(int((qpos - lo + 1).max()) for qpos, lo in everywhere)
+    reach = max(int((qpos - lo).max()) for qpos, lo in everywhere)
+    chunk = 0
+    for _, lo in everywhere:
+        for start in lo.unique().tolist():
+            chunk = math.gcd(chunk, int(start))
+    candidates = [Local(window=window)]
+    if chunk > reach:
+        candidates += [Local(chunk=chunk), Local(window=window, chunk=chunk)]
+    qpos, lo = rows
+    keys = torch.arange(int(qpos[-1]) + 1)  # the queries are the last keys
+    for candidate in candidates:
+        if bool((torch.where(candidate.visible(qpos, keys), keys, len(keys)).amin(-1) == lo).all()):
+            return candidate
+    return CAUSAL
 
 
 def _tied(a: Any, b: Any) -> bool:
@@ -1026,8 +1097,8 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _compare(value: Any, batch: int, nq: int, nk: int, padding: Optional[torch.Tensor],
-             documents: Optional[torch.Tensor] = None) -> Optional[str]:
+def _keep_4d(value: Any, nq: int, nk: int) -> Union[torch.Tensor, str]:
+    """The entries a mask value keeps as (B or 1, H or 1, nq, nk) bool, or what is wrong with it."""
     if not isinstance(value, torch.Tensor) or value.dim() not in (2, 3, 4):
         return f"is not a 2-D to 4-D tensor ({type(value).__name__})"
     if tuple(value.shape[-2:]) != (nq, nk):
@@ -1036,11 +1107,17 @@ def _compare(value: Any, batch: int, nq: int, nk: int, padding: Optional[torch.T
     if keep is None:
         return "holds values other than 0 and the masked value (a bias, not a mask)"
     keep = keep.reshape(-1 if keep.dim() == 2 else keep.shape[0], *keep.shape[-3 if keep.dim() == 4 else -2:])
-    if keep.dim() == 3:
-        keep = keep[:, None]
+    return keep[:, None] if keep.dim() == 3 else keep
+
+
+def _compare(value: Any, batch: int, nq: int, nk: int, padding: Optional[torch.Tensor],
+             documents: Optional[torch.Tensor] = None, local: Local = CAUSAL) -> Optional[str]:
+    keep = _keep_4d(value, nq, nk)
+    if isinstance(keep, str):
+        return keep
     if keep.shape[0] not in (1, batch):
         return f"has batch {keep.shape[0]}, expected {batch}"
-    expected = _expected(batch, nq, nk, padding, keep.device, documents)[:, None]  # (B, 1, nq, nk)
+    expected = _expected(batch, nq, nk, padding, keep.device, documents, local)[:, None]  # (B, 1, nq, nk)
     compared = expected.any(-1, keepdim=True)  # rows with no visible key are undefined everywhere
     differs = (keep != expected) & compared
     if bool(differs.any()):

@@ -6,7 +6,7 @@ between dense and sparse (``pipeline.py``).
 
 A site is causal either by ``is_causal=True`` or by an ``attn_mask`` built inside the graph that ``masks.py``
 proves to be the causal mask, or the causal mask AND a key-padding mask read from one ``(batch, kv_len)`` input
-(what transformers builds when traced). A mask that arrives as a graph input (built outside the compiled function
+(what transformers builds when traced), either also AND a sliding window or chunks (``SiteSpec.window``/``chunk``). A mask that arrives as a graph input (built outside the compiled function
 or before a graph break) cannot be proven from the graph: the op receives it and checks its values at run time
 (``runtime_mask.py``), running sparse only where they are causal AND key padding. Such a site gets the padding input instead of the mask, so the whole mask
 subgraph becomes dead and is removed: no N x N mask is allocated. K/V that the model repeated to the query heads
@@ -15,6 +15,7 @@ subgraph becomes dead and is removed: no N x N mask is allocated. K/V that the m
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 import sys
@@ -28,13 +29,14 @@ import torch.nn.functional as F
 
 from .attention_op import OP, output_layout
 from .config import SparseConfig
+from .local import CAUSAL
 from .masks import (MaskMatch, NotProven, analyse_mask, example_value, input_of, is_input_view, mutated_inputs,
                     proof_holds_at, removable_nodes, undo_repeat_kv)
 from .report import SiteRecord
 from .rules import REWRITE_RULES, first_failure, layer_index
 from .site import SiteSpec
 
-__all__ = ["rewrite_graph", "module_path", "find_sdpa_calls", "SdpaCall", "reads_mutated_input"]
+__all__ = ["rewrite_graph", "module_path", "find_sdpa_calls", "SdpaCall", "reads_mutated_input", "local_attention_runs"]
 
 log = logging.getLogger("sparse_compile")
 
@@ -118,6 +120,14 @@ class SdpaCall:
     @property
     def v(self):
         return self.value("value")
+
+
+def local_attention_runs() -> bool:
+    """Whether the pipeline honours a site's sliding window / chunks (``SiteSpec.local``): until it does, a mask
+    proven local stays dense SDPA rather than run as plain causal attention."""
+    from . import pipeline
+
+    return "local" in inspect.signature(pipeline.attend_causal).parameters
 
 
 def _analyse_cached(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q, k):
@@ -214,6 +224,11 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
             continue
         node = call.node
         mask = call.mask
+        if isinstance(mask, MaskMatch) and not mask.local.is_causal and not local_attention_runs():
+            records.append(SiteRecord(rewritten=False, rule="local_attention", reason=(
+                f"{mask.reason}, but this version's attention op runs no sliding window or chunks: left dense"),
+                **record))
+            continue
         key, value, gqa, repeat_chain = _native_kv(call)
         if repeat_chain:
             dropped |= set(repeat_chain)
@@ -223,9 +238,10 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
         if isinstance(mask, MaskMatch):
             padding, positions, documents = mask.key_padding, mask.query_positions, mask.documents
             dropped |= set(mask.nodes)
+        local = mask.local if isinstance(mask, MaskMatch) else CAUSAL
         spec = SiteSpec(call.site, config, enable_gqa=gqa, queries_last=mask is not None,
                         binary_padding=isinstance(mask, MaskMatch) and mask.binary_padding,
-                        heads_inner=_heads_inner(call))
+                        heads_inner=_heads_inner(call), window=local.window, chunk=local.chunk)
         query = call.args["query"]
         with gm.graph.inserting_before(node):
             cast = call.autocast_dtype

@@ -141,7 +141,7 @@ def test_masks_proven_causal_are_rewritten(kind):
 
 
 @pytest.mark.parametrize("kind, why", [
-    ("prefix_lm", "keeps key"), ("window", "masks key"), ("documents", "masks key"), ("pad_id_5", "keeps key"),
+    ("prefix_lm", "keeps key"), ("documents", "masks key"), ("pad_id_5", "keeps key"),
     ("bias", "a bias, not a mask"),
 ])
 def test_masks_that_are_not_causal_stay_dense_with_a_reason(kind, why):
@@ -152,6 +152,17 @@ def test_masks_that_are_not_causal_stay_dense_with_a_reason(kind, why):
     assert len(records) == 1 and not records[0].rewritten
     assert "not proven causal" in records[0].reason and why in records[0].reason, records[0].reason
     torch.testing.assert_close(out, MaskedAttention(kind)(q, q, q, ids, custom), equal_nan=True)
+
+
+def test_window_mask_is_proven_with_its_width():
+    """A sliding window is causal AND local: proven with its width, run by the op where it honours windows."""
+    from sparse_compile.rewrite import local_attention_runs
+
+    q = torch.randn(2, 2, 33, 16)
+    records, out = traced_records(MaskedAttention("window"), q, q, q)
+    assert len(records) == 1 and records[0].rewritten == local_attention_runs(), records[0].reason
+    assert "causal mask AND sliding window 12 proven from the graph" in records[0].reason, records[0].reason
+    torch.testing.assert_close(out, MaskedAttention("window")(q, q, q), rtol=1e-4, atol=1e-5)
 
 
 def test_mask_passed_in_is_checked_at_run_time():
