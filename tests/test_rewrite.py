@@ -115,8 +115,8 @@ class MaskedAttention(nn.Module):
             mask = (j <= i) | (j < 8)
         elif self.kind == "window":  # sliding window of 12
             mask = (j <= i) & (j > i - 12)
-        elif self.kind == "documents":  # packed: two documents, boundary at 20
-            mask = (j <= i) & ((i < 20) == (j < 20))
+        elif self.kind == "documents":  # packed: two documents, boundary at 13 (at 33 tokens not chunks of 13)
+            mask = (j <= i) & ((i < 13) == (j < 13))
         elif self.kind == "pad_id_0":  # padding read from the token ids themselves (pad id 0)
             mask = (j <= i)[None, None] & (ids != 0)[:, None, None, :]
         elif self.kind == "pad_id_5":
