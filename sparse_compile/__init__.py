@@ -41,6 +41,7 @@ from .registry import DensityKnob, Method, register_method  # noqa: E402
 from .parallel import sequence_parallel, ulysses_attention  # noqa: E402
 from .report import reset_runtime_stats, runtime_stats  # noqa: E402
 from .transformers_attention import enable_transformers_attention, register as _register  # noqa: E402
+from .serving import serving_attention  # noqa: E402
 
 _register()  # the "sparse_prefill" attention implementation, where transformers is imported already
 
@@ -73,6 +74,7 @@ __all__ = [
     "runtime_stats",
     "reset_runtime_stats",
     "enable_transformers_attention",
+    "serving_attention",
 ]
 
 __version__ = "0.1.0"

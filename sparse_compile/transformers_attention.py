@@ -54,8 +54,8 @@ from .padding import owned_mask, padding_layout
 from .pipeline import DENSE, DOCUMENT, attend, attend_causal, attend_segments
 from .rules import autocast_inputs
 
-__all__ = ["NAME", "MIN_TRANSFORMERS", "register", "enable_transformers_attention", "attention_forward",
-           "mask_forward"]
+__all__ = ["NAME", "MIN_TRANSFORMERS", "register", "enable_transformers_attention", "config_of",
+           "attention_forward", "mask_forward"]
 
 NAME = "sparse_prefill"
 MIN_TRANSFORMERS = (4, 53)  # AttentionInterface came in 4.51, AttentionMaskInterface (masking_utils) in 4.53
@@ -221,6 +221,12 @@ def _site_of(module: torch.nn.Module) -> str:
 
 def _config_of(module: torch.nn.Module) -> SparseConfig:
     return _CONFIGS.get(module, _DEFAULT[0])
+
+
+def config_of(module: Optional[torch.nn.Module]) -> SparseConfig:
+    """The ``SparseConfig`` a module's attention runs with: the one ``enable_transformers_attention(model, config)``
+    gave its model, else the default (``enable_transformers_attention(None, config)``); None: the default."""
+    return _DEFAULT[0] if module is None else _config_of(module)
 
 
 # -- notes on the masks this module returns ---------------------------------------------------------------------

@@ -1,0 +1,325 @@
+"""Serving through transformers' kernels route: the attention implementation ``"sparse-compile/flash-sparse-prefill"``.
+
+transformers' continuous batching (``generate_batch``, ``init_continuous_batching``, ``transformers serve
+--continuous-batching``) takes ``"sdpa"``, ``"paged|eager"`` or a flash implementation, and a flash implementation
+named like a Hub kernel (``org/name``) is loaded by the ``kernels`` package (``pip install sparse_compile[serving]``).
+The package ships such a kernel repository (``sparse_compile/hub_kernel``, one ``torch-universal`` build) whose
+module exposes this module's ``flash_attn_varlen_func`` and ``flash_attn_func`` in FlashAttention's convention;
+``kernels`` loads it from the local path given by its ``LOCAL_KERNELS`` variable (``repo_id=path``), so nothing is
+downloaded:
+
+    sparse_compile.serving_attention(model, SparseConfig(method="pbs"))   # returns KERNEL_NAME
+    model.generate_batch(prompts, generation_config=...)                   # long prompts sparse, decode dense
+
+    LOCAL_KERNELS=sparse-compile/flash-sparse-prefill=$(python -m sparse_compile.serving) \\
+    SPARSE_COMPILE_CONFIG='{"method": "pbs"}' \\
+    transformers serve --continuous-batching --attn-implementation sparse-compile/flash-sparse-prefill MODEL
+
+Every causal call without soft-capping, ALiBi, attention sinks, dropout or a window that binds runs
+``sparse_compile.varlen_attention``: each packed sequence decided by the package's rules and recorded in
+``runtime_stats()`` (site ``"varlen_attention"``), long prompts by the method, short ones and decode tokens dense with
+their reasons. Anything else runs an exact dense reference per sequence, recorded dense with the reason (said once
+per reason as a ``UserWarning``): never a different result.
+
+The configuration: a model switched by ``serving_attention(model, config)`` holds ``config`` (as
+``enable_transformers_attention``'s models do) and its attention layers call ``attention_forward``, which gives it to
+the kernel for that call, in whatever thread continuous batching runs them. A kernel call from elsewhere (a model
+loaded with ``attn_implementation=KERNEL_NAME`` by a server, which calls transformers' own flash wrapper) uses the
+JSON configuration in ``SPARSE_COMPILE_CONFIG`` if set (``SparseConfig.to_json()``), else the front door's default
+(``enable_transformers_attention(None, config)``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import report
+from .api import VARLEN_SITE, varlen_attention
+from .config import SparseConfig
+from .pipeline import DENSE
+
+__all__ = ["KERNEL_NAME", "KERNEL_PATH", "CONFIG_VARIABLE", "serving_attention", "local_kernels_entry",
+           "attention_forward", "flash_attn_varlen_func", "flash_attn_func"]
+
+#: the attention implementation's name: a Hub kernel pattern (``org/name``) with "flash" in it (what continuous
+#: batching accepts) and no version digit (transformers would take a "flash...2" or "flash...3" name for FA2/FA3)
+KERNEL_NAME = "sparse-compile/flash-sparse-prefill"
+#: the kernel repository shipped in the package (``build/torch-universal``: metadata.json and the module)
+KERNEL_PATH = Path(__file__).resolve().parent / "hub_kernel"
+#: a ``SparseConfig.to_json()`` text, for kernel calls made without a model's configuration (``transformers serve``)
+CONFIG_VARIABLE = "SPARSE_COMPILE_CONFIG"
+
+_CALL_CONFIG: contextvars.ContextVar[Optional[SparseConfig]] = contextvars.ContextVar("sparse_compile_serving",
+                                                                                    default=None)
+_WARNED: set = set()
+
+
+# -- the configuration of a kernel call ------------------------------------------------------------------------
+@functools.lru_cache(maxsize=8)
+def _config_from_text(text: str) -> SparseConfig:
+    try:
+        return SparseConfig.from_json(text)
+    except Exception as exc:
+        raise ValueError(f"sparse_compile: {CONFIG_VARIABLE} is not a SparseConfig's JSON ({exc}): {text[:200]!r}") \
+            from exc
+
+
+def _call_config() -> SparseConfig:
+    held = _CALL_CONFIG.get()
+    if held is not None:
+        return held
+    text = os.environ.get(CONFIG_VARIABLE)
+    if text:
+        return _config_from_text(text)
+    from .transformers_attention import config_of
+
+    return config_of(None)
+
+
+# -- FlashAttention's entry points -------------------------------------------------------------------------------
+def _dense_reason(causal, softcap, alibi_slopes, dropout_p, s_aux) -> Optional[str]:
+    """Why a whole call needs the dense reference (None: causal, no feature the sparse path lacks)."""
+    if not causal:
+        return "not causal (causal=False): the dense reference"
+    if softcap:
+        return f"attention logit soft-capping ({softcap}): the dense reference"
+    if alibi_slopes is not None:
+        return "ALiBi slopes: the dense reference"
+    if s_aux is not None:
+        return "attention sinks (s_aux): the dense reference"
+    if dropout_p:
+        return f"dropout {dropout_p}: the dense reference"
+    return None
+
+
+def _window(window_size) -> tuple[int, int]:
+    if window_size is None:
+        return -1, -1
+    left, right = (int(w) for w in window_size)
+    return left, right
+
+
+def _reference(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, window: tuple[int, int],
+               softcap: float, alibi: Optional[Tensor], dropout_p: float, sinks: Optional[Tensor]) -> Tensor:
+    """One sequence by FlashAttention's definition: q ``(Nq, Hq, D)`` at the last positions of k, v ``(Nk, Hkv, D)``
+    (causal and the window bottom-right aligned), soft-capping after the scale, ALiBi ``-slope * |i - j|``, a sink
+    logit per head in the denominator, dropout on the probabilities; queries that see no key give zeros. Computed in
+    float32 (float64 kept), returned in q's dtype."""
+    n_q, heads, _ = q.shape
+    n_k, kv_heads = k.shape[0], k.shape[1]
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qf, kf, vf = (t.to(work) for t in (q, k, v))
+    if kv_heads != heads:
+        kf, vf = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (kf, vf))
+    scores = torch.einsum("qhd,khd->hqk", qf, kf) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    rel = (torch.arange(n_q, device=q.device) + (n_k - n_q))[:, None] - torch.arange(n_k, device=q.device)[None]
+    if alibi is not None:
+        scores = scores - alibi.to(work).reshape(heads, 1, 1) * rel.abs()
+    allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device)
+    left, right = window
+    if causal:
+        allowed &= rel >= 0
+    if left >= 0:
+        allowed &= rel <= left
+    if right >= 0:
+        allowed &= -rel <= right
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(work).reshape(heads, 1, 1).expand(heads, n_q, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)  # a query that sees no key
+    if dropout_p:
+        probs = F.dropout(probs, dropout_p)
+    return torch.einsum("hqk,khd->qhd", probs, vf).to(q.dtype)
+
+
+def _say(reason: str) -> None:
+    """A ``UserWarning`` once per process and reason: such calls run the dense reference, not the method."""
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"sparse_compile ({KERNEL_NAME}): {reason} runs for such calls instead of the sparse path "
+                      "(an exact result; recorded dense in runtime_stats(); said once per reason)", UserWarning,
+                      stacklevel=3)
+
+
+def _offsets(cu: Tensor, name: str) -> list[int]:
+    if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{KERNEL_NAME}: {name} must be a 1-D tensor of offsets")
+    return [int(x) for x in cu.tolist()]
+
+
+@torch.compiler.disable
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                           dropout_p: float = 0.0, softmax_scale: Optional[float] = None, causal: bool = False,
+                           window_size=(-1, -1), softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+                           deterministic: bool = False, return_attn_probs: bool = False,
+                           s_aux: Optional[Tensor] = None) -> Tensor:
+    """FlashAttention's ``flash_attn_varlen_func``: q ``(T_q, Hq, D)``, k and v ``(T_k, Hkv, D)``, sequence ``s`` the
+    queries ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` at the last positions of its keys. Returns ``(T_q, Hq, Dv)``;
+    rows past ``cu_seqlens_q[-1]`` (a padded batch) are zeros. ``max_seqlen_*`` and ``deterministic`` are accepted
+    and not needed; ``return_attn_probs=True`` is refused (no probabilities are formed)."""
+    if return_attn_probs:
+        raise NotImplementedError(f"{KERNEL_NAME}: return_attn_probs=True is not supported (use eager attention)")
+    starts_q, starts_k = _offsets(cu_seqlens_q, "cu_seqlens_q"), _offsets(cu_seqlens_k, "cu_seqlens_k")
+    used_q, used_k = starts_q[-1], starts_k[-1]
+    if used_q > q.shape[0] or used_k > k.shape[0]:
+        raise ValueError(f"{KERNEL_NAME}: cu_seqlens end at {used_q} queries and {used_k} keys, but q holds "
+                         f"{q.shape[0]} and k {k.shape[0]}")
+    config = _call_config()
+    left, right = _window(window_size)
+    reason = _dense_reason(causal, softcap, alibi_slopes, dropout_p, s_aux)
+    segments = list(zip(starts_q, starts_q[1:], starts_k, starts_k[1:]))
+    # a window binds on a sequence whose farthest causal pair (its last query, its first key) lies outside it
+    binding = [left >= 0 and k1 - k0 - 1 > left for _, _, k0, k1 in segments]
+    if reason is None and not any(binding):
+        out = varlen_attention(q[:used_q], k[:used_k], v[:used_k], cu_seqlens_q, cu_seqlens_k, scale=softmax_scale,
+                               config=config)
+        return out if used_q == q.shape[0] else torch.cat([out, out.new_zeros(q.shape[0] - used_q, *out.shape[1:])])
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    for s, ((q0, q1, k0, k1), binds) in enumerate(zip(segments, binding)):
+        if q1 == q0:
+            continue
+        if reason is None and not binds:  # this sequence alone, through the package's rules
+            one_q = torch.tensor([0, q1 - q0], device=cu_seqlens_q.device)
+            one_k = torch.tensor([0, k1 - k0], device=cu_seqlens_k.device)
+            out[q0:q1] = varlen_attention(q[q0:q1], k[k0:k1], v[k0:k1], one_q, one_k, scale=softmax_scale,
+                                          config=config)
+            continue
+        why = reason or (f"sliding window {left} shorter than the {k1 - k0} keys (the window drops keys): the "
+                         "dense reference")
+        _say(reason or f"sliding window {left} (a window that drops keys): the dense reference")
+        alibi = None
+        if alibi_slopes is not None:
+            alibi = alibi_slopes[s] if alibi_slopes.dim() == 2 else alibi_slopes
+        out[q0:q1] = _reference(q[q0:q1], k[k0:k1], v[k0:k1], scale, causal, (left, right), softcap or 0.0, alibi,
+                                dropout_p, s_aux)
+        report.record_call(VARLEN_SITE, DENSE, why, (1, q.shape[1], q1 - q0, q.shape[-1]))
+    return out
+
+
+@torch.compiler.disable
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                    causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
+                    alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                    return_attn_probs: bool = False, s_aux: Optional[Tensor] = None) -> Tensor:
+    """FlashAttention's ``flash_attn_func``: q ``(B, Nq, Hq, D)``, k and v ``(B, Nk, Hkv, D)``; each row one
+    sequence of ``flash_attn_varlen_func``. Returns ``(B, Nq, Hq, Dv)``."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{KERNEL_NAME}: flash_attn_func takes (batch, seqlen, heads, head_dim) tensors, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    batch, n_q, n_k = q.shape[0], q.shape[1], k.shape[1]
+    rows = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
+    out = flash_attn_varlen_func(q.reshape(batch * n_q, *q.shape[2:]), k.reshape(batch * n_k, *k.shape[2:]),
+                                 v.reshape(batch * n_k, *v.shape[2:]), rows * n_q, rows * n_k, n_q, n_k,
+                                 dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                                 window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                 deterministic=deterministic, s_aux=s_aux)
+    return out.reshape(batch, n_q, *out.shape[1:])
+
+
+# -- the model side -----------------------------------------------------------------------------------------------
+def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                      attention_mask: Optional[Tensor], *args, **kwargs):
+    """The attention function ``serving_attention`` registers under ``KERNEL_NAME``: transformers' own flash
+    wrapper (``transformers.integrations.flash_attention.flash_attention_forward``, which prepares the packed
+    arguments and calls this kernel), run with the configuration ``module``'s model holds."""
+    from transformers.integrations.flash_attention import flash_attention_forward
+
+    from .transformers_attention import config_of
+
+    token = _CALL_CONFIG.set(config_of(module))
+    try:
+        return flash_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    finally:
+        _CALL_CONFIG.reset(token)
+
+
+def local_kernels_entry() -> str:
+    """The ``LOCAL_KERNELS`` entry that makes the ``kernels`` package load ``KERNEL_NAME`` from ``KERNEL_PATH``."""
+    if ":" in str(KERNEL_PATH) or "=" in str(KERNEL_PATH):
+        raise RuntimeError(f"sparse_compile: the kernel path {KERNEL_PATH} holds ':' or '=', which LOCAL_KERNELS "
+                           "cannot express (repo_id=path entries separated by ':'); install the package elsewhere")
+    return f"{KERNEL_NAME}={KERNEL_PATH}"
+
+
+def _point_kernels_here() -> None:
+    """Add this package's entry to ``LOCAL_KERNELS`` (read by ``kernels`` at each load), keeping the others; an
+    entry the user set for ``KERNEL_NAME`` is kept."""
+    current = os.environ.get("LOCAL_KERNELS", "")
+    entries = [e for e in current.split(":") if e]
+    if any(e.split("=", 1)[0] == KERNEL_NAME for e in entries):
+        return
+    os.environ["LOCAL_KERNELS"] = ":".join(entries + [local_kernels_entry()])
+
+
+def _require_kernels() -> None:
+    """transformers loads Hub kernels only with the ``kernels`` versions it names: say which, before it fails."""
+    from importlib import metadata
+
+    try:
+        installed = metadata.version("kernels")
+    except metadata.PackageNotFoundError:
+        installed = None
+    import transformers
+    from transformers.utils import import_utils
+
+    if installed is not None and import_utils.is_kernels_available():
+        return
+    low = getattr(import_utils, "KERNELS_MIN_VERSION", None)
+    high = getattr(import_utils, "KERNELS_MAX_VERSION", None)
+    wanted = f"kernels >= {low}, < {high}" if low and high else "the 'kernels' package"
+    have = f"kernels {installed} is installed" if installed else "kernels is not installed"
+    raise ImportError(f"sparse_compile.serving_attention: {KERNEL_NAME!r} is loaded through transformers' Hub "
+                      f"kernels route, which needs {wanted} with transformers {transformers.__version__}; {have} "
+                      f"(pip install sparse_compile[serving], then pip install 'kernels>={low}' if needed)")
+
+
+def serving_attention(model, config: Optional[SparseConfig] = None) -> str:
+    """Switch a transformers ``model`` to ``KERNEL_NAME`` for continuous batching and serving, holding ``config``
+    (the ``SparseConfig`` its attention runs with; None: the front door's default), and return the name.
+
+    Through public interfaces only: ``LOCAL_KERNELS`` (the ``kernels`` package's local override) names the kernel
+    repository shipped here, ``model.set_attn_implementation(KERNEL_NAME)`` loads it as transformers loads any Hub
+    kernel, and ``AttentionInterface.register`` puts ``attention_forward`` (transformers' flash wrapper with the
+    model's configuration) under the name. ``generate_batch``, ``init_continuous_batching`` and ``generate`` then run
+    the kernel. Needs the ``kernels`` package (``pip install sparse_compile[serving]``) and a model that supports
+    flash attention.
+    """
+    _require_kernels()
+    from .transformers_attention import enable_transformers_attention
+
+    enable_transformers_attention(model, config)  # holds config; checks the model dispatches attention
+    _point_kernels_here()
+    if not getattr(model, "_supports_flash_attn", False):
+        raise ValueError(f"sparse_compile.serving_attention: {type(model).__name__} does not support flash "
+                         f"attention in transformers, which {KERNEL_NAME!r} is loaded as")
+    model.set_attn_implementation(KERNEL_NAME)
+    current = getattr(model.config, "_attn_implementation", None)
+    if current != KERNEL_NAME:
+        raise ValueError(f"sparse_compile.serving_attention: {type(model).__name__} kept attn_implementation "
+                         f"{current!r} instead of {KERNEL_NAME!r} (a model that lists its compatible flash "
+                         "implementations replaces others)")
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(KERNEL_NAME, attention_forward)
+    return KERNEL_NAME
+
+
+if __name__ == "__main__":  # python -m sparse_compile.serving: the kernel repository's path, for LOCAL_KERNELS
+    print(KERNEL_PATH)
