@@ -1042,7 +1042,8 @@ def _infer_local(gm: fx.GraphModule, ordered: list, mask: fx.Node, points: list,
                  inputs_for) -> Local:
     """The window and chunk size the mask restricts causal attention to, read from its values with every key valid
     (batch row 0, head 0): first at the longest point (past every bite), then, where that shows one, from every
-    point (a chunk size is the gcd of where chunks start: a short static chunk of queries may see one chunk only).
+    point (a chunk size is the gcd of where chunks start: a short static chunk of queries may see one chunk only),
+    the simplest that fits every point's rows.
     A guess only: the proof is the comparison at every point that follows; anything else (not causal, not
     contiguous, heads that differ) is left to that comparison to report."""
     def rows_at(point) -> Optional[tuple]:
@@ -1069,19 +1070,25 @@ def _infer_local(gm: fx.GraphModule, ordered: list, mask: fx.Node, points: list,
     everywhere = [r for r in (rows_at(p) for p in points) if r is not None] + [rows]
     window = max(int((qpos - lo + 1).max()) for qpos, lo in everywhere)
     reach = max(int((qpos - lo).max()) for qpos, lo in everywhere)
-    chunk = 0
-    for _, lo in everywhere:
+    chunk = alone = 0  # where rows' keys start (chunks alone); where rows see themselves only (chunks AND a window)
+    for qpos, lo in everywhere:
         for start in lo.unique().tolist():
             chunk = math.gcd(chunk, int(start))
+        for start in qpos[(lo == qpos) & (qpos > 0)].tolist():
+            alone = math.gcd(alone, int(start))
     candidates = [Local(window=window)]
     if chunk > reach:
-        candidates += [Local(chunk=chunk), Local(window=window, chunk=chunk)]
-    qpos, lo = rows
-    keys = torch.arange(int(qpos[-1]) + 1)  # the queries are the last keys
-    for candidate in candidates:
-        if bool((torch.where(candidate.visible(qpos, keys), keys, len(keys)).amin(-1) == lo).all()):
-            return candidate
-    return CAUSAL
+        candidates.append(Local(chunk=chunk))
+    if alone > 1:
+        candidates += [Local(chunk=alone), Local(window=window, chunk=alone)]
+    def fits(candidate: Local) -> bool:
+        for qpos, lo in everywhere:
+            keys = torch.arange(int(qpos[-1]) + 1)  # the queries are the last keys
+            if not bool((torch.where(candidate.visible(qpos, keys), keys, len(keys)).amin(-1) == lo).all()):
+                return False
+        return True
+
+    return next((candidate for candidate in candidates if fits(candidate)), CAUSAL)
 
 
 def _tied(a: Any, b: Any) -> bool:

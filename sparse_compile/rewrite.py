@@ -125,9 +125,9 @@ class SdpaCall:
 def local_attention_runs() -> bool:
     """Whether the pipeline honours a site's sliding window / chunks (``SiteSpec.local``): until it does, a mask
     proven local stays dense SDPA rather than run as plain causal attention."""
-    from . import pipeline
+    from .pipeline import attend_causal
 
-    return "local" in inspect.signature(pipeline.attend_causal).parameters
+    return "local" in inspect.signature(attend_causal).parameters
 
 
 def _analyse_cached(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q, k):

@@ -14,12 +14,20 @@ last visible key puts the queries (keys past it, a static cache's empty slots, a
 dropped), or the queries at the last keys. The comparison runs in chunks of query rows (no temporary larger than
 ``CHECK_ELEMENTS``), every head compared. A row that sees no key under that form (a padded query) must see no
 key or every key (implementations that unmask such rows); its output is undefined in every implementation, and
-the op returns zeros there, as for proven masks. Anything else (a sliding
-window, packed documents, other values) runs dense SDPA with the mask, exactly as the original call, and says why.
+the op returns zeros there, as for proven masks.
+
+A mask that is not that form may be causal AND a sliding window / chunks AND key padding (``MaskVerdict.local``):
+the valid keys are those some query row sees, the queries the last keys seen (or the last keys), the widths read
+from head 0's rows (the widest row is the window, chunks start where rows' first keys do), then every element of
+every head compared with what they give, in chunks of rows as above (a few more device-to-host reads, for such
+masks only). As for proven masks, positions are the keys' positions in the row, chunks counted from the row's first
+valid key. Anything else (packed documents, other values) runs dense SDPA with the mask, exactly as the original
+call, and says why.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -50,9 +58,12 @@ class MaskVerdict:
     local: Local = CAUSAL  # when causal: also a sliding window / chunks, relative to each row's first valid key
 
 
-def check_runtime_mask(mask: Tensor, batch: int, heads: int, num_queries: int, num_keys: int) -> MaskVerdict:
-    """Whether ``mask`` (what SDPA received as ``attn_mask``) is causal AND key padding for these sizes. One
-    device-to-host read per mask tensor per forward scope."""
+def check_runtime_mask(mask: Tensor, batch: int, heads: int, num_queries: int, num_keys: int,
+                       local: bool = False) -> MaskVerdict:
+    """Whether ``mask`` (what SDPA received as ``attn_mask``) is causal AND key padding for these sizes, or with
+    ``local`` (a caller that runs ``MaskVerdict.local``) also AND a sliding window / chunks; without it such a mask
+    is not causal, its structure named in the reason. One device-to-host read per mask tensor per forward scope
+    (a few more for a local mask)."""
     problem = _shape_problem(mask, batch, heads, num_queries, num_keys)
     if problem is not None:
         return MaskVerdict(False, NOT_CAUSAL + problem)
@@ -60,8 +71,8 @@ def check_runtime_mask(mask: Tensor, batch: int, heads: int, num_queries: int, n
     # verdict is kept on the viewed tensor, for this view's geometry (a view shares its base's version counter)
     anchor = mask._base if mask._base is not None else mask
     tag = ("runtime_mask", batch, heads, num_queries, num_keys, mask.dtype, mask.storage_offset(),
-           tuple(mask.shape), tuple(mask.stride()))
-    return read_once(anchor, tag, _check, mask, batch, num_queries, num_keys)
+           tuple(mask.shape), tuple(mask.stride()), local)
+    return read_once(anchor, tag, _check, mask, batch, num_queries, num_keys, local)
 
 
 def _shape_problem(mask: Tensor, batch: int, heads: int, num_queries: int, num_keys: int) -> Optional[str]:
@@ -84,7 +95,7 @@ def _allowed(mask: Tensor) -> Tensor:
     return mask if mask.dtype == torch.bool else mask == 0
 
 
-def _check(mask: Tensor, batch: int, num_queries: int, num_keys: int) -> MaskVerdict:
+def _check(mask: Tensor, batch: int, num_queries: int, num_keys: int, local: bool) -> MaskVerdict:
     device = mask.device
     b, h, nq, nk = mask.shape
     last = _allowed(mask[:, 0, nq - 1, :])  # (b, nk): the keys the last query sees
@@ -126,12 +137,96 @@ def _check(mask: Tensor, batch: int, num_queries: int, num_keys: int) -> MaskVer
             if valid.shape[0] != batch:
                 valid = valid.expand(batch, kept)
             return MaskVerdict(True, f"{CHECKED}: causal AND key padding", kept, valid)
+    if any_seen:
+        verdict = _check_local(mask, batch)
+        if verdict is not None:
+            return verdict if local else MaskVerdict(False, f"{NOT_CAUSAL}{verdict.reason[len(CHECKED) + 2:]}, "
+                                                            "which this caller does not run sparse")
     segments = _segments(mask)
     if segments:
         return MaskVerdict(False, f"{CHECKED}: {len(segments)} packed causal sequences", segments=segments)
     if not any_seen:
         return MaskVerdict(False, NOT_CAUSAL + "the last query row sees no key")
     return MaskVerdict(False, NOT_CAUSAL + _first_difference(mask, int(offset_last_keys)))
+
+
+def _row_ranges(mask: Tensor) -> tuple:
+    """Per batch row and query row of head 0 the first key seen (nk where none), and per batch row the keys some
+    query row sees; in chunks of query rows (no temporary larger than ``CHECK_ELEMENTS``)."""
+    b, _, nq, nk = mask.shape
+    keys = torch.arange(nk, device=mask.device)
+    lo = torch.empty(b, nq, dtype=torch.long, device=mask.device)
+    seen = torch.zeros(b, nk, dtype=torch.bool, device=mask.device)
+    rows_per_chunk = max(1, CHECK_ELEMENTS // max(1, b * nk * 2))
+    for start in range(0, nq, rows_per_chunk):
+        allowed = _allowed(mask[:, 0, start:start + rows_per_chunk, :])  # (b, rows, nk)
+        lo[:, start:start + allowed.shape[1]] = torch.where(allowed, keys, nk).amin(-1)
+        seen |= allowed.any(1)
+    return lo, seen
+
+
+def _check_local(mask: Tensor, batch: int) -> Optional[MaskVerdict]:
+    """Causal AND a sliding window / chunks AND key padding (``Local``: positions of the keys, chunks from each
+    row's first valid key), or None. The valid keys are those some query row sees (a key no row sees is not
+    attended either way); the queries are the last keys seen (a static cache's empty slots after them) or the last
+    keys; the widths are read from head 0's rows, then every element of every head is compared with what they
+    give. A few device-to-host reads, for masks that are not plain causal only."""
+    b, h, nq, nk = mask.shape
+    device = mask.device
+    lo, valid = _row_ranges(mask)
+    keys = torch.arange(nk, device=device)
+    first = torch.where(valid, keys, nk).amin(1)  # (b,): each row's first valid key
+    rows = lo < nk
+    last_key = int(torch.where(valid, keys, -1).amax())
+    for kept in sorted({last_key + 1, nk}):
+        if kept < nq:
+            continue
+        qpos = torch.arange(kept - nq, kept, device=device)  # the queries are the last kept keys
+        window, reach = torch.stack([torch.where(rows, qpos - lo + 1, 0).amax(),
+                                     torch.where(rows, qpos - lo, 0).amax()]).tolist()
+        starts = (lo - first[:, None])[rows & (lo > first[:, None])]
+        alone = (qpos - first[:, None])[rows & (lo == qpos) & (qpos > first[:, None])]
+        chunk = _gcd(starts.unique().tolist()) if starts.numel() else 0
+        chunk_alone = _gcd(alone.unique().tolist()) if alone.numel() else 0
+        candidates = [Local(window=window)] if window > 0 else []
+        if chunk > reach:
+            candidates.append(Local(chunk=chunk))
+        if chunk_alone > 1:
+            candidates += [Local(chunk=chunk_alone), Local(window=window, chunk=chunk_alone)]
+        for local in candidates:
+            if local.binds(kept) and _fits(mask, local, kept, qpos, first, valid):
+                key_valid = valid[:, :kept]
+                if key_valid.shape[0] != batch:
+                    key_valid = key_valid.expand(batch, kept)
+                return MaskVerdict(True, f"{CHECKED}: causal AND {local.describe()} AND key padding", kept,
+                                   key_valid, local=local)
+    return None
+
+
+def _fits(mask: Tensor, local: Local, kept: int, qpos: Tensor, first: Tensor, valid: Tensor) -> bool:
+    """Whether every element of every head is ``local`` AND the valid keys (the first ``kept`` keys; the others
+    masked), rows that see no key under it seeing none or every key."""
+    b, h, nq, nk = mask.shape
+    keys = torch.arange(kept, device=mask.device)
+    mismatch = torch.zeros((), dtype=torch.bool, device=mask.device)
+    rows_per_chunk = max(1, CHECK_ELEMENTS // max(1, b * h * nk * 2))
+    for start in range(0, nq, rows_per_chunk):
+        allowed = _allowed(mask[:, :, start:start + rows_per_chunk, :])
+        positions = qpos[start:start + allowed.shape[2]]
+        expected = (local.visible(positions[None] - first[:, None], keys[None] - first[:, None])
+                    & valid[:, None, :kept])[:, None]  # (b, 1, rows, kept)
+        compared = expected.any(-1, keepdim=True)
+        partial = allowed.any(-1, keepdim=True) & ~allowed.all(-1, keepdim=True)
+        mismatch |= ((allowed[..., :kept] != expected) & compared).any() | (partial & ~compared).any()
+        mismatch |= (allowed[..., kept:].any(-1, keepdim=True) & compared).any()
+    return not bool(mismatch)
+
+
+def _gcd(values: list) -> int:
+    out = 0
+    for v in values:
+        out = math.gcd(out, int(v))
+    return out
 
 
 def _segments(mask: Tensor) -> tuple:

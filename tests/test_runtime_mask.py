@@ -2,8 +2,8 @@
 
 A mask built outside the compiled graph (transformers' static cache) or before a graph break cannot be proven from
 the graph; the op checks its values once per forward pass. Causal AND key padding runs sparse (and must equal
-eager with the keep-everything setting), anything else (a sliding window) runs dense SDPA with the mask, exactly,
-and says so. Everything runs through the registered ``sparse_prefill`` backend with Inductor, as users call it.
+eager with the keep-everything setting), and so does that AND a sliding window where the op runs windows; anything
+else (packed documents, a bias) runs dense SDPA with the mask, exactly, and says so. Everything runs through the registered ``sparse_prefill`` backend with Inductor, as users call it.
 """
 
 import pytest
@@ -75,18 +75,28 @@ def test_graph_break_before_attention_runs_sparse_and_exact(as_float):
     assert list(prefill_sparse_checked().values()) == [3], reasons()
 
 
-def test_sliding_window_graph_input_stays_dense_exact_with_reason():
+def test_sliding_window_graph_input_is_read_with_its_width():
+    """Causal AND a window of 8 AND left padding, checked at run time: named with its width; sparse where the op
+    runs windows, else the original call with its mask, exactly."""
+    from sparse_compile.rewrite import local_attention_runs
+
     q, k, v = _qkv()
     model = BreakBeforeAttention(as_float=False, window=8)
     padding = padded(q[:, 0, :, 0], "left")
     with torch.no_grad():
         ref = model(q, k, v, padding)
         out = torch.compile(model, backend="sparse_prefill", options=OPTIONS)(q, k, v, padding)
-    torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)  # the original call, as it was
     (calls,) = reasons().values()
     assert len(calls) == 1
     (path, why), = calls
-    assert path == "dense" and why.startswith(NOT_CAUSAL), why
+    assert "causal AND sliding window 8 AND key padding" in why, why
+    if local_attention_runs():
+        valid = padding.bool()[:, None, :, None].expand_as(out)
+        torch.testing.assert_close(out[valid], ref[valid], rtol=1e-5, atol=1e-5)
+        assert path == "sparse", why
+    else:
+        torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)  # the original call, as it was
+        assert path == "dense", why
 
 
 def test_op_checks_the_mask_opcheck_static_slots_and_chunked_prefill():
