@@ -11,22 +11,27 @@ downloaded:
     sparse_compile.serving_attention(model, SparseConfig(method="pbs"))   # returns KERNEL_NAME
     model.generate_batch(prompts, generation_config=...)                   # long prompts sparse, decode dense
 
-    LOCAL_KERNELS=sparse-compile/flash-sparse-prefill=$(python -m sparse_compile.serving) \\
-    SPARSE_COMPILE_CONFIG='{"method": "pbs"}' \\
+    export LOCAL_KERNELS=$(python -c "import sparse_compile; print(sparse_compile.serving.local_kernels_entry())")
+    export SPARSE_COMPILE_CONFIG='{"method": "pbs"}'                      # SparseConfig(...).to_json()
     transformers serve --continuous-batching --attn-implementation sparse-compile/flash-sparse-prefill MODEL
 
-Every causal call without soft-capping, ALiBi, attention sinks, dropout or a window that binds runs
-``sparse_compile.varlen_attention``: each packed sequence decided by the package's rules and recorded in
-``runtime_stats()`` (site ``"varlen_attention"``), long prompts by the method, short ones and decode tokens dense with
-their reasons. Anything else runs an exact dense reference per sequence, recorded dense with the reason (said once
-per reason as a ``UserWarning``): never a different result.
+Which transformers load it: those whose ``kernels`` version range holds the installed ``kernels`` (transformers 5.23
+and 5.24 want ``kernels >= 0.18.2, < 0.19``; 5.20.2 and 5.22.2 ``>= 0.17.2, < 0.18``); ``serving_attention`` names the
+range where it does not.
+
+Every causal call without soft-capping, ALiBi, attention sinks, dropout or a window that binds runs as
+``sparse_compile.varlen_attention`` runs it: each packed sequence a call of its own, decided by the package's rules
+and recorded in ``runtime_stats()``, long prompts by the method, short ones and decode tokens dense with their reasons;
+at the calling layer's site (its module path, as the front door names it, so ``skip_layers`` and per-site parameters
+apply), or ``"varlen_attention"`` where no layer is known. Anything else runs an exact dense reference per sequence,
+recorded dense with the reason (said once per reason as a ``UserWarning``): never a different result.
 
 The configuration: a model switched by ``serving_attention(model, config)`` holds ``config`` (as
-``enable_transformers_attention``'s models do) and its attention layers call ``attention_forward``, which gives it to
-the kernel for that call, in whatever thread continuous batching runs them. A kernel call from elsewhere (a model
-loaded with ``attn_implementation=KERNEL_NAME`` by a server, which calls transformers' own flash wrapper) uses the
-JSON configuration in ``SPARSE_COMPILE_CONFIG`` if set (``SparseConfig.to_json()``), else the front door's default
-(``enable_transformers_attention(None, config)``).
+``enable_transformers_attention``'s models do) and its attention layers call ``attention_forward``, which gives it and
+the layer's site to the kernel for that call, in whatever thread continuous batching runs them. A kernel call from
+elsewhere (a model loaded with ``attn_implementation=KERNEL_NAME`` by a server, which calls transformers' own flash
+wrapper) uses the JSON configuration in ``SPARSE_COMPILE_CONFIG`` if set (``SparseConfig.to_json()``), else the front
+door's default (``enable_transformers_attention(None, config)``), at site ``"varlen_attention"``.
 """
 
 from __future__ import annotations
@@ -44,9 +49,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import report
-from .api import VARLEN_SITE, varlen_attention
+from .api import VARLEN_SITE
 from .config import SparseConfig
-from .pipeline import DENSE
+from .context import resolve
+from .pipeline import DENSE, attend_segments
+from .rules import SUPPORTED_DTYPES, autocast_inputs, validate_qkv
 
 __all__ = ["KERNEL_NAME", "KERNEL_PATH", "CONFIG_VARIABLE", "serving_attention", "local_kernels_entry",
            "attention_forward", "flash_attn_varlen_func", "flash_attn_func"]
@@ -59,8 +66,9 @@ KERNEL_PATH = Path(__file__).resolve().parent / "hub_kernel"
 #: a ``SparseConfig.to_json()`` text, for kernel calls made without a model's configuration (``transformers serve``)
 CONFIG_VARIABLE = "SPARSE_COMPILE_CONFIG"
 
-_CALL_CONFIG: contextvars.ContextVar[Optional[SparseConfig]] = contextvars.ContextVar("sparse_compile_serving",
-                                                                                    default=None)
+#: (configuration, site) of the kernel call in progress, set by ``attention_forward`` around transformers' wrapper
+_CALL: contextvars.ContextVar[Optional[tuple[SparseConfig, str]]] = contextvars.ContextVar("sparse_compile_serving",
+                                                                                         default=None)
 _WARNED: set = set()
 
 
@@ -74,16 +82,18 @@ def _config_from_text(text: str) -> SparseConfig:
             from exc
 
 
-def _call_config() -> SparseConfig:
-    held = _CALL_CONFIG.get()
+def _call_config() -> tuple[SparseConfig, str]:
+    """The configuration and site of this kernel call: the calling layer's (``attention_forward``), else
+    ``SPARSE_COMPILE_CONFIG``'s or the front door's default at ``varlen_attention``'s site."""
+    held = _CALL.get()
     if held is not None:
         return held
     text = os.environ.get(CONFIG_VARIABLE)
     if text:
-        return _config_from_text(text)
+        return _config_from_text(text), VARLEN_SITE
     from .transformers_attention import config_of
 
-    return config_of(None)
+    return config_of(None), VARLEN_SITE
 
 
 # -- FlashAttention's entry points -------------------------------------------------------------------------------
@@ -156,10 +166,31 @@ def _say(reason: str) -> None:
                       stacklevel=3)
 
 
-def _offsets(cu: Tensor, name: str) -> list[int]:
-    if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 1:
-        raise ValueError(f"{KERNEL_NAME}: {name} must be a 1-D tensor of offsets")
-    return [int(x) for x in cu.tolist()]
+def _sequences(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> list[tuple]:
+    """``(q_start, q_end, k_start, k_end)`` per sequence (one host read of each offset tensor), or a ValueError.
+    Tokens past the last offset are allowed (a batch padded to a fixed size)."""
+    offsets = []
+    for name, cu, tensor in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
+        if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 1 or cu.dtype.is_floating_point:
+            raise ValueError(f"{KERNEL_NAME}: {name} must be a 1-D integer tensor of offsets")
+        values = [int(x) for x in cu.tolist()]
+        if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] > tensor.shape[0]:
+            raise ValueError(f"{KERNEL_NAME}: {name} must start at 0, never decrease and end within the "
+                             f"{tensor.shape[0]} tokens, got {values[:8]}{'...' if len(values) > 8 else ''}")
+        offsets.append(values)
+    starts_q, starts_k = offsets
+    if len(starts_q) != len(starts_k):
+        raise ValueError(f"{KERNEL_NAME}: cu_seqlens_q and cu_seqlens_k describe {len(starts_q) - 1} and "
+                         f"{len(starts_k) - 1} sequences")
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k.shape[0] != v.shape[0]:
+        raise ValueError(f"{KERNEL_NAME}: q, k and v must be (total_tokens, heads, head_dim) with as many keys as "
+                         f"values, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    sequences = list(zip(starts_q, starts_q[1:], starts_k, starts_k[1:]))
+    for s, (q0, q1, k0, k1) in enumerate(sequences):
+        if q1 - q0 > k1 - k0:
+            raise ValueError(f"{KERNEL_NAME}: sequence {s} has {q1 - q0} queries but {k1 - k0} keys (the queries "
+                             "are the last positions of their keys)")
+    return sequences
 
 
 @torch.compiler.disable
@@ -175,31 +206,26 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     and not needed; ``return_attn_probs=True`` is refused (no probabilities are formed)."""
     if return_attn_probs:
         raise NotImplementedError(f"{KERNEL_NAME}: return_attn_probs=True is not supported (use eager attention)")
-    starts_q, starts_k = _offsets(cu_seqlens_q, "cu_seqlens_q"), _offsets(cu_seqlens_k, "cu_seqlens_k")
-    used_q, used_k = starts_q[-1], starts_k[-1]
-    if used_q > q.shape[0] or used_k > k.shape[0]:
-        raise ValueError(f"{KERNEL_NAME}: cu_seqlens end at {used_q} queries and {used_k} keys, but q holds "
-                         f"{q.shape[0]} and k {k.shape[0]}")
-    config = _call_config()
+    sequences = _sequences(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    config, site = _call_config()
     left, right = _window(window_size)
     reason = _dense_reason(causal, softcap, alibi_slopes, dropout_p, s_aux)
-    segments = list(zip(starts_q, starts_q[1:], starts_k, starts_k[1:]))
-    # a window binds on a sequence whose farthest causal pair (its last query, its first key) lies outside it
-    binding = [left >= 0 and k1 - k0 - 1 > left for _, _, k0, k1 in segments]
-    if reason is None and not any(binding):
-        out = varlen_attention(q[:used_q], k[:used_k], v[:used_k], cu_seqlens_q, cu_seqlens_k, scale=softmax_scale,
-                               config=config)
-        return out if used_q == q.shape[0] else torch.cat([out, out.new_zeros(q.shape[0] - used_q, *out.shape[1:])])
+    q, k, v = autocast_inputs(q, k, v)  # as transformers' SDPA call would run under autocast
+    q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, tokens, head_dim)
+    validate_qkv(q4, k4, v4, who=KERNEL_NAME, dtypes=SUPPORTED_DTYPES + (torch.float64,), empty_ok=True,
+                 longer_queries_ok=True)
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])  # rows in no sequence (padding) stay zero
+    # the package's rules: each causal sequence is a call of its own, as varlen_attention runs it, at this site
+    # (skip_layers and per-site parameters apply); a window binds where a query lies farther than it from the first key
+    ruled = tuple((q0, q1, k0, k1) for q0, q1, k0, k1 in sequences
+                  if q1 > q0 and reason is None and not (left >= 0 and k1 - k0 - 1 > left))
+    if ruled:
+        out = attend_segments(q4, k4, v4, softmax_scale, resolve(config).for_site(site), site, ruled)[0]
+        out = out.transpose(0, 1)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
-    for s, ((q0, q1, k0, k1), binds) in enumerate(zip(segments, binding)):
-        if q1 == q0:
-            continue
-        if reason is None and not binds:  # this sequence alone, through the package's rules
-            one_q = torch.tensor([0, q1 - q0], device=cu_seqlens_q.device)
-            one_k = torch.tensor([0, k1 - k0], device=cu_seqlens_k.device)
-            out[q0:q1] = varlen_attention(q[q0:q1], k[k0:k1], v[k0:k1], one_q, one_k, scale=softmax_scale,
-                                          config=config)
+    ruled_set = set(ruled)
+    for s, (q0, q1, k0, k1) in enumerate(sequences):
+        if q1 == q0 or (q0, q1, k0, k1) in ruled_set:
             continue
         why = reason or (f"sliding window {left} shorter than the {k1 - k0} keys (the window drops keys): the "
                          "dense reference")
@@ -209,8 +235,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
             alibi = alibi_slopes[s] if alibi_slopes.dim() == 2 else alibi_slopes
         out[q0:q1] = _reference(q[q0:q1], k[k0:k1], v[k0:k1], scale, causal, (left, right), softcap or 0.0, alibi,
                                 dropout_p, s_aux)
-        report.record_call(VARLEN_SITE, DENSE, why, (1, q.shape[1], q1 - q0, q.shape[-1]))
-    return out
+        report.record_call(site, DENSE, why, (1, q.shape[1], q1 - q0, q.shape[-1]))
+    return out.contiguous()
 
 
 @torch.compiler.disable
@@ -241,13 +267,13 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     arguments and calls this kernel), run with the configuration ``module``'s model holds."""
     from transformers.integrations.flash_attention import flash_attention_forward
 
-    from .transformers_attention import config_of
+    from .transformers_attention import config_of, site_of
 
-    token = _CALL_CONFIG.set(config_of(module))
+    token = _CALL.set((config_of(module), site_of(module)))
     try:
         return flash_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
     finally:
-        _CALL_CONFIG.reset(token)
+        _CALL.reset(token)
 
 
 def local_kernels_entry() -> str:
@@ -319,7 +345,3 @@ def serving_attention(model, config: Optional[SparseConfig] = None) -> str:
 
     AttentionInterface.register(KERNEL_NAME, attention_forward)
     return KERNEL_NAME
-
-
-if __name__ == "__main__":  # python -m sparse_compile.serving: the kernel repository's path, for LOCAL_KERNELS
-    print(KERNEL_PATH)

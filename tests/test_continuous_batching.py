@@ -225,6 +225,14 @@ with warnings.catch_warnings():
     result["manager"] = {
         "same": [got.get(f"m{i}") for i in range(3)] == [ref[r].generated_tokens for r in sorted(ref)],
         "calls": [[p, r, n] for s in sparse_compile.runtime_stats().values() for (p, r), n in s.calls.items()]}
+    # the model's configuration per layer: skip_layers leaves layer 1 dense
+    sparse_compile.serving_attention(model, config.replace(skip_layers=(1,)))
+    sparse_compile.reset_runtime_stats()
+    out = model.generate_batch(prompts, generation_config=steps, continuous_batching_config=small)
+    result["skip_layers"] = {
+        "same": all(out[r].generated_tokens == ref[r].generated_tokens for r in ref),
+        "calls": {site: [[p, r, n] for (p, r), n in s.calls.items()]
+                  for site, s in sparse_compile.runtime_stats().items()}}
 print(json.dumps(result))
 """
 
@@ -266,7 +274,10 @@ def _check_calls(calls):
     assert total == layers * (prompts + prompts * (new - 1))  # each prompt once, then each decode token
     sparse = sum(n for p, r, n in calls if p == "sparse")
     assert sparse == 2 * layers and all(r.startswith("method pbs") for p, r, _ in calls if p == "sparse")
-    dense = {r: n for p, r, n in calls if p == "dense"}
+    dense: dict = {}
+    for p, r, n in calls:
+        if p == "dense":
+            dense[r] = dense.get(r, 0) + n
     assert dense == {"q_len 60 < min_seq_len 100": layers, "decode step (q_len == 1)": layers * prompts * (new - 1)}
 
 
@@ -276,7 +287,7 @@ def test_generate_batch_runs_the_kernel_with_the_models_configuration(route):
     assert route["name"] == route["implementation"] == serving.KERNEL_NAME
     assert route["reference_implementation"] in ("sdpa", "paged|eager")
     assert route["generate_batch"]["same"], route
-    assert route["generate_batch"]["sites"] == ["varlen_attention"]
+    assert route["generate_batch"]["sites"] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     _check_calls(route["generate_batch"]["calls"])  # min_seq_len 100 is the model's: the default is 16384
 
 
@@ -294,3 +305,15 @@ def test_serving_attention_names_what_it_needs():
         pytest.skip("transformers accepts the installed kernels: the route runs (the subprocess tests)")
     with pytest.raises(ImportError, match="kernels"):
         sparse_compile.serving_attention(torch.nn.Linear(2, 2))
+
+
+@needs_batching
+def test_skip_layers_of_the_models_configuration_apply_per_layer(route):
+    _route_ran(route)
+    calls = route["skip_layers"]["calls"]
+    assert route["skip_layers"]["same"]
+    assert sorted(calls) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert sum(n for p, _, n in calls["model.layers.0.self_attn"] if p == "sparse") == 2
+    skipped = calls["model.layers.1.self_attn"]
+    assert all(p == "dense" for p, _, _ in skipped) and sum(n for _, _, n in skipped) == 3 + 3 * 2
+    assert any("skip_layers" in r for _, r, _ in skipped), skipped
