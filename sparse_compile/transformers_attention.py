@@ -50,7 +50,6 @@ from .config import SparseConfig
 from .context import resolve
 from .attention_op import in_output_layout
 from .dense import DenseForm
-from .local import CAUSAL, Local
 from .padding import owned_mask, padding_layout
 from .pipeline import DENSE, DOCUMENT, attend, attend_causal, attend_segments
 from .rules import autocast_inputs
@@ -238,11 +237,9 @@ def site_of(module: torch.nn.Module) -> str:
 # -- notes on the masks this module returns ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Causal:
-    """A 2-D (batch, keys) key-padding mask: causal attention over those keys, queries at the last positions, AND
-    ``local`` (a sliding window, chunks from each row's first valid key: ``local.py``)."""
+    """A 2-D (batch, keys) key-padding mask: causal attention over those keys, queries at the last positions."""
 
     all_valid: bool  # known without reading the mask (built here as all ones)
-    local: Local = CAUSAL
 
 
 @dataclass(frozen=True)
@@ -320,63 +317,6 @@ def _causal_pattern(masking, mask_function, local_size, q_last: int, kv_first: i
         return f"local attention pattern (size {local_size}): not causal prefill"
     return (f"mask pattern {getattr(mask_function, '__qualname__', mask_function)!r} is not plain causal "
             "(packed sequences, chunked attention or an overlay)")
-
-
-def _local_pattern(masking, mask_function, local_size) -> Optional[tuple]:
-    """``(Local, left_padding)`` when ``mask_function`` is transformers' sliding-window causal function
-    (``sliding_window_causal_mask_function(local_size)``) or chunked causal function (``chunked_causal_mask_function``:
-    ``left_padding`` the (batch,) first key of each row's chunks, None where this version counts chunks from key 0),
-    else None. The factory is matched by its code; what it computes is read by evaluating it on a few rows, so a
-    version whose window keeps one key more or less is read as it is, or not at all."""
-    if not isinstance(local_size, int) or isinstance(local_size, bool) or local_size < 1:
-        return None
-    window = getattr(masking, "sliding_window_causal_mask_function", None)
-    if window is not None and _same_function(mask_function, window(local_size)):
-        local, left = Local(window=local_size), None
-    else:
-        chunked = getattr(masking, "chunked_causal_mask_function", None)
-        left = _chunk_origin(masking, mask_function, chunked, local_size)
-        if left is None:
-            return None
-        local, left = Local(chunk=local_size), (left if isinstance(left, Tensor) else None)
-    # two rows past the width, relative to the first row's origin: what the function keeps there
-    origin = int(left.reshape(-1)[0]) if left is not None else 0
-    rows = torch.arange(2 * local_size, 2 * local_size + 2)
-    keys = torch.arange(2 * local_size + 2)
-    try:
-        kept = torch.stack([mask_function(torch.tensor(0), torch.tensor(0), r + origin, keys + origin)
-                            for r in rows])
-    except Exception:  # noqa: BLE001 - a version whose functions take other arguments: not read
-        return None
-    if not torch.equal(kept.to(torch.bool), local.visible(rows, keys)):
-        return None
-    return local, left
-
-
-def _chunk_origin(masking, mask_function, factory, chunk_size: int):
-    """The ``left_padding`` tensor of ``chunked_causal_mask_function(chunk_size, left_padding)`` (``True`` where this
-    version's factory takes no left padding), else None."""
-    if factory is None or not isinstance(mask_function, types.FunctionType) or not mask_function.__closure__:
-        return None
-    takes_padding = factory.__code__.co_argcount >= 2
-    probe = factory(chunk_size, torch.zeros(1, dtype=torch.long)) if takes_padding else factory(chunk_size)
-    if mask_function.__code__ is not probe.__code__:
-        return None
-    parts = mask_function.__closure__[0].cell_contents
-    expected = probe.__closure__[0].cell_contents
-    if not (isinstance(parts, tuple) and isinstance(expected, tuple) and len(parts) == len(expected) == 2):
-        return None
-    overlay, causal = parts
-    if causal is not masking.causal_mask_function or not isinstance(overlay, types.FunctionType) or \
-            overlay.__code__ is not expected[0].__code__:
-        return None
-    cells = dict(zip(overlay.__code__.co_freevars, (c.cell_contents for c in overlay.__closure__ or ())))
-    if cells.get("chunk_size") != chunk_size:
-        return None
-    if not takes_padding:
-        return True
-    left = cells.get("left_padding")
-    return left if isinstance(left, Tensor) and left.dim() == 1 else None
 
 
 def _packed_documents(masking, mask_function) -> Optional[Tensor]:
