@@ -11,17 +11,23 @@ backend compiles a graph; importing ``sparse_compile`` never imports transformer
 import transformers first, or call ``enable_transformers_attention()``, before
 ``from_pretrained(..., attn_implementation="sparse_prefill")``.
 
-* a mask function (``AttentionMaskInterface``). For the plain causal mask, and for a sliding window that does not
-  bind at this length, it builds no ``q_len x kv_len`` mask: it returns ``None`` (a causal prefill, no padding) or
-  the 2-D key-padding mask over the keys the queries can see (the queries are the last positions of those keys).
-  Every other pattern (a window that binds, chunked or bidirectional attention, packed sequences, image-token
-  overlays) gets transformers' own 4-D SDPA mask and a note saying why it runs dense.
+* a mask function (``AttentionMaskInterface``). For the plain causal mask, transformers' sliding-window causal
+  mask (``sliding_window_causal_mask_function``) and its chunked causal mask (``chunked_causal_mask_function``,
+  Llama-4's ``attention_chunk_size``: no chunk size reaches the attention function, only the mask function), it
+  builds no ``q_len x kv_len`` mask: it returns ``None`` (a causal prefill, no padding) or the 2-D key-padding mask
+  over the keys the queries can see (the queries are the last positions of those keys), noted with the window or
+  chunk size (``local.Local``; what the factory computes is read by evaluating it: a window of W keeps the W keys
+  up to the query, ``kv_idx > q_idx - W``). Chunks must start at each row's first valid key (transformers counts
+  them from the row's left padding); where a cache offset puts them elsewhere, and for every other pattern
+  (bidirectional attention, packed sequences, image-token overlays) it gets transformers' own 4-D SDPA mask and a
+  note saying why it runs dense.
 * an attention function (``AttentionInterface``). Causal calls go through the same run-time decision as the
   compiled op (``pipeline.attend`` / ``pipeline.attend_causal``): the same rules, ``min_seq_len``, break-even, padded
   batches, ``sparsity(...)`` regions and ``runtime_stats()`` records; decode steps run dense. Calls it cannot prove
   causal, or that need what the sparse path lacks (dropout, soft-capping, attention sinks, a position bias), run
-  transformers' SDPA function (the model's eager function where SDPA cannot serve them) and are recorded dense,
-  with the reason.
+  transformers' SDPA function (the model's eager function where SDPA cannot serve them) with the mask they stand
+  for (a window included) and are recorded dense, with the reason. A window or chunks run sparse
+  (``attend_causal(..., local=...)``) where the pipeline runs them, else dense with their mask.
 
 A 2-D mask means "causal + padding" only when this module built it: each mask it returns is noted (by identity,
 weakly), so a mask from anywhere else is never mistaken for one. Traced by ``torch.compile`` both are transformers'
@@ -50,8 +56,10 @@ from .config import SparseConfig
 from .context import resolve
 from .attention_op import in_output_layout
 from .dense import DenseForm
+from .local import CAUSAL, Local
 from .padding import owned_mask, padding_layout
 from .pipeline import DENSE, DOCUMENT, attend, attend_causal, attend_segments
+from .rewrite import local_attention_runs
 from .rules import autocast_inputs
 
 __all__ = ["NAME", "MIN_TRANSFORMERS", "register", "enable_transformers_attention", "config_of", "site_of",
@@ -237,9 +245,11 @@ def site_of(module: torch.nn.Module) -> str:
 # -- notes on the masks this module returns ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Causal:
-    """A 2-D (batch, keys) key-padding mask: causal attention over those keys, queries at the last positions."""
+    """A 2-D (batch, keys) key-padding mask: causal attention over those keys, queries at the last positions, AND
+    ``local`` (a sliding window, chunks from each row's first valid key: ``local.py``)."""
 
     all_valid: bool  # known without reading the mask (built here as all ones)
+    local: Local = CAUSAL
 
 
 @dataclass(frozen=True)
@@ -317,6 +327,63 @@ def _causal_pattern(masking, mask_function, local_size, q_last: int, kv_first: i
         return f"local attention pattern (size {local_size}): not causal prefill"
     return (f"mask pattern {getattr(mask_function, '__qualname__', mask_function)!r} is not plain causal "
             "(packed sequences, chunked attention or an overlay)")
+
+
+def _local_pattern(masking, mask_function, local_size) -> Optional[tuple]:
+    """``(Local, left_padding)`` when ``mask_function`` is transformers' sliding-window causal function
+    (``sliding_window_causal_mask_function(local_size)``) or chunked causal function (``chunked_causal_mask_function``:
+    ``left_padding`` the (batch,) first key of each row's chunks, None where this version counts chunks from key 0),
+    else None. The factory is matched by its code; what it computes is read by evaluating it on a few rows, so a
+    version whose window keeps one key more or less is read as it is, or not at all."""
+    if not isinstance(local_size, int) or isinstance(local_size, bool) or local_size < 1:
+        return None
+    window = getattr(masking, "sliding_window_causal_mask_function", None)
+    if window is not None and _same_function(mask_function, window(local_size)):
+        local, left = Local(window=local_size), None
+    else:
+        chunked = getattr(masking, "chunked_causal_mask_function", None)
+        left = _chunk_origin(masking, mask_function, chunked, local_size)
+        if left is None:
+            return None
+        local, left = Local(chunk=local_size), (left if isinstance(left, Tensor) else None)
+    # two rows past the width, relative to the first row's origin: what the function keeps there
+    origin = int(left.reshape(-1)[0]) if left is not None else 0
+    rows = torch.arange(2 * local_size, 2 * local_size + 2)
+    keys = torch.arange(2 * local_size + 2)
+    try:
+        kept = torch.stack([mask_function(torch.tensor(0), torch.tensor(0), r + origin, keys + origin)
+                            for r in rows])
+    except Exception:  # noqa: BLE001 - a version whose functions take other arguments: not read
+        return None
+    if not torch.equal(kept.to(torch.bool), local.visible(rows, keys)):
+        return None
+    return local, left
+
+
+def _chunk_origin(masking, mask_function, factory, chunk_size: int):
+    """The ``left_padding`` tensor of ``chunked_causal_mask_function(chunk_size, left_padding)`` (``True`` where this
+    version's factory takes no left padding), else None."""
+    if factory is None or not isinstance(mask_function, types.FunctionType) or not mask_function.__closure__:
+        return None
+    takes_padding = factory.__code__.co_argcount >= 2
+    probe = factory(chunk_size, torch.zeros(1, dtype=torch.long)) if takes_padding else factory(chunk_size)
+    if mask_function.__code__ is not probe.__code__:
+        return None
+    parts = mask_function.__closure__[0].cell_contents
+    expected = probe.__closure__[0].cell_contents
+    if not (isinstance(parts, tuple) and isinstance(expected, tuple) and len(parts) == len(expected) == 2):
+        return None
+    overlay, causal = parts
+    if causal is not masking.causal_mask_function or not isinstance(overlay, types.FunctionType) or \
+            overlay.__code__ is not expected[0].__code__:
+        return None
+    cells = dict(zip(overlay.__code__.co_freevars, (c.cell_contents for c in overlay.__closure__ or ())))
+    if cells.get("chunk_size") != chunk_size:
+        return None
+    if not takes_padding:
+        return True
+    left = cells.get("left_padding")
+    return left if isinstance(left, Tensor) and left.dim() == 1 else None
 
 
 def _packed_documents(masking, mask_function) -> Optional[Tensor]:
@@ -398,23 +465,51 @@ def mask_forward(batch_size: int, cache_position: Optional[Tensor] = None, kv_le
     if documents is not None and attention_mask is None and first == kv_offset == 0 and \
             q_len == kv_length == documents.shape[-1]:
         return _noted(documents, _Documents())  # each document on its own (attention_forward)
-    why = _causal_pattern(masking, mask_function, local_size, first + q_len - 1, kv_offset)
+    found = _local_pattern(masking, mask_function, local_size)
+    local, left = found if found is not None else (CAUSAL, None)
+    why = None if found is not None else _causal_pattern(masking, mask_function, local_size, first + q_len - 1,
+                                                         kv_offset)
     if why is not None:
         return dense(why)
     keys = first + q_len - kv_offset  # keys [kv_offset, first + q_len) can be seen; later cache slots cannot
     if not (q_len >= 1 and q_len <= keys <= kv_length):
         return dense(f"query positions [{first}, {first + q_len}) do not fit the {kv_length} keys at offset "
                      f"{kv_offset}")
-    if attention_mask is None:
-        if keys == q_len == kv_length:
+    if local.window and first + q_len - 1 - kv_offset < local.window:
+        local = CAUSAL  # the farthest causal pair is inside the window: it binds nowhere
+    device = cache_position.device if cache_position is not None else kwargs.get("device", "cpu")
+    padding = None
+    if attention_mask is not None:
+        padding = attention_mask.to(torch.bool)
+        if padding.shape[-1] < kv_offset + keys:  # a static cache's slots past the tokens seen: padding
+            padding = F.pad(padding, (0, kv_offset + keys - padding.shape[-1]))
+        padding = padding[:, kv_offset:kv_offset + keys]
+    if local.chunk:
+        problem = _chunk_problem(padding, left, local.chunk, kv_offset, keys, batch_size)
+        if problem is not None:
+            return dense(problem)
+    if padding is None:
+        if keys == q_len == kv_length and local.is_causal:
             return None  # a causal prefill without padding: no mask at all
-        device = cache_position.device if cache_position is not None else kwargs.get("device", "cpu")
-        return _noted(torch.ones(batch_size, keys, dtype=torch.bool, device=device), _Causal(True))
-    padding = attention_mask.to(torch.bool)
-    if padding.shape[-1] < kv_offset + keys:  # a static cache's slots past the tokens seen: padding
-        padding = F.pad(padding, (0, kv_offset + keys - padding.shape[-1]))
+        return _noted(torch.ones(batch_size, keys, dtype=torch.bool, device=device), _Causal(True, local))
     # a fresh view per forward pass, which every layer receives: its padding summary is read once (padding.py)
-    return _noted(owned_mask(padding[:, kv_offset:kv_offset + keys]), _Causal(False))
+    return _noted(owned_mask(padding), _Causal(False, local))
+
+
+def _chunk_problem(padding: Optional[Tensor], left: Optional[Tensor], chunk: int, kv_offset: int, keys: int,
+                   batch: int) -> Optional[str]:
+    """None when every row's chunks start at its first valid key among the keys seen (what the sparse path counts
+    from), as transformers counts them (from ``left``, each row's left padding, or key 0); else why not. One small
+    host read."""
+    positions = torch.arange(keys, device=padding.device if padding is not None else "cpu")
+    first = (torch.where(padding, positions, keys).amin(-1) if padding is not None
+             else torch.zeros(batch, dtype=torch.long)) + kv_offset
+    origin = left.to(first.device) if left is not None else torch.zeros_like(first)
+    empty = first >= kv_offset + keys
+    if bool((((first - origin) % chunk != 0) & ~empty).any()):
+        return (f"chunks of {chunk} counted from key {origin.tolist()} (transformers' left padding), not from each "
+                f"row's first valid key among the keys at offset {kv_offset}: dense with the mask")
+    return None
 
 
 # -- the attention function ---------------------------------------------------------------------------------------
@@ -454,14 +549,16 @@ def _document_mask(ids: Tensor, q_len: int, kv_len: int) -> Tensor:
     return (causal[None] & same)[:, None]
 
 
-def _full_mask(mask: Tensor, q_len: int, kv_len: int) -> Tensor:
-    """The 4-D boolean mask a noted 2-D mask stands for, over all ``kv_len`` keys (for the dense delegate)."""
+def _full_mask(mask: Tensor, q_len: int, kv_len: int, local: Local = CAUSAL) -> Tensor:
+    """The 4-D boolean mask a noted 2-D mask stands for (AND ``local``, chunks from each row's first valid key),
+    over all ``kv_len`` keys (for the dense delegate)."""
     keys = mask.shape[-1]
     query_pos = torch.arange(keys - q_len, keys, device=mask.device)
     key_pos = torch.arange(kv_len, device=mask.device)
-    causal = key_pos[None, :] <= query_pos[:, None]
+    first = torch.where(mask, key_pos[:keys], keys).amin(-1)[:, None] if local.chunk else 0
+    seen = local.visible(query_pos - first, key_pos - first)  # (q_len, kv_len), or (B, q_len, kv_len)
     padding = F.pad(mask, (0, kv_len - keys)) if kv_len > keys else mask
-    return causal[None, None] & padding[:, None, None, :]
+    return (seen if seen.dim() == 3 else seen[None])[:, None] & padding[:, None, None, :]
 
 
 def _delegate(module, query, key, value, mask, dropout, scaling, is_causal, kwargs, site, reason, eager):
@@ -523,16 +620,21 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         return _delegate(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs, site,
                          reason, eager)
 
+    local = note.local if isinstance(note, _Causal) and note.local.binds(keys) else CAUSAL
     window = kwargs.get("sliding_window")
-    if feature is None and isinstance(window, int) and keys > window:
+    if feature is None and isinstance(window, int) and keys > window and local.window != window:
+        # the model says its layer has a window its mask does not: the mask is not this layer's
         feature = f"sliding window {window} shorter than the {keys} keys: not causal prefill (the window drops keys)"
+    if feature is None and not local.is_causal and not local_attention_runs():
+        feature = (f"{local.describe()} shorter than the {keys} keys: not causal prefill (this version's attention "
+                   "op runs no windows or chunks)")
     if feature is not None:
         # the model's eager function applies no causal rule of its own: it needs the mask its mask function builds
-        # (SDPA takes is_causal instead where no key is padded and the queries are all the keys)
-        as_sdpa = not eager and padding is None and keys == kv_len == q_len
+        # (SDPA takes is_causal instead where no key is padded, the queries are all the keys and nothing is local)
+        as_sdpa = not eager and padding is None and keys == kv_len == q_len and local.is_causal
         mask = None if as_sdpa else _full_mask(
             attention_mask if padding is not None else query.new_ones(query.shape[0], keys, dtype=torch.bool),
-            q_len, kv_len)
+            q_len, kv_len, local)
         return _delegate(module, query, key, value, mask, dropout, scaling, is_causal if mask is None else False,
                          kwargs, site, feature, eager)
 
@@ -540,9 +642,11 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     query, key, value = autocast_inputs(query, key, value)  # as transformers' SDPA call would run under autocast
     k, v = (key, value) if keys == kv_len else (key[:, :, :keys], value[:, :, :keys])
     gqa = query.shape[1] != k.shape[1]
-    if padding is not None and q_len == 1:  # decode: one query sees every valid key; a (B, 1, 1, N) mask
-        out = attend(query, k, v, scaling, config, site, DenseForm(enable_gqa=gqa, mask=padding[:, None, None, :]))
+    if padding is not None and q_len == 1:  # decode: one query sees every valid key (in its window); (B, 1, 1, N)
+        mask = padding[:, None, None, :] if local.is_causal else _full_mask(padding, 1, keys, local)
+        out = attend(query, k, v, scaling, config, site, DenseForm(enable_gqa=gqa, mask=mask))
     else:
-        out = attend_causal(query, k, v, scaling, config, site,
-                            None if padding is None else padding_layout(padding, keys))
+        layout = None if padding is None else padding_layout(padding, keys)
+        out = (attend_causal(query, k, v, scaling, config, site, layout) if local.is_causal else
+               attend_causal(query, k, v, scaling, config, site, layout, local=local))
     return in_output_layout(out).transpose(1, 2), None
