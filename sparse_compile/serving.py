@@ -330,11 +330,11 @@ def serving_attention(model, config: Optional[SparseConfig] = None) -> str:
     _require_kernels()
     from .transformers_attention import enable_transformers_attention
 
-    enable_transformers_attention(model, config)  # holds config; checks the model dispatches attention
-    _point_kernels_here()
     if not getattr(model, "_supports_flash_attn", False):
         raise ValueError(f"sparse_compile.serving_attention: {type(model).__name__} does not support flash "
                          f"attention in transformers, which {KERNEL_NAME!r} is loaded as")
+    enable_transformers_attention(model, config)  # holds config; checks the model dispatches attention
+    _point_kernels_here()
     model.set_attn_implementation(KERNEL_NAME)
     current = getattr(model.config, "_attn_implementation", None)
     if current != KERNEL_NAME:

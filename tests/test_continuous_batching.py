@@ -317,3 +317,102 @@ def test_skip_layers_of_the_models_configuration_apply_per_layer(route):
     skipped = calls["model.layers.1.self_attn"]
     assert all(p == "dense" for p, _, _ in skipped) and sum(n for _, _, n in skipped) == 3 + 3 * 2
     assert any("skip_layers" in r for _, r, _ in skipped), skipped
+
+
+# -- transformers serve, in a subprocess ---------------------------------------------------------------------------
+SERVE_CHILD = r"""
+import json, os, socket, sys, time, urllib.request, warnings
+import torch, transformers
+from transformers.utils import import_utils
+
+result = {}
+if not import_utils.is_serve_available():
+    result["skip"] = "transformers serve needs fastapi, uvicorn and openai (pip install transformers[serving])"
+elif not import_utils.is_kernels_available():
+    result["skip"] = f"transformers {transformers.__version__} does not accept the installed kernels version"
+if result:
+    print(json.dumps(result))
+    sys.exit(0)
+import sparse_compile
+from sparse_compile import serving
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers.cli.serve import Serve
+
+# a tiny llama and a word-level tokenizer, saved as a model directory
+vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, **{f"w{i}": i + 4 for i in range(124)}}
+tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+tokenizer.decoder = decoders.WordPiece(prefix="##")
+fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                                            eos_token="</s>", pad_token="<pad>")
+torch.manual_seed(0)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128, max_position_embeddings=4096,
+        intermediate_size=128, num_hidden_layers=2, bos_token_id=1, eos_token_id=2, pad_token_id=3))
+    model.save_pretrained("tiny")
+fast.save_pretrained("tiny")
+path = os.path.abspath("tiny")
+
+
+def serve(implementation):
+    with socket.socket() as probe:  # a free loopback port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = Serve(force_model=path, continuous_batching=True, attn_implementation=implementation, device="cpu",
+                   dtype="float32", cb_num_blocks=16, cb_max_batch_tokens=512, host="127.0.0.1", port=port,
+                   non_blocking=True, log_level="error")
+    texts = []
+    try:
+        for _ in range(150):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+                break
+            except OSError:
+                time.sleep(0.2)
+        for n in (60, 150, 250):
+            body = {"model": path, "prompt": " ".join(f"w{(7 * i) % 124}" for i in range(n)), "max_tokens": 3,
+                    "temperature": 0}
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+            texts.append(json.loads(urllib.request.urlopen(request, timeout=120).read())["choices"][0]["text"])
+    finally:
+        server.kill_server()
+    return texts
+
+
+result["reference"] = serve("sdpa")
+sparse_compile.reset_runtime_stats()
+result["texts"] = serve(serving.KERNEL_NAME)
+result["calls"] = {site: [[p, r, n] for (p, r), n in s.calls.items()]
+                   for site, s in sparse_compile.runtime_stats().items()}
+print(json.dumps(result))
+"""
+
+
+def test_transformers_serve_loads_it_through_local_kernels(tmp_path):
+    """``transformers serve --continuous-batching --attn-implementation sparse-compile/flash-sparse-prefill`` (the
+    CLI's own ``Serve``, in a process of its own), configured by ``LOCAL_KERNELS`` and ``SPARSE_COMPILE_CONFIG``
+    alone: completions as an SDPA server gives them, long prompts sparse."""
+    from importlib import metadata
+
+    try:
+        metadata.version("kernels")
+    except metadata.PackageNotFoundError:
+        pytest.skip("the kernels package is not installed (pip install sparse_compile[serving])")
+    missing = [name for name in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"transformers serve needs {', '.join(missing)} (pip install transformers[serving])")
+    env = {**os.environ, "LOCAL_KERNELS": serving.local_kernels_entry(), serving.CONFIG_VARIABLE: KEEP_ALL.to_json(),
+           "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
+    done = subprocess.run([sys.executable, "-c", SERVE_CHILD], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    assert result["texts"] == result["reference"] and all(result["texts"]), result
+    assert sorted(result["calls"]) == ["varlen_attention"]  # a model transformers loaded: no layer is known
+    _check_calls(result["calls"]["varlen_attention"])  # min_seq_len 100 from SPARSE_COMPILE_CONFIG
+
