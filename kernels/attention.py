@@ -6,7 +6,9 @@ their semantics (the ``BlockPlan`` contract) and ``sparse_compile.plan.execute_p
 * ``tile_offsets`` int32 (B, Ht, n_query_blocks, max_tiles): query block ``i`` visits the logical keys
   ``[offset, offset + block_n)`` of ``tile_offsets[b, h, i, t]`` for ``t < tile_counts[b, h, i]``, in that order;
 * the first ``masked_counts[b, h, i]`` tiles are masked (keys after the query's absolute position and padding
-  are excluded); the others are promised fully visible and are not masked;
+  are excluded, and with ``window`` W > 0 keys with ``q_pos - k_pos >= W``, with ``chunk`` C > 0 keys with
+  ``k_pos // C != q_pos // C``: positions are the physical key row and the query's absolute position, as for the
+  causal mask); the others are promised fully visible (inside the band too) and are not masked;
 * ``key_index`` / ``query_index`` (optional): logical -> physical rows (key entries < 0 are padding);
 * ``early_stop`` tau > 0: after each unmasked tile the block stops once no row gains at least tau of its softmax
   denominator (the stopping tile counts); ``pv_skip`` lambda < 0: a row drops a tile's P.V share when the row's
@@ -50,7 +52,8 @@ kernel of ``kernels/hopper.py`` (TMA, warp specialisation, async wgmma; 1.3-1.7x
 when the inputs are on a GPU of compute capability (9, 0), no ``config=`` is given, the installed Triton has the
 Gluon Hopper API (written against Triton 3.6), and the call is in its subset: bf16/fp16, D 64 or 128,
 ``block_m == 128``, ``block_n`` 64 or 128, a ``key_index`` only with Hkv heads
-(read through a permuted copy, or in place with ``key_mode="gather"``), 16-byte aligned strides. Everything else,
+(read through a permuted copy, or in place with ``key_mode="gather"``), 16-byte aligned strides, no ``window`` /
+``chunk`` (the Gluon kernel's masked tiles know only causal and padding). Everything else,
 the CPU interpreter (``TRITON_INTERPRET=1``) and other GPUs run this Triton kernel. A failure to import or compile
 the Hopper path (``is_compile_failure``) logs one warning and sends such calls here from then on; other errors
 (out of memory included) propagate. ``backend="triton"`` (or the environment
@@ -132,11 +135,11 @@ def _fwd_tile(
     k_base, v_base, desc_k, desc_v, kidx_base,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_kip,
     k_row0, k_col0, v_row0, v_col0,
-    qk_scale, pv_lambda, N_K, KEY_LEN,
+    qk_scale, pv_lambda, N_K, KEY_LEN, WINDOW, CHUNK,
     offs_d,
     MASKED: tl.constexpr, HAS_KIDX: tl.constexpr, KEY_GATHER: tl.constexpr, USE_TMA: tl.constexpr,
     PV_SKIP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    DOT_PREC: tl.constexpr, INT64_ROWS: tl.constexpr,
+    DOT_PREC: tl.constexpr, INT64_ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
 ):
     """One key tile ``[start, start + BLOCK_N)`` (logical keys) folded into the online softmax."""
     offs_n = start + tl.arange(0, BLOCK_N)
@@ -170,6 +173,12 @@ def _fwd_tile(
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if MASKED:
         visible = valid[None, :] & (phys[None, :] <= q_pos[:, None])
+        # the band (sliding window, chunks) in masked tiles only: the plan lists a tile with a key outside it as
+        # masked, so unmasked tiles keep their mask-free arithmetic. Constexpr flags: causal plans compile as before
+        if HAS_WINDOW:
+            visible = visible & (q_pos[:, None] - phys[None, :] < WINDOW)
+        if HAS_CHUNK:
+            visible = visible & (phys[None, :] // CHUNK == q_pos[:, None] // CHUNK)
         s = tl.where(visible, qk * qk_scale, float("-inf"))
         tile_max = tl.max(s, 1)
         m_new = tl.maximum(m_i, tile_max)
@@ -213,12 +222,12 @@ def _fwd_inner(
     k_base, v_base, desc_k, desc_v, kidx_base,
     stride_kn, stride_kd, stride_vn, stride_vd, stride_kip,
     k_row0, k_col0, v_row0, v_col0,
-    qk_scale, es_tau, pv_lambda, N_K, KEY_LEN,
+    qk_scale, es_tau, pv_lambda, N_K, KEY_LEN, WINDOW, CHUNK,
     offs_d,
     MASKED: tl.constexpr, EARLY_STOP: tl.constexpr, NUM_STAGES: tl.constexpr, TILE_SPLIT: tl.constexpr,
     HAS_KIDX: tl.constexpr, KEY_GATHER: tl.constexpr, USE_TMA: tl.constexpr, PV_SKIP: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
-    INT64_ROWS: tl.constexpr,
+    INT64_ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
 ):
     """Plan tiles ``t_begin .. t_end`` of the list at ``tile_ptr`` (each split into TILE_SPLIT kernel tiles)
     folded into (acc, l, m). Returns them and the plan tile where the walk ended (``t_end`` unless it stopped
@@ -234,9 +243,9 @@ def _fwd_inner(
             acc, l_i, m_i, gain, l_prev = _fwd_tile(
                 acc, l_i, m_i, q, q_pos, row_ok, start, k_base, v_base, desc_k, desc_v, kidx_base,
                 stride_kn, stride_kd, stride_vn, stride_vd, stride_kip, k_row0, k_col0, v_row0, v_col0,
-                qk_scale, pv_lambda, N_K, KEY_LEN, offs_d,
+                qk_scale, pv_lambda, N_K, KEY_LEN, WINDOW, CHUNK, offs_d,
                 MASKED, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PREC,
-                INT64_ROWS)
+                INT64_ROWS, HAS_WINDOW, HAS_CHUNK)
             t += 1
             still = tl.max(tl.where(row_ok & (gain >= es_tau * l_prev), 1, 0), 0)
             go = (t < t_end) & (still > 0)
@@ -254,9 +263,9 @@ def _fwd_inner(
             acc, l_i, m_i, gain, l_prev = _fwd_tile(
                 acc, l_i, m_i, q, q_pos, row_ok, start, k_base, v_base, desc_k, desc_v, kidx_base,
                 stride_kn, stride_kd, stride_vn, stride_vd, stride_kip, k_row0, k_col0, v_row0, v_col0,
-                qk_scale, pv_lambda, N_K, KEY_LEN, offs_d,
+                qk_scale, pv_lambda, N_K, KEY_LEN, WINDOW, CHUNK, offs_d,
                 MASKED, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PREC,
-                INT64_ROWS)
+                INT64_ROWS, HAS_WINDOW, HAS_CHUNK)
         t_stop = t_end
     return acc, l_i, m_i, t_stop
 
@@ -265,7 +274,7 @@ def _fwd_inner(
 def _block_sparse_attn_fwd(
     Q, K, V, Out, desc_k, desc_v,
     TileOffsets, TileCounts, MaskedCounts, KeyIndex, QueryIndex, Visited, Lse,
-    qk_scale, es_tau, pv_lambda,
+    qk_scale, es_tau, pv_lambda, WINDOW, CHUNK,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -285,6 +294,7 @@ def _block_sparse_attn_fwd(
     EARLY_STOP: tl.constexpr, PV_SKIP: tl.constexpr, WRITE_VISITED: tl.constexpr, DOT_PREC: tl.constexpr,
     INT64_ROWS: tl.constexpr, STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
     SKIP_MASKED: tl.constexpr, RESUME: tl.constexpr, WRITE_LSE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(not (RESUME and WRITE_LSE), "a resumed pass reads the row statistics, it does not write them")
@@ -364,16 +374,16 @@ def _block_sparse_attn_fwd(
         acc, l_i, m_i, _ = _fwd_inner(
             acc, l_i, m_i, q, q_pos, row_ok, tile_ptr, stride_tt, 0, n_masked,
             k_base, v_base, desc_k, desc_v, kidx_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_kip,
-            k_row0, k_col0, v_row0, v_col0, qk_scale, es_tau, pv_lambda, N_K, KEY_LEN, offs_d,
+            k_row0, k_col0, v_row0, v_col0, qk_scale, es_tau, pv_lambda, N_K, KEY_LEN, WINDOW, CHUNK, offs_d,
             True, False, MASKED_STAGES, TILE_SPLIT, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM,
-            HEAD_DIM_PAD, DOT_PREC, INT64_ROWS)
+            HEAD_DIM_PAD, DOT_PREC, INT64_ROWS, HAS_WINDOW, HAS_CHUNK)
     # -- stage 2: unmasked tiles, fully visible by the plan's promise: no mask arithmetic
     acc, l_i, m_i, n_visited = _fwd_inner(
         acc, l_i, m_i, q, q_pos, row_ok, tile_ptr, stride_tt, n_masked, n_tiles,
         k_base, v_base, desc_k, desc_v, kidx_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_kip,
-        k_row0, k_col0, v_row0, v_col0, qk_scale, es_tau, pv_lambda, N_K, KEY_LEN, offs_d,
+        k_row0, k_col0, v_row0, v_col0, qk_scale, es_tau, pv_lambda, N_K, KEY_LEN, WINDOW, CHUNK, offs_d,
         False, EARLY_STOP, STAGES, TILE_SPLIT, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM,
-        HEAD_DIM_PAD, DOT_PREC, INT64_ROWS)
+        HEAD_DIM_PAD, DOT_PREC, INT64_ROWS, HAS_WINDOW, HAS_CHUNK)
 
     # -- epilogue: rows that saw no key have l == 0 and acc == 0 and write zeros; a NaN l (the row met a
     # non-finite score) stays in the division, so the row writes NaN as dense attention would
@@ -627,10 +637,14 @@ def is_compile_failure(exc: BaseException) -> bool:
 
 
 def _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, query_index, early_stop, pv_skip,
-                        key_mode, config) -> Optional[str]:
+                        key_mode, config, window: int = 0, chunk: int = 0) -> Optional[str]:
     """Why the Gluon Hopper kernel does not serve this call (a sentence), or None when it does. No host sync."""
     if config is not None:
         return "an explicit config= selects the Triton kernel"
+    if window > 0 or chunk > 0:
+        # the Gluon kernel's masked tiles apply causal and padding only; teaching it the band is unmeasured on a
+        # GPU (no H100 to test it here), so such calls run the Triton kernel, whose masked tiles apply it
+        return "a sliding window or chunks (window=/chunk=): the Hopper kernel does not mask them"
     if interpreting():
         return "TRITON_INTERPRET=1 (the Triton interpreter)"
     if q.device.type != "cuda":
@@ -668,7 +682,7 @@ def _hopper_spec(q, block_n, key_index, query_index, early_stop, pv_skip, key_mo
 
 
 def reads_keys_in_place(q, k, v, tile_offsets, *, block_m: int, block_n: int, key_index, query_index=None,
-                        early_stop: float = 0.0, pv_skip=None) -> bool:
+                        early_stop: float = 0.0, pv_skip=None, window: int = 0, chunk: int = 0) -> bool:
     """Whether ``block_sparse_attention`` (key_mode and backend "auto") runs the Hopper kernel with the keys read
     through ``key_index`` in place (lists much longer than Nk: ``hopper.gathers_by_default``). No permuted K/V
     copy is then made, so a caller with such a list (S2O) need not cut it into chunks to bound the copy's memory.
@@ -682,7 +696,7 @@ def reads_keys_in_place(q, k, v, tile_offsets, *, block_m: int, block_n: int, ke
     if pv_skip is not None and pv_skip_is_negligible(pv_skip, k.shape[2], q.dtype):
         pv_skip = None
     if _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, query_index, early_stop, pv_skip,
-                           "gather", None) is not None:
+                           "gather", None, window, chunk) is not None:
         return False
     return _hopper_spec(q, block_n, key_index, query_index, early_stop, pv_skip, "auto") not in _HOPPER_FAILED
 
@@ -710,6 +724,8 @@ def block_sparse_attention(
     lse: Optional[torch.Tensor] = None,
     resume: bool = False,
     skip_masked: bool = False,
+    window: int = 0,
+    chunk: int = 0,
 ):
     """Block-sparse causal attention over tile lists (module docstring): q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D)
     -> out (B, Hq, Nq, D), and with ``return_visited`` the int32 (B, Hq, n_query_blocks) tiles each block
@@ -728,11 +744,19 @@ def block_sparse_attention(
     pass instead: each row starts from ``out`` and ``lse`` (as if it had already attended to the first pass's keys)
     and the combined output replaces ``out``; ``lse`` is then only read. ``skip_masked=True`` runs only the
     unmasked tiles of each list (the first pass computed the masked ones); the visited counts are then this pass's.
+
+    ``window`` / ``chunk`` (ints, 0: none): masked tiles also exclude keys outside a sliding window of that many
+    positions or outside the query's chunk (module docstring); the plan must list any tile that holds such a key
+    among its masked tiles (``sparse_compile.plan.local_plan`` / ``restrict_to_local`` build such plans). Served by
+    this Triton kernel only (``backend="hopper"`` refuses them).
     """
     global last_backend
     _validate(q, k, v, tile_offsets, tile_counts, masked_counts, block_m, block_n, key_index, query_index,
               early_stop, pv_skip)
     validate_passes(q, out, lse, resume, who="block_sparse_attention")
+    for name, value in (("window", window), ("chunk", chunk)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value >= 2**31:
+            _fail(f"{name} must be an int in [0, 2^31) (0: none), got {value!r}")
     if pv_skip is not None and pv_skip_is_negligible(pv_skip, k.shape[2], q.dtype):
         pv_skip = None
     B, Hq, Nq, D = q.shape
@@ -751,7 +775,7 @@ def block_sparse_attention(
         backend = "triton"
     if backend != "triton":
         why = _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, query_index, early_stop,
-                                  pv_skip, key_mode, config)
+                                  pv_skip, key_mode, config, window, chunk)
         if backend == "hopper" and why is not None:
             _fail(f"backend='hopper' cannot serve this call: {why}")
         if why is None:
@@ -837,7 +861,7 @@ def block_sparse_attention(
         q, kk, vv, out, desc_k, desc_v,
         tile_offsets, tile_counts, masked_counts, kidx, qidx, visited if visited is not None else tile_counts,
         lse if lse is not None else out,
-        scale * _LOG2E, float(early_stop), (pv_skip or 0.0) * _LOG2E,
+        scale * _LOG2E, float(early_stop), (pv_skip or 0.0) * _LOG2E, max(int(window), 1), max(int(chunk), 1),
         *q.stride(), *kk.stride(), *vv.stride(), *out.stride(),
         *tile_offsets.stride(), *tile_counts.stride(), *masked_counts.stride(),
         *ki_strides, *qi_strides, *lse_strides,
@@ -856,6 +880,7 @@ def block_sparse_attention(
         STAGES=cfg.num_stages,
         MASKED_STAGES=cfg.masked_stages if cfg.masked_stages is not None else min(cfg.num_stages, 2),
         SKIP_MASKED=bool(skip_masked), RESUME=bool(resume), WRITE_LSE=lse is not None and not resume,
+        HAS_WINDOW=window > 0, HAS_CHUNK=chunk > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, visited) if return_visited else out

@@ -1,4 +1,5 @@
-"""PyTorch helpers shared by the kernels' launchers and the package: the 32-bit hash and the segmented argsort.
+"""PyTorch helpers shared by the kernels' launchers and the package: the 32-bit hash, the segmented argsort and the
+band predicate (sliding window, chunks) that the attention kernel's masked tiles apply.
 
 No Triton import (``import sparse_compile`` loads this module). Each has one implementation here: the package's
 reference stages call them, and the kernels either reproduce them exactly (the hash, in uint32 arithmetic) or fall
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["hash32", "segmented_argsort_desc"]
+__all__ = ["hash32", "segmented_argsort_desc", "in_band", "band_start"]
 
 _MASK32 = 0xFFFFFFFF
 _MIX_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
@@ -65,3 +66,27 @@ def segmented_argsort_desc(scores: torch.Tensor, segment: int, num_segments: int
     order = order.flatten(-2)[..., :span]
     tail = torch.arange(span, length, device=scores.device).expand(*scores.shape[:-1], length - span)
     return torch.cat([order, tail], dim=-1)
+
+
+def in_band(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int = 0, chunk: int = 0) -> torch.Tensor:
+    """Whether key position ``key_pos`` lies in the band of query position ``query_pos`` (broadcast together), the
+    predicate the attention kernel's masked tiles apply beside causality: ``query_pos - key_pos < window`` (window
+    > 0) and ``key_pos // chunk == query_pos // chunk`` (chunk > 0). Positions >= 0; causality is not included."""
+    ok = torch.ones(torch.broadcast_shapes(query_pos.shape, key_pos.shape), dtype=torch.bool, device=query_pos.device)
+    if window > 0:
+        ok = ok & (query_pos - key_pos < window)
+    if chunk > 0:
+        ok = ok & (torch.div(key_pos, chunk, rounding_mode="floor") == torch.div(query_pos, chunk, rounding_mode="floor"))
+    return ok
+
+
+def band_start(query_pos: torch.Tensor, window: int = 0, chunk: int = 0) -> torch.Tensor:
+    """The first key position query position ``query_pos`` sees (int64, elementwise): with the band, a query sees
+    exactly the keys ``[band_start(i), i]``, an interval whose start never decreases with ``i``."""
+    start = torch.zeros_like(query_pos, dtype=torch.int64)
+    pos = query_pos.long()
+    if window > 0:
+        start = torch.maximum(start, pos - window + 1)
+    if chunk > 0:
+        start = torch.maximum(start, torch.div(pos, chunk, rounding_mode="floor") * chunk)
+    return start

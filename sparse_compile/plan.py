@@ -14,6 +14,11 @@ Every method ends in a ``BlockPlan``; the Triton kernel (``sparse_compile.kernel
 * Masking. The first ``masked_counts[b, h, i]`` tiles are masked: padding and keys after the query's
   absolute position are excluded. The remaining tiles are promised fully visible to every query of the
   block (no padding, no future key); the kernel does not mask them. ``check_plan`` verifies the promise.
+* Band (``window`` W > 0, ``chunk`` C > 0; ``local.Local``). Masked tiles also exclude key ``j`` (physical row)
+  of query ``i`` (absolute position) where ``i - j >= W`` or ``j // C != i // C``; the promise of the unmasked
+  tiles then includes the band. ``local_plan`` lists exactly the tiles that meet the band (keep-all inside it:
+  exact), ``restrict_to_local`` cuts any plan to it (tiles wholly outside dropped, tiles partly inside masked).
+  The exact tail attends to every key its rows see in the band. Density stays a share of the causal tiles.
 * Early stop (``early_stop = τ > 0``). After each unmasked tile, with ``g_r`` the tile's contribution to row
   ``r``'s softmax denominator and ``l_r`` the denominator before it (both at the new running maximum), the
   block stops when ``g_r < τ · l_r`` for every query row of the block. The tile that triggers the stop is kept
@@ -47,6 +52,7 @@ from typing import Optional
 
 import torch
 
+from .kernels.reference import band_start, in_band
 from .kernels.validate import SUPPORTED_DTYPES, cdiv, expand_heads, validate_qkv
 
 __all__ = [
@@ -58,6 +64,9 @@ __all__ = [
     "check_plan",
     "plan_from_block_mask",
     "causal_plan",
+    "local_plan",
+    "restrict_to_local",
+    "local_tiles_per_block",
     "block_visibility",
     "causal_tile_count",
     "tail_blocks",
@@ -86,6 +95,19 @@ class BlockPlan:
     early_stop: float = 0.0
     pv_skip: Optional[float] = None
     exact_tail: int = 0  # the last query rows computed exactly (module docstring)
+    window: int = 0  # sliding window applied in masked tiles (0: none; module docstring)
+    chunk: int = 0  # chunked local attention applied in masked tiles (0: none)
+
+    def __post_init__(self) -> None:
+        for name in ("window", "chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"BlockPlan.{name}: must be an int >= 0 (0: none), got {value!r}")
+
+    @property
+    def has_band(self) -> bool:
+        """A sliding window or chunks beyond causal."""
+        return self.window > 0 or self.chunk > 0
 
     @property
     def num_query_blocks(self) -> int:
@@ -126,6 +148,10 @@ class BlockPlan:
             parts.append(f"P.V skip {self.pv_skip:g}")
         if self.exact_tail > 0:
             parts.append(f"last {self.exact_tail} query rows exact")
+        if self.window > 0:
+            parts.append(f"sliding window {self.window}")
+        if self.chunk > 0:
+            parts.append(f"chunks of {self.chunk}")
         return f"BlockPlan({', '.join(parts)})"
 
 
@@ -164,11 +190,15 @@ def block_visibility(
     batch: int = 1,
     heads: int = 1,
     device=None,
+    window: int = 0,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Visibility class of each (query block, key tile) in logical order: NONE, PARTIAL or FULL.
 
     Returns int8 ``(B, H, n_query_blocks, n_key_tiles)`` where ``H`` is the larger head count of the two indices
-    (or ``heads``). A block-level table: O((N/block)^2) memory, never N×N.
+    (or ``heads``). A block-level table: O((N/block)^2) memory, never N×N. ``window`` / ``chunk``: the band
+    (module docstring) on top of causal; NONE is then exact for contiguous blocks and tiles (identity order) and
+    conservative (a tile may read PARTIAL yet hold no visible pair) under permutations.
     """
     if key_index is not None:
         batch, device = key_index.shape[0], key_index.device
@@ -194,12 +224,26 @@ def block_visibility(
     has_pad = ~valid.all(-1)
     qmin, qmax = expand_heads(qmin, h), expand_heads(qmax, h)
     kmin, kmax, has_pad = expand_heads(kmin, h), expand_heads(kmax, h), expand_heads(has_pad, h)
-    none = kmin[:, :, None, :] > qmax[:, :, :, None]
-    full = (kmax[:, :, None, :] <= qmin[:, :, :, None]) & ~has_pad[:, :, None, :]
+    none, full = _band_classes(qmin[:, :, :, None], qmax[:, :, :, None], kmin[:, :, None, :], kmax[:, :, None, :],
+                               has_pad[:, :, None, :], window, chunk)
     vis = torch.full(none.shape, VISIBLE_PARTIAL, dtype=torch.int8, device=none.device)
     vis[full] = VISIBLE_FULL
     vis[none] = VISIBLE_NONE
     return vis
+
+
+def _band_classes(qmin, qmax, kmin, kmax, has_pad, window: int, chunk: int):
+    """(none, full) of tiles with valid key positions in [kmin, kmax] against query blocks with positions in
+    [qmin, qmax] (broadcast together). A query ``i`` sees the keys ``[band_start(i), i]``: a pair is visible only if
+    ``i* = max(qmin, kmin) <= qmax`` and ``band_start(i*) <= kmax`` (exact when both position sets are
+    contiguous); every pair is visible iff ``kmax <= qmin`` and ``band_start(qmax) <= kmin`` (and no padding)."""
+    none = kmin > qmax
+    full = (kmax <= qmin) & ~has_pad
+    if window > 0 or chunk > 0:
+        first = torch.maximum(qmin, kmin)
+        none = none | (band_start(first, window, chunk) > kmax)
+        full = full & (band_start(qmax, window, chunk) <= kmin)
+    return none, full
 
 
 def plan_from_block_mask(
@@ -214,11 +258,15 @@ def plan_from_block_mask(
     early_stop: float = 0.0,
     pv_skip: Optional[float] = None,
     exact_tail: int = 0,
+    window: int = 0,
+    chunk: int = 0,
 ) -> BlockPlan:
     """Turn a boolean block mask ``(B, H, n_query_blocks, n_key_tiles)`` into a ``BlockPlan``.
 
     Invisible tiles are dropped; partially visible tiles go first (masked), then fully visible ones, each group
     in ascending tile order, or by descending ``order_scores`` when given (same shape as ``keep``).
+    ``window`` / ``chunk``: the band the plan's masked tiles apply; ``visibility`` must have been computed with it
+    (``block_visibility(..., window=, chunk=)``).
     """
     keep = keep & (visibility != VISIBLE_NONE)
     partial = keep & (visibility == VISIBLE_PARTIAL)
@@ -245,6 +293,8 @@ def plan_from_block_mask(
         early_stop=early_stop,
         pv_skip=pv_skip,
         exact_tail=exact_tail,
+        window=window,
+        chunk=chunk,
     )
 
 
@@ -260,6 +310,153 @@ def causal_plan(
     """Every causal tile, diagonal tiles masked: with it the core computes dense causal attention."""
     vis = block_visibility(num_queries, num_keys, block_m, block_n, batch=batch, heads=heads, device=device)
     return plan_from_block_mask(torch.ones_like(vis, dtype=torch.bool), vis, block_m, block_n)
+
+
+def _check_band(who: str, window, chunk) -> None:
+    for name, value in (("window", window), ("chunk", chunk)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{who}: {name} must be an int >= 0 (0: none), got {value!r}")
+
+
+def _band_ranges(num_queries: int, num_keys: int, block_m: int, block_n: int, window: int, chunk: int):
+    """Per query block (identity order, CPU int64): the first and last key tile that meets the band and the first
+    and last tile wholly inside it for every row (``f_lo > f_hi``: none). A query ``i`` sees keys
+    ``[band_start(i), i]``; over a block's rows ``p0..p1`` those are ``[band_start(p0), p1]`` (every key there is
+    seen by some row), and a tile ``[a, a + block_n)`` is seen whole by every row iff ``band_start(p1) <= a`` and
+    ``a + block_n - 1 <= p0``."""
+    offset = num_keys - num_queries
+    r0 = torch.arange(cdiv(num_queries, block_m), dtype=torch.int64) * block_m
+    p0 = r0 + offset
+    p1 = torch.clamp(r0 + block_m, max=num_queries) - 1 + offset
+    t_lo = band_start(p0, window, chunk) // block_n
+    t_hi = p1 // block_n
+    f_lo = -(-band_start(p1, window, chunk) // block_n)
+    f_hi = (p0 + 1) // block_n - 1
+    return t_lo, t_hi, f_lo, f_hi
+
+
+@functools.lru_cache(maxsize=64)
+def _band_tables(num_queries: int, num_keys: int, block_m: int, block_n: int, window: int, chunk: int,
+                 device: torch.device):
+    """(tile_offsets, tile_counts, masked_counts) of ``local_plan``, each (1, 1, blocks, ...): per block the tiles
+    partly inside the band (below the whole ones, then above: ascending), then the whole ones (ascending)."""
+    t_lo, t_hi, f_lo, f_hi = _band_ranges(num_queries, num_keys, block_m, block_n, window, chunk)
+    count = t_hi - t_lo + 1
+    whole = f_lo <= f_hi
+    low = torch.where(whole, f_lo - t_lo, count)  # partial tiles below the whole ones (all of them when none is)
+    high = torch.where(whole, t_hi - f_hi, torch.zeros_like(count))
+    width = max(int(count.max()) if count.numel() else 0, 1)
+    s = torch.arange(width, dtype=torch.int64)[None, :]
+    low, high, count = low[:, None], high[:, None], count[:, None]
+    tiles = torch.where(s < low, t_lo[:, None] + s,
+                        torch.where(s < low + high, f_hi[:, None] + 1 + (s - low), f_lo[:, None] + (s - low - high)))
+    offsets = torch.where(s < count, tiles * block_n, torch.zeros_like(tiles))
+    as_table = lambda x: x.to(torch.int32)[None, None].contiguous().to(device)  # noqa: E731
+    return as_table(offsets), as_table(count[:, 0]), as_table((low + high)[:, 0])
+
+
+def local_plan(
+    batch: int,
+    heads: int,
+    num_queries: int,
+    num_keys: int,
+    block_m: int = 128,
+    block_n: int = 128,
+    device=None,
+    *,
+    window: int = 0,
+    chunk: int = 0,
+) -> BlockPlan:
+    """Every tile that meets the band (module docstring), nothing else: tiles partly inside masked, tiles wholly
+    outside never listed; with it the core computes dense attention restricted to the band. ``window=chunk=0``:
+    ``causal_plan``'s tiles. Tables from the shapes alone (no host sync), shared by every (batch, head) with stride
+    0; O(blocks x band tiles) memory, never the full tile grid."""
+    _check_band("local_plan", window, chunk)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    tables = [t.expand(batch, heads, *t.shape[2:])
+              for t in _band_tables(num_queries, num_keys, block_m, block_n, window, chunk, device)]
+    return BlockPlan(block_m=block_m, block_n=block_n, tile_offsets=tables[0], tile_counts=tables[1],
+                     masked_counts=tables[2], window=window, chunk=chunk)
+
+
+def local_tiles_per_block(blocks: int, num_queries: int, num_keys: int, block_m: int, block_n: int, window: int = 0,
+                          chunk: int = 0) -> torch.Tensor:
+    """int64 (blocks,): the key tiles that meet the band for each query block (identity order): what dense
+    attention restricted to the band computes (``causal_tiles_per_block`` without a band)."""
+    if window <= 0 and chunk <= 0:
+        return causal_tiles_per_block(blocks, num_queries, num_keys, block_m, block_n)
+    t_lo, t_hi, _, _ = _band_ranges(num_queries, num_keys, block_m, block_n, window, chunk)
+    counts = t_hi - t_lo + 1
+    return torch.nn.functional.pad(counts, (0, max(blocks - counts.numel(), 0)))[:blocks]
+
+
+def _window_extremes(values: torch.Tensor, width: int, reduce, fill: int) -> torch.Tensor:
+    """``reduce`` (torch.minimum / torch.maximum) of ``values[..., p : p + width]`` for every start ``p`` of the last
+    dim, entries past its end reading ``fill``: a sparse table, O(L log width) work, O(L) memory."""
+    level, span = values, 1
+    while span * 2 <= width:
+        level = reduce(level, torch.nn.functional.pad(level[..., span:], (0, span), value=fill))
+        span *= 2
+    if span == width:
+        return level
+    return reduce(level, torch.nn.functional.pad(level[..., width - span:], (0, width - span), value=fill))
+
+
+def restrict_to_local(plan: BlockPlan, num_queries: int, num_keys: int, *, window: int = 0, chunk: int = 0) -> BlockPlan:
+    """``plan`` cut to the band (module docstring): its own choices inside the band, in its order. A listed tile
+    with no visible pair is dropped, an unmasked one that the band cuts moves to the masked tiles (after the
+    plan's own masked ones, so that an early stop never decides on it), and the plan carries ``window`` /
+    ``chunk`` for the kernels' masked tiles and its exact tail. Exact for contiguous positions; under a key or
+    query permutation a tile is kept whenever the bounds of its positions allow a visible pair. No host sync;
+    O(tables) memory plus O(key_index) for the key permutation's tile bounds."""
+    _check_band("restrict_to_local", window, chunk)
+    if window <= 0 and chunk <= 0:
+        return plan
+    if plan.has_band and (plan.window, plan.chunk) != (window, chunk):
+        raise ValueError(f"restrict_to_local: the plan already carries window={plan.window}, chunk={plan.chunk}; "
+                         f"asked for window={window}, chunk={chunk}")
+    offs = plan.tile_offsets
+    dev = offs.device
+    batch = offs.shape[0]
+    heads = max([offs.shape[1]] + [x.shape[1] for x in (plan.key_index, plan.query_index) if x is not None])
+    offs = expand_heads(offs, heads).long()
+    counts = expand_heads(plan.tile_counts, heads).long()
+    masked = expand_heads(plan.masked_counts, heads).long()
+    qpos = _positions(expand_heads(plan.query_index, heads), num_queries, batch, heads, dev) + (num_keys - num_queries)
+    qmin, qmax = _query_block_bounds(qpos, plan.block_m)
+    big = 2**62
+    bn = plan.block_n
+    if plan.key_index is None:
+        kmin = torch.where(offs < num_keys, offs, torch.full_like(offs, big))
+        kmax = torch.clamp(offs + bn, max=num_keys) - 1
+        has_pad = offs + bn > num_keys
+    else:
+        ki = plan.key_index.long()
+        if ki.shape[-1] == 0:  # no logical key at all: nothing visible
+            ki = torch.full((*ki.shape[:2], 1), -1, dtype=torch.int64, device=dev)
+        valid = (ki >= 0) & (ki < num_keys)
+        # extremes of every window of block_n logical keys (past the index: padding), read at the listed offsets
+        lo = _window_extremes(torch.where(valid, ki, torch.full_like(ki, big)), bn, torch.minimum, big)
+        hi = _window_extremes(torch.where(valid, ki, torch.full_like(ki, -1)), bn, torch.maximum, -1)
+        pad = _window_extremes((~valid).to(torch.int8), bn, torch.maximum, 1)
+        at = offs.clamp(0, ki.shape[-1] - 1).flatten(2)
+        pick = lambda t: torch.gather(expand_heads(t, heads), 2, at).view(offs.shape)  # noqa: E731
+        kmin, kmax, has_pad = pick(lo), pick(hi), pick(pad).bool()
+        beyond = offs >= ki.shape[-1]  # wholly past the index: padding only
+        kmin = torch.where(beyond, torch.full_like(kmin, big), kmin)
+        kmax = torch.where(beyond, torch.full_like(kmax, -1), kmax)
+    none, full = _band_classes(qmin[..., None], qmax[..., None], kmin, kmax, has_pad, window, chunk)
+    t = torch.arange(offs.shape[-1], device=dev)
+    live = (t < counts[..., None]) & ~none
+    was_masked = t < masked[..., None]
+    # the plan's masked tiles, then its unmasked ones the band cuts, then the whole ones; the rest dropped
+    group = torch.where(~live, 3, torch.where(was_masked, 0, torch.where(full, 2, 1))).to(torch.int8)
+    order = torch.argsort(group, dim=-1, stable=True)
+    new_offsets = torch.gather(expand_heads(plan.tile_offsets, heads), -1, order)
+    group = torch.gather(group, -1, order)
+    new_offsets = torch.where(group < 3, new_offsets, torch.zeros_like(new_offsets)).contiguous()
+    return replace(plan, tile_offsets=new_offsets, tile_counts=(group < 3).sum(-1, dtype=torch.int32).contiguous(),
+                   masked_counts=(group < 2).sum(-1, dtype=torch.int32).contiguous(), window=window, chunk=chunk)
 
 
 @functools.lru_cache(maxsize=256)  # asked on every planned call: a loop over query blocks, once per shape
@@ -297,8 +494,9 @@ def plan_density(plan: BlockPlan, num_queries: int, num_keys: int, num_heads: Op
         heads = max(x.shape[1] for x in (plan.tile_counts, plan.key_index, plan.query_index) if x is not None)
     counts = expand_heads(plan.tile_counts, heads)
     tail = tail_blocks(plan, num_queries)
-    if tail:  # the exact tail's blocks cost what dense attention computes for them
-        causal = causal_tiles_per_block(counts.shape[-1], num_queries, num_keys, plan.block_m, plan.block_n)
+    if tail:  # the exact tail's blocks cost what dense attention (in the band, if any) computes for them
+        causal = local_tiles_per_block(counts.shape[-1], num_queries, num_keys, plan.block_m, plan.block_n,
+                                       plan.window, plan.chunk)
         counts = torch.cat([counts[..., :-tail], causal[-tail:].to(counts.device, counts.dtype)
                             .expand(*counts.shape[:-1], tail)], dim=-1)
     total = causal_tile_count(num_queries, num_keys, plan.block_m, plan.block_n)
@@ -316,22 +514,33 @@ def tail_blocks(plan: BlockPlan, num_queries: int) -> int:
 def apply_exact_tail(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan,
                      scale: Optional[float], visited: Optional[torch.Tensor] = None):
     """The plan's exact tail written over ``out`` (module docstring); ``visited`` (per query block) then counts
-    the tail's blocks as every causal tile (identity order: what dense attention computes for them)."""
+    the tail's blocks as every causal tile (identity order: what dense attention computes for them), or every
+    tile that meets the plan's band."""
     rows = min(plan.exact_tail, q.shape[-2])
     if rows <= 0:
         return out, visited
     q_tail = q[:, :, -rows:]
+    num_keys = k.shape[-2]
     if q.is_cuda:  # the fused SDPA kernels mask by assignment: a non-finite key a row does not see stays unseen
-        from .dense import dense_causal_attention
+        from .dense import dense_attention, dense_causal_attention
 
-        tail = dense_causal_attention(q_tail, k, v, scale=scale)
+        if plan.has_band:  # the band as an explicit mask of the tail's rows: O(rows x Nk), rows are few
+            positions = torch.arange(num_keys, device=q.device)
+            seen = (positions[-rows:, None] >= positions[None, :]) & in_band(
+                positions[-rows:, None], positions[None, :], plan.window, plan.chunk)
+            tail = dense_attention(q_tail, k, v, is_causal=False, scale=scale, attn_mask=seen,
+                                   enable_gqa=q.shape[1] != k.shape[1])
+        else:
+            tail = dense_causal_attention(q_tail, k, v, scale=scale)
     else:  # PyTorch's CPU path adds the mask as a bias, and NaN - inf is NaN: the reference masks exactly
-        tail = reference_attention(q_tail, k, v, causal_plan(q.shape[0], q.shape[1], rows, k.shape[-2], plan.block_m,
-                                                             plan.block_n, device=q.device), scale)
+        tail = reference_attention(q_tail, k, v, local_plan(q.shape[0], q.shape[1], rows, num_keys, plan.block_m,
+                                                            plan.block_n, device=q.device, window=plan.window,
+                                                            chunk=plan.chunk), scale)
     out[:, :, -rows:] = tail.to(out.dtype)
     if visited is not None:
         tail = tail_blocks(plan, q.shape[-2])
-        causal = causal_tiles_per_block(visited.shape[-1], q.shape[-2], k.shape[-2], plan.block_m, plan.block_n)
+        causal = local_tiles_per_block(visited.shape[-1], q.shape[-2], num_keys, plan.block_m, plan.block_n,
+                                       plan.window, plan.chunk)
         visited[..., -tail:] = causal[-tail:].to(visited.device, visited.dtype)
     return out, visited
 
@@ -368,7 +577,8 @@ def execute_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockP
             q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts, block_m=plan.block_m,
             block_n=plan.block_n, key_index=plan.key_index, query_index=plan.query_index, scale=scale,
             early_stop=plan.early_stop, pv_skip=plan.pv_skip, return_visited=return_visited, key_mode=key_mode,
-            config=config, out=out, lse=lse, resume=resume, skip_masked=skip_masked)
+            config=config, out=out, lse=lse, resume=resume, skip_masked=skip_masked, window=plan.window,
+            chunk=plan.chunk)
         if plan.exact_tail <= 0:
             return result
         if lse is not None or resume:
@@ -429,16 +639,18 @@ def check_plan(plan: BlockPlan, q: torch.Tensor, k: torch.Tensor) -> None:
         H = max([plan.tile_offsets.shape[1]] + [x.shape[1] for x in (plan.key_index, plan.query_index) if x is not None])
         qi = expand_heads(plan.query_index, H)
         ki = expand_heads(plan.key_index, H)
-        qmin, _ = _query_block_bounds(_positions(qi, Nq, B, H, q.device) + (Nk - Nq), plan.block_m)
+        qmin, qmax = _query_block_bounds(_positions(qi, Nq, B, H, q.device) + (Nk - Nq), plan.block_m)
         logical = expand_heads(offs, H).long()[..., None] + torch.arange(plan.block_n, device=q.device)
         phys = _physical_keys(ki, logical, length)
         ok = (phys >= 0) & (phys < Nk) & (phys <= qmin[..., None, None])
+        if plan.has_band:  # every row of the block sees the key in the band: its last row's band starts before it
+            ok = ok & (phys >= band_start(qmax, plan.window, plan.chunk)[..., None, None])
         bad = expand_heads(unmasked, H) & ~ok.all(-1)
         if bool(bad.any()):
             where = [int(x) for x in bad.nonzero()[0].tolist()]
             raise ValueError(
                 f"plan: unmasked tile not fully visible at (batch, head, query block, tile)={tuple(where)}; "
-                "tiles with padding or future keys must be among the first masked_counts tiles"
+                "tiles with padding, future keys or keys outside the band must be among the first masked_counts tiles"
             )
 
 
@@ -498,6 +710,8 @@ def reference_attention(
         s = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # (B, Hq, m, T*bn)
         s = s.view(B, Hq, m, T, bn)
         causal = phys[:, :, None, :, :] <= qpos[:, :, :, None, None]
+        if plan.has_band:  # masked tiles only, as in the kernel
+            causal = causal & in_band(qpos[:, :, :, None, None], phys[:, :, None, :, :], plan.window, plan.chunk)
         allowed = torch.where(is_masked[:, :, None, :, None], valid[:, :, None] & causal, torch.ones_like(causal))
         allowed = allowed & live[:, :, None, :, None]
         s = s.masked_fill(~allowed, float("-inf"))
