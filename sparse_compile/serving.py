@@ -41,6 +41,7 @@ import functools
 import math
 import os
 import warnings
+import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -66,9 +67,12 @@ KERNEL_PATH = Path(__file__).resolve().parent / "hub_kernel"
 #: a ``SparseConfig.to_json()`` text, for kernel calls made without a model's configuration (``transformers serve``)
 CONFIG_VARIABLE = "SPARSE_COMPILE_CONFIG"
 
-#: (configuration, site) of the kernel call in progress, set by ``attention_forward`` around transformers' wrapper
-_CALL: contextvars.ContextVar[Optional[tuple[SparseConfig, str]]] = contextvars.ContextVar("sparse_compile_serving",
-                                                                                         default=None)
+#: (configuration or None, site) of the kernel call in progress, set by ``attention_forward`` around transformers'
+#: wrapper: the configuration of a model ``serving_attention`` switched, None for another model's layer
+_CALL: contextvars.ContextVar[Optional[tuple[Optional[SparseConfig], str]]] = contextvars.ContextVar(
+    "sparse_compile_serving", default=None)
+#: the modules of the models ``serving_attention`` switched (their configuration is the one they hold)
+_SERVED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 _WARNED: set = set()
 
 
@@ -83,17 +87,18 @@ def _config_from_text(text: str) -> SparseConfig:
 
 
 def _call_config() -> tuple[SparseConfig, str]:
-    """The configuration and site of this kernel call: the calling layer's (``attention_forward``), else
-    ``SPARSE_COMPILE_CONFIG``'s or the front door's default at ``varlen_attention``'s site."""
-    held = _CALL.get()
+    """The configuration and site of this kernel call: the calling layer's model's (``attention_forward``, a model
+    ``serving_attention`` switched), else ``SPARSE_COMPILE_CONFIG``'s, else the front door's default; at the calling
+    layer's site where ``attention_forward`` ran, else ``varlen_attention``'s."""
+    held, site = _CALL.get() or (None, VARLEN_SITE)
     if held is not None:
-        return held
+        return held, site
     text = os.environ.get(CONFIG_VARIABLE)
     if text:
-        return _config_from_text(text), VARLEN_SITE
+        return _config_from_text(text), site
     from .transformers_attention import config_of
 
-    return config_of(None), VARLEN_SITE
+    return config_of(None), site
 
 
 # -- FlashAttention's entry points -------------------------------------------------------------------------------
@@ -264,12 +269,13 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                       attention_mask: Optional[Tensor], *args, **kwargs):
     """The attention function ``serving_attention`` registers under ``KERNEL_NAME``: transformers' own flash
     wrapper (``transformers.integrations.flash_attention.flash_attention_forward``, which prepares the packed
-    arguments and calls this kernel), run with the configuration ``module``'s model holds."""
+    arguments and calls this kernel), run with the configuration ``module``'s model holds (one ``serving_attention``
+    switched; another model's layers take ``SPARSE_COMPILE_CONFIG`` or the default) at the layer's site."""
     from transformers.integrations.flash_attention import flash_attention_forward
 
     from .transformers_attention import config_of, site_of
 
-    token = _CALL.set((config_of(module), site_of(module)))
+    token = _CALL.set((config_of(module) if module in _SERVED else None, site_of(module)))
     try:
         return flash_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
     finally:
@@ -335,6 +341,7 @@ def serving_attention(model, config: Optional[SparseConfig] = None) -> str:
                          f"attention in transformers, which {KERNEL_NAME!r} is loaded as")
     enable_transformers_attention(model, config)  # holds config; checks the model dispatches attention
     _point_kernels_here()
+    _SERVED.update(model.modules())
     model.set_attn_implementation(KERNEL_NAME)
     current = getattr(model.config, "_attn_implementation", None)
     if current != KERNEL_NAME:
