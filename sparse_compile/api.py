@@ -16,6 +16,7 @@ from torch import Tensor
 from .attention_op import OP, causal_attention
 from .config import SparseConfig
 from .context import resolve
+from .local import Local
 from .masks import example_value
 from .parallel import is_dtensor, register_dtensor_sharding
 from .pipeline import EAGER_SITE, attend_eager, attend_segments, run_method
@@ -26,7 +27,8 @@ __all__ = ["sparse_attention", "varlen_attention", "VARLEN_SITE", "precompile", 
 
 
 def sparse_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None, config: Optional[SparseConfig] = None
+    q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None, config: Optional[SparseConfig] = None,
+    window: Optional[int] = None, chunk: Optional[int] = None,
 ) -> Tensor:
     """Causal attention through the configured sparse method, for code that calls attention itself.
 
@@ -40,6 +42,14 @@ def sparse_attention(
     (a ``UserWarning`` naming ``min_seq_len``); to run the method on shorter inputs pass
     ``config=SparseConfig(min_seq_len=...)`` or open ``sparsity(min_seq_len=...)``. ``runtime_stats()
     ["sparse_attention"]`` records each call's path and reason.
+
+    ``window`` (a positive int, None: none): a sliding window on top of causal, query ``i`` seeing key ``j`` only
+    where ``i - j < window`` (transformers' ``sliding_window``); ``chunk`` (a positive int, None: none): chunked
+    local attention, ``j // chunk == i // chunk`` (Llama 4's ``attention_chunk_size``); both may be given.
+    Positions count from key 0, the queries being the last ``Nq``. A window shorter than ``min_seq_len`` (or a
+    call shorter than it) and chunks run exactly, on the kernels, over only the tiles that meet the band ("exact
+    band" in ``runtime_stats()``); a longer window runs the method inside it (``pipeline`` docstring). A call the
+    rules send dense runs SDPA with the band as an explicit (Nq, Nk) mask.
     """
     q, k, v = autocast_inputs(q, k, v)  # as SDPA runs under autocast
     validate_qkv(q, k, v, who="sparse_attention", dtypes=SUPPORTED_DTYPES + (torch.float64,), empty_ok=True)
@@ -48,13 +58,26 @@ def sparse_attention(
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"sparse_attention: scale must be a float or None (1/sqrt(head_dim)), got "
                         f"{type(scale).__name__}")
-    if not _WARNED_SHORT:
+    local = Local(_band_argument("window", window), _band_argument("chunk", chunk))
+    if not _WARNED_SHORT and not local.binds(k.shape[-2]):  # a binding band runs on the kernels, short or not
         _warn_if_short(q, k, config)
     if is_dtensor(q):  # tensor parallelism: the op's DTensor sharding rule runs each rank's heads (parallel.py)
         register_dtensor_sharding()
-        spec = SiteSpec(EAGER_SITE, config or SparseConfig(), enable_gqa=True, queries_last=True)
+        spec = SiteSpec(EAGER_SITE, config or SparseConfig(), enable_gqa=True, queries_last=True,
+                        window=local.window, chunk=local.chunk)
         return causal_attention(q, k, v, scale, spec.to_json())
-    return attend_eager(q, k, v, scale, config)
+    return attend_eager(q, k, v, scale, config, local)
+
+
+def _band_argument(name: str, value) -> int:
+    """``window=`` / ``chunk=`` of ``sparse_attention`` as ``Local`` takes it (0: none), or the error naming it."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"sparse_attention: {name} must be a positive int or None, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"sparse_attention: {name} must be a positive int or None (no {name}), got {value}")
+    return int(value)
 
 
 _WARNED_SHORT = False  # sparse_attention's first prefill below min_seq_len in this process has said so

@@ -10,6 +10,23 @@ planned again for the break-even history.
 The mask forms of the op (``attend_site``): ``is_causal=True`` (SDPA's top-left alignment), a mask proven causal
 (queries at the last positions, optional key padding: ``attend_causal``), or a mask checked here at run time.
 A padded batch runs as groups of rows with the same valid keys (``attend_padded``, ``padding.py``).
+
+A sliding window or chunked local attention on top of causal (``local.Local``, from the site's proof, a mask
+checked at run time or ``sparse_attention(window=, chunk=)``): where it binds nowhere (``Local.binds``) the call is
+plain causal. Where it binds, the rules run without the length rule (any that fails: dense SDPA with the band as
+an explicit mask, the only place that mask is built), then
+
+* a short band (chunks, a window below ``min_seq_len``, or a call shorter than ``min_seq_len``) runs the exact
+  band plan (``plan.local_plan``: every tile that meets the band, nothing else) on the kernels, recorded as sparse
+  ("exact band: ..."), its density the share of the causal tiles it computes;
+* a long one (a window of at least ``min_seq_len`` on a call of at least that length) runs the method's plan cut to
+  the band (``plan.restrict_to_local``): its own choices inside the band. Break-even is not consulted (its
+  tables weigh a plan against dense causal attention, not against the band); where the method declines, the exact
+  band plan runs.
+
+Padded rows: each group of rows runs with its positions counted from its first valid key; a row whose valid keys
+have holes cannot be re-indexed for a window or chunks, so where the band binds it runs dense with the mask in its
+raw positions.
 """
 
 from __future__ import annotations
@@ -29,16 +46,19 @@ from .breakeven import HISTORY, advise
 from .config import SparseConfig
 from .context import resolve
 from .dense import QUERIES_LAST, DenseForm, run_dense
+from .local import CAUSAL, Local
 from . import methods  # its stages looked up per call: tools and tests may wrap them
 from .methods import Unsupported
 from .padding import PaddingLayout, check_query_positions, document_segments, padding_layout
+from .plan import execute_plan, local_plan, restrict_to_local
 from .registry import method_spec
-from .rules import RUNTIME_RULES, CallInfo, first_failure
+from .rules import RUNTIME_RULES, CallInfo, first_failure, prefill_length
 from .runtime_mask import check_runtime_mask
 from .site import SiteSpec
 
 __all__ = ["Outcome", "DENSE", "SPARSE", "EAGER_SITE", "attend_site", "attend_eager", "attend_causal", "attend",
-           "attend_padded", "attend_segments", "attempt", "run_method", "dense_reason", "capturing"]
+           "attend_padded", "attend_segments", "attempt", "run_method", "run_band", "method_in_band", "band_block",
+           "dense_reason", "capturing"]
 
 DENSE, SPARSE = "dense", "sparse"
 
@@ -91,6 +111,7 @@ def attend_site(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], site: S
     if runtime_mask is None and not site.queries_last:  # is_causal=True: SDPA aligns the queries top-left
         return attend(q, k, v, scale, config, site.site, DenseForm(top_left=True, enable_gqa=site.enable_gqa))
     keys = _keys_seen(site, q.shape, k.shape[-2], key_padding, query_positions, runtime_mask)
+    local = keys.local if not keys.local.is_causal else site.local
     if keys.segments:  # packed sequences (a continuous batch's block-diagonal mask): each on its own
         return attend_segments(q, k, v, scale, config, site.site, keys.segments, note=keys.note)
     if keys.not_causal is not None:  # a mask checked at run time, not causal: the call as it was, with its mask
@@ -98,7 +119,7 @@ def attend_site(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], site: S
                       dense_because=keys.not_causal)
     if keys.count < k.shape[-2]:
         k, v = k[:, :, :keys.count], v[:, :, :keys.count]
-    return attend_causal(q, k, v, scale, config, site.site, keys.layout, note=keys.note)
+    return attend_causal(q, k, v, scale, config, site.site, keys.layout, note=keys.note, local=local)
 
 
 @dataclass(frozen=True)
@@ -111,18 +132,20 @@ class _Keys:
     note: str = ""
     not_causal: Optional[str] = None
     segments: tuple = ()  # packed sequences: (q_start, q_end, k_start, k_end) each
+    local: Local = CAUSAL  # a mask checked at run time: its sliding window / chunks
 
 
 def _keys_seen(site: SiteSpec, q_shape, num_keys: int, key_padding: Optional[Tensor],
                query_positions: Optional[Tensor], runtime_mask: Optional[Tensor]) -> _Keys:
     if runtime_mask is not None:  # a graph input: its values checked here, once per forward pass
-        verdict = check_runtime_mask(runtime_mask, q_shape[0], q_shape[1], q_shape[-2], num_keys)
+        verdict = check_runtime_mask(runtime_mask, q_shape[0], q_shape[1], q_shape[-2], num_keys, local=True)
         if verdict.segments:
             return _Keys(num_keys, note=f"; {PACKED}", segments=verdict.segments)
         if not verdict.causal:
             return _Keys(num_keys, not_causal=verdict.reason)
         # keys past the last query's reach are masked for every row: not attended
-        return _Keys(verdict.num_keys, padding_layout(verdict.key_valid, verdict.num_keys), f"; {verdict.reason}")
+        return _Keys(verdict.num_keys, padding_layout(verdict.key_valid, verdict.num_keys), f"; {verdict.reason}",
+                     local=verdict.local)
     if query_positions is not None:
         check_query_positions(query_positions, q_shape[-2], num_keys)
     layout = None if key_padding is None else padding_layout(key_padding, num_keys)
@@ -138,40 +161,65 @@ EAGER_SITE = "sparse_attention"  # the site of calls that do not come through a 
 
 
 def attend_eager(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float],
-                 config: Optional[SparseConfig] = None) -> Tensor:
-    """``sparse_attention`` on plain tensors: causal, the queries at the last positions, at ``EAGER_SITE``."""
-    return attend_causal(q, k, v, scale, resolve(config or SparseConfig()).for_site(EAGER_SITE), EAGER_SITE)
+                 config: Optional[SparseConfig] = None, local: Local = CAUSAL) -> Tensor:
+    """``sparse_attention`` on plain tensors: causal (AND ``local``), the queries at the last positions, at
+    ``EAGER_SITE``."""
+    return attend_causal(q, k, v, scale, resolve(config or SparseConfig()).for_site(EAGER_SITE), EAGER_SITE,
+                         local=local)
 
 
 def attend_causal(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
-                  layout: Optional[PaddingLayout] = None, note: str = "") -> Tensor:
-    """Causal attention with the queries at the last positions, over the valid keys of ``layout`` (None: all)."""
+                  layout: Optional[PaddingLayout] = None, note: str = "", local: Local = CAUSAL) -> Tensor:
+    """Causal attention with the queries at the last positions, over the valid keys of ``layout`` (None: all),
+    AND ``local`` (a sliding window / chunks, positions counted from each row's first valid key; module
+    docstring)."""
+    if not isinstance(local, Local):
+        raise TypeError(f"attend_causal: local must be a sparse_compile.local.Local, got {type(local).__name__}")
     if layout is None or layout.all_valid:
-        return attend(q, k, v, scale, config, site, QUERIES_LAST, chunked_allowed=True, note=note)
-    return attend_padded(q, k, v, scale, config, site, layout, note)
+        return attend(q, k, v, scale, config, site, QUERIES_LAST, chunked_allowed=True, note=note, local=local)
+    return attend_padded(q, k, v, scale, config, site, layout, note, local=local)
 
 
 # -- one call, decided, run and recorded ---------------------------------------------------------------------------
 def attend(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
            dense: DenseForm = QUERIES_LAST, *, chunked_allowed: bool = False, note: str = "",
-           dense_because: Optional[str] = None) -> Tensor:
+           dense_because: Optional[str] = None, local: Local = CAUSAL) -> Tensor:
     """Decide, run the method or the exact attention ``dense``, and record what happened at ``site`` (``note``
-    appended to the reason). ``dense_because``: the call runs ``dense`` for that reason, no rule asked."""
-    return _recorded(site, _run(q, k, v, scale, config, site, dense, chunked_allowed, dense_because), q.shape, note)
+    appended to the reason). ``dense_because``: the call runs ``dense`` for that reason, no rule asked. ``local``:
+    causal AND a sliding window / chunks (module docstring; ``dense`` is then ``QUERIES_LAST``)."""
+    return _recorded(site, _run(q, k, v, scale, config, site, dense, chunked_allowed, dense_because, local),
+                     q.shape, note)
 
 
 def _run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
-         dense: DenseForm, chunked_allowed: bool, dense_because: Optional[str] = None) -> Outcome:
+         dense: DenseForm, chunked_allowed: bool, dense_because: Optional[str] = None,
+         local: Local = CAUSAL) -> Outcome:
     """``attempt`` (unless ``dense_because``), then ``dense`` where the method did not run: an outcome with its
-    output."""
+    output. Where ``local`` binds, the dense fallback is SDPA with the band as an explicit mask."""
     with _without_autocast(q):
         if dense_because is None:
-            outcome = attempt(q, k, v, scale, config, site, chunked_allowed=chunked_allowed)
+            outcome = attempt(q, k, v, scale, config, site, chunked_allowed=chunked_allowed, local=local)
         else:
             outcome = Outcome(DENSE, dense_because)
         if outcome.output is None:
+            if local.binds(k.shape[-2]) and dense is QUERIES_LAST:
+                dense = _local_dense_form(q, k, local)
+                outcome = dataclasses.replace(outcome, reason=f"{outcome.reason}; {local.describe()} as an explicit "
+                                              "mask")
             outcome = dataclasses.replace(outcome, output=run_dense(q, k, v, scale, dense))
     return outcome
+
+
+def _local_dense_form(q: Tensor, k: Tensor, local: Local, query_positions: Optional[Tensor] = None,
+                      key_positions: Optional[Tensor] = None) -> DenseForm:
+    """SDPA with ``local``'s bool mask (causal included), (Nq, Nk): queries at the last positions unless given.
+    Only the dense fallback of a banded call builds it."""
+    num_queries, num_keys = q.shape[-2], k.shape[-2]
+    if key_positions is None:
+        key_positions = torch.arange(num_keys, device=q.device)
+    if query_positions is None:
+        query_positions = torch.arange(num_keys - num_queries, num_keys, device=q.device)
+    return DenseForm(enable_gqa=q.shape[1] != k.shape[1], mask=local.visible(query_positions, key_positions))
 
 
 def _without_autocast(q: Tensor):
@@ -206,9 +254,11 @@ def attend_segments(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], con
 
 
 def attend_padded(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
-                  layout: PaddingLayout, note: str = "") -> Tensor:
+                  layout: PaddingLayout, note: str = "", local: Local = CAUSAL) -> Tensor:
     """Causal attention with key padding, queries at the last positions: each group of rows with the same valid
-    keys runs as an ordinary causal prefill over those keys (``padding.py``); padded query rows give zeros."""
+    keys runs as an ordinary causal prefill over those keys (``padding.py``); padded query rows give zeros.
+    ``local``: positions counted from each row's first valid key; a row with holes in its valid keys where the band
+    binds runs dense with the mask in its raw positions (its gathered keys are not the positions the band counts)."""
     offset = k.shape[-2] - q.shape[-2]  # absolute position of query row 0
     out = torch.zeros_like(q)
     outcomes = []
@@ -226,7 +276,15 @@ def attend_padded(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], confi
             if queries.numel() == 0:
                 continue
         qg, kg, vg = q[rows][:, :, queries], k[rows][:, :, keys], v[rows][:, :, keys]
-        outcome = _run(qg, kg, vg, scale, config, site, QUERIES_LAST, True)
+        if group.index is not None and local.binds(group.end - group.start):
+            first = group.start  # raw positions from the row's first valid key
+            form = _local_dense_form(qg, kg, local, query_positions=queries + offset - first,
+                                     key_positions=keys - first)
+            outcome = _run(qg, kg, vg, scale, config, site, form, True, dense_because=(
+                f"{local.describe()} over a row whose valid keys have holes: the band counts raw positions, which "
+                "gathered keys lose; dense with the mask"))
+        else:
+            outcome = _run(qg, kg, vg, scale, config, site, QUERIES_LAST, True, local=local)
         if isinstance(rows, slice):
             out[rows, :, queries] = outcome.output
         else:
@@ -252,8 +310,11 @@ def dense_reason(q: Tensor, k: Tensor, v: Tensor, config: SparseConfig, site: st
 
 
 def attempt(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str, *,
-            chunked_allowed: bool = False) -> Outcome:
-    """The rules, then break-even, then the method: what one call runs (nothing recorded, no dense run)."""
+            chunked_allowed: bool = False, local: Local = CAUSAL) -> Outcome:
+    """The rules, then break-even, then the method: what one call runs (nothing recorded, no dense run).
+    ``local`` binding: the band's decision instead (module docstring)."""
+    if local.binds(k.shape[-2]):
+        return _attempt_local(q, k, v, scale, config, site, chunked_allowed, local)
     capture = _CAPTURE.get()
     if capture is not None:
         capture(site, q, k, v, scale, chunked_allowed)
@@ -269,6 +330,67 @@ def attempt(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: Spa
     return outcome
 
 
+# -- a sliding window / chunks: the exact band plan, or the method inside the band -------------------------------
+# every rule but the length rule, which decides between the band plan and the method instead
+_LOCAL_RULES = tuple(rule for rule in RUNTIME_RULES if rule.name != "long_enough")
+
+
+def _attempt_local(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
+                   chunked_allowed: bool, local: Local) -> Outcome:
+    """What a call whose band binds runs (module docstring). Calibration's capture is not called: its samples are
+    causal problems, which a banded call is not."""
+    info = CallInfo(q, k, v, config, site, chunked_allowed, scale)
+    failed = first_failure(_LOCAL_RULES, info)
+    if failed is not None:
+        return Outcome(DENSE, failed.reason(info))
+    if not method_in_band(local, q.shape[-2], k.shape[-2], config.min_seq_len):
+        return run_band(q, k, v, scale, config, local)
+    outcome = run_method(q, k, v, scale, config, local=local)
+    if outcome.path == SPARSE:
+        return outcome
+    return run_band(q, k, v, scale, config, local, because=outcome.reason)
+
+
+def method_in_band(local: Local, num_queries: int, num_keys: int, min_seq_len: int) -> bool:
+    """Whether a banded call runs the method cut to the band (a window of at least ``min_seq_len`` on a call that
+    computes at least a ``min_seq_len`` prefill, no chunks) rather than the exact band plan."""
+    return (local.chunk == 0 and local.window >= min_seq_len
+            and prefill_length(num_queries, num_keys) >= min_seq_len)
+
+
+def band_block(local: Local) -> int:
+    """The band plan's tile size: 128 (the kernels' measured tiles), 64 for a band of at most 64 positions, which
+    128-wide tiles would mostly spend on masked-out keys (a choice not measured on a GPU)."""
+    extent = min(x for x in (local.window, local.chunk) if x > 0)
+    return 64 if extent <= 64 else 128
+
+
+def run_band(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, local: Local,
+             because: str = "") -> Outcome:
+    """The exact band plan (``plan.local_plan``, keep-all inside the band) on the kernels: a sparse ``Outcome``
+    with its output, or a dense one without (float32 on a GPU, a failed kernel compile)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    kernel = _kernel_for(q, config)
+    if kernel == "triton" and q.dtype == torch.float32 and q.is_cuda:
+        return Outcome(DENSE, "float32 on GPU: the Triton kernel runs bfloat16/float16; left dense")
+    block = band_block(local)
+    plan = local_plan(q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], block, block, device=q.device,
+                      window=local.window, chunk=local.chunk)
+    try:
+        result = execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=config.record_density)
+    except Exception as exc:  # as in run_method: only a failed kernel compile goes dense
+        failure = _compile_failure(exc)
+        if failure is None:
+            raise
+        return Outcome(DENSE, f"exact band: {failure}; left dense")
+    out, visited = result if config.record_density else (result, None)
+    density = None
+    if config.record_density:
+        density = report.density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
+    reason = f"exact band: {local.describe()} ({kernel})" + (f"; {because}" if because else "")
+    return Outcome(SPARSE, reason, out, density)
+
+
 # -- the method: plan, execute, remember the density ------------------------------------------------------------
 def _kernel_for(q: Tensor, config: SparseConfig) -> str:
     if config.kernel != "auto":
@@ -277,7 +399,7 @@ def _kernel_for(q: Tensor, config: SparseConfig) -> str:
 
 
 def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig,
-               history_key: Optional[tuple] = None, *, plan_only: bool = False) -> Outcome:
+               history_key: Optional[tuple] = None, *, plan_only: bool = False, local: Local = CAUSAL) -> Outcome:
     """Build the method's plan and execute it: a sparse ``Outcome`` with its output, or a dense one without (the
     method declined: ``Unsupported``).
 
@@ -286,6 +408,8 @@ def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
     tiles it visits (early stop) tells its cost only by running it: such a re-plan runs the whole call sparse and
     returns its output (a part of the call, one KV head's group, would be a shape the kernels never ran: a Triton
     compile of seconds inside a server's call).
+
+    ``local`` (binding): the method's plan cut to the band (``plan.restrict_to_local``): its own choices inside it.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     kernel = _kernel_for(q, config)
@@ -295,6 +419,9 @@ def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
         spec = method_spec(config.select_stage)
         plan_only = plan_only and not spec.decided_at_run_time(config.params_of(spec.name))
         plan = methods.build_plan(q, k, scale, config)
+        banded = local.binds(k.shape[-2])
+        if banded:
+            plan = restrict_to_local(plan, q.shape[-2], k.shape[-2], window=local.window, chunk=local.chunk)
         # a plan that decides at run time how many tiles it visits (early stop) tells its cost only by running:
         # count the visits where the count is wanted
         want_visits = config.record_density or (history_key is not None and plan.early_stop > 0)
@@ -316,7 +443,8 @@ def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
     density = None
     if config.record_density:
         density = report.density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])
-    return Outcome(SPARSE, f"method {config.method} ({kernel})", out, density)
+    inside = f" inside the {local.describe()}" if banded else ""
+    return Outcome(SPARSE, f"method {config.method} ({kernel}){inside}", out, density)
 
 
 def _compile_failure(exc: Exception) -> Optional[str]:

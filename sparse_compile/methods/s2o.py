@@ -395,7 +395,9 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
     params = config.params_of("s2o")
     passes = {}
     window_visits = None
-    if window_pass and runs_on_kernels(q, kernel):
+    # a plan cut to a band (``plan.restrict_to_local``) lists band-cut tiles among its masked ones, which the window
+    # pass (the segments' whole causal triangles) does not know: it runs in one pass, as the reference does
+    if window_pass and runs_on_kernels(q, kernel) and not plan.has_band:
         window = _window_plan(q, params.segment_size, plan.block_m, plan.block_n)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         out = execute_plan(q, k, v, window, scale, kernel=kernel, lse=lse)
@@ -417,7 +419,7 @@ def _ranked_walk(q, k, v, plan: BlockPlan, scale, params, kernel: str, return_vi
 
         if reads_keys_in_place(q, k, v, plan.tile_offsets, block_m=plan.block_m, block_n=plan.block_n,
                                key_index=plan.key_index, query_index=plan.query_index, early_stop=plan.early_stop,
-                               pv_skip=plan.pv_skip):
+                               pv_skip=plan.pv_skip, window=plan.window, chunk=plan.chunk):
             return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited, **passes)
     n = q.shape[-2]
     copied = "copy" if kernel != "reference" else "auto"  # the kernels read each chunk's keys from a copy
@@ -457,7 +459,7 @@ def _ranked_walk(q, k, v, plan: BlockPlan, scale, params, kernel: str, return_vi
             tile_counts=counts, masked_counts=plan.masked_counts[:, :, block0:block1],
             key_index=plan.key_index[..., list0:list1],
             query_index=None if plan.query_index is None else plan.query_index[..., row0:row1] - row0,
-            early_stop=plan.early_stop, pv_skip=plan.pv_skip,
+            early_stop=plan.early_stop, pv_skip=plan.pv_skip, window=plan.window, chunk=plan.chunk,
         )
         chunk_passes = {}
         if passes:  # the chunk resumes its own rows, in place
