@@ -19,6 +19,12 @@ Which transformers load it: those whose ``kernels`` version range holds the inst
 and 5.24 want ``kernels >= 0.18.2, < 0.19``; 5.20.2 and 5.22.2 ``>= 0.17.2, < 0.18``); ``serving_attention`` names the
 range where it does not.
 
+On CUDA, continuous batching captures CUDA graphs for flash implementations unless told not to; this kernel reads
+the sequence lengths on the host and decides each sequence on its own, so pass
+``ContinuousBatchingConfig(use_cuda_graph=False)`` (``transformers serve --no-cb-use-cuda-graph``): a capture raises
+an error that says so. The decode fast path (``flash_attn_with_kvcache``, block tables) is not offered: decode tokens
+come through the varlen call, over the keys continuous batching reads from its cache.
+
 Every causal call without soft-capping, ALiBi, attention sinks, dropout or a window that binds runs as
 ``sparse_compile.varlen_attention`` runs it: each packed sequence a call of its own, decided by the package's rules
 and recorded in ``runtime_stats()``, long prompts by the method, short ones and decode tokens dense with their reasons;
@@ -198,6 +204,17 @@ def _sequences(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     return sequences
 
 
+def _refuse_graph_capture(q: Tensor) -> None:
+    """The sequences are read on the host and each decided on its own: a captured CUDA graph would replay one
+    batch's decisions on every other batch. Continuous batching captures graphs by default on CUDA for flash
+    implementations: say how to turn that off."""
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{KERNEL_NAME} cannot run inside a CUDA graph capture (it reads the sequence lengths on "
+                           "the host and decides each sequence on its own): turn accelerator graphs off, "
+                           "ContinuousBatchingConfig(use_cuda_graph=False) or transformers serve "
+                           "--no-cb-use-cuda-graph")
+
+
 @torch.compiler.disable
 def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                            max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
@@ -211,6 +228,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     and not needed; ``return_attn_probs=True`` is refused (no probabilities are formed)."""
     if return_attn_probs:
         raise NotImplementedError(f"{KERNEL_NAME}: return_attn_probs=True is not supported (use eager attention)")
+    _refuse_graph_capture(q)
     sequences = _sequences(q, k, v, cu_seqlens_q, cu_seqlens_k)
     config, site = _call_config()
     left, right = _window(window_size)
