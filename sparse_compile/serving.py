@@ -3,8 +3,8 @@
 transformers' continuous batching (``generate_batch``, ``init_continuous_batching``, ``transformers serve
 --continuous-batching``) takes ``"sdpa"``, ``"paged|eager"`` or a flash implementation, and a flash implementation
 named like a Hub kernel (``org/name``) is loaded by the ``kernels`` package (``pip install sparse_compile[serving]``).
-The package ships such a kernel repository (``sparse_compile/hub_kernel``, one ``torch-universal`` build) whose
-module exposes this module's ``flash_attn_varlen_func`` and ``flash_attn_func`` in FlashAttention's convention;
+The package ships such a kernel repository (``sparse_compile/hub_kernel``: pure-Python builds ``torch-cpu``,
+``torch-cuda`` and ``torch-universal`` for other backends and older ``kernels``, one module) whose module exposes this module's ``flash_attn_varlen_func`` and ``flash_attn_func`` in FlashAttention's convention;
 ``kernels`` loads it from the local path given by its ``LOCAL_KERNELS`` variable (``repo_id=path``), so nothing is
 downloaded:
 
@@ -68,7 +68,7 @@ __all__ = ["KERNEL_NAME", "KERNEL_PATH", "CONFIG_VARIABLE", "serving_attention",
 #: the attention implementation's name: a Hub kernel pattern (``org/name``) with "flash" in it (what continuous
 #: batching accepts) and no version digit (transformers would take a "flash...2" or "flash...3" name for FA2/FA3)
 KERNEL_NAME = "sparse-compile/flash-sparse-prefill"
-#: the kernel repository shipped in the package (``build/torch-universal``: metadata.json and the module)
+#: the kernel repository shipped in the package (``build/<variant>/``: metadata.json and the module)
 KERNEL_PATH = Path(__file__).resolve().parent / "hub_kernel"
 #: a ``SparseConfig.to_json()`` text, for kernel calls made without a model's configuration (``transformers serve``)
 CONFIG_VARIABLE = "SPARSE_COMPILE_CONFIG"

@@ -164,9 +164,14 @@ def test_the_name_is_a_hub_kernel_continuous_batching_takes():
     assert is_flash_attention_requested(requested_attention_implementation=serving.KERNEL_NAME)
     # no version digit: a "flash...2" / "flash...3" name would be taken for FA2 / FA3 (paged decode with block tables)
     assert not is_flash_attention_requested(requested_attention_implementation=serving.KERNEL_NAME, version=[2, 3])
-    build = serving.KERNEL_PATH / "build" / "torch-universal"
-    assert json.loads((build / "metadata.json").read_text())["name"] == "flash-sparse-prefill"
-    assert (build / "__init__.py").is_file()
+    builds = {path.name: path for path in (serving.KERNEL_PATH / "build").iterdir() if path.is_dir()}
+    assert sorted(builds) == ["torch-cpu", "torch-cuda", "torch-universal"]
+    modules = {(path / "__init__.py").read_text() for path in builds.values()}
+    assert len(modules) == 1  # one module, three builds
+    for name, path in builds.items():
+        metadata = json.loads((path / "metadata.json").read_text())
+        assert metadata["name"] == "flash-sparse-prefill" and metadata["python-depends"] == []
+        assert metadata["backend"]["type"] == ("cuda" if name == "torch-cuda" else "cpu")
 
 
 # -- the route, in a subprocess ----------------------------------------------------------------------------------
