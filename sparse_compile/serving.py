@@ -4,9 +4,9 @@ transformers' continuous batching (``generate_batch``, ``init_continuous_batchin
 --continuous-batching``) takes ``"sdpa"``, ``"paged|eager"`` or a flash implementation, and a flash implementation
 named like a Hub kernel (``org/name``) is loaded by the ``kernels`` package (``pip install sparse_compile[serving]``).
 The package ships such a kernel repository (``sparse_compile/hub_kernel``: pure-Python builds ``torch-cpu``,
-``torch-cuda`` and ``torch-universal`` for other backends and older ``kernels``, one module) whose module exposes this module's ``flash_attn_varlen_func`` and ``flash_attn_func`` in FlashAttention's convention;
-``kernels`` loads it from the local path given by its ``LOCAL_KERNELS`` variable (``repo_id=path``), so nothing is
-downloaded:
+``torch-cuda`` and ``torch-universal`` for other backends and older ``kernels``, one module) whose module exposes
+this module's ``flash_attn_varlen_func`` and ``flash_attn_func`` in FlashAttention's convention; ``kernels`` loads it
+from the local path given by its ``LOCAL_KERNELS`` variable (``repo_id=path``), so nothing is downloaded:
 
     sparse_compile.serving_attention(model, SparseConfig(method="pbs"))   # returns KERNEL_NAME
     model.generate_batch(prompts, generation_config=...)                   # long prompts sparse, decode dense

@@ -19,11 +19,9 @@ import os
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import sparse_compile
 from sparse_compile import SparseConfig
