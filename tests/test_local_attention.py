@@ -22,9 +22,10 @@ from sparse_compile.pipeline import attend_causal, attend_site, method_in_band
 from sparse_compile.plan import (VISIBLE_FULL, VISIBLE_NONE, BlockPlan, block_visibility, causal_plan,
                                  causal_tile_count, check_plan, execute_plan, local_plan, local_tiles_per_block,
                                  plan_density, plan_from_block_mask, reference_attention, restrict_to_local)
+from sparse_compile.registry import method_spec
 from sparse_compile.site import SiteSpec
 
-from helpers import TOL, random_qkv, rel_error
+from helpers import BUILT_IN, SMALL, TOL, random_qkv, rel_error
 
 
 def band_sdpa(q, k, v, local: Local, scale=None, dtype=torch.float64):
@@ -371,3 +372,33 @@ def test_attend_site_reads_the_site_band():
     out = attend_site(q, k, v, None, site)
     assert_exact(out, q, k, v, Local(window=21), "site")
     assert runtime_stats()["banded"].last_reason.startswith("exact band: sliding window 21")
+
+
+def test_attend_site_reads_a_runtime_mask_band():
+    """A 4-D mask checked at run time: causal AND a sliding window AND left padding (``MaskVerdict.local``)."""
+    q, k, v = random_qkv(2, 2, 2, 70, 70, 16)
+    mask = Local(window=21).visible(torch.arange(70), torch.arange(70))[None, None].repeat(2, 1, 1, 1)
+    mask[1, :, :, :5] = False
+    reset_runtime_stats()
+    out = attend_site(q, k, v, None, SiteSpec("checked", SparseConfig(), queries_last=True), runtime_mask=mask)
+    truth = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    assert rel_error(out[0], truth[0]) < TOL[torch.float32]
+    assert rel_error(out[1, :, 5:], truth[1, :, 5:]) < TOL[torch.float32]
+    (path, reason), = runtime_stats()["checked"].calls
+    assert path == "sparse" and reason.startswith("exact band: sliding window 21")
+
+
+METHOD_KERNELS = [(m, "reference") for m in BUILT_IN] + [("pbs", "triton"), ("s2o", "triton")]
+
+
+@pytest.mark.parametrize("method,kernel", METHOD_KERNELS)
+def test_every_method_at_keep_all_is_exact_inside_the_band(method, kernel):
+    """The method's plan cut to a long window (keep-all: every tile it could choose), on key/query permutations
+    too (PBS, S2O), through ``sparse_attention``."""
+    q, k, v = random_qkv(1, 4, 2, 130, 130, 32)
+    params = {**SMALL.get(method, {}), **method_spec(method).keep_all}
+    config = SparseConfig(method=method, dense_when_faster=False, kernel=kernel, **{**SMALL, method: params})
+    reset_runtime_stats()
+    out = sparse_attention(q, k, v, window=40, config=config)
+    assert_exact(out, q, k, v, Local(window=40), method)
+    assert _stats().last_reason == f"method {method} ({kernel}) inside the sliding window 40"
