@@ -4,8 +4,9 @@ Under Dynamo, transformers cannot look at mask values, so it materialises the ma
 mask built with ``full``/``triu`` and in-place updates (4.46-4.52), a bool mask built by nested functorch vmaps
 (4.53-4.57) or by broadcasting aranges (5.x). The constructions differ by version; what they compute does not. So
 instead of matching each construction, ``analyse_mask`` proves what a mask *is*: the causal mask, ``key j visible to
-query i iff j <= i + kv_len - q_len``, or that AND a key-padding mask, at every length the graph can run at. What it
-cannot establish comes back as ``NotProven`` with a reason, and the site stays dense.
+query i iff j <= i + kv_len - q_len``, optionally AND a sliding window or chunks (``Local``, step 7), optionally AND
+a key-padding mask, at every length the graph can run at. What it cannot establish comes back as ``NotProven`` with
+a reason, and the site stays dense.
 
 1. The slice: the backward slice of the mask node. Size queries (``x.size(1)``, ``x.shape``) are leaves evaluated
    from the traced shapes, so the slice never reaches the model's activations. In-place mutations of the slice's
@@ -43,6 +44,19 @@ cannot establish comes back as ``NotProven`` with a reason, and the site stays d
    ``bool()``, ``to(torch.bool)``, logical ops) after views and gathers: such a mask cannot tell -1 from 1, as the op
    cannot (a trial with such values confirms it). Anything else (``am > 0``, ``am >= 1``, arithmetic) is proven for
    0/1 values only (``binary_padding``), and the op refuses other values at run time with an error.
+7. Windows and chunks (``MaskMatch.local``). The widths are read from the mask, not from the graph: evaluated with
+   every key valid, at the longest point (past every bite) and, where that shows one, at every point, each row's
+   first visible key gives the window (the widest row) and the chunk size (the gcd of where rows' keys start, or of
+   the rows that see themselves only: chunks AND a window); the simplest ``Local`` that fits every row is the
+   candidate. That is a guess, not the proof: the widths are then bites of the expected mask (the points around
+   them, and both lengths past twice the largest), and step 5 compares the mask with ``Local.visible`` AND the
+   padding at every point and padding trial. So a width the graph hides is found past, or the comparison fails: a
+   window per head, a window OR anything, a width that changes along the rows or with the length, non-integer
+   chunks stay NotProven; ``i - j < 3.5`` is a window of 4 at integer positions, and proven so. Positions are the
+   keys' positions in the row; chunks start at each row's first valid key (transformers' ``left_padding``), so
+   chunks counted from key 0 (older transformers) are refuted by the left-padding trial. With holes in the padding
+   the window is over those raw positions, not over the valid keys: what the op runs (such rows dense with the
+   mask in raw positions), as for left or right padding, where both agree. Packed documents carry no ``Local``.
 
 Soundness rests on these assumptions; nothing else is taken on trust:
 - Each call of the slice is a deterministic function of its operands that changes behaviour with the length only
