@@ -487,7 +487,8 @@ def plan_density(plan: BlockPlan, num_queries: int, num_keys: int, num_heads: Op
     ``num_heads`` is passed). The numerator counts listed tiles: with early stopping (S2O) it is an upper bound
     (the stop happens at run time; ``execute_plan(..., return_visited=True)`` counts visited tiles). A plan can
     exceed 1: under a key permutation (PBS) or S2O's query sort, the on-diagonal segment is computed as a full
-    square of tiles rather than a triangle.
+    square of tiles rather than a triangle. A banded plan (``window`` / ``chunk``) is counted against the causal
+    tiles too, its exact tail's blocks as the tiles that meet the band.
     """
     heads = num_heads
     if heads is None:

@@ -204,7 +204,10 @@ def density_from_visits(visited: torch.Tensor, plan, num_queries: int, num_keys:
     exceed 1, is ``plan.density`` (tiles listed over causal tiles).
 
     Where the plan reorders the queries (``query_index``), a block holds rows from anywhere in its segment: it is
-    counted against the tiles its own rows reach (its last row's causal prefix), so an exact plan reads as 1."""
+    counted against the tiles its own rows reach (its last row's causal prefix), so an exact plan reads as 1.
+
+    A plan with a sliding window or chunks (``plan.local_plan``, ``plan.restrict_to_local``) is counted the same
+    way, against the causal tiles: the exact band plan reads as the band's share of them, below 1."""
     if plan.query_index is not None:
         return _density_of_reordered_queries(visited, plan, num_queries, num_keys)
     blocks = -(-num_queries // plan.block_m)
