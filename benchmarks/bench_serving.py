@@ -1,4 +1,5 @@
-"""Serving-shaped prefill: one long prompt prefilled in fixed chunks over a growing cache, against one call.
+"""Serving-shaped prefill: continuous batching of many long requests, and one long prompt prefilled in fixed
+chunks over a growing cache against one call.
 
 Servers prefill long prompts in chunks (vLLM, SGLang and transformers' continuous batching all cap the tokens per
 step); each chunk's queries then attend to the whole prefix. This benchmark times, on the Llama-3.1-8B shape
@@ -7,11 +8,19 @@ step); each chunk's queries then attend to the whole prefix. This benchmark time
 * ``dense one call`` / ``sparse one call``: the whole prompt in one forward (``logits_to_keep=1``);
 * ``dense chunked`` / ``sparse chunked``: ``--chunk`` tokens per forward over one ``DynamicCache``.
 
+``--scenario batching``: ``--requests`` prompts with lengths drawn from ``--prompt-range`` (seeded), served by
+transformers' continuous batching (``generate_batch``, one new token each) with the package's kernel route
+(``sparse_compile.serving_attention``; needs the ``kernels`` package and a transformers that accepts it) against
+the same model on ``--dense`` (``sdpa``: transformers' paged SDPA; ``keep_all``: the same route at keep-all, dense
+attention through the same kernels). Per request: TTFT (first token's timestamp minus the request's creation);
+per run: prefill tokens per second, sparse and dense call counts, density.
+
 Contenders alternate in one loop (``harness.alternating_samples``); every row carries the sparse and dense call
 counts the run made (``runtime_stats()``, per forward pass of the whole prompt) and the mean density of the sparse
 calls (``record_density``). Rows go to the store ``benchmarks/results/bench_serving.jsonl`` with ``--store``.
 
     python benchmarks/bench_serving.py --lengths 131072 --chunk 8192 --store      # GPU
+    python benchmarks/bench_serving.py --scenario batching --requests 32 --store  # GPU
     python benchmarks/bench_serving.py --smoke                                    # CPU, toy sizes
 """
 
@@ -72,8 +81,69 @@ def mean_density():
     return statistics.fmean(values) if values else None
 
 
+def serve_batch(model, prompts, cb_config) -> tuple[dict, float]:
+    """One ``generate_batch`` of ``prompts`` (one new token each): (prompt length, TTFT in s) per request, and the
+    wall time (s)."""
+    import time
+
+    import transformers
+
+    steps = transformers.GenerationConfig(max_new_tokens=1, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    sync()
+    started = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=steps, continuous_batching_config=cb_config,
+                               record_timestamps=True)
+    sync()
+    wall = time.perf_counter() - started
+    ttft = {rid: (len(o.prompt_ids), (o.timestamps[0] if o.timestamps else o.lifespan[1]) - o.created_time)
+            for rid, o in out.items()}
+    return ttft, wall
+
+
+def batching(args, model, config, device) -> list:
+    import random
+
+    import transformers
+
+    rng = random.Random(0)
+    low, high = args.prompt_range
+    lengths = [rng.randint(low, high) for _ in range(args.requests)]
+    prompts = [[rng.randrange(1, model.config.vocab_size) for _ in range(n)] for n in lengths]
+    cb = dict(max_batch_tokens=args.max_batch_tokens, auto_switch_to_flash=False, use_cuda_graph=False)
+    if args.smoke:
+        cb.update(num_blocks=64)
+    cb_config = transformers.ContinuousBatchingConfig(**cb)
+    contenders = {"sparse": config, "dense": SparseConfig(**{**config.to_dict(), "record_density": True}).keep_all()
+                  if args.dense == "keep_all" else None}
+    rows = []
+    for rep in range(args.reps):
+        for label in (["sparse", "dense"] if rep % 2 == 0 else ["dense", "sparse"]):  # alternated
+            held = contenders[label]
+            if held is None:
+                model.set_attn_implementation("sdpa")
+            else:
+                sparse_compile.serving_attention(model, held)
+            sparse_compile.reset_runtime_stats()
+            with torch.no_grad():
+                ttft, wall = serve_batch(model, prompts, cb_config)
+            calls = calls_by_path()
+            contender = label if held is not None or label == "sparse" else f"dense ({args.dense})"
+            for rid, (n, seconds) in ttft.items():
+                rows.append(dict(scenario="batching", rep=rep, contender=contender, request=rid, prompt=n,
+                                 ttft_ms=seconds * 1e3))
+            rows.append(dict(scenario="batching", rep=rep, contender=contender, request="all", prompt=sum(lengths),
+                             wall_ms=wall * 1e3, prefill_tok_s=sum(lengths) / wall, sparse_calls=calls["sparse"],
+                             dense_calls=calls["dense"], density=mean_density()))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenario", choices=("chunked", "batching"), default="chunked")
+    parser.add_argument("--requests", type=int, default=32, help="batching: how many requests")
+    parser.add_argument("--prompt-range", type=int, nargs=2, default=[8192, 131072], help="batching: prompt lengths")
+    parser.add_argument("--max-batch-tokens", type=int, default=8192, help="batching: tokens per step")
+    parser.add_argument("--dense", choices=("sdpa", "keep_all"), default="sdpa", help="batching: the baseline")
     parser.add_argument("--lengths", type=int, nargs="+", default=[65536, 131072])
     parser.add_argument("--chunk", type=int, default=8192)
     parser.add_argument("--method", default=None, help="a method name (default: the package's default config)")
@@ -87,7 +157,8 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.smoke:
-        args.lengths, args.chunk, args.reps = [256], 64, 1
+        args.lengths, args.chunk, args.reps = [256], 64, min(args.reps, 2)
+        args.requests, args.prompt_range, args.max_batch_tokens = 4, [40, 300], 256
     model = build_model(args.smoke, device, dtype, args.layers)
     options = dict(record_density=True)
     if args.method:
@@ -95,6 +166,16 @@ def main() -> None:
     if args.smoke:  # toy lengths: lower the floor and the blocks so the toy run takes the sparse path
         options.update(method=args.method or "pbs", min_seq_len=16, pbs={"block_size": 16, "segment_size": 32})
     config = SparseConfig(**options)
+    if args.scenario == "batching":
+        rows = batching(args, model, config, device)
+        meta = dict(model="Llama-3.1-8B shape" if not args.smoke else "toy", requests=args.requests,
+                    prompt_range=args.prompt_range, max_batch_tokens=args.max_batch_tokens, dense=args.dense,
+                    device=torch.cuda.get_device_name() if device == "cuda" else "cpu", config=repr(config))
+        print(write_results("bench_serving_batching", rows, meta=meta, out_dir=args.out,
+                            store="bench_serving" if args.store else None,
+                            params=("scenario", "rep", "contender", "request", "prompt"),
+                            extra=dict(layers=model.config.num_hidden_layers, method=args.method or "default")))
+        return
     sparse_compile.enable_transformers_attention(model, config)
     name = model.config._attn_implementation
     model.config._attn_implementation = "sdpa"
@@ -128,7 +209,7 @@ def main() -> None:
         one = statistics.median(samples["sparse one call"])
         for label, times in samples.items():
             calls, density = per_run[label]
-            rows.append(dict(length=length, chunk=args.chunk if "chunked" in label else length, contender=label,
+            rows.append(dict(scenario="chunked", length=length, chunk=args.chunk if "chunked" in label else length, contender=label,
                              ttft_ms=statistics.median(times), sparse_calls=calls["sparse"],
                              dense_calls=calls["dense"], density=density,
                              vs_sparse_one_call=statistics.median(times) / one,
@@ -137,7 +218,7 @@ def main() -> None:
                 device=torch.cuda.get_device_name() if device == "cuda" else "cpu", dtype=str(dtype),
                 config=repr(config))
     print(write_results("bench_serving", rows, meta=meta, out_dir=args.out,
-                        store="bench_serving" if args.store else None, params=("length", "chunk", "contender"),
+                        store="bench_serving" if args.store else None, params=("scenario", "length", "chunk", "contender"),
                         extra=dict(layers=model.config.num_hidden_layers, method=args.method or "default")))
 
 
