@@ -213,7 +213,8 @@ def _run(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: Sparse
 def _local_dense_form(q: Tensor, k: Tensor, local: Local, query_positions: Optional[Tensor] = None,
                       key_positions: Optional[Tensor] = None) -> DenseForm:
     """SDPA with ``local``'s bool mask (causal included), (Nq, Nk): queries at the last positions unless given.
-    Only the dense fallback of a banded call builds it."""
+    Only the dense fallback of a banded call builds it: SDPA takes no band but as a mask, and the replaced call
+    (transformers' SDPA path) built the same (Nq, Nk) mask; the sparse paths never do."""
     num_queries, num_keys = q.shape[-2], k.shape[-2]
     if key_positions is None:
         key_positions = torch.arange(num_keys, device=q.device)
