@@ -31,7 +31,7 @@ needs_interface = pytest.mark.skipif(not SUPPORTED, reason="transformers has no 
 
 W = 8  # every window and chunk size: the prompts are several times longer
 SIZES = dict(vocab_size=128, max_position_embeddings=1024, intermediate_size=64, num_hidden_layers=2)
-HEADS = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+HEADS = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 SLIDING_FIRST = ["sliding_attention", "full_attention"]
 KEEP_ALL = SparseConfig(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32}).keep_all()
 
@@ -62,8 +62,23 @@ def build(name: str, implementation: str = "sdpa", **extra):
             model = makers[name]().eval()
         except AttributeError:
             pytest.skip(f"{name} is not in transformers {transformers.__version__}")
-    model.set_attn_implementation(implementation)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(implementation)
+    elif model.config._attn_implementation != implementation:  # before 4.48 chosen at construction only
+        pytest.skip(f"{name} built with {model.config._attn_implementation} attention in transformers "
+                    f"{transformers.__version__}")
     return model
+
+
+def chunks_from_first_valid_key() -> bool:
+    """transformers counts Llama-4's chunks from each row's first valid key (its left padding); before, from key 0,
+    which differs under left padding: such a layer then runs dense, with transformers' mask."""
+    import inspect
+
+    from transformers import masking_utils
+
+    overlay = getattr(masking_utils, "chunked_overlay", None)
+    return overlay is not None and len(inspect.signature(overlay).parameters) >= 2
 
 
 # layer 0 is local in every model, layer 1 global (Mistral: both sliding)
@@ -136,6 +151,8 @@ def layer_of(site: str) -> int:
 
 def assert_local_layers_ran(name: str, seen, calls_per_layer: int) -> None:
     """Each local layer ran with its Local (the stand-in's record, or the pipeline's sparse count)."""
+    if name == "llama4" and not chunks_from_first_valid_key():
+        return  # left-padded: dense (the reason is checked where the proof is)
     if seen is None:
         counts = sparse_calls()
         for layer in LOCAL[name]:
@@ -173,6 +190,9 @@ def test_compiled_local_layers_keep_all_equals_sdpa(name, stand_in):
             valid = mask.bool()
             torch.testing.assert_close(out[valid], ref[valid], rtol=1e-4, atol=1e-4)
     by_layer = {layer_of(r.site): r for r in records}
+    if name == "llama4" and not chunks_from_first_valid_key():
+        assert not by_layer[0].rewritten and "with a padding mask" in by_layer[0].reason, by_layer[0].reason
+        return
     for layer, local in LOCAL[name].items():
         assert by_layer[layer].rewritten, by_layer[layer].reason
         assert f"causal mask AND {local.describe()} AND key padding proven from the graph" in by_layer[layer].reason
