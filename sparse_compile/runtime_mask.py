@@ -194,13 +194,31 @@ def _check_local(mask: Tensor, batch: int) -> Optional[MaskVerdict]:
         if chunk_alone > 1:
             candidates += [Local(chunk=chunk_alone), Local(window=window, chunk=chunk_alone)]
         for local in candidates:
-            if local.binds(kept) and _fits(mask, local, kept, qpos, first, valid):
+            if local.binds(kept) and _starts_fit(local, lo, qpos, first, valid) and \
+                    _fits(mask, local, kept, qpos, first, valid):
                 key_valid = valid[:, :kept]
                 if key_valid.shape[0] != batch:
                     key_valid = key_valid.expand(batch, kept)
                 return MaskVerdict(True, f"{CHECKED}: causal AND {local.describe()} AND key padding", kept,
                                    key_valid, local=local)
     return None
+
+
+def _starts_fit(local: Local, lo: Tensor, qpos: Tensor, first: Tensor, valid: Tensor) -> bool:
+    """Whether head 0's rows start where ``local`` AND the valid keys make them start (a row it leaves empty is
+    not compared): the cheap test before the comparison of every element."""
+    nk = valid.shape[1]
+    keys = torch.arange(nk, device=valid.device)
+    next_valid = torch.where(valid, keys, nk).flip(-1).cummin(-1).values.flip(-1)  # (b, nk): first valid key >= j
+    start = torch.zeros_like(lo)  # (b, nq): the first key each row may see
+    if local.window:
+        start = torch.maximum(start, qpos[None] - local.window + 1)
+    if local.chunk:
+        start = torch.maximum(start, first[:, None] + torch.div(qpos[None] - first[:, None], local.chunk,
+                                                                rounding_mode="floor") * local.chunk)
+    seen = next_valid.gather(1, start.clamp(0, nk - 1))
+    expected = torch.where(seen <= qpos[None], seen, nk)
+    return bool(((expected == lo) | (expected >= nk)).all())
 
 
 def _fits(mask: Tensor, local: Local, kept: int, qpos: Tensor, first: Tensor, valid: Tensor) -> bool:

@@ -347,12 +347,13 @@ def _local_pattern(masking, mask_function, local_size) -> Optional[tuple]:
             return None
         local, left = Local(chunk=local_size), (left if isinstance(left, Tensor) else None)
     # two rows past the width, relative to the first row's origin: what the function keeps there
+    device = left.device if left is not None else torch.device("cpu")  # the indices beside what they index
     origin = int(left.reshape(-1)[0]) if left is not None else 0
-    rows = torch.arange(2 * local_size, 2 * local_size + 2)
-    keys = torch.arange(2 * local_size + 2)
+    rows = torch.arange(2 * local_size, 2 * local_size + 2, device=device)
+    keys = torch.arange(2 * local_size + 2, device=device)
+    zero = torch.zeros((), dtype=torch.long, device=device)
     try:
-        kept = torch.stack([mask_function(torch.tensor(0), torch.tensor(0), r + origin, keys + origin)
-                            for r in rows])
+        kept = torch.stack([mask_function(zero, zero, r + origin, keys + origin) for r in rows])
     except Exception:  # noqa: BLE001 - a version whose functions take other arguments: not read
         return None
     if not torch.equal(kept.to(torch.bool), local.visible(rows, keys)):
