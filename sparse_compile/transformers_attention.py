@@ -486,6 +486,14 @@ def mask_forward(batch_size: int, cache_position: Optional[Tensor] = None, kv_le
             padding = F.pad(padding, (0, kv_offset + keys - padding.shape[-1]))
         padding = padding[:, kv_offset:kv_offset + keys]
     if local.chunk:
+        # keys before the first query's chunk are seen by no query: left out, so that each row's first valid key
+        # is where its chunks start (a chunked cache keeps keys of the chunk before)
+        origin = (left.to(device) if left is not None else torch.zeros(batch_size, dtype=torch.long, device=device))
+        cut = origin + torch.div(first - origin, local.chunk, rounding_mode="floor") * local.chunk
+        positions = kv_offset + torch.arange(keys, device=device)
+        if bool((cut > kv_offset).any()):
+            padding = (padding if padding is not None else torch.ones(batch_size, keys, dtype=torch.bool,
+                                                                       device=device)) & (positions >= cut[:, None])
         problem = _chunk_problem(padding, left, local.chunk, kv_offset, keys, batch_size)
         if problem is not None:
             return dense(problem)

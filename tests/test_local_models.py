@@ -258,3 +258,27 @@ def test_gemma2_without_soft_capping_runs_its_window(stand_in):
     valid = mask.bool()
     torch.testing.assert_close(out[valid], ref[valid], rtol=1e-4, atol=1e-4)
     assert_local_layers_ran("gemma2", stand_in, 1)
+
+
+@needs_interface
+@pytest.mark.parametrize("name", ["mistral", "llama4"])
+def test_front_door_chunked_prefill_over_a_sliding_cache(name, stand_in):
+    """A prompt prefilled in chunks of 16 over the model's cache (a sliding / chunked layer keeps only the keys its
+    window or chunk can still see): every chunk runs with its Local; keys of a chunk no query is in are left out."""
+    model = build(name)
+    ids = torch.randint(1, 128, (1, 64))
+
+    def chunked():
+        cache, logits = None, []
+        for s in range(0, 64, 16):  # the model makes its own cache, as generate() does
+            out = model(ids[:, s:s + 16], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits.append(out.logits)
+        return torch.cat(logits, 1)
+
+    with torch.no_grad():
+        ref = chunked()
+        sparse_compile.enable_transformers_attention(model, KEEP_ALL)
+        out = chunked()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert_local_layers_ran(name, stand_in, 4)
