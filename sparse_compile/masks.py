@@ -1060,16 +1060,18 @@ def _infer_local(gm: fx.GraphModule, ordered: list, mask: fx.Node, points: list,
     the simplest that fits every point's rows.
     A guess only: the proof is the comparison at every point that follows; anything else (not causal, not
     contiguous, heads that differ) is left to that comparison to report."""
+    device = example_value(mask).device
+
     def rows_at(point) -> Optional[tuple]:
         sizes, batch, n_q, n_k = point
-        trial = None if pad_dtype is None else torch.ones(batch, n_k, dtype=pad_dtype, device=example_value(mask).device)
+        trial = None if pad_dtype is None else torch.ones(batch, n_k, dtype=pad_dtype, device=device)
         try:
             keep = _keep_4d(_evaluate(gm, ordered, mask, sizes, inputs_for(batch, n_q, n_k, trial)), n_q, n_k)
         except Exception:  # noqa: BLE001 - the comparison reports it
             return None
         if isinstance(keep, str):
             return None
-        keep = keep[0, 0]
+        keep = keep[0, 0].cpu()  # one row's pattern, read on the host
         qpos, keys = torch.arange(n_k - n_q, n_k), torch.arange(n_k)
         lo = torch.where(keep, keys, n_k).amin(-1)
         hi = torch.where(keep, keys, -1).amax(-1)
@@ -1081,7 +1083,7 @@ def _infer_local(gm: fx.GraphModule, ordered: list, mask: fx.Node, points: list,
     rows = rows_at(longest)
     if rows is None or not bool(rows[1].any()):
         return CAUSAL
-    everywhere = [r for r in (rows_at(p) for p in points) if r is not None] + [rows]
+    everywhere = [r for r in (rows_at(p) for p in points if p is not longest) if r is not None] + [rows]
     window = max(int((qpos - lo + 1).max()) for qpos, lo in everywhere)
     reach = max(int((qpos - lo).max()) for qpos, lo in everywhere)
     chunk = alone = 0  # where rows' keys start (chunks alone); where rows see themselves only (chunks AND a window)
@@ -1095,6 +1097,7 @@ def _infer_local(gm: fx.GraphModule, ordered: list, mask: fx.Node, points: list,
         candidates.append(Local(chunk=chunk))
     if alone > 1:
         candidates += [Local(chunk=alone), Local(window=window, chunk=alone)]
+
     def fits(candidate: Local) -> bool:
         for qpos, lo in everywhere:
             keys = torch.arange(int(qpos[-1]) + 1)  # the queries are the last keys
