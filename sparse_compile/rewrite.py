@@ -15,7 +15,6 @@ subgraph becomes dead and is removed: no N x N mask is allocated. K/V that the m
 
 from __future__ import annotations
 
-import inspect
 import logging
 import re
 import sys
@@ -36,7 +35,7 @@ from .report import SiteRecord
 from .rules import REWRITE_RULES, first_failure, layer_index
 from .site import SiteSpec
 
-__all__ = ["rewrite_graph", "module_path", "find_sdpa_calls", "SdpaCall", "reads_mutated_input", "local_attention_runs"]
+__all__ = ["rewrite_graph", "module_path", "find_sdpa_calls", "SdpaCall", "reads_mutated_input"]
 
 log = logging.getLogger("sparse_compile")
 
@@ -120,14 +119,6 @@ class SdpaCall:
     @property
     def v(self):
         return self.value("value")
-
-
-def local_attention_runs() -> bool:
-    """Whether the pipeline honours a site's sliding window / chunks (``SiteSpec.local``): until it does, a mask
-    proven local stays dense SDPA rather than run as plain causal attention."""
-    from .pipeline import attend_causal
-
-    return "local" in inspect.signature(attend_causal).parameters
 
 
 def _analyse_cached(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q, k):
@@ -224,11 +215,6 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
             continue
         node = call.node
         mask = call.mask
-        if isinstance(mask, MaskMatch) and not mask.local.is_causal and not local_attention_runs():
-            records.append(SiteRecord(rewritten=False, rule="local_attention", reason=(
-                f"{mask.reason}, but this version's attention op runs no sliding window or chunks: left dense"),
-                **record))
-            continue
         key, value, gqa, repeat_chain = _native_kv(call)
         if repeat_chain:
             dropped |= set(repeat_chain)

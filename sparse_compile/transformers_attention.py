@@ -26,8 +26,8 @@ import transformers first, or call ``enable_transformers_attention()``, before
   batches, ``sparsity(...)`` regions and ``runtime_stats()`` records; decode steps run dense. Calls it cannot prove
   causal, or that need what the sparse path lacks (dropout, soft-capping, attention sinks, a position bias), run
   transformers' SDPA function (the model's eager function where SDPA cannot serve them) with the mask they stand
-  for (a window included) and are recorded dense, with the reason. A window or chunks run sparse
-  (``attend_causal(..., local=...)``) where the pipeline runs them, else dense with their mask.
+  for (a window included) and are recorded dense, with the reason. A window or chunks run through
+  ``attend_causal(..., local=...)``.
 
 A 2-D mask means "causal + padding" only when this module built it: each mask it returns is noted (by identity,
 weakly), so a mask from anywhere else is never mistaken for one. Traced by ``torch.compile`` both are transformers'
@@ -59,7 +59,6 @@ from .dense import DenseForm
 from .local import CAUSAL, Local
 from .padding import owned_mask, padding_layout
 from .pipeline import DENSE, DOCUMENT, attend, attend_causal, attend_segments
-from .rewrite import local_attention_runs
 from .rules import autocast_inputs
 
 __all__ = ["NAME", "MIN_TRANSFORMERS", "register", "enable_transformers_attention", "config_of", "site_of",
@@ -634,9 +633,6 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     if feature is None and isinstance(window, int) and keys > window and local.window != window:
         # the model says its layer has a window its mask does not: the mask is not this layer's
         feature = f"sliding window {window} shorter than the {keys} keys: not causal prefill (the window drops keys)"
-    if feature is None and not local.is_causal and not local_attention_runs():
-        feature = (f"{local.describe()} shorter than the {keys} keys: not causal prefill (this version's attention "
-                   "op runs no windows or chunks)")
     if feature is not None:
         # the model's eager function applies no causal rule of its own: it needs the mask its mask function builds
         # (SDPA takes is_causal instead where no key is padded, the queries are all the keys and nothing is local)
@@ -656,6 +652,5 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         out = attend(query, k, v, scaling, config, site, DenseForm(enable_gqa=gqa, mask=mask))
     else:
         layout = None if padding is None else padding_layout(padding, keys)
-        out = (attend_causal(query, k, v, scaling, config, site, layout) if local.is_causal else
-               attend_causal(query, k, v, scaling, config, site, layout, local=local))
+        out = attend_causal(query, k, v, scaling, config, site, layout, local=local)
     return in_output_layout(out).transpose(1, 2), None

@@ -252,9 +252,7 @@ def test_beam_search_and_sampling_same_tokens():
 # -- what stays dense, and says why -------------------------------------------------------------------------------
 @needs_interface
 def test_sliding_window_shorter_than_the_prompt_runs_with_its_window():
-    """Sparse with the window where the op runs windows, else dense with the window's mask; eager's logits."""
-    from sparse_compile.rewrite import local_attention_runs
-
+    """Sparse with the window, eager's logits."""
     model = tiny("mistral", sliding_window=24)
     ids = torch.randint(1, 128, (1, 70))
     with torch.no_grad():
@@ -262,17 +260,12 @@ def test_sliding_window_shorter_than_the_prompt_runs_with_its_window():
         sparse_compile.enable_transformers_attention(model, SparseConfig(**SMALL).keep_all())
         out = model(ids).logits
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    runs = local_attention_runs()
-    assert calls("sparse") == {site: int(runs) for site in attention_sites(model)}
-    if not runs:
-        assert all(any("sliding window 24 shorter than the 70 keys" in r for r in rs)
-                   for rs in reasons("dense").values())
+    assert calls("sparse") == {site: 1 for site in attention_sites(model)}
+    assert all(any("sliding window 24" in r for r in rs) for rs in reasons("sparse").values()), reasons("sparse")
 
 
 @needs_interface
 def test_gemma3_global_and_sliding_layers():
-    from sparse_compile.rewrite import local_attention_runs
-
     model = tiny("gemma3", sliding_window=16, layer_types=["sliding_attention", "full_attention"])
     ids = torch.randint(1, 128, (2, 64))
     mask = left_padded(ids)
@@ -282,10 +275,8 @@ def test_gemma3_global_and_sliding_layers():
         out = model(ids, attention_mask=mask).logits
     valid = mask.bool()
     torch.testing.assert_close(out[valid], ref[valid], rtol=1e-5, atol=1e-5)
-    runs = local_attention_runs()
-    assert calls("sparse") == {"model.layers.0.self_attn": int(runs), "model.layers.1.self_attn": 1}
-    if not runs:
-        assert any("sliding window 16" in r for r in reasons("dense")["model.layers.0.self_attn"])
+    assert calls("sparse") == {"model.layers.0.self_attn": 1, "model.layers.1.self_attn": 1}
+    assert all("sliding window 16" in r for r in reasons("sparse")["model.layers.0.self_attn"])
 
 
 @needs_interface

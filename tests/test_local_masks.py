@@ -356,10 +356,8 @@ def test_proven_local_masks_run_equal_to_eager_with_every_padding(family):
     """Through the rewrite and the op: left, right and hole-y padding (a row with holes has its window in raw
     positions), at two lengths of one dynamic graph."""
     from sparse_compile import SparseConfig
-    from sparse_compile.rewrite import local_attention_runs, rewrite_graph
+    from sparse_compile.rewrite import rewrite_graph
 
-    if not local_attention_runs():
-        pytest.skip("this version's attention op runs no windows")
     p = Program(family, 5, True, "bool")
     records = []
 

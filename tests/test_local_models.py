@@ -3,10 +3,8 @@
 rewrite, no Inductor: fast), and those plus Gemma-2 and gpt-oss through the front door, as users call them (a
 left-padded batch, ``generate()``). With the keep-everything setting the logits equal the model's own attention.
 
-What the proof, the run-time check and the front door hand over is checked as a ``Local`` per call: where the
-pipeline does not run windows yet (``rewrite.local_attention_runs()``), a stand-in runs those calls as exact
-attention with the ``Local`` they carry (``stand_in``) and records it; where it does, the real pipeline runs them
-and every window layer must be counted sparse.
+Every window / chunked layer must be counted sparse with its ``Local`` named in the reason, the global layers
+without one.
 """
 
 from __future__ import annotations
@@ -15,12 +13,11 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import sparse_compile
 from sparse_compile import SparseConfig
 from sparse_compile.local import Local
-from sparse_compile.rewrite import local_attention_runs, rewrite_graph
+from sparse_compile.rewrite import rewrite_graph
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,59 +84,6 @@ LOCAL = {"mistral": {0: Local(window=W), 1: Local(window=W)}, "qwen2": {0: Local
          "gpt_oss": {0: Local(window=W)}, "llama4": {0: Local(chunk=W)}}
 
 
-@pytest.fixture
-def stand_in(monkeypatch):
-    """Until the pipeline runs windows: calls that carry a binding ``Local`` run as exact attention with it (keys
-    at their positions in the row, chunks from each row's first valid key, AND the padding) and are recorded
-    (site, Local); every other call runs the real pipeline. None where the pipeline runs windows itself."""
-    if local_attention_runs():
-        yield None
-        return
-    import sparse_compile.attention_op as attention_op
-    import sparse_compile.rewrite as rewrite
-    import sparse_compile.transformers_attention as front
-
-    seen: list = []
-
-    def exact(q, k, v, scale, valid, local, gqa):
-        nq, nk = q.shape[-2], k.shape[-2]
-        keys = torch.arange(nk)
-        first = torch.where(valid, keys, nk).amin(-1)[:, None]
-        mask = (local.visible(torch.arange(nk - nq, nk)[None] - first, keys[None] - first) & valid[:, None])[:, None]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        return torch.where(mask.any(-1, keepdim=True), out, 0.0)
-
-    original_site, original_causal = attention_op.attend_site, front.attend_causal
-
-    def attend_site(q, k, v, scale, site, key_padding=None, query_positions=None, runtime_mask=None, documents=None):
-        if site.local.is_causal or not site.local.binds(k.shape[-2]) or runtime_mask is not None:
-            return original_site(q, k, v, scale, site, key_padding, query_positions, runtime_mask, documents)
-        seen.append((site.site, site.local))
-        valid = (key_padding != 0) if key_padding is not None else torch.ones(q.shape[0], k.shape[-2], dtype=bool)
-        return exact(q, k, v, scale, valid, site.local, site.enable_gqa)
-
-    def attend_causal(q, k, v, scale, config, site, layout=None, note="", local=Local()):
-        if local.is_causal:
-            return original_causal(q, k, v, scale, config, site, layout, note)
-        seen.append((site, local))
-        valid = torch.ones(q.shape[0], k.shape[-2], dtype=torch.bool)
-        if layout is not None and not layout.all_valid:
-            valid[:] = False
-            for group in layout.groups:
-                for row in group.rows:
-                    if group.index is None:
-                        valid[row, group.start:group.end] = True
-                    else:
-                        valid[row, group.index] = True
-        return exact(q, k, v, scale, valid, local, q.shape[1] != k.shape[1])
-
-    monkeypatch.setattr(rewrite, "local_attention_runs", lambda: True)
-    monkeypatch.setattr(front, "local_attention_runs", lambda: True)
-    monkeypatch.setattr(attention_op, "attend_site", attend_site)
-    monkeypatch.setattr(front, "attend_causal", attend_causal)
-    yield seen
-
-
 def sparse_calls() -> dict:
     return {site: sum(n for (p, _), n in s.calls.items() if p == "sparse")
             for site, s in sparse_compile.runtime_stats().items()}
@@ -149,19 +93,27 @@ def layer_of(site: str) -> int:
     return int(site.split("layers.")[1].split(".")[0])
 
 
-def assert_local_layers_ran(name: str, seen, calls_per_layer: int) -> None:
-    """Each local layer ran with its Local (the stand-in's record, or the pipeline's sparse count)."""
+def local_layers(name: str) -> dict:
+    """layer -> Local: Qwen2 before layer_types slides every layer from max_window_layers (0) on."""
+    if name == "qwen2" and "layer_types" not in transformers.Qwen2Config().to_dict():
+        return {0: Local(window=W), 1: Local(window=W)}
+    return LOCAL[name]
+
+
+def assert_local_layers_ran(name: str, calls_per_layer: int) -> None:
+    """Each local layer ran sparse with its Local (named in the reasons), the global ones without one."""
     if name == "llama4" and not chunks_from_first_valid_key():
         return  # left-padded: dense (the reason is checked where the proof is)
-    if seen is None:
-        counts = sparse_calls()
-        for layer in LOCAL[name]:
-            assert any(layer_of(s) == layer and n >= calls_per_layer for s, n in counts.items()), counts
-        return
-    for layer, local in LOCAL[name].items():
-        got = [lo for site, lo in seen if layer_of(site) == layer]
-        assert len(got) >= calls_per_layer and set(got) == {local}, (name, layer, seen)
-    assert {layer_of(site) for site, _ in seen} == set(LOCAL[name]), seen
+    stats = sparse_compile.runtime_stats()
+    for site, s in stats.items():
+        local = local_layers(name).get(layer_of(site))
+        sparse = [(r, n) for (p, r), n in s.calls.items() if p == "sparse"]
+        if local is not None:
+            assert sum(n for _, n in sparse) >= calls_per_layer, (site, s.calls)
+            assert all(local.describe() in r for r, _ in sparse), (site, s.calls)
+        else:
+            assert not any("sliding window" in r or "chunks of" in r for r, _ in sparse), (site, s.calls)
+    assert {layer_of(site) for site in stats} >= set(local_layers(name)), stats
 
 
 def left_padded(batch: int, n: int) -> tuple:
@@ -172,7 +124,7 @@ def left_padded(batch: int, n: int) -> tuple:
 
 
 @pytest.mark.parametrize("name", ["mistral", "qwen2", "gemma3", "cohere2", "llama4"])
-def test_compiled_local_layers_keep_all_equals_sdpa(name, stand_in):
+def test_compiled_local_layers_keep_all_equals_sdpa(name):
     """Left-padded batch, dynamic lengths: the window / chunks proven from the traced mask, named in the record."""
     model = build(name)
     records = []
@@ -193,15 +145,15 @@ def test_compiled_local_layers_keep_all_equals_sdpa(name, stand_in):
     if name == "llama4" and not chunks_from_first_valid_key():
         assert not by_layer[0].rewritten and "with a padding mask" in by_layer[0].reason, by_layer[0].reason
         return
-    for layer, local in LOCAL[name].items():
+    for layer, local in local_layers(name).items():
         assert by_layer[layer].rewritten, by_layer[layer].reason
         assert f"causal mask AND {local.describe()} AND key padding proven from the graph" in by_layer[layer].reason
-    assert_local_layers_ran(name, stand_in, 2)
+    assert_local_layers_ran(name, 2)
 
 
 @needs_interface
 @pytest.mark.parametrize("name", ["mistral", "qwen2", "gemma3", "cohere2", "llama4"])
-def test_front_door_local_layers_keep_all_equals_sdpa(name, stand_in):
+def test_front_door_local_layers_keep_all_equals_sdpa(name):
     model = build(name)
     ids, mask = left_padded(2, 45)
     with torch.no_grad():
@@ -210,12 +162,12 @@ def test_front_door_local_layers_keep_all_equals_sdpa(name, stand_in):
         out = model(ids, attention_mask=mask).logits
     valid = mask.bool()
     torch.testing.assert_close(out[valid], ref[valid], rtol=1e-4, atol=1e-4)
-    assert_local_layers_ran(name, stand_in, 1)
+    assert_local_layers_ran(name, 1)
 
 
 @needs_interface
 @pytest.mark.parametrize("name", ["mistral", "llama4"])
-def test_front_door_generate_with_a_window_gives_the_same_tokens(name, stand_in):
+def test_front_door_generate_with_a_window_gives_the_same_tokens(name):
     """generate(): a windowed / chunked prefill, then decode steps over the sliding cache (dense, each with its
     window; a chunked layer's cache offset puts its chunks elsewhere: transformers' mask)."""
     model = build(name)
@@ -225,13 +177,13 @@ def test_front_door_generate_with_a_window_gives_the_same_tokens(name, stand_in)
         sparse_compile.enable_transformers_attention(model, KEEP_ALL)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     assert torch.equal(out, ref)
-    assert_local_layers_ran(name, stand_in, 1)
+    assert_local_layers_ran(name, 1)
 
 
 @needs_interface
 @pytest.mark.parametrize("name, why", [("gemma2", "attention logit soft-capping (50.0)"),
                                        ("gpt_oss", "attention sinks")])
-def test_soft_capping_and_sinks_keep_the_eager_delegate_with_the_window(name, why, stand_in):
+def test_soft_capping_and_sinks_keep_the_eager_delegate_with_the_window(name, why):
     """What the sparse path lacks runs the model's eager attention with the mask the window layer needs."""
     model = build(name, "eager")
     ids, mask = left_padded(2, 40)
@@ -244,11 +196,10 @@ def test_soft_capping_and_sinks_keep_the_eager_delegate_with_the_window(name, wh
     stats = sparse_compile.runtime_stats()
     assert all(sum(n for (p, _), n in s.calls.items() if p == "sparse") == 0 for s in stats.values()), stats
     assert all({r for (_, r) in s.calls} == {why} for s in stats.values()), {k: s.calls for k, s in stats.items()}
-    assert not stand_in
 
 
 @needs_interface
-def test_gemma2_without_soft_capping_runs_its_window(stand_in):
+def test_gemma2_without_soft_capping_runs_its_window():
     model = build("gemma2", "eager", attn_logit_softcapping=None)
     ids, mask = left_padded(2, 40)
     with torch.no_grad():
@@ -257,12 +208,12 @@ def test_gemma2_without_soft_capping_runs_its_window(stand_in):
         out = model(ids, attention_mask=mask).logits
     valid = mask.bool()
     torch.testing.assert_close(out[valid], ref[valid], rtol=1e-4, atol=1e-4)
-    assert_local_layers_ran("gemma2", stand_in, 1)
+    assert_local_layers_ran("gemma2", 1)
 
 
 @needs_interface
 @pytest.mark.parametrize("name", ["mistral", "llama4"])
-def test_front_door_chunked_prefill_over_a_sliding_cache(name, stand_in):
+def test_front_door_chunked_prefill_over_a_sliding_cache(name):
     """A prompt prefilled in chunks of 16 over the model's cache (a sliding / chunked layer keeps only the keys its
     window or chunk can still see): every chunk runs with its Local; keys of a chunk no query is in are left out."""
     model = build(name)
@@ -281,4 +232,4 @@ def test_front_door_chunked_prefill_over_a_sliding_cache(name, stand_in):
         sparse_compile.enable_transformers_attention(model, KEEP_ALL)
         out = chunked()
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    assert_local_layers_ran(name, stand_in, 4)
+    assert_local_layers_ran(name, 4)

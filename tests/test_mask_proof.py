@@ -76,9 +76,7 @@ class Windowed(nn.Module):
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("how", ["float_attribute", "half_attribute", "tensor_width", "float_chunk"])
 def test_window_whose_width_is_not_an_int_literal_is_never_run_as_causal(how, dynamic):
-    """Never plain causal: dense, or (where the op runs windows) a window / chunks of 64 keys, equal to eager."""
-    from sparse_compile.rewrite import local_attention_runs
-
+    """Never plain causal: dense, or a window / chunks of 64 keys, equal to eager."""
     model = Windowed(how)
     q, k, v = torch.randn(3, 1, 2, 160, 16).unbind(0)
     compiled = torch.compile(model, backend="sparse_prefill", options=KEEP_ALL, dynamic=dynamic)
@@ -86,7 +84,8 @@ def test_window_whose_width_is_not_an_int_literal_is_never_run_as_causal(how, dy
         out = compiled(q, k, v)
         ref = model(q, k, v)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-    assert sparse_calls() == 0 or local_attention_runs(), sparse_compile.runtime_stats()
+    reasons = [r for s in sparse_compile.runtime_stats().values() for (path, r) in s.calls if path == "sparse"]
+    assert all("sliding window 64" in r or "chunks of 64" in r for r in reasons), reasons
 
 
 class Padded(nn.Module):
@@ -517,9 +516,10 @@ def test_random_mask_programs_through_inductor(p):
         assert error is None
         assert_equal(p, outs[0], refs[0], am, f"at {n} tokens")
     calls = sparse_calls()
-    from sparse_compile.rewrite import local_attention_runs  # a window proven, run as one where the op runs them
-
-    assert (calls == 0 or local_attention_runs()) if not p.always_causal() else \
+    reasons = [r for s in sparse_compile.runtime_stats().values() for (path, r) in s.calls if path == "sparse"]
+    # not causal: dense, or run with the window / chunks its mask has at every length (named where they bind)
+    ran_causal = all(p.causal_at(n) for n in p.lengths)
+    assert all(ran_causal or names_its_window(p, r) for r in reasons) if not p.always_causal() else \
         (calls == len(p.lengths) or not p.must_be_proven()), (p, sparse_compile.runtime_stats())
 
 

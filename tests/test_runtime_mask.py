@@ -76,10 +76,7 @@ def test_graph_break_before_attention_runs_sparse_and_exact(as_float):
 
 
 def test_sliding_window_graph_input_is_read_with_its_width():
-    """Causal AND a window of 8 AND left padding, checked at run time: named with its width; sparse where the op
-    runs windows, else the original call with its mask, exactly."""
-    from sparse_compile.rewrite import local_attention_runs
-
+    """Causal AND a window of 8 AND left padding, checked at run time: sparse, named with its width."""
     q, k, v = _qkv()
     model = BreakBeforeAttention(as_float=False, window=8)
     padding = padded(q[:, 0, :, 0], "left")
@@ -90,13 +87,9 @@ def test_sliding_window_graph_input_is_read_with_its_width():
     assert len(calls) == 1
     (path, why), = calls
     assert "causal AND sliding window 8 AND key padding" in why, why
-    if local_attention_runs():
-        valid = padding.bool()[:, None, :, None].expand_as(out)
-        torch.testing.assert_close(out[valid], ref[valid], rtol=1e-5, atol=1e-5)
-        assert path == "sparse", why
-    else:
-        torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)  # the original call, as it was
-        assert path == "dense", why
+    valid = padding.bool()[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-5, atol=1e-5)
+    assert path == "sparse", why
 
 
 def test_op_checks_the_mask_opcheck_static_slots_and_chunked_prefill():
