@@ -251,3 +251,15 @@ def test_serving_benchmark_smoke_every_chunk_counted_sparse(tmp_path):
     assert rows["dense one call"]["sparse_calls"] == rows["dense chunked"]["sparse_calls"] == 0
     stored = [json.loads(line) for line in (tmp_path / "bench_serving.jsonl").read_text().splitlines()]
     assert {r["contender"] for r in stored if r["metric"] == "ttft_ms"} == set(rows)
+
+
+def test_windows_benchmark_smoke_band_exact_and_every_layer_sparse(tmp_path):
+    # one window layer against its band's ideal and SDPA with the band's mask (exact), and whole window models
+    # compiled: every layer counted sparse
+    _run_script(["benchmarks/bench_windows.py", "--smoke", "--shapes", "gemma3-4b", "--out", str(tmp_path)], tmp_path)
+    rows = json.loads((tmp_path / "bench_windows.json").read_text())["rows"]
+    band = next(r for r in rows if r["part"] == "layer" and r["contender"] == "band")
+    assert band["band_path"] == "sparse" and band["max_error_vs_sdpa"] < 1e-5
+    model = {r["contender"]: r for r in rows if r["part"] == "model"}
+    assert model["sparse_prefill"]["sparse_calls"] == model["sparse_prefill"]["layers"]
+    assert model["inductor (sdpa)"]["sparse_calls"] == 0

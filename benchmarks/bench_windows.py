@@ -1,0 +1,233 @@
+"""Sliding-window layers on the package's kernels: one layer against its band's ideal and FlexAttention, and whole
+models whose layers are mostly windows.
+
+``--part layer``: one attention call of a window layer, (B=1, Hq, N, D) bf16, causal AND a window of W keys:
+
+* ``band`` (``sparse_attention(q, k, v, window=W)``: the exact band plan on the kernels),
+* ``causal keep-all`` (the same kernels over every causal tile, density 1: the kernel's efficiency),
+* ``ideal`` = ``causal keep-all`` × (the band's tiles / the causal tiles): the band's FLOPs at that efficiency,
+* ``flex`` (``flex_attention`` compiled, with the sliding-window ``BlockMask``), ``sdpa masked`` (SDPA with the
+  band as an explicit bool mask, what transformers' SDPA path runs; skipped past ``--mask-limit`` tokens).
+
+``--part model``: whole-model time to first token, random bf16 weights, batch 1, for a Gemma-3-4B-shaped model (34
+layers, window 1,024, five local layers per global one, 8 query / 4 KV heads, head dim 256) and a Mistral-7B-shaped
+one (window 4,096): ``torch.compile`` with ``backend="sparse_prefill"`` at the default configuration against the
+dense compiled model (Inductor, transformers' SDPA path: its masked layers run SDPA with an explicit mask; the SDPA
+kernel that takes them is recorded) and against the model on ``attn_implementation="flex_attention"`` compiled. Every
+row has the sparse and dense call counts of one forward and the mean density (``record_density``).
+
+Contenders alternate in one loop (``harness.alternating_samples``); rows go to ``benchmarks/results/bench_windows.jsonl``
+with ``--store``.
+
+    python benchmarks/bench_windows.py --part layer --lengths 32768 131072 --store     # GPU
+    python benchmarks/bench_windows.py --part model --lengths 32768 131072 --store     # GPU
+    python benchmarks/bench_windows.py --smoke                                         # CPU, toy sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import sparse_compile  # noqa: E402
+from e2e_model import sync  # noqa: E402
+from harness import alternating_samples, write_results  # noqa: E402
+
+from sparse_compile import SparseConfig  # noqa: E402
+from sparse_compile.local import Local  # noqa: E402
+
+SHAPES = {  # the attention and model shapes of the configs named
+    "gemma3-4b": dict(family="gemma3", hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=256, sliding_window=1024,
+                      vocab_size=262208, global_every=6),
+    "mistral-7b": dict(family="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, sliding_window=4096,
+                       vocab_size=32000),
+}
+TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+           head_dim=16, vocab_size=128)
+
+
+def band_share(n: int, window: int, block: int = 128) -> float:
+    """The band's tiles over the causal tiles at ``block`` x ``block`` tiles (what density reports)."""
+    blocks = -(-n // block)
+    i = torch.arange(blocks)[:, None]
+    j = torch.arange(blocks)[None, :]
+    causal = j <= i
+    # a tile meets the band where its last key is within W of its first query
+    band = causal & ((i * block) - ((j + 1) * block - 1) < window)
+    return float(band.sum() / causal.sum())
+
+
+def flex_window(window: int, n: int, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def sliding(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+    return create_block_mask(sliding, None, None, n, n, device=device)
+
+
+def layer_rows(args, device, dtype) -> list:
+    rows = []
+    flex = None
+    if device == "cuda":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+    for name in args.shapes:
+        shape = SHAPES[name]
+        hq, hkv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+        window = args.window or shape["sliding_window"]
+        if args.smoke:
+            hq, hkv, d, window = 4, 2, 16, 40
+        for n in args.lengths:
+            gen = torch.Generator(device=device).manual_seed(0)
+            q = torch.randn(1, hq, n, d, device=device, dtype=dtype, generator=gen)
+            k = torch.randn(1, hkv, n, d, device=device, dtype=dtype, generator=gen)
+            v = torch.randn(1, hkv, n, d, device=device, dtype=dtype, generator=gen)
+            keep_all = SparseConfig(method="pbs", min_seq_len=2, dense_when_faster=False).keep_all()  # density 1
+            contenders = {
+                "band": lambda: sparse_compile.sparse_attention(q, k, v, window=window),
+                "causal keep-all": lambda: sparse_compile.sparse_attention(q, k, v, config=keep_all),
+            }
+            if flex is not None:
+                block_mask = flex_window(window, n, device)
+                contenders["flex"] = lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+            if n <= args.mask_limit:
+                mask = Local(window=window).visible(torch.arange(n, device=device), torch.arange(n, device=device))
+                contenders["sdpa masked"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                                     enable_gqa=True)
+            with torch.no_grad():
+                reference = contenders["sdpa masked"]() if "sdpa masked" in contenders else None
+                out = contenders["band"]()
+                error = None if reference is None else float((out.float() - reference.float()).abs().max())
+                sparse_compile.reset_runtime_stats()
+                contenders["band"]()
+                stats = sparse_compile.runtime_stats().get("sparse_attention")
+                path = None if stats is None else stats.last_path
+                samples = alternating_samples(contenders, args.reps, warmup=2)
+            share = band_share(n, window)
+            ms = {label: statistics.median(t) for label, t in samples.items()}
+            ms["ideal"] = ms["causal keep-all"] * share
+            for label, value in ms.items():
+                rows.append(dict(part="layer", shape=name, length=n, window=window, contender=label, ms=value,
+                                 band_share=share, vs_ideal=ms["ideal"] / value if value else None,
+                                 band_path=path, max_error_vs_sdpa=error if label == "band" else None))
+    return rows
+
+
+def build(name: str, smoke: bool, device, dtype, implementation: str = "sdpa"):
+    import transformers
+
+    shape = dict(SHAPES[name])
+    family, every = shape.pop("family"), shape.pop("global_every", None)
+    if smoke:
+        shape.update(TOY, sliding_window=40)
+    layers = shape["num_hidden_layers"]
+    if family == "gemma3":
+        kinds = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)]
+        config = transformers.Gemma3TextConfig(layer_types=kinds, max_position_embeddings=131072, **shape)
+        cls = transformers.Gemma3ForCausalLM
+    else:
+        config = transformers.MistralConfig(max_position_embeddings=131072, **shape)
+        cls = transformers.MistralForCausalLM
+    config._attn_implementation = implementation
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return cls(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def calls_by_path() -> dict:
+    totals = {"sparse": 0, "dense": 0}
+    for stats in sparse_compile.runtime_stats().values():
+        for (path, _), n in stats.calls.items():
+            totals[path] = totals.get(path, 0) + n
+    return totals
+
+
+def model_rows(args, device, dtype) -> list:
+    rows = []
+    options = dict(record_density=True)
+    if args.smoke:
+        options.update(method="pbs", min_seq_len=16, pbs={"block_size": 16, "segment_size": 32})
+    config = SparseConfig(**options)
+    for name in args.shapes:
+        model = build(name, args.smoke, device, dtype)
+        flex_model = build(name, args.smoke, device, dtype, "flex_attention") if device == "cuda" else None
+        if flex_model is not None:
+            flex_model.load_state_dict(model.state_dict())
+        contenders = {
+            "sparse_prefill": torch.compile(model, backend="sparse_prefill", options=config),
+            "inductor (sdpa)": torch.compile(model),
+        }
+        if flex_model is not None:
+            contenders["inductor (flex_attention)"] = torch.compile(flex_model)
+        for n in args.lengths:
+            ids = torch.randint(1, model.config.vocab_size, (1, n), device=device)
+            counts = {}
+            with torch.no_grad():
+                for label, fn in contenders.items():  # compile, then one counted forward each
+                    fn(ids, logits_to_keep=1)
+                    sparse_compile.reset_runtime_stats()
+                    fn(ids, logits_to_keep=1)
+                    sync()
+                    densities = [s.mean_density for s in sparse_compile.runtime_stats().values()
+                                 if s.mean_density is not None]
+                    counts[label] = (calls_by_path(), statistics.fmean(densities) if densities else None)
+                samples = alternating_samples({k: (lambda f=f: f(ids, logits_to_keep=1)) for k, f in contenders.items()},
+                                              args.reps, warmup=1)
+            dense = statistics.median(samples["inductor (sdpa)"])
+            for label, times in samples.items():
+                calls, density = counts[label]
+                rows.append(dict(part="model", shape=name, length=n, contender=label,
+                                 ttft_ms=statistics.median(times), speedup_vs_inductor=dense / statistics.median(times),
+                                 sparse_calls=calls["sparse"], dense_calls=calls["dense"], density=density,
+                                 layers=model.config.num_hidden_layers))
+        del model, flex_model, contenders
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("layer", "model", "both"), default="both")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--window", type=int, default=None, help="layer part: override the shape's window")
+    parser.add_argument("--mask-limit", type=int, default=32768, help="layer part: longest SDPA-with-mask run")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="toy sizes on CPU, for testing the script")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--store", action="store_true")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if args.smoke:
+        args.lengths, args.reps = [200], 1
+    rows = []
+    if args.part in ("layer", "both"):
+        rows += layer_rows(args, device, dtype)
+    if args.part in ("model", "both"):
+        rows += model_rows(args, device, dtype)
+    meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", dtype=str(dtype),
+                sdpa_backends=None if device != "cuda" else "cuDNN / flash / efficient as PyTorch picks")
+    print(write_results("bench_windows", rows, meta=meta, out_dir=args.out,
+                        store="bench_windows" if args.store else None,
+                        params=("part", "shape", "length", "contender")))
+
+
+if __name__ == "__main__":
+    main()
