@@ -99,3 +99,26 @@ def test_gpu_permuted_copy_of_a_key_list_longer_than_grid_axis_limit():
     rows = key_index[0, 0].long().clamp(min=0)
     valid = key_index[0, 0] >= 0
     assert torch.equal(kp[0, 0][valid], k[0, 0][rows][valid]) and torch.equal(vp[0, 0][valid], v[0, 0][rows][valid])
+
+
+@gpu
+@pytest.mark.parametrize("D", [128, 256])
+@pytest.mark.parametrize("window, chunk", [(1024, 0), (333, 0), (0, 2048), (4096, 1000)])
+def test_gpu_bf16_band_on_the_kernel_equals_masked_dense(D, window, chunk):
+    """Sliding windows and chunks on the Triton kernel (what window calls run on the GPU), 8K + odd, GQA, batch 2,
+    through ``sparse_attention``: every call counted sparse, against float64 SDPA with the band's mask."""
+    import torch.nn.functional as F
+
+    import sparse_compile
+    from sparse_compile.local import Local
+
+    B, Hq, Hkv, Nq, Nk = 2, 8, 2, 4096 + 33, 8192 + 77
+    q, k, v = random_qkv(B, Hq, Hkv, Nq, Nk, D, dtype=torch.bfloat16, device="cuda")
+    sparse_compile.reset_runtime_stats()
+    out = sparse_compile.sparse_attention(q, k, v, window=window or None, chunk=chunk or None)
+    positions = torch.arange(Nk, device="cuda")
+    mask = Local(window, chunk).visible(positions[Nk - Nq:], positions)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True)
+    _assert_close(out, ref, torch.bfloat16)
+    stats = sparse_compile.runtime_stats()["sparse_attention"]
+    assert stats.last_path == "sparse", stats.last_reason
