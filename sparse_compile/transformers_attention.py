@@ -475,6 +475,11 @@ def mask_forward(batch_size: int, cache_position: Optional[Tensor] = None, kv_le
     if not (q_len >= 1 and q_len <= keys <= kv_length):
         return dense(f"query positions [{first}, {first + q_len}) do not fit the {kv_length} keys at offset "
                      f"{kv_offset}")
+    if isinstance(attention_mask, Tensor) and isinstance(_note_of(attention_mask), _Causal) and \
+            tuple(attention_mask.shape) == (batch_size, keys):
+        # this function's own mask passed back in (generate() builds a static cache's mask, the model's forward
+        # builds it again from that): already over these keys, not a padding mask over positions 0..keys
+        return attention_mask
     if local.window and first + q_len - 1 - kv_offset < local.window:
         local = CAUSAL  # the farthest causal pair is inside the window: it binds nowhere
     device = cache_position.device if cache_position is not None else kwargs.get("device", "cpu")
@@ -500,8 +505,9 @@ def mask_forward(batch_size: int, cache_position: Optional[Tensor] = None, kv_le
         if keys == q_len == kv_length and local.is_causal:
             return None  # a causal prefill without padding: no mask at all
         return _noted(torch.ones(batch_size, keys, dtype=torch.bool, device=device), _Causal(True, local))
-    # a fresh view per forward pass, which every layer receives: its padding summary is read once (padding.py)
-    return _noted(owned_mask(padding), _Causal(False, local))
+    # a fresh tensor per forward pass, which every layer receives: its padding summary is read once (padding.py);
+    # contiguous, since generate() makes a static cache's masks contiguous and a copy would carry no note
+    return _noted(owned_mask(padding.contiguous()), _Causal(False, local))
 
 
 def _chunk_problem(padding: Optional[Tensor], left: Optional[Tensor], chunk: int, kv_offset: int, keys: int,

@@ -233,3 +233,20 @@ def test_front_door_chunked_prefill_over_a_sliding_cache(name):
         out = chunked()
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert_local_layers_ran(name, 4)
+
+
+@needs_interface
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_front_door_static_cache_generate_with_a_window(name):
+    """A static cache: generate() builds the masks (made contiguous) and the model's forward builds them again from
+    them (one mask type: Mistral) or takes them (several: Gemma-3); the same tokens, the prefill sparse."""
+    model = build(name)
+    ids, mask = left_padded(2, 30)
+    kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                  cache_implementation="static")
+    with torch.no_grad():
+        ref = model.generate(ids, **kwargs)
+        sparse_compile.enable_transformers_attention(model, KEEP_ALL)
+        out = model.generate(ids, **kwargs)
+    assert torch.equal(out, ref)
+    assert_local_layers_ran(name, 1)
