@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparse_compile  # noqa: E402
 from density_calibration import calibrate  # noqa: E402
 from e2e_model import build_model  # noqa: E402
-from harness import append_store, env_info, sm_clock_mhz  # noqa: E402
+from harness import append_store, sm_clock_mhz  # noqa: E402
 
 CAPTURE_LAYER = 1
 

@@ -42,7 +42,6 @@ from sparse_compile.kernels import block_sparse_attention  # noqa: E402
 from sparse_compile.kernels.validate import expand_heads  # noqa: E402
 from sparse_compile.plan import (  # noqa: E402
     VISIBLE_NONE,
-    VISIBLE_PARTIAL,
     block_visibility,
     causal_plan,
     causal_tile_count,

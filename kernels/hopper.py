@@ -43,10 +43,12 @@ a store past it is clipped: no row masks anywhere. K/V tiles go through a ``num_
 guarded by mbarriers (ready: the TMA landed; empty: both MMAs that read the slot completed). Two warpgroups
 (8 warps) compute, 64 query rows each: S = Q K^T by ``warpgroup_mma`` from shared memory, the softmax in
 registers, O += P V with P from registers (dot-operand layout) and V from shared memory. Without early stop,
-warpgroup 1 issues its first MMAs after warpgroup 0's (``PINGPONG``, ``issue_order``): both wait for the same Q and K(0) and would
+warpgroup 1 issues its first MMAs after warpgroup 0's (``PINGPONG``, ``issue_order``): both wait for the same Q and
+K(0) and would
 otherwise start every block in lockstep, their first softmaxes together with the tensor cores idle.
 
-Persistent CTAs (``PERSISTENT``; ``persistent=``, by default for short lists, ``persistent_by_default``: S2O's window pass): one CTA
+Persistent CTAs (``PERSISTENT``; ``persistent=``, by default for short lists, ``persistent_by_default``: S2O's window
+pass): one CTA
 per SM takes work items pid, pid + grid, ... in turn. The ring's positions and the barriers' phases run on across
 items; the load partition issues the next block's first K/V tiles as soon as slots free and its Q as soon as both
 compute warpgroups have computed their last S (``q_empty``); O leaves by TMA through the last tile's K buffer (Q's
@@ -83,7 +85,7 @@ _LOG2E = 1.4426950408889634
 
 GLUON_IMPORT_ERROR: Optional[str] = None
 try:
-    import triton
+    import triton  # noqa: F401  (Gluon needs it importable first)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -236,7 +238,8 @@ if GLUON_IMPORT_ERROR is None:
                   pv_lambda, es_tau, KEY_LEN, kidx_base, stride_kip,
                   q_base, stride_qn, o_base, stride_on, qidx_base, stride_qip, visited_ptr, lse_base, stride_ln,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, ROW0: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr,
+                  NUM_WARPS: gl.constexpr, ROWS: gl.constexpr, ROW0: gl.constexpr, HAS_KIDX: gl.constexpr,
+                  PV_SKIP: gl.constexpr,
                   HAS_QIDX: gl.constexpr, EARLY_STOP: gl.constexpr, VOTE_SLOTS: gl.constexpr,
                   RESUME: gl.constexpr, WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr, tl_row,
                   TIMELINE: gl.constexpr, g, item_i, q_empty, PERSISTENT: gl.constexpr):
@@ -521,7 +524,8 @@ if GLUON_IMPORT_ERROR is None:
                   GATHER_ROWS: gl.constexpr, INT32_OFFSETS: gl.constexpr, tl_row, TIMELINE: gl.constexpr,
                   g, item_i, q_empty, PERSISTENT: gl.constexpr):
         """The load partition (``g``, ``item_i``: as ``_consumer``'s; a persistent CTA's next Q waits until both
-        compute warpgroups computed their last S of the block before): Q once (unless the consumers gather permuted rows), then every K/V tile of the list
+        compute warpgroups computed their last S of the block before): Q once (unless the consumers gather permuted
+        rows), then every K/V tile of the list
         through the ring, by TMA (1 warp) or gathered through the key index (``_gather_kv``, ``LOAD_WARPS``
         warps: one warp cannot issue a tile's 2 x 128 row copies fast enough); with early stop, until the tile
         whose slot it would refill ended the walk."""
@@ -748,7 +752,8 @@ if GLUON_IMPORT_ERROR is None:
         K, V, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         H_Q, N_Q, N_K, KEY_LEN, N_QBLK, GQA, PLAN_DIV, QIDX_DIV, N_ITEMS,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        NUM_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr, HAS_QIDX: gl.constexpr,
+        NUM_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr, HAS_KIDX: gl.constexpr, PV_SKIP: gl.constexpr,
+        HAS_QIDX: gl.constexpr,
         EARLY_STOP: gl.constexpr, GATHER: gl.constexpr, LOAD_WARPS: gl.constexpr, GATHER_ROWS: gl.constexpr,
         INT32_OFFSETS: gl.constexpr, LOAD_REGS: gl.constexpr, SKIP_MASKED: gl.constexpr, RESUME: gl.constexpr,
         WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr, TIMELINE: gl.constexpr, PERSISTENT: gl.constexpr,
@@ -1043,7 +1048,8 @@ def hopper_block_sparse_attention(q, k, v, tile_offsets, tile_counts, masked_cou
     ``out`` / ``lse`` / ``resume`` / ``skip_masked``: two passes over one softmax, as
     ``kernels.attention.block_sparse_attention`` documents them (``out`` needs TMA-compatible strides).
     ``persistent``: persistent CTAs where the call allows them (True / False; None: ``persistent_by_default``).
-    ``timeline`` (debugging): an int64 (B * Hq * n_query_blocks, 16) tensor; each block writes its row: 0 the SM, 14 its tile count;
+    ``timeline`` (debugging): an int64 (B * Hq * n_query_blocks, 16) tensor; each block writes its row: 0 the SM, 14
+    its tile count;
     1-5 (compute warpgroup 0) and 6-10 (warpgroup 1) clock64 at its start, Q ready, first S landed, last P V
     landed, end; 11 / 13 the load partition's start / end. None: the stamps are compiled out.
     Raises NotImplementedError naming the first unsupported feature (the caller falls back to the Triton kernel)

@@ -173,7 +173,8 @@ def _importance_pass(q, k, scale, rows, *, segment, want_importance):
         Hkv, Hq // Hkv, Nq, Nk, rows, num_chunks, (Nk // segment) * segment if segment else 0, scale * _LOG2E,
         float((Hq // Hkv) * rows),
         BLOCK_N=block_n, ROWS_PAD=rows_pad, ROW_BLOCK=row_block,
-        NUM_CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), D=D, D_PAD=d_pad, PREC=prec, WRITE_IMPORTANCE=importance is not None, SORT=fuse,
+        NUM_CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), D=D, D_PAD=d_pad, PREC=prec,
+        WRITE_IMPORTANCE=importance is not None, SORT=fuse,
         num_warps=8 if block_n * row_block >= 128 * 128 else 4, num_stages=2,
     )
     if segment and not fuse:

@@ -76,7 +76,8 @@ def in_band(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int = 0, chu
     if window > 0:
         ok = ok & (query_pos - key_pos < window)
     if chunk > 0:
-        ok = ok & (torch.div(key_pos, chunk, rounding_mode="floor") == torch.div(query_pos, chunk, rounding_mode="floor"))
+        ok = ok & (torch.div(key_pos, chunk, rounding_mode="floor")
+                   == torch.div(query_pos, chunk, rounding_mode="floor"))
     return ok
 
 

@@ -23,7 +23,8 @@ from .pipeline import EAGER_SITE, attend_eager, attend_segments, run_method
 from .rules import SUPPORTED_DTYPES, autocast_inputs, prefill_length, too_short, validate_qkv
 from .site import SiteSpec
 
-__all__ = ["sparse_attention", "varlen_attention", "VARLEN_SITE", "precompile", "precompile_kernels", "PRECOMPILE_LENGTH", "PRECOMPILED_ENTRIES"]
+__all__ = ["sparse_attention", "varlen_attention", "VARLEN_SITE", "precompile", "precompile_kernels",
+           "PRECOMPILE_LENGTH", "PRECOMPILED_ENTRIES"]
 
 
 def sparse_attention(

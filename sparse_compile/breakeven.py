@@ -18,7 +18,8 @@ up by a later call once it has landed). A site whose last plan was denser than b
 So that the decision follows the inputs, a dense site plans again after ``PROBE_EVERY`` dense calls, then after
 twice as many each time the new plan is still too dense (up to ``PROBE_MAX``); such a re-plan runs dense too,
 but where the plan's cost is only known by running it (early stop) the call runs its plan, whole (the shapes its
-kernels already ran: a part of the call would compile new ones inside it). Where break-even lies below the lowest density
+kernels already ran: a part of the call would compile new ones inside it). Where break-even lies below the lowest
+density
 any plan of the shape can have (one tile per query block), the call runs dense without planning at all. A site
 without history plans and runs sparse. Devices or plan shapes without a table keep the configured method (CPU
 tests, other GPUs).

@@ -407,7 +407,8 @@ class SparseConfig:
     def select_stage(self) -> str:
         return self.select if self.select is not None else self.method
 
-    def with_overrides(self, method: Optional[str] = None, params: Optional[Mapping[str, Any]] = None) -> "SparseConfig":
+    def with_overrides(self, method: Optional[str] = None,
+                       params: Optional[Mapping[str, Any]] = None) -> "SparseConfig":
         """A copy with another method and/or parameters of the selected method (or of SparseConfig itself).
 
         ``params`` keys may be SparseConfig fields (``min_seq_len=...``) or fields of the selected method's

@@ -55,7 +55,8 @@ class Local:
         return seen
 
     def describe(self) -> str:
-        parts = [f"sliding window {self.window}" if self.window else "", f"chunks of {self.chunk}" if self.chunk else ""]
+        parts = [f"sliding window {self.window}" if self.window else "",
+                 f"chunks of {self.chunk}" if self.chunk else ""]
         return " AND ".join(p for p in parts if p) or "causal"
 
 

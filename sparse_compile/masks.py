@@ -231,7 +231,8 @@ def _slice(mask: fx.Node, site: fx.Node, order: dict) -> set:
     add(stack)
     while True:
         roots = {_root(n) for n in nodes}
-        extra = [m for m in mutations if m not in nodes and isinstance(m.args[0], fx.Node) and _root(m.args[0]) in roots]
+        extra = [m for m in mutations
+                 if m not in nodes and isinstance(m.args[0], fx.Node) and _root(m.args[0]) in roots]
         if not extra:
             break
         add(extra)
@@ -765,7 +766,8 @@ def _space(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set) -> _
             shape_env = x.node.shape_env
     for node in nodes:
         value = example_value(node)
-        sizes = [value] if isinstance(value, torch.SymInt) else list(value.shape) if isinstance(value, torch.Tensor) else []
+        sizes = ([value] if isinstance(value, torch.SymInt)
+                 else list(value.shape) if isinstance(value, torch.Tensor) else [])
         for d in sizes:
             all_symbols |= _symbols(d)
             if shape_env is None and isinstance(d, torch.SymInt):
@@ -857,8 +859,8 @@ def _check_other_sizes(ordered: list, others: set) -> None:
                 if name == "arange":
                     indexes.add(node)
                 continue
-            raise _Unsupported(f"the mask computes with the size {example_value(reads[0])} ({node.name}), which is not a "
-                               "length and is evaluated only at its traced value")
+            raise _Unsupported(f"the mask computes with the size {example_value(reads[0])} ({node.name}), "
+                               "which is not a length and is evaluated only at its traced value")
         used = [a for a in node.all_input_nodes if a in indexes]
         if not used:
             continue

@@ -402,7 +402,8 @@ def _window_extremes(values: torch.Tensor, width: int, reduce, fill: int) -> tor
     return reduce(level, torch.nn.functional.pad(level[..., width - span:], (0, width - span), value=fill))
 
 
-def restrict_to_local(plan: BlockPlan, num_queries: int, num_keys: int, *, window: int = 0, chunk: int = 0) -> BlockPlan:
+def restrict_to_local(plan: BlockPlan, num_queries: int, num_keys: int, *, window: int = 0,
+                      chunk: int = 0) -> BlockPlan:
     """``plan`` cut to the band (module docstring): its own choices inside the band, in its order. A listed tile
     with no visible pair is dropped, an unmasked one that the band cuts moves to the masked tiles (after the
     plan's own masked ones, so that an early stop never decides on it), and the plan carries ``window`` /
@@ -606,7 +607,8 @@ def check_plan(plan: BlockPlan, q: torch.Tensor, k: torch.Tensor) -> None:
         if t.device != q.device:
             raise ValueError(f"plan.{name}: on {t.device}, inputs on {q.device}")
         if t.shape[0] != B or t.shape[1] not in (Hq, Hkv) or t.shape[2] != nqb:
-            raise ValueError(f"plan.{name}: shape {tuple(t.shape)} does not match (B={B}, H in ({Hq}, {Hkv}), {nqb} query blocks)")
+            raise ValueError(f"plan.{name}: shape {tuple(t.shape)} does not match (B={B}, H in ({Hq}, {Hkv}), "
+                             f"{nqb} query blocks)")
     if plan.tile_counts.shape != plan.masked_counts.shape or plan.tile_counts.shape != plan.tile_offsets.shape[:3]:
         raise ValueError("plan: tile_counts, masked_counts and tile_offsets disagree in shape")
     max_tiles = plan.tile_offsets.shape[-1]
@@ -637,7 +639,8 @@ def check_plan(plan: BlockPlan, q: torch.Tensor, k: torch.Tensor) -> None:
     # the promise: unmasked tiles fully visible
     unmasked = live & (t >= plan.masked_counts[..., None])
     if bool(unmasked.any()):
-        H = max([plan.tile_offsets.shape[1]] + [x.shape[1] for x in (plan.key_index, plan.query_index) if x is not None])
+        H = max([plan.tile_offsets.shape[1]]
+                + [x.shape[1] for x in (plan.key_index, plan.query_index) if x is not None])
         qi = expand_heads(plan.query_index, H)
         ki = expand_heads(plan.key_index, H)
         qmin, qmax = _query_block_bounds(_positions(qi, Nq, B, H, q.device) + (Nk - Nq), plan.block_m)

@@ -16,7 +16,8 @@ import torch
 
 from .plan import causal_tiles_per_block  # noqa: F401 (public here since before)
 
-__all__ = ["SiteRecord", "SiteRuntime", "RuntimeStats", "runtime_stats", "reset_runtime_stats", "record_call", "register_plain_sdpa",
+__all__ = ["SiteRecord", "SiteRuntime", "RuntimeStats", "runtime_stats", "reset_runtime_stats", "record_call",
+           "register_plain_sdpa",
            "record_plain_sdpa_calls", "density_from_visits", "causal_tiles_per_block", "PLAIN_SDPA",
            "MAX_REASONS_PER_PATH", "OTHER_REASONS"]
 

@@ -6,11 +6,12 @@ between dense and sparse (``pipeline.py``).
 
 A site is causal either by ``is_causal=True`` or by an ``attn_mask`` built inside the graph that ``masks.py``
 proves to be the causal mask, or the causal mask AND a key-padding mask read from one ``(batch, kv_len)`` input
-(what transformers builds when traced), either also AND a sliding window or chunks (``SiteSpec.window``/``chunk``). A mask that arrives as a graph input (built outside the compiled function
-or before a graph break) cannot be proven from the graph: the op receives it and checks its values at run time
-(``runtime_mask.py``), running sparse only where they are causal AND key padding. Such a site gets the padding input instead of the mask, so the whole mask
-subgraph becomes dead and is removed: no N x N mask is allocated. K/V that the model repeated to the query heads
-(``repeat_kv``) are replaced by the originals and attention runs GQA-native.
+(what transformers builds when traced), either also AND a sliding window or chunks (``SiteSpec.window`` /
+``chunk``). A mask that arrives as a graph input (built outside the compiled function or before a graph break)
+cannot be proven from the graph: the op receives it and checks its values at run time (``runtime_mask.py``),
+running sparse only where they have one of those forms. Such a site gets the padding input instead of the mask, so
+the whole mask subgraph becomes dead and is removed: no N x N mask is allocated. K/V that the model repeated to the
+query heads (``repeat_kv``) are replaced by the originals and attention runs GQA-native.
 """
 
 from __future__ import annotations

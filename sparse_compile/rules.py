@@ -25,7 +25,8 @@ from torch.autograd import forward_ad
 from .kernels.validate import MAX_HEAD_DIM, SUPPORTED_DTYPES, validate_qkv
 
 __all__ = ["Rule", "first_failure", "REWRITE_RULES", "RUNTIME_RULES", "CallInfo", "validate_qkv",
-           "SUPPORTED_DTYPES", "MIN_HEAD_DIM", "MAX_HEAD_DIM", "head_dim_supported", "layer_index", "excluded", "path_matches", "scale_problem",
+           "SUPPORTED_DTYPES", "MIN_HEAD_DIM", "MAX_HEAD_DIM", "head_dim_supported", "layer_index", "excluded",
+           "path_matches", "scale_problem",
            "forward_ad_active", "forward_transform", "autocast_inputs", "prefill_length", "too_short"]
 
 Subject = TypeVar("Subject")

@@ -12,9 +12,7 @@ are generated; the transformers constructions with integer widths must be proven
 
 from __future__ import annotations
 
-import math
 import random
-import re
 from dataclasses import dataclass
 from typing import Optional
 

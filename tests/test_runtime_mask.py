@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import sparse_compile
 from sparse_compile import SparseConfig
-from sparse_compile.runtime_mask import CHECKED, NOT_CAUSAL
+from sparse_compile.runtime_mask import CHECKED
 from sparse_compile.site import SiteSpec
 
 from test_transformers_calls import SMALL, padded, sparse_calls, tiny

@@ -1,6 +1,7 @@
 """The sparse methods, one module each, and ``build_plan``: reorder, then select, into one ``BlockPlan``.
 
-Each module (``pbs``, ``sparge``, ``bfla``, ``s2o``, and our own selectors ``sampled``, ``peak`` and ``antidiag``) declares
+Each module (``pbs``, ``sparge``, ``bfla``, ``s2o``, and our own selectors ``sampled``, ``peak`` and ``antidiag``)
+declares
 its parameters, its stages and ends with one ``register_method(...)`` call (``registry.py``); importing it below is
 its one line here. A method registered from outside the package joins the same way.
 ``build_plan(q, k, scale, config)`` runs ``config.reorder_stage`` then ``config.select_stage`` and returns the

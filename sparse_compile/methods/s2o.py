@@ -1,5 +1,6 @@
 """S2O (Zhang et al. 2026). Reorder stage ``s2o``: intra-segment query sort and per-segment ranked causal
-prefix (Alg. 1, ``reorder_s2o``). Select stage ``s2o``: S2O's two passes as one plan (Zhang et al. 2026, Sec. 3.2-3.3, Alg. 2-4).
+prefix (Alg. 1, ``reorder_s2o``). Select stage ``s2o``: S2O's two passes as one plan (Zhang et al. 2026, Sec. 3.2-3.3,
+Alg. 2-4).
 
 Needs the ``s2o`` reorder (its ranked key list). For query block i (``block_size_q`` logical rows, all inside
 one segment n because S is a multiple of the block):

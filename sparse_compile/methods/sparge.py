@@ -1,4 +1,5 @@
-"""SpargeAttn (Zhang et al. 2025), select stage ``sparge``: selective token compression + TopCdf (Zhang et al. 2025, Sec. 3.2-3.4).
+"""SpargeAttn (Zhang et al. 2025), select stage ``sparge``: selective token compression + TopCdf (Zhang et al. 2025,
+Sec. 3.2-3.4).
 
 Query blocks of ``block_size_q`` rows, key tiles of ``block_size_kv`` logical keys:
 

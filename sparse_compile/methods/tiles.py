@@ -13,7 +13,8 @@ from ..plan import VISIBLE_NONE, VISIBLE_PARTIAL, BlockPlan, block_visibility, p
 from ..registry import DensityKnob
 from .scoring import Reordering
 
-__all__ = ["BUDGET_KNOB", "StridedRowParams", "scores_in_fp8", "strided_rows", "visibility", "diagonal_tiles", "first_key_tile", "local_tiles", "finish_plan", "keep_top_budget", "tiles_to_reach", "finish_budget_plan"]
+__all__ = ["BUDGET_KNOB", "StridedRowParams", "scores_in_fp8", "strided_rows", "visibility", "diagonal_tiles",
+           "first_key_tile", "local_tiles", "finish_plan", "keep_top_budget", "tiles_to_reach", "finish_budget_plan"]
 
 
 def visibility(num_queries: int, num_keys: int, block_m: int, block_n: int, reordering: Reordering, batch: int,
