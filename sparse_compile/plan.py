@@ -116,19 +116,6 @@ class BlockPlan:
     def with_options(self, **kwargs) -> "BlockPlan":
         return replace(self, **kwargs)
 
-    def kv_head_slice(self, kv_head: int, num_kv_heads: int) -> "BlockPlan":
-        """The plan of one KV head's GQA group: every per-head table cut to that group's heads (a table has
-        Hq or Hkv heads, so the group is its ``heads / num_kv_heads`` consecutive heads)."""
-        def cut(table: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            if table is None:
-                return None
-            per = table.shape[1] // num_kv_heads
-            return table[:, kv_head * per:(kv_head + 1) * per]
-
-        return replace(self, tile_offsets=cut(self.tile_offsets), tile_counts=cut(self.tile_counts),
-                       masked_counts=cut(self.masked_counts), key_index=cut(self.key_index),
-                       query_index=cut(self.query_index))
-
     def density(self, num_queries: int, num_keys: int, num_heads: Optional[int] = None) -> torch.Tensor:
         """Fraction of the causal tiles the plan lists, per (batch, head): float32 (B, H). See ``plan_density``."""
         return plan_density(self, num_queries, num_keys, num_heads)

@@ -14,11 +14,10 @@ from typing import Optional
 
 import torch
 
-from .plan import causal_tiles_per_block  # noqa: F401 (public here since before)
+from .plan import causal_tiles_per_block
 
 __all__ = ["SiteRecord", "SiteRuntime", "RuntimeStats", "runtime_stats", "reset_runtime_stats", "record_call",
-           "register_plain_sdpa",
-           "record_plain_sdpa_calls", "density_from_visits", "causal_tiles_per_block", "PLAIN_SDPA",
+           "register_plain_sdpa", "record_plain_sdpa_calls", "density_from_visits", "PLAIN_SDPA",
            "MAX_REASONS_PER_PATH", "OTHER_REASONS"]
 
 PLAIN_SDPA = "dense"  # the path of a call of a site that a compiled graph kept as plain SDPA

@@ -367,7 +367,7 @@ def test_density_reaches_runtime_stats():
         plan = build_plan(q, k, None, cfg)
         _, visited = reference_attention(q, k, v, plan, return_visited=True)
         from sparse_compile.plan import causal_tile_count
-        from sparse_compile.report import causal_tiles_per_block
+        from sparse_compile.plan import causal_tiles_per_block
 
         if plan.query_index is None:
             # each query block counts at most its causal tiles (a permuted diagonal segment is a full square)
