@@ -179,7 +179,7 @@ def _say(reason: str) -> None:
 
 def _sequences(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> list[tuple]:
     """``(q_start, q_end, k_start, k_end)`` per sequence (one host read of each offset tensor), or a ValueError.
-    Tokens past the last offset are allowed (a batch padded to a fixed size)."""
+    Tokens past the last offset are allowed (a batch padded to a fixed size), and more queries than keys."""
     offsets = []
     for name, cu, tensor in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
         if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 1 or cu.dtype.is_floating_point:
@@ -196,12 +196,16 @@ def _sequences(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k.shape[0] != v.shape[0]:
         raise ValueError(f"{KERNEL_NAME}: q, k and v must be (total_tokens, heads, head_dim) with as many keys as "
                          f"values, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    sequences = list(zip(starts_q, starts_q[1:], starts_k, starts_k[1:]))
-    for s, (q0, q1, k0, k1) in enumerate(sequences):
-        if q1 - q0 > k1 - k0:
-            raise ValueError(f"{KERNEL_NAME}: sequence {s} has {q1 - q0} queries but {k1 - k0} keys (the queries "
-                             "are the last positions of their keys)")
-    return sequences
+    # more queries than keys is allowed, as FlashAttention allows it: the queries are the last positions of the
+    # keys (bottom-right), so under causal the first ones see no key and give zeros (transformers' unpadding sends
+    # one query per row at q_len 1, a row that is all padding so far included: one query over no keys)
+    return list(zip(starts_q, starts_q[1:], starts_k, starts_k[1:]))
+
+
+def _seeing(q0: int, q1: int, k0: int, k1: int) -> tuple:
+    """A causal sequence cut to the queries that see a key: with more queries than keys the first ones see none
+    (bottom-right alignment) and stay zero; the rest are a prefill over the keys."""
+    return max(q0, q1 - (k1 - k0)), q1, k0, k1
 
 
 def _refuse_graph_capture(q: Tensor) -> None:
@@ -240,16 +244,17 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])  # rows in no sequence (padding) stay zero
     # the package's rules: each causal sequence is a call of its own, as varlen_attention runs it, at this site
     # (skip_layers and per-site parameters apply); a window binds where a query lies farther than it from the first key
-    ruled = tuple((q0, q1, k0, k1) for q0, q1, k0, k1 in sequences
-                  if q1 > q0 and reason is None and not (left >= 0 and k1 - k0 - 1 > left))
+    # (the queries that see no key, past the keys' count, stay zero: _seeing)
+    ruled = tuple(_seeing(q0, q1, k0, k1) for q0, q1, k0, k1 in sequences
+                  if q1 > q0 and k1 > k0 and reason is None and not (left >= 0 and k1 - k0 - 1 > left))
     if ruled:
         out = attend_segments(q4, k4, v4, softmax_scale, resolve(config).for_site(site), site, ruled)[0]
         out = out.transpose(0, 1)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     ruled_set = set(ruled)
     for s, (q0, q1, k0, k1) in enumerate(sequences):
-        if q1 == q0 or (q0, q1, k0, k1) in ruled_set:
-            continue
+        if q1 == q0 or _seeing(q0, q1, k0, k1) in ruled_set or (k1 == k0 and reason is None):
+            continue  # nothing to compute (no key under causal: zeros) or computed above
         why = reason or (f"sliding window {left} shorter than the {k1 - k0} keys (the window drops keys): the "
                          "dense reference")
         _say(reason or f"sliding window {left} (a window that drops keys): the dense reference")
