@@ -612,3 +612,59 @@ def test_compiled_chunked_prefill_over_a_sliding_cache_runs_every_chunk_sparse()
     with torch.no_grad():
         torch.testing.assert_close(out, chunked(model), rtol=1e-4, atol=1e-4)  # exact either way
     assert all(r.rewritten for r in records), [(r.site, r.reason) for r in records if not r.rewritten]
+
+
+@needs_interface
+def test_front_door_gemma3n_shared_kv_layers_run_their_windows():
+    """Gemma-3n: the last layers reuse an earlier layer's keys and values (num_kv_shared_layers), windows on the
+    sliding ones; a forward pass and generate() as the model's own attention."""
+    T = transformers
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model = T.Gemma3nForCausalLM(T.Gemma3nTextConfig(
+                vocab_size=128, vocab_size_per_layer_input=128, hidden_size=64, hidden_size_per_layer_input=8,
+                intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                sliding_window=W, layer_types=SF * 2, num_kv_shared_layers=2, activation_sparsity_pattern=[0.0] * 4,
+                max_position_embeddings=512, altup_num_inputs=2, laurel_rank=4)).eval()
+        except (AttributeError, TypeError, ValueError) as exc:
+            pytest.skip(f"Gemma-3n not buildable in transformers {transformers.__version__}: {exc}")
+    model.set_attn_implementation("sdpa")
+    ids, mask = left_padded()
+    kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref, ref_tokens = model(ids, attention_mask=mask).logits, model.generate(ids, **kwargs)
+        sparse_compile.enable_transformers_attention(model, KEEP_ALL)
+        sparse_compile.reset_runtime_stats()
+        out = model(ids, attention_mask=mask).logits
+        assert_local_sparse({0: Local(window=W), 2: Local(window=W)})
+        tokens = model.generate(ids, **kwargs)
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-4, atol=1e-4)
+    assert torch.equal(tokens, ref_tokens)
+
+
+@needs_interface
+def test_front_door_bidirectional_sliding_layers_run_dense_with_their_reason():
+    """Gemma-3 as an encoder (use_bidirectional_attention, EmbeddingGemma): a bidirectional window is no causal
+    band; every layer dense, named."""
+    T = transformers
+    torch.manual_seed(0)
+    try:
+        config = T.Gemma3TextConfig(**HEADS, **SIZES, sliding_window=W, layer_types=SF, query_pre_attn_scalar=20,
+                                    use_bidirectional_attention=True)
+    except TypeError as exc:
+        pytest.skip(f"no bidirectional Gemma-3 in transformers {transformers.__version__}: {exc}")
+    model = T.Gemma3TextModel(config).eval()
+    model.set_attn_implementation("sdpa")
+    ids, mask = left_padded()
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).last_hidden_state
+        sparse_compile.enable_transformers_attention(model, KEEP_ALL)
+        out = model(ids, attention_mask=mask).last_hidden_state
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-4, atol=1e-4)
+    stats = sparse_compile.runtime_stats()
+    assert len(stats) == 2 and all(set(p for p, _ in s.calls) == {"dense"} and all(r for _, r in s.calls)
+                                   for s in stats.values()), {k: s.calls for k, s in stats.items()}
