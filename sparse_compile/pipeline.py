@@ -245,12 +245,14 @@ DOCUMENT = "one of the documents packed in a row"
 def attend_segments(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
                     segments: tuple, note: str = "") -> Tensor:
     """Packed sequences: each ``(q_start, q_end, k_start, k_end)`` is causal attention of those query rows at the
-    last positions of those keys, decided, run and recorded as a call of its own (a long prompt sparse, a decode
-    token dense, each with its reason); rows in no sequence give zeros."""
+    last positions of those keys (a fifth entry: AND a sliding window of that many keys), decided, run and recorded
+    as a call of its own (a long prompt sparse, a decode token dense, each with its reason); rows in no sequence
+    give zeros."""
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
-    for q0, q1, k0, k1 in segments:
+    for q0, q1, k0, k1, *window in segments:
+        local = Local(window=window[0]) if window else CAUSAL
         out[:, :, q0:q1] = attend(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], scale, config, site, QUERIES_LAST,
-                                  chunked_allowed=True, note=note)
+                                  chunked_allowed=True, note=note, local=local)
     return out
 
 

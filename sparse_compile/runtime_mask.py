@@ -142,7 +142,7 @@ def _check(mask: Tensor, batch: int, num_queries: int, num_keys: int, local: boo
         if verdict is not None:
             return verdict if local else MaskVerdict(False, f"{NOT_CAUSAL}{verdict.reason[len(CHECKED) + 2:]}, "
                                                             "which this caller does not run sparse")
-    segments = _segments(mask)
+    segments = _segments(mask, windows=local)
     if segments:
         return MaskVerdict(False, f"{CHECKED}: {len(segments)} packed causal sequences", segments=segments)
     if not any_seen:
@@ -247,11 +247,16 @@ def _gcd(values: list) -> int:
     return out
 
 
-def _segments(mask: Tensor) -> tuple:
+def _segments(mask: Tensor, windows: bool = False) -> tuple:
     """Packed sequences, or ``()``: every query row sees one contiguous range of keys ``[lo, hi]``, the same in
     every batch row and head, and consecutive rows with the same ``lo`` see one key more each (causal, the queries
     at the last positions of ``[lo, last hi]``). A row that sees no key (padding) belongs to no sequence; its output
-    is undefined, as for padded rows of a proven mask. One device-to-host read."""
+    is undefined, as for padded rows of a proven mask. One device-to-host read.
+
+    ``windows`` (a caller that runs ``Local``): a sequence may also be causal AND a sliding window of W keys, its
+    rows' ranges then sliding by one key once W wide (continuous batching's mask of a sliding layer); such a
+    sequence comes back as ``(q_start, q_end, k_start, k_end, W)``, every row checked to see exactly
+    ``[max(k_start, hi - W + 1), hi]``."""
     b, h, nq, nk = mask.shape
     if b != 1:
         return ()
@@ -269,7 +274,8 @@ def _segments(mask: Tensor) -> tuple:
     contiguous = (~seen | (count == hi - lo + 1)).all() & same_heads
     previous_lo = torch.cat([lo.new_full((1,), -1), lo[:-1]])
     previous_hi = torch.cat([hi.new_full((1,), -2), hi[:-1]])
-    continues = seen & (lo == previous_lo) & (hi == previous_hi + 1)
+    slides = (lo == previous_lo + 1) if windows else torch.zeros_like(seen)
+    continues = seen & ((lo == previous_lo) | slides) & (hi == previous_hi + 1)
     starts = (seen & ~continues).nonzero().squeeze(1)
     ends = torch.cat([starts[1:], starts.new_full((1,), nq)])
     # a sequence runs from its start to the row before the next start, or to its last row that sees keys
@@ -278,14 +284,27 @@ def _segments(mask: Tensor) -> tuple:
     last_row = torch.where(seen & (owner >= 0), rows, -1)
     ends = torch.full_like(starts, -1).scatter_reduce(0, owner.clamp_min(0)[seen], last_row[seen], "amax") + 1 \
         if starts.numel() else ends
-    summary = torch.cat([contiguous.to(torch.int64)[None], starts, ends, lo[starts], hi[(ends - 1).clamp_min(0)]])
+    # a sequence's window: the width of its rows whose range slid (0: none slid, causal); every row must then see
+    # exactly the window's keys within the sequence
+    first_lo = lo[starts][owner.clamp_min(0)] if starts.numel() else lo
+    slid = seen & (owner >= 0) & (lo > first_lo)
+    width = torch.where(slid, hi - lo + 1, 0)
+    window = torch.zeros_like(starts).scatter_reduce(0, owner.clamp_min(0), width, "amax") if starts.numel() \
+        else starts
+    row_window = window[owner.clamp_min(0)] if starts.numel() else width
+    expected_lo = torch.where(row_window > 0, torch.maximum(first_lo, hi - row_window + 1), first_lo)
+    contiguous &= (~seen | (owner < 0) | (lo == expected_lo)).all()
+    summary = torch.cat([contiguous.to(torch.int64)[None], starts, ends, lo[starts], hi[(ends - 1).clamp_min(0)],
+                         window])
     values = summary.tolist()  # the one device-to-host read
     if not values[0] or not starts.numel():
         return ()
     n = starts.numel()
-    firsts, lasts, los, his = values[1:1 + n], values[1 + n:1 + 2 * n], values[1 + 2 * n:1 + 3 * n], values[1 + 3 * n:]
+    firsts, lasts, los = values[1:1 + n], values[1 + n:1 + 2 * n], values[1 + 2 * n:1 + 3 * n]
+    his, widths = values[1 + 3 * n:1 + 4 * n], values[1 + 4 * n:]
     # rows between a sequence's last row and the next start must see nothing (checked: they are not 'continues')
-    return tuple((q0, q1, k0, k1 + 1) for q0, q1, k0, k1 in zip(firsts, lasts, los, his))
+    return tuple((q0, q1, k0, k1 + 1) + ((w,) if w else ())
+                 for q0, q1, k0, k1, w in zip(firsts, lasts, los, his, widths))
 
 
 def _first_difference(mask: Tensor, offset: int) -> str:

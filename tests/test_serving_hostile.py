@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import sparse_compile
+from sparse_compile import pipeline
 from sparse_compile import SparseConfig
 from sparse_compile import serving
 from sparse_compile.rules import prefill_length
@@ -404,12 +405,6 @@ def test_two_models_keep_their_own_configurations(route):
 
 
 # -- continuous batching on a model compiled in place ----------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason=(
-    "the windowed chunk is split into one-query 'sequences' (runtime_mask._segments: a row whose window slid "
-    "does not continue the previous row's range): each recorded as a dense 'decode step (q_len == 1)' call, so a "
-    "compiled Mistral's generate_batch with prompts longer than max_batch_tokens counts 220 decode calls where it "
-    "made 12 (2 layers x 3 requests x 2 tokens), and the windowed chunks run dense, not the method or the exact "
-    "band (the result is exact: each row attends its own keys)"))
 def test_a_packed_step_whose_sequence_is_windowed_is_one_call_per_sequence():
     """Continuous batching's mask for a sliding-window layer: each request's chunk sees its keys causally AND a
     window. A step that a compiled Mistral's generate_batch made (window 64, max_batch_tokens 100): two decode
@@ -428,8 +423,20 @@ def test_a_packed_step_whose_sequence_is_windowed_is_one_call_per_sequence():
     verdict = check_runtime_mask(mask, 1, 4, nq, nk, local=True)
     rows = verdict.segments
     assert rows, verdict.reason
-    assert sum(q1 - q0 for q0, q1, _, _ in rows) == nq  # every query in some sequence, exact either way
+    assert sum(row[1] - row[0] for row in rows) == nq  # every query in some sequence, exact either way
     assert len(rows) == len(spans), rows[:6]  # one call per request
+    assert [row[4:] for row in rows] == [(), (), (window,)]  # the chunk whose window binds carries it
+    # and run through the op's pipeline: each sequence its own call, equal to dense SDPA with the mask
+    q = torch.randn(1, 4, nq, 16, dtype=torch.float64)
+    k, v = torch.randn(1, 4, nk, 16, dtype=torch.float64), torch.randn(1, 4, nk, 16, dtype=torch.float64)
+    config = SparseConfig(**PBS, min_seq_len=32).keep_all()
+    sparse_compile.reset_runtime_stats()
+    out = pipeline.attend_segments(q.float(), k.float(), v.float(), None, config, "packed", rows)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    stats = sparse_compile.runtime_stats()["packed"]
+    assert sum(stats.calls.values()) == 3, dict(stats.calls)
+    assert any("sliding window 64" in reason for (path, reason) in stats.calls if path == "sparse"), dict(stats.calls)
 
 
 
