@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sparse_compile  # noqa: E402
-from e2e_model import build_model, sync  # noqa: E402
+from e2e_model import build_model, calls_by_path, mean_density, sync, with_attention  # noqa: E402
 from harness import alternating_samples, write_results  # noqa: E402
 
 from sparse_compile import SparseConfig  # noqa: E402
@@ -55,30 +55,6 @@ def chunked(model, ids, chunk: int):
 
 def one_call(model, ids):
     return model(ids, use_cache=False, logits_to_keep=1).logits
-
-
-def counted(fn, model, implementation: str):
-    """``fn`` with the model on ``implementation`` for the call, and the calls it made by path."""
-    def call(ids):
-        model.config._attn_implementation = implementation
-        try:
-            return fn(ids)
-        finally:
-            model.config._attn_implementation = "sdpa"
-    return call
-
-
-def calls_by_path() -> dict:
-    totals = {"sparse": 0, "dense": 0}
-    for stats in sparse_compile.runtime_stats().values():
-        for (path, _), n in stats.calls.items():
-            totals[path] = totals.get(path, 0) + n
-    return totals
-
-
-def mean_density():
-    values = [s.mean_density for s in sparse_compile.runtime_stats().values() if s.mean_density is not None]
-    return statistics.fmean(values) if values else None
 
 
 def serve_batch(model, prompts, cb_config) -> tuple[dict, float]:
@@ -113,8 +89,7 @@ def batching(args, model, config, device) -> list:
     if args.smoke:
         cb.update(num_blocks=64)
     cb_config = transformers.ContinuousBatchingConfig(**cb)
-    contenders = {"sparse": config, "dense": SparseConfig(**{**config.to_dict(), "record_density": True}).keep_all()
-                  if args.dense == "keep_all" else None}
+    contenders = {"sparse": config, "dense": config.keep_all() if args.dense == "keep_all" else None}
     rows = []
     for rep in range(args.reps):
         for label in (["sparse", "dense"] if rep % 2 == 0 else ["dense", "sparse"]):  # alternated
@@ -184,10 +159,10 @@ def main() -> None:
     for length in args.lengths:
         ids = torch.randint(1, model.config.vocab_size, (1, length), device=device)
         contenders = {
-            "dense one call": counted(lambda x: one_call(model, x), model, "sdpa"),
-            "sparse one call": counted(lambda x: one_call(model, x), model, name),
-            "dense chunked": counted(lambda x: chunked(model, x, args.chunk), model, "sdpa"),
-            "sparse chunked": counted(lambda x: chunked(model, x, args.chunk), model, name),
+            "dense one call": with_attention(model, "sdpa", lambda x: one_call(model, x)),
+            "sparse one call": with_attention(model, name, lambda x: one_call(model, x)),
+            "dense chunked": with_attention(model, "sdpa", lambda x: chunked(model, x, args.chunk)),
+            "sparse chunked": with_attention(model, name, lambda x: chunked(model, x, args.chunk)),
         }
         per_run = {}
         for label, fn in contenders.items():  # one untimed run each: its call counts and density

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sparse_compile  # noqa: E402
-from e2e_model import sync  # noqa: E402
+from e2e_model import calls_by_path, mean_density, sync  # noqa: E402
 from harness import alternating_samples, write_results  # noqa: E402
 
 from sparse_compile import SparseConfig  # noqa: E402
@@ -149,14 +149,6 @@ def build(name: str, smoke: bool, device, dtype, implementation: str = "sdpa"):
         torch.set_default_dtype(default)
 
 
-def calls_by_path() -> dict:
-    totals = {"sparse": 0, "dense": 0}
-    for stats in sparse_compile.runtime_stats().values():
-        for (path, _), n in stats.calls.items():
-            totals[path] = totals.get(path, 0) + n
-    return totals
-
-
 def model_rows(args, device, dtype) -> list:
     rows = []
     options = dict(record_density=True)
@@ -183,9 +175,7 @@ def model_rows(args, device, dtype) -> list:
                     sparse_compile.reset_runtime_stats()
                     fn(ids, logits_to_keep=1)
                     sync()
-                    densities = [s.mean_density for s in sparse_compile.runtime_stats().values()
-                                 if s.mean_density is not None]
-                    counts[label] = (calls_by_path(), statistics.fmean(densities) if densities else None)
+                    counts[label] = (calls_by_path(), mean_density())
                 samples = alternating_samples({k: (lambda f=f: f(ids, logits_to_keep=1)) for k, f in contenders.items()},
                                               args.reps, warmup=1)
             dense = statistics.median(samples["inductor (sdpa)"])

@@ -73,6 +73,23 @@ def with_attention(model, implementation: str, fn):
     return call
 
 
+def calls_by_path() -> dict:
+    """Attention calls ``runtime_stats()`` counts since its last reset, by path (sparse, dense)."""
+    totals = {"sparse": 0, "dense": 0}
+    for stats in sparse_compile.runtime_stats().values():
+        for (path, _), n in stats.calls.items():
+            totals[path] = totals.get(path, 0) + n
+    return totals
+
+
+def mean_density():
+    """The mean over sites of their mean density (``record_density``), or None where none was recorded."""
+    import statistics
+
+    values = [s.mean_density for s in sparse_compile.runtime_stats().values() if s.mean_density is not None]
+    return statistics.fmean(values) if values else None
+
+
 def time_first_call(first_call: dict, key: str, fn, ids) -> None:
     """The first call of ``key`` (Dynamo's and Inductor's compile included), timed once into ``first_call``,
     outside every measurement."""
