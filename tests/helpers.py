@@ -182,3 +182,31 @@ def _segment_permutation(batch, heads, n, seg=256, device="cuda"):
     r[..., -1, n - (nseg - 1) * seg:] = 2.0  # positions past n sort last in the last segment, then are cut
     idx = torch.argsort(r, -1) + torch.arange(nseg, device=device)[:, None] * seg
     return idx.flatten(2)[..., :n].to(torch.int32).contiguous()
+
+
+def run_outside_the_checkout(code: str, *args: str, where, timeout: int) -> dict:
+    """``python -c code *args`` in the directory ``where`` (outside the checkout, whose top-level ``kernels/``
+    would shadow the ``kernels`` package), ``SPARSE_COMPILE_CONFIG`` unset; the JSON its last line prints. Skips
+    where the ``kernels`` package is not installed."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+    from importlib import metadata
+
+    from sparse_compile import serving
+
+    if importlib.util.find_spec("kernels") is None:
+        pytest.skip("the kernels package is not installed (pip install sparse_compile[serving])")
+    try:
+        metadata.version("kernels")
+    except metadata.PackageNotFoundError:
+        pytest.skip("the kernels package is not installed (pip install sparse_compile[serving]); the module "
+                    "'kernels' found is this checkout's folder")
+    env = {**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
+    env.pop(serving.CONFIG_VARIABLE, None)
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=where, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -27,6 +27,8 @@ import sparse_compile
 from sparse_compile import SparseConfig
 from sparse_compile import serving
 
+from helpers import run_outside_the_checkout
+
 transformers = pytest.importorskip("transformers")
 
 PBS = dict(method="pbs", pbs={"block_size": 16, "segment_size": 32})
@@ -244,22 +246,8 @@ print(json.dumps(result))
 
 @pytest.fixture(scope="module")
 def route(tmp_path_factory):
-    if importlib.util.find_spec("kernels") is None:
-        pytest.skip("the kernels package is not installed (pip install sparse_compile[serving])")
-    from importlib import metadata
-
-    try:
-        metadata.version("kernels")
-    except metadata.PackageNotFoundError:
-        pytest.skip("the kernels package is not installed (pip install sparse_compile[serving]); the module "
-                    "'kernels' found is this checkout's folder")
-    where = tmp_path_factory.mktemp("outside_the_checkout")
-    env = {**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
-    env.pop(serving.CONFIG_VARIABLE, None)
-    done = subprocess.run([sys.executable, "-c", CHILD, KEEP_ALL.to_json()], cwd=where, env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_outside_the_checkout(CHILD, KEEP_ALL.to_json(), where=tmp_path_factory.mktemp("outside_the_checkout"),
+                                      timeout=240)
     assert result["local_kernel"], "kernels.get_local_kernel did not load sparse_compile.serving's functions"
     return result
 

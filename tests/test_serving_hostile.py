@@ -14,13 +14,8 @@ refuses the installed ``kernels`` (as ``test_continuous_batching.py`` does).
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import json
 import math
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -32,6 +27,7 @@ from sparse_compile import SparseConfig
 from sparse_compile import serving
 from sparse_compile.rules import prefill_length
 
+from helpers import run_outside_the_checkout
 from method_helpers import SMALL
 
 transformers = pytest.importorskip("transformers")
@@ -333,20 +329,7 @@ print(json.dumps(result))
 
 @pytest.fixture(scope="module")
 def route(tmp_path_factory):
-    from importlib import metadata
-
-    if importlib.util.find_spec("kernels") is None:
-        pytest.skip("the kernels package is not installed (pip install sparse_compile[serving])")
-    try:
-        metadata.version("kernels")
-    except metadata.PackageNotFoundError:
-        pytest.skip("the kernels package is not installed; the module 'kernels' found is this checkout's folder")
-    env = {**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
-    env.pop(serving.CONFIG_VARIABLE, None)
-    done = subprocess.run([sys.executable, "-c", CHILD], cwd=tmp_path_factory.mktemp("outside_the_checkout"),
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_outside_the_checkout(CHILD, where=tmp_path_factory.mktemp("outside_the_checkout"), timeout=300)
     if "skip" in result:
         pytest.skip(result["skip"])
     return result
