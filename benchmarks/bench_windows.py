@@ -27,8 +27,10 @@ with ``--store``.
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -72,11 +74,10 @@ def flex_window(window: int, n: int, device):
     def sliding(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
 
-    return create_block_mask(sliding, None, None, n, n, device=device)
+    return create_block_mask(sliding, None, None, n, n, device=device, _compile=True)  # no N x N mask at long N
 
 
-def layer_rows(args, device, dtype) -> list:
-    rows = []
+def layer_rows(args, device, dtype, rows: list) -> list:
     flex = None
     if device == "cuda":
         from torch.nn.attention.flex_attention import flex_attention
@@ -124,13 +125,15 @@ def layer_rows(args, device, dtype) -> list:
     return rows
 
 
-def build(name: str, smoke: bool, device, dtype, implementation: str = "sdpa"):
+def build(name: str, smoke: bool, device, dtype, implementation: str = "sdpa", layers=None):
     import transformers
 
     shape = dict(SHAPES[name])
     family, every = shape.pop("family"), shape.pop("global_every", None)
     if smoke:
         shape.update(TOY, sliding_window=40)
+    if layers:  # fewer decoder layers, the same local / global pattern: a shorter compile
+        shape["num_hidden_layers"] = layers
     layers = shape["num_hidden_layers"]
     if family == "gemma3":
         kinds = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)]
@@ -149,15 +152,14 @@ def build(name: str, smoke: bool, device, dtype, implementation: str = "sdpa"):
         torch.set_default_dtype(default)
 
 
-def model_rows(args, device, dtype) -> list:
-    rows = []
+def model_rows(args, device, dtype, rows: list) -> list:
     options = dict(record_density=True)
     if args.smoke:
         options.update(method="pbs", min_seq_len=16, pbs={"block_size": 16, "segment_size": 32})
     config = SparseConfig(**options)
     for name in args.shapes:
-        model = build(name, args.smoke, device, dtype)
-        flex_model = build(name, args.smoke, device, dtype, "flex_attention") if device == "cuda" else None
+        model = build(name, args.smoke, device, dtype, layers=args.layers)
+        flex_model = build(name, args.smoke, device, dtype, "flex_attention", args.layers) if device == "cuda" else None
         if flex_model is not None:
             flex_model.load_state_dict(model.state_dict())
         contenders = {
@@ -171,7 +173,11 @@ def model_rows(args, device, dtype) -> list:
             counts = {}
             with torch.no_grad():
                 for label, fn in contenders.items():  # compile, then one counted forward each
+                    started = time.perf_counter()
                     fn(ids, logits_to_keep=1)
+                    sync()
+                    print(f"{name} {n}: {label} compiled and ran in {time.perf_counter() - started:.1f} s",
+                          file=sys.stderr, flush=True)
                     sparse_compile.reset_runtime_stats()
                     fn(ids, logits_to_keep=1)
                     sync()
@@ -198,6 +204,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--window", type=int, default=None, help="layer part: override the shape's window")
     parser.add_argument("--mask-limit", type=int, default=32768, help="layer part: longest SDPA-with-mask run")
+    parser.add_argument("--layers", type=int, default=None, help="model part: decoder layers (default: the shape's)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="toy sizes on CPU, for testing the script")
     parser.add_argument("--out", default=None)
@@ -207,11 +214,18 @@ def main() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.smoke:
         args.lengths, args.reps = [200], 1
-    rows = []
-    if args.part in ("layer", "both"):
-        rows += layer_rows(args, device, dtype)
-    if args.part in ("model", "both"):
-        rows += model_rows(args, device, dtype)
+    rows = []  # filled as each row is measured: a run stopped early (SIGTERM, an error) still writes what it has
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM"))
+    try:
+        if args.part in ("layer", "both"):
+            layer_rows(args, device, dtype, rows)
+        if args.part in ("model", "both"):
+            model_rows(args, device, dtype, rows)
+    finally:
+        write(args, device, dtype, rows)
+
+
+def write(args, device, dtype, rows: list) -> None:
     meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", dtype=str(dtype),
                 sdpa_backends=None if device != "cuda" else "cuDNN / flash / efficient as PyTorch picks")
     print(write_results("bench_windows", rows, meta=meta, out_dir=args.out,

@@ -251,6 +251,7 @@ def rewrite_graph(gm: fx.GraphModule, config: SparseConfig) -> list[SiteRecord]:
         records.append(SiteRecord(rewritten=True, reason=how, **record))
     _warn_unmatched_skips(records, config)
     _warn_unmatched_site_params(records, config)
+    _warn_unnamed_sites(records, config)
     if any(r.rewritten for r in records):
         if "torch.distributed.tensor" in sys.modules:  # the graph may run on DTensors: give the op its sharding rule
             from .parallel import register_dtensor_sharding
@@ -292,6 +293,19 @@ def _warn_unmatched_site_params(records: list[SiteRecord], config: SparseConfig)
         warnings.warn(f"sparse_compile: site_params name none of this graph's {len(sites)} attention sites (e.g. "
                       f"{sites[0]!r}; site_params has e.g. {min(names)!r}); keys are module paths relative to the "
                       "compiled module, as runtime_stats() names them", stacklevel=2)
+
+
+def _warn_unnamed_sites(records: list[SiteRecord], config: SparseConfig) -> None:
+    """A site with no module path (the compiled frame is an attention function, not a module: transformers'
+    continuous batching compiles its paged attention function alone) has no layer: skip_layers and site_params
+    cannot reach it, and saying nothing would run a layer the user skipped sparse."""
+    unnamed = sorted({r.site for r in records if r.rewritten and r.site.startswith("<")})
+    if unnamed and (config.skip_layers or config.site_params):
+        warnings.warn(f"sparse_compile: attention site(s) {unnamed} have no module path (the compiled frame is an "
+                      "attention function, as under transformers' continuous batching), so skip_layers and "
+                      "site_params cannot apply to them: they run the method's defaults. For continuous batching use "
+                      "sparse_compile.serving_attention(model, config), which keeps each layer's site",
+                      stacklevel=2)
 
 
 def _erase(gm: fx.GraphModule, candidates: set) -> None:

@@ -423,20 +423,20 @@ def test_a_packed_step_whose_sequence_is_windowed_is_one_call_per_sequence():
 
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiled continuous batching names every layer's site '<attn_output>' (transformers runs paged attention "
-    "under torch.compiler.disable: the compiled frame is the attention function, no module path; "
-    "rewrite.py: module_path(node) or f'<{node.name}>'), so skip_layers and per-site parameters never match: "
-    "skip_layers=(1,) leaves layer 1 sparse, silently (serving_attention's route keeps the layers' sites)"))
-def test_skip_layers_apply_under_continuous_batching_compiled():
+def test_skip_layers_under_continuous_batching_compiled_warn_that_they_cannot_apply():
+    """Compiled continuous batching compiles transformers' paged attention function alone (under
+    torch.compiler.disable the decoder is not traced): its site has no module path and so no layer. skip_layers
+    cannot reach it, and the backend says so rather than run the skipped layer sparse in silence; the kernels route
+    (serving_attention) keeps each layer's site and applies them (test_continuous_batching.py)."""
     model = _llama()
     prompts = [torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(1)).tolist() for n in (90, 70)]
     steps = transformers.GenerationConfig(max_new_tokens=1, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         small = transformers.ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=256)
         model.compile(backend="sparse_prefill",
                       options=SparseConfig(**PBS, min_seq_len=32, skip_layers=(1,)).keep_all())
         model.generate_batch(prompts, generation_config=steps, continuous_batching_config=small)
-    assert _total() == 2 * 2  # two prompts, two layers
-    assert _total("sparse") == 2, dict(sparse_compile.runtime_stats())  # layer 0's only
+    said = [str(w.message) for w in caught if "have no module path" in str(w.message)]
+    assert said and "serving_attention" in said[0], [str(w.message) for w in caught]
+    assert _total() == 2  # both prompts in one packed step: one call per layer, each counted
