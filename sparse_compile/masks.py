@@ -699,6 +699,7 @@ class _Space:
     q_symbol: Any = None
     prefix_symbols: set = field(default_factory=set)  # kv_len's symbols other than q_len's (a cached prefix)
     tied: set = field(default_factory=set)  # symbols that take kv_len's value
+    aliases: dict = field(default_factory=dict)  # symbol -> the prefix symbol whose value it takes (_prefix_aliases)
     ranges: dict = field(default_factory=dict)  # symbol -> (lowest, highest) value the shape guards allow
     # a static chunk over a symbolic cache (chunked prefill): q_len is the int nq at every call, and a length n is
     # the cached prefix, kv_len = nq + n, reached by giving kv_len's one symbol the value n + chunk_offset
@@ -737,6 +738,8 @@ class _Space:
             for s in self.prefix_symbols:
                 symbols[s] = prefix
             sizes = _Sizes(symbols=symbols)
+        for alias, prefix_symbol in self.aliases.items():
+            sizes.symbols[alias] = sizes.symbols[prefix_symbol]
         n_q, n_k = sizes.value(self.nq), sizes.value(self.nk)
         for symbol in self.tied:
             sizes.symbols[symbol] = n_k
@@ -754,7 +757,25 @@ class _Space:
         return self.batch * n * (n + (n if self.prefix_symbols else 0))
 
 
-def _space(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set) -> _Space:
+def _prefix_aliases(mask_keys: Any, nk: Any, lengths: set) -> dict:
+    """{a: b} where the mask's key dim is kv_len with its cached-prefix symbol b spelt as another symbol a. A
+    mask built once per forward from one layer's cache (transformers reads layer 0's length) meets a later layer
+    whose keys Dynamo sized from that layer's own cache: ``s53 + s81`` keys in the mask, ``s66 + s81`` in k. SDPA
+    takes a mask whose key dim is kv_len (or 1, which ``a + q_len >= 2`` rules out), so at every length the graph
+    runs at ``a == b``: an evaluation gives ``a`` the prefix's value."""
+    if not isinstance(mask_keys, torch.SymInt) or not isinstance(nk, torch.SymInt):
+        return {}
+    others = _symbols(mask_keys) - lengths
+    if len(others) != 1:
+        return {}
+    alias = next(iter(others))
+    for prefix_symbol in _symbols(nk) - _symbols(mask_keys):
+        if (mask_keys.node.expr.xreplace({alias: prefix_symbol}) - nk.node.expr).expand() == 0:
+            return {alias: prefix_symbol}
+    return {}
+
+
+def _space(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set, mask_keys: Any = None) -> _Space:
     nq, nk = q.shape[-2], k.shape[-2]
     if not isinstance(nq, int) and isinstance(nk, int):
         raise _Unsupported("q_len is symbolic and kv_len static: mask not analysed")
@@ -774,6 +795,8 @@ def _space(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set) -> _
                 # static q/k with a dynamic size elsewhere in the slice (a dynamic batch): its values live there
                 shape_env = d.node.shape_env
     length_symbols = _symbols(nq) | _symbols(nk) | set(tied_to_keys)
+    aliases = _prefix_aliases(mask_keys, nk, length_symbols)
+    length_symbols |= set(aliases)
     base: dict = {}
     for s in all_symbols - length_symbols:
         hint = _hint(s, shape_env)
@@ -783,7 +806,7 @@ def _space(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set) -> _
     batch_traced = q.shape[0]
     batch = batch_traced if isinstance(batch_traced, int) else _Sizes(symbols=base).value(batch_traced)
     if isinstance(nq, int) and not isinstance(nk, int):
-        return _chunk_space(nq, nk, batch, base, shape_env, tied_to_keys)
+        return _chunk_space(nq, nk, batch, base, shape_env, tied_to_keys, aliases)
     if isinstance(nq, int):
         if nq > nk:
             raise _Unsupported(f"static q_len {nq} > kv_len {nk}: mask not analysed")
@@ -805,10 +828,12 @@ def _space(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set) -> _
             lo, hi = max(lo, _bound(value_range.lower, 2)), _bound(value_range.upper, math.inf)
         ranges[s] = (lo, hi)
     return _Space(static=False, exact=False, nq=nq, nk=nk, batch=batch, base=base, q_symbol=next(iter(q_syms)),
-                  prefix_symbols=_symbols(nk) - q_syms - set(tied_to_keys), tied=set(tied_to_keys), ranges=ranges)
+                  prefix_symbols=_symbols(nk) - q_syms - set(tied_to_keys), tied=set(tied_to_keys), ranges=ranges,
+                  aliases=aliases)
 
 
-def _chunk_space(nq: int, nk: Any, batch: int, base: dict, shape_env, tied_to_keys: set) -> _Space:
+def _chunk_space(nq: int, nk: Any, batch: int, base: dict, shape_env, tied_to_keys: set,
+                 aliases: dict) -> _Space:
     """A static chunk of ``nq`` queries over ``nk`` keys, one symbol ``s`` plus a constant (``s + c``: a cache
     that grows between calls): every length the graph runs at is ``nq`` queries after some cached prefix."""
     symbols = _symbols(nk)
@@ -827,7 +852,7 @@ def _chunk_space(nq: int, nk: Any, batch: int, base: dict, shape_env, tied_to_ke
     for tied in tied_to_keys:
         ranges[tied] = (2, math.inf)
     return _Space(static=False, exact=False, nq=nq, nk=nk, batch=batch, base=base, prefix_symbols={symbol},
-                  tied=set(tied_to_keys), ranges=ranges, chunk_offset=nq - at_zero)
+                  tied=set(tied_to_keys), ranges=ranges, chunk_offset=nq - at_zero, aliases=aliases)
 
 
 def _bound(value: Any, default: float) -> float:
@@ -1013,7 +1038,9 @@ def _prove(gm: fx.GraphModule, ordered: list, nodes: set, mask: fx.Node, q: torc
     try:
         read = padding if padding is not None else documents
         tied = _symbols(example_value(read).shape[1]) if read is not None else set()
-        space = _space(nodes, q, k, tied - _symbols(nk))
+        mask_value = example_value(mask)
+        mask_keys = mask_value.shape[-1] if isinstance(mask_value, torch.Tensor) and mask_value.dim() else None
+        space = _space(nodes, q, k, tied - _symbols(nk), mask_keys)
         _check_other_sizes(ordered, set(space.base))
         points = _points(gm, ordered, mask, space, inputs_for)
         local = CAUSAL

@@ -211,15 +211,10 @@ def test_chunked_prefill_runs_each_chunk_by_the_length_rule(path, sizes, min_seq
     _run_chunks(path, sizes, min_seq_len)
 
 
-@pytest.mark.parametrize("path", [pytest.param("front door", marks=needs_interface), pytest.param(
-    "compiled", marks=pytest.mark.xfail(strict=True, reason=(
-        "a chunk over the cache after decode steps (a chat's next turn) runs dense on every layer after the first, "
-        "recorded as 'kept as plain SDPA at compile time: explicit attn_mask not proven causal: the mask computes "
-        "with the size s53 (q_arange), which is not a length': at Dynamo's third compile (query length dynamic "
-        "too) the mask proof (masks.py) accepts the shared mask at layer 0 and refuses it at the later layers, "
-        "where the cache length it computes with is not read as a length (the backend warns there that those "
-        "sites 'will never run sparse')")))])
+@pytest.mark.parametrize("path", [pytest.param("front door", marks=needs_interface), "compiled"])
 def test_a_chunk_after_decode_steps_runs_sparse_on_every_layer(path):
+    """A chat's next turn: at Dynamo's third compile the query length is dynamic too, and the mask, built once from
+    layer 0's cache, meets each later layer's keys sized by that layer's own cache (masks._prefix_aliases)."""
     _run_chunks(path, [60, 1, 89], 50)
 
 
