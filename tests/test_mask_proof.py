@@ -568,3 +568,33 @@ def test_random_mask_programs_over_a_growing_cache(group):
             if plain and p.width_kind != "buffer" and not group.odd_values:
                 assert record.rewritten, f"{p}: a causal mask over a growing cache not proven: {record.reason}"
     assert records
+
+
+# -- a mask sized by another cache's length ----------------------------------------------------------------------
+def test_mask_sized_by_another_length_of_the_prefix_is_proven_and_guarded():
+    """transformers builds the mask once from layer 0's cache; a later layer's keys are sized by its own cache, a
+    separate symbol to Dynamo. The mask's key dim (other + q_len) must equal kv_len (past + q_len) for SDPA: the
+    proof gives ``other`` the prefix's value, and a call where they differ re-traces and fails as eager does."""
+    def attention(q, k, other):
+        nq, past = q.shape[-2], other.shape[-1]
+        i = torch.arange(nq)[:, None] + past
+        j = torch.arange(past + nq)[None, :]
+        return F.scaled_dot_product_attention(q, k, k, attn_mask=(j <= i)[None, None])
+
+    records = []
+
+    def backend(gm, example_inputs):
+        records.extend(rewrite_graph(gm, KEEP_ALL))
+        return gm.forward
+
+    compiled = torch.compile(attention, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for nq, past in ((20, 30), (33, 7), (5, 60)):
+            q, k, other = torch.randn(1, 2, nq, 16), torch.randn(1, 2, past + nq, 16), torch.zeros(1, past)
+            torch.testing.assert_close(compiled(q, k, other), attention(q, k, other), rtol=1e-4, atol=1e-5)
+        assert records and all(r.rewritten for r in records), [r.reason for r in records]
+        q, k, other = torch.randn(1, 2, 20, 16), torch.randn(1, 2, 50, 16), torch.zeros(1, 25)
+        with pytest.raises(RuntimeError, match="must match the size"):
+            attention(q, k, other)
+        with pytest.raises(RuntimeError):
+            compiled(q, k, other)
