@@ -1,67 +1,28 @@
 """Block-sparse FlashAttention forward in Triton: per query block, a list of key tiles.
 
-The host wrapper ``block_sparse_attention`` takes plain tensors and numbers; ``sparse_compile.plan`` documents
-their semantics (the ``BlockPlan`` contract) and ``sparse_compile.plan.execute_plan`` passes a plan's fields here:
+The host wrapper ``block_sparse_attention`` takes plain tensors and numbers and runs the ``BlockPlan`` contract
+(``sparse_compile/plan.py`` documents it; ``plan.execute_plan`` passes a plan's fields here): query block ``i``
+visits the tiles ``tile_offsets[b, h, i, t]`` (int32, (B, Ht, n_query_blocks, max_tiles)) for
+``t < tile_counts[b, h, i]``, in that order; the first ``masked_counts[b, h, i]`` are masked (causal, padding and
+the ``window`` / ``chunk`` band), the others are promised fully visible and are not masked (not checked here:
+``plan.check_plan`` does, with host syncs; a table that breaks the promise reads out of range); ``key_index`` /
+``query_index`` map logical to physical rows; ``early_stop`` and ``pv_skip`` as the plan defines them (a P.V skip
+that cannot show in the output is not run: ``pv_skip_is_negligible``). Rows that see no key write zeros; a row with
+a non-finite score writes a non-finite output, as dense attention, and does not decide an early stop.
 
-* ``tile_offsets`` int32 (B, Ht, n_query_blocks, max_tiles): query block ``i`` visits the logical keys
-  ``[offset, offset + block_n)`` of ``tile_offsets[b, h, i, t]`` for ``t < tile_counts[b, h, i]``, in that order;
-* the first ``masked_counts[b, h, i]`` tiles are masked (keys after the query's absolute position and padding
-  are excluded, and with ``window`` W > 0 keys with ``q_pos - k_pos >= W``, with ``chunk`` C > 0 keys with
-  ``k_pos // C != q_pos // C``: positions are the physical key row and the query's absolute position, as for the
-  causal mask); the others are promised fully visible (inside the band too) and are not masked;
-* ``key_index`` / ``query_index`` (optional): logical -> physical rows (key entries < 0 are padding);
-* ``early_stop`` tau > 0: after each unmasked tile the block stops once no row gains at least tau of its softmax
-  denominator (the stopping tile counts); ``pv_skip`` lambda < 0: a row drops a tile's P.V share when the row's
-  tile maximum is below its running maximum by more than |lambda| (the MMA still runs: per-row, branch-free).
-  A skip that cannot show in the output is not run (``pv_skip_is_negligible``): every weight it drops is below
-  e^lambda of its row's largest, so all it drops together is below Nk * e^lambda * max|v|; when that is under
-  1/16 of the output dtype's epsilon (bf16 up to 236K keys at SpargeAttn's lambda = -20), the kernels run
-  without the per-element select, which saves no MMA and cost 7-10% per tile on the H100;
-* rows that see no key write zeros; a row whose scores include a non-finite value writes a non-finite output
-  (as dense attention), and such a row does not decide an early stop for the others.
+Shape (FlashAttention-2 style): one program per (batch, query head, query block), ``q`` on chip; ``_fwd_inner``
+walks the masked tiles, then the unmasked ones (no mask arithmetic), online softmax in base 2 with the scale folded
+into the exponent; a KV head's query heads run together, query blocks last-first; tile offsets load one trip ahead.
 
-Shape of the kernel (a FlashAttention-2 style forward): one program per
-(batch, query head, query block); ``q`` stays on chip; ``_fwd_inner`` walks the tile list twice, masked tiles
-first (scores masked by position), then unmasked ones (no mask arithmetic at all), keeping the online softmax
-in base 2 with the softmax scale folded into the exponent. Programs run the query heads of one KV head and its
-query blocks together (their K/V stays in L2), query blocks last-first (in a causal plan later blocks carry more
-tiles: heavy work first, short tail). Each tile's offset is loaded one trip ahead of its K/V load, so the
-software pipeline keeps num_stages K/V buffers in flight. Measurements behind these choices, and the ablations
-that were removed from this kernel: ``docs/kernels.md``.
+Supported: float16 / bfloat16 (fp32 accumulation), float32 (slow: tests, the interpreter); ``D <= 256``;
+``block_m`` / ``block_n`` powers of two in [16, 256]; GQA (K/V never repeated); ``Nq <= Nk``; ``key_index`` keys
+gathered in the loop or copied once (``key_mode``); TMA loads on Hopper and newer where the strides allow.
 
-Supported configurations
-------------------------
-* dtypes: float16, bfloat16 (fp32 accumulation), and float32 (IEEE dot; slow, for tests and the interpreter);
-  the output has the input dtype.
-* head dims: any ``D <= 256``; powers of two >= 16 run natively, others are padded on chip (masked loads).
-* ``block_m`` / ``block_n``: powers of two in [16, 256]. The kernel's BLOCK_M is ``block_m`` or (without
-  early stop, whose decision is per plan block) ``block_m / 2``; its BLOCK_N is ``block_n`` or a divisor of it
-  (sub-tiles of a plan tile, only without early stop / P.V skip, which decide per plan tile).
-* GQA: ``Hq`` a multiple of ``Hkv``; K/V are never repeated. Tile tables and indices may have Hq or Hkv heads.
-* ``Nq <= Nk`` (queries are the last ``Nq`` positions), any lengths.
-* Keys through ``key_index``: gathered row by row inside the loop (``key_mode="gather"``) or, when the index
-  has Hkv heads, copied once into a permuted contiguous K/V that the loop reads like ordinary keys, with the
-  index read only in masked tiles for positions (``key_mode="copy"``; what "auto" picks then).
-* On Hopper and newer GPUs, K/V tiles of the contiguous paths are loaded through tensor descriptors (TMA) when the
-  layout allows it (16-byte aligned strides); the portable pointer path is used otherwise and by the interpreter.
-
-Which kernel runs where
------------------------
-``block_sparse_attention`` (``backend="auto"``, the default) hands a call to the Gluon FlashAttention-3 style
-kernel of ``kernels/hopper.py`` (TMA, warp specialisation, async wgmma; 1.3-1.7x this kernel's speed on an H100)
-when the inputs are on a GPU of compute capability (9, 0), no ``config=`` is given, the installed Triton has the
-Gluon Hopper API (written against Triton 3.6), and the call is in its subset: bf16/fp16, D 64 or 128,
-``block_m == 128``, ``block_n`` 64 or 128, a ``key_index`` only with Hkv heads
-(read through a permuted copy, or in place with ``key_mode="gather"``), 16-byte aligned strides, no ``window`` /
-``chunk`` (the Gluon kernel's masked tiles know only causal and padding). Everything else,
-the CPU interpreter (``TRITON_INTERPRET=1``) and other GPUs run this Triton kernel. A failure to import or compile
-the Hopper path (``is_compile_failure``) logs one warning and sends such calls here from then on; other errors
-(out of memory included) propagate. ``backend="triton"`` (or the environment
-variable ``SPARSE_COMPILE_ATTENTION_BACKEND=triton``) forces this kernel, ``backend="hopper"`` the other one (ValueError
-naming why when it cannot serve the call). ``last_backend`` / ``BACKEND_CALLS`` record which kernel ran.
-
-The promise that unmasked tiles are fully visible is not checked here (``sparse_compile.plan.check_plan`` does,
-with host syncs); a table that breaks it reads out of range.
+``backend="auto"`` hands calls in the Gluon kernel's subset (``kernels/hopper.py``) to it on sm_90 and runs the rest
+here; a failure to import or compile that path warns once and falls back here. ``backend="triton"`` (or
+``SPARSE_COMPILE_ATTENTION_BACKEND=triton``) forces this kernel, ``backend="hopper"`` the other; ``last_backend`` /
+``BACKEND_CALLS`` record which ran. The full interface, the dispatch rules and the measurements behind the design:
+docs/kernels.md ("Which kernel runs", "The Triton kernel").
 """
 
 from __future__ import annotations
@@ -565,7 +526,7 @@ def _supports_tma(device: torch.device) -> bool:
 
 def pv_skip_is_negligible(pv_skip: float, num_keys: int, dtype: torch.dtype) -> bool:
     """Whether a P.V skip of ``pv_skip`` (lambda < 0, natural log) changes an output of ``dtype`` by less than
-    1/16 of its epsilon, relative to max|v|, over ``num_keys`` keys (module docstring): then it is not run."""
+    1/16 of its epsilon, relative to max|v|, over ``num_keys`` keys (docs/kernels.md): then it is not run."""
     return num_keys * math.exp(pv_skip) <= torch.finfo(dtype).eps / 16
 
 
@@ -746,9 +707,9 @@ def block_sparse_attention(
     unmasked tiles of each list (the first pass computed the masked ones); the visited counts are then this pass's.
 
     ``window`` / ``chunk`` (ints, 0: none): masked tiles also exclude keys outside a sliding window of that many
-    positions or outside the query's chunk (module docstring); the plan must list any tile that holds such a key
-    among its masked tiles (``sparse_compile.plan.local_plan`` / ``restrict_to_local`` build such plans). Served by
-    this Triton kernel only (``backend="hopper"`` refuses them).
+    positions or outside the query's chunk (``sparse_compile/plan.py``); the plan must list any tile that holds such
+    a key among its masked tiles (``sparse_compile.plan.local_plan`` / ``restrict_to_local`` build such plans).
+    Served by this Triton kernel only (``backend="hopper"`` refuses them).
     """
     global last_backend
     _validate(q, k, v, tile_offsets, tile_counts, masked_counts, block_m, block_n, key_index, query_index,

@@ -1,70 +1,25 @@
 """Block-sparse FlashAttention forward for Hopper (sm_90a) in Gluon: TMA, mbarriers, async wgmma.
 
-The same plan contract as the Triton kernel in ``kernels/attention.py`` (``sparse_compile/plan.py`` documents it),
-for a subset of it: query block ``i`` visits ``tile_offsets[b, h, i, t]`` for ``t < tile_counts[b, h, i]``; the first
-``masked_counts[b, h, i]`` tiles are masked (keys after the query's absolute position, and keys ``>= Nk``, are
-excluded), the others are promised fully visible and are not masked; the online softmax runs in base 2 with the
-scale folded into the exponent; rows that see no key write zeros. The output is (B, Hq, Nq, D) in the input
-dtype, stored as (B, Nq, Hq, D) memory (the model's layout) viewed as (B, Hq, Nq, D).
+The plan contract of the Triton kernel in ``kernels/attention.py`` (``sparse_compile/plan.py`` documents it), for a
+subset: masked tiles exclude keys after the query's absolute position and keys ``>= Nk`` (no window / chunk band),
+unmasked ones are not masked; base-2 online softmax, scale folded in; rows that see no key write zeros. The output
+is (B, Hq, Nq, D) in the input dtype, stored as (B, Nq, Hq, D) memory (the model's layout).
 
 Subset served (anything else raises ``NotImplementedError`` naming it, so that a caller can fall back;
-``kernels.attention.block_sparse_attention`` dispatches here automatically on sm_90 GPUs):
-bf16 / fp16; head dim 64 or 128; ``block_m == 128``; ``block_n`` 64 or 128; ``query_index`` (the compute
-warpgroups gather their Q rows with ordinary loads and scatter O from registers: TMA cannot gather rows on Hopper);
-early stop (below); the P.V skip (per row, branch-free, as the Triton kernel:
-after a tile's denominator update, a row whose tile maximum is below its running maximum by more than |lambda|
-zeroes its P for the P.V MMA); ``key_index`` with Hkv
-heads (PBS-style permuted keys: the Triton kernel's "copy" key mode, a permuted contiguous K/V copy that TMA reads
-like ordinary keys, its logical length may exceed Nk; masked tiles load the tile's key positions from the index
-with ordinary loads for the causal / padding mask); any strides whose last dim is contiguous and whose other
-strides are 16-byte aligned (TMA); or, with ``key_gather`` (the default for lists over ``GATHER_LIST_RATIO`` x Nk:
-S2O's ranked prefixes), keys read in place through the index by a 4-warp load partition with cp.async (no copy of
-a list ~N^2/2S rows long; per cycle a gathered tile costs about 9% more than a TMA one, ncu at 64K); GQA (Hq a
-multiple of Hkv), tables with Hq or Hkv heads; ``Nq <= Nk``.
-``return_visited`` gives the tiles each block computed. Two passes over one softmax (S2O's window pass, then its
-resumed walk): ``lse=`` stores each row's log2-sum-exp2, ``resume=True`` starts each row from ``out`` and ``lse``,
-``skip_masked=True`` walks only the unmasked tiles (``kernels.attention.block_sparse_attention`` documents them).
+``kernels.attention.block_sparse_attention`` dispatches here on sm_90 GPUs): bf16 / fp16; head dim 64 or 128;
+``block_m == 128``; ``block_n`` 64 or 128; ``query_index``; early stop; the P.V skip (per row, branch-free);
+``key_index`` with Hkv heads, read through a permuted contiguous K/V copy by TMA or, with ``key_gather`` (the
+default for lists over ``GATHER_LIST_RATIO`` x Nk), in place by a 4-warp cp.async load partition; a contiguous last
+dim, 16-byte aligned strides; GQA; ``Nq <= Nk``; ``return_visited``; S2O's two passes over one softmax (``lse=``,
+``resume=True``, ``skip_masked=True``).
 
-Early stop (the plan's rule: after each unmasked tile, the block stops when no real row of its 128 gained at least
-tau of its denominator; the stopping tile counts). Each compute warpgroup holds 64 of the rows, so the decision is
-a vote: after tile j's softmax a warpgroup writes whether one of its rows gained into a shared-memory slot and
-arrives on that slot's barrier. A warpgroup with a gaining row goes on without waiting (the block goes on whatever
-the other saw); one without waits for the other's vote, so both leave after the same tile and a warpgroup that is
-still gaining never stalls. In the overlapped walk a tile's vote is cast while the next tile's S = Q K^T and
-its own P V run on the tensor cores (a stop drops that S). The producer reads both votes of the tile whose ring
-slot it is about to refill (both warpgroups vote before they release a slot), stops loading when both said stop,
-and the consumers wait for the tiles already in flight before the CTA exits. Votes live in 2 x STAGES slots: a
-warpgroup runs at most STAGES tiles ahead of the other, so a slot is never rewritten before both have read it.
-
-Shape of the kernel (FlashAttention-3 style): one CTA per (batch, query head, 128-row query block), ordered as the
-Triton kernel orders its programs (the query heads of one KV head fastest, query blocks last-first). Q, K, V and O
-move through rank-4 TMA descriptors over the (B, H, N, D) views, so a tile past a head's last row reads zeros and
-a store past it is clipped: no row masks anywhere. K/V tiles go through a ``num_stages``-deep shared-memory ring
-guarded by mbarriers (ready: the TMA landed; empty: both MMAs that read the slot completed). Two warpgroups
-(8 warps) compute, 64 query rows each: S = Q K^T by ``warpgroup_mma`` from shared memory, the softmax in
-registers, O += P V with P from registers (dot-operand layout) and V from shared memory. Without early stop,
-warpgroup 1 issues its first MMAs after warpgroup 0's (``PINGPONG``, ``issue_order``): both wait for the same Q and
-K(0) and would
-otherwise start every block in lockstep, their first softmaxes together with the tensor cores idle.
-
-Persistent CTAs (``PERSISTENT``; ``persistent=``, by default for short lists, ``persistent_by_default``: S2O's window
-pass): one CTA
-per SM takes work items pid, pid + grid, ... in turn. The ring's positions and the barriers' phases run on across
-items; the load partition issues the next block's first K/V tiles as soon as slots free and its Q as soon as both
-compute warpgroups have computed their last S (``q_empty``); O leaves by TMA through the last tile's K buffer (Q's
-buffer already holds the next rows), which is released once the store has read it. No CTA launch, Q wait or first
-tile latency between blocks (docs/kernels.md).
-
-One shape (FA3's): warp-specialised (``gl.warp_specialize``), a load partition (1 warp, 24 registers; 4 warps
-when it gathers keys) issues every load and waits on the ring's empty barriers; two 4-warp compute partitions of
-64 query rows each, scheduled independently (a ring slot is free once both have arrived on its empty barrier),
-each with FA3's intra-warpgroup overlap: S(t+1) = Q K(t+1)^T and O += P(t) V(t) are issued back to back, and the
-softmax of tile t+1 runs while P(t) V(t) is in flight. With 3 stages it ran at 1.08-1.18x cuDNN's speed at rho=1,
-16K-64K, D=128 (H100), the fastest of the shapes measured (one compute partition of 8 warps, no load partition,
-no overlap: each slower); with 2 stages the overlapped steps wait on the slot they have not yet released.
-
-Masked tiles (listed first; usually only the diagonal) go through the same overlapped step as the others (S2O's
-intra-segment squares are a fifth of its tiles).
+Shape (FlashAttention-3's): one CTA per (batch, query head, 128-row query block), ordered as the Triton kernel's
+programs; rank-4 TMA descriptors (no row masks); a ``num_stages``-deep K/V ring guarded by ready / empty mbarriers;
+warp-specialised: a load partition (1 warp; 4 when it gathers) and two 4-warp compute warpgroups of 64 rows, each
+issuing S(t+1) = Q K^T with O += P(t) V(t). Early stop is a vote of the two warpgroups after each tile (both leave
+after the same one); ``PINGPONG`` staggers their start; ``PERSISTENT`` CTAs (short lists: S2O's window pass) take
+blocks in turn. The mechanics (vote slots, ring phases across blocks) and what each choice measured: docs/kernels.md
+("The Hopper kernel").
 
 Written against the Gluon API of Triton 3.6 (``triton.experimental.gluon``); other versions may differ in it (the
 module imports without Gluon and the wrapper then raises NotImplementedError).

@@ -11,22 +11,15 @@ The mask forms of the op (``attend_site``): ``is_causal=True`` (SDPA's top-left 
 (queries at the last positions, optional key padding: ``attend_causal``), or a mask checked here at run time.
 A padded batch runs as groups of rows with the same valid keys (``attend_padded``, ``padding.py``).
 
-A sliding window or chunked local attention on top of causal (``local.Local``, from the site's proof, a mask
-checked at run time or ``sparse_attention(window=, chunk=)``): where it binds nowhere (``Local.binds``) the call is
-plain causal. Where it binds, the rules run without the length rule (any that fails: dense SDPA with the band as
-an explicit mask, the only place that mask is built), then
-
-* a short band (chunks, a window below ``min_seq_len``, or a call shorter than ``min_seq_len``) runs the exact
-  band plan (``plan.local_plan``: every tile that meets the band, nothing else) on the kernels, recorded as sparse
-  ("exact band: ..."), its density the share of the causal tiles it computes;
-* a long one (a window of at least ``min_seq_len`` on a call of at least that length) runs the method's plan cut to
-  the band (``plan.restrict_to_local``): its own choices inside the band. Break-even is not consulted (its
-  tables weigh a plan against dense causal attention, not against the band); where the method declines, the exact
-  band plan runs.
-
-Padded rows: each group of rows runs with its positions counted from its first valid key; a row whose valid keys
-have holes cannot be re-indexed for a window or chunks, so where the band binds it runs dense with the mask in its
-raw positions.
+A sliding window or chunked local attention on top of causal (``local.Local``, from the site's proof, a mask checked
+at run time or ``sparse_attention(window=, chunk=)``): where it binds nowhere (``Local.binds``) the call is plain
+causal. Where it binds, the rules run without the length rule (one that fails: dense SDPA with the band as an
+explicit mask, the only place that mask is built); then a short band (chunks, a window below ``min_seq_len``, or a
+call shorter than that) runs the exact band plan (``plan.local_plan``) on the kernels, recorded sparse ("exact
+band: ..."), and a long one runs the method's plan cut to the band (``plan.restrict_to_local``), or the exact band
+plan where the method declines. Break-even is not consulted for banded calls. A padded row whose valid keys have
+holes runs dense with the mask in its raw positions where the band binds. The full decision: docs/design.md
+("Sliding windows and chunked local attention").
 """
 
 from __future__ import annotations

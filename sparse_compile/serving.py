@@ -1,12 +1,9 @@
 """Serving through transformers' kernels route: the attention implementation ``"sparse-compile/flash-sparse-prefill"``.
 
-transformers' continuous batching (``generate_batch``, ``init_continuous_batching``, ``transformers serve
---continuous-batching``) takes ``"sdpa"``, ``"paged|eager"`` or a flash implementation, and a flash implementation
-named like a Hub kernel (``org/name``) is loaded by the ``kernels`` package (``pip install sparse_compile[serving]``).
-The package ships such a kernel repository (``sparse_compile/hub_kernel``: pure-Python builds ``torch-cpu``,
-``torch-cuda`` and ``torch-universal`` for other backends and older ``kernels``, one module) whose module exposes
-this module's ``flash_attn_varlen_func`` and ``flash_attn_func`` in FlashAttention's convention; ``kernels`` loads it
-from the local path given by its ``LOCAL_KERNELS`` variable (``repo_id=path``), so nothing is downloaded:
+transformers' continuous batching takes a flash implementation named like a Hub kernel (``org/name``), loaded by the
+``kernels`` package (``pip install sparse_compile[serving]``) from the local path in its ``LOCAL_KERNELS`` variable
+(``repo_id=path``), so nothing is downloaded. The package ships that kernel repository (``sparse_compile/hub_kernel``)
+whose module exposes this module's ``flash_attn_varlen_func`` and ``flash_attn_func`` (FlashAttention's convention):
 
     sparse_compile.serving_attention(model, SparseConfig(method="pbs"))   # returns KERNEL_NAME
     model.generate_batch(prompts, generation_config=...)                   # long prompts sparse, decode dense
@@ -15,29 +12,15 @@ from the local path given by its ``LOCAL_KERNELS`` variable (``repo_id=path``), 
     export SPARSE_COMPILE_CONFIG='{"method": "pbs"}'                      # SparseConfig(...).to_json()
     transformers serve --continuous-batching --attn-implementation sparse-compile/flash-sparse-prefill MODEL
 
-Which transformers load it: those whose ``kernels`` version range holds the installed ``kernels`` (transformers 5.23
-and 5.24 want ``kernels >= 0.18.2, < 0.19``; 5.20.2 and 5.22.2 ``>= 0.17.2, < 0.18``); ``serving_attention`` names the
-range where it does not.
-
-On CUDA, continuous batching captures CUDA graphs for flash implementations unless told not to; this kernel reads
-the sequence lengths on the host and decides each sequence on its own, so pass
-``ContinuousBatchingConfig(use_cuda_graph=False)`` (``transformers serve --no-cb-use-cuda-graph``): a capture raises
-an error that says so. The decode fast path (``flash_attn_with_kvcache``, block tables) is not offered: decode tokens
-come through the varlen call, over the keys continuous batching reads from its cache.
-
 Every causal call without soft-capping, ALiBi, attention sinks, dropout or a window that binds runs as
 ``sparse_compile.varlen_attention`` runs it: each packed sequence a call of its own, decided by the package's rules
-and recorded in ``runtime_stats()``, long prompts by the method, short ones and decode tokens dense with their reasons;
-at the calling layer's site (its module path, as the front door names it, so ``skip_layers`` and per-site parameters
-apply), or ``"varlen_attention"`` where no layer is known. Anything else runs an exact dense reference per sequence,
-recorded dense with the reason (said once per reason as a ``UserWarning``): never a different result.
-
-The configuration: a model switched by ``serving_attention(model, config)`` holds ``config`` (as
-``enable_transformers_attention``'s models do) and its attention layers call ``attention_forward``, which gives it and
-the layer's site to the kernel for that call, in whatever thread continuous batching runs them. A kernel call from
-elsewhere (a model loaded with ``attn_implementation=KERNEL_NAME`` by a server, which calls transformers' own flash
-wrapper) uses the JSON configuration in ``SPARSE_COMPILE_CONFIG`` if set (``SparseConfig.to_json()``), else the front
-door's default (``enable_transformers_attention(None, config)``), at site ``"varlen_attention"``.
+and recorded in ``runtime_stats()``, at the calling layer's site (``"varlen_attention"`` where no layer is known).
+Anything else runs an exact dense reference per sequence, recorded dense with the reason: never a different result.
+The configuration: the one ``serving_attention(model, config)`` gave the model (its layers call ``attention_forward``,
+which hands it and the site to the kernel, in any thread), else ``SPARSE_COMPILE_CONFIG``, else the front door's
+default. On CUDA pass ``ContinuousBatchingConfig(use_cuda_graph=False)``: this kernel reads sequence lengths on the
+host (a capture raises an error that says so). Which transformers and ``kernels`` releases load it, the decode path
+and the rest: docs/design.md ("Serving", "The kernels route in detail").
 """
 
 from __future__ import annotations

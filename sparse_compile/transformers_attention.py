@@ -6,33 +6,23 @@
 
 ``register()`` adds two functions under that name through transformers' public registration functions
 (``AttentionInterface.register``, ``AttentionMaskInterface.register``). It runs at ``import sparse_compile`` when
-transformers is already imported, at ``enable_transformers_attention()`` (which imports transformers) and when the
-backend compiles a graph; importing ``sparse_compile`` never imports transformers, and nothing watches imports:
-import transformers first, or call ``enable_transformers_attention()``, before
-``from_pretrained(..., attn_implementation="sparse_prefill")``.
+transformers is already imported, at ``enable_transformers_attention()`` and when the backend compiles a graph;
+importing ``sparse_compile`` never imports transformers and nothing watches imports: import transformers first, or
+call ``enable_transformers_attention()``, before ``from_pretrained(..., attn_implementation="sparse_prefill")``.
 
-* a mask function (``AttentionMaskInterface``). For the plain causal mask, transformers' sliding-window causal
-  mask (``sliding_window_causal_mask_function``) and its chunked causal mask (``chunked_causal_mask_function``,
-  Llama-4's ``attention_chunk_size``: no chunk size reaches the attention function, only the mask function), it
-  builds no ``q_len x kv_len`` mask: it returns ``None`` (a causal prefill, no padding) or the 2-D key-padding mask
-  over the keys the queries can see (the queries are the last positions of those keys), noted with the window or
-  chunk size (``local.Local``; what the factory computes is read by evaluating it: a window of W keeps the W keys
-  up to the query, ``kv_idx > q_idx - W``). Chunks must start at each row's first valid key (transformers counts
-  them from the row's left padding); where a cache offset puts them elsewhere, and for every other pattern
-  (bidirectional attention, packed sequences, image-token overlays) it gets transformers' own 4-D SDPA mask and a
-  note saying why it runs dense.
-* an attention function (``AttentionInterface``). Causal calls go through the same run-time decision as the
-  compiled op (``pipeline.attend`` / ``pipeline.attend_causal``): the same rules, ``min_seq_len``, break-even, padded
-  batches, ``sparsity(...)`` regions and ``runtime_stats()`` records; decode steps run dense. Calls it cannot prove
-  causal, or that need what the sparse path lacks (dropout, soft-capping, attention sinks, a position bias), run
-  transformers' SDPA function (the model's eager function where SDPA cannot serve them) with the mask they stand
-  for (a window included) and are recorded dense, with the reason. A window or chunks run through
-  ``attend_causal(..., local=...)``.
+* The mask function: for the plain causal, sliding-window and chunked causal masks it builds no ``q_len x kv_len``
+  mask but returns ``None`` (a causal prefill, no padding) or the 2-D key-padding mask over the keys the queries see,
+  noted with the window or chunk size (``local.Local``); every other pattern gets transformers' own 4-D SDPA mask
+  and a note saying why it runs dense.
+* The attention function: causal calls go through the compiled op's run-time decision (``pipeline.attend`` /
+  ``pipeline.attend_causal``, a window or chunks through ``local=``); decode steps run dense; calls it cannot prove
+  causal or that need what the sparse path lacks run transformers' SDPA function (the eager one where SDPA cannot
+  serve them) with the mask they stand for, recorded dense with the reason.
 
-A 2-D mask means "causal + padding" only when this module built it: each mask it returns is noted (by identity,
-weakly), so a mask from anywhere else is never mistaken for one. Traced by ``torch.compile`` both are transformers'
-SDPA functions: with ``backend="sparse_prefill"`` the compiled graph runs sparse with the compile's options (one
-configuration in force); any other backend compiles plain SDPA.
+A 2-D mask means "causal + padding" only when this module built it (each is noted by identity, weakly). Traced by
+``torch.compile`` both are transformers' SDPA functions: ``backend="sparse_prefill"`` runs the graph sparse with the
+compile's options, any other backend compiles plain SDPA. Which mask factories are read and how, the chunk and
+padding limits and the full routing: docs/design.md ("The transformers front door").
 """
 
 from __future__ import annotations

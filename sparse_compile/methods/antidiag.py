@@ -1,63 +1,27 @@
-"""Antidiagonal mass selection (XAttention-style scoring, our fixed share per block): tiles ranked by a softmax over
-key groups, each (row group, key group) rectangle of QK^T scored by the sum of its antidiagonal(s), one matmul.
+"""Antidiagonal mass selection (XAttention-style scoring, ``sampled``'s fixed share per block): select ``antidiag``.
 
-Why: a retrieval lookup is one query row reading one key, and a copy continues as a slash line (row i+1 reads key
-j+1); other heads read vertical lines (one key for many rows). Mean pooling (PBS, SpargeAttn, S2O) averages the one
-row and the one key 128-fold. An antidiagonal of an S x S square meets every row and every key of the square once,
-so it crosses every vertical line and every slash line at least S long (of one parity; see ``antidiagonals``), and
-a strong entry there adds its whole logit to the square's score. That is XAttention's scoring (Xu et al., 2025);
-the selection is ``sampled``'s fixed share per query block, which kept retrieval where cumulative-mass thresholds
-did not. Generalised here to R x S rectangles (R = ``row_stride`` rows, S = ``score_stride`` keys, R <= S): the
-matmul's cost is set by S alone, while R sets what the score can see: a single entry (a lookup) is on the
-antidiagonal with probability 1/R, a slash line is met once it spans R rows. R = S is XAttention's square, R = 1
-scores every query row against the sum of each group's keys.
+Tiles are ranked by a softmax over key groups in which each (row group, key group) rectangle of QK^T, R =
+``row_stride`` rows by S = ``score_stride`` keys (R <= S), is scored by the sum of its antidiagonal(s), one plain
+matmul. An antidiagonal meets every row and every key of its rectangle once, so a lookup (one row, one key) or a
+slash line is not averaged away as by mean pooling. R = S is XAttention's square (Xu et al., 2025); R = 1 scores
+every row against each group's summed keys. Per query head (queries are the last Nq of Nk positions):
 
-Per query head (queries are the last Nq of Nk positions):
+1. Reduced rows: R rows concatenated, (Nq/R, R*D); reduced keys: for each slot t < R the sum of group c's keys j with
+   (j + t) mod R = R-1 (``slot_mask``; ``antidiagonals=2`` also R-2), (Nk/S, R*D). Their product a_gc is the
+   rectangle's antidiagonal sum, so scoring is one matmul with inner dim R*D. Ragged ends are zero-padded.
+2. z_gc = a_gc * scale * ``temperature_factor`` (None: 1/S, XAttention's mean of the logits; 1: their sum); key
+   group c is visible to reduced row g when all its keys are visible to the group's first row.
+3. p_gc = softmax of z_g over the visible key groups (float32, in chunks of whole query blocks).
+4. m_ij = sum of p_gc over query block i's reduced rows and key tile j's groups; the score is log(m_ij + TINY).
+5. Keep the forced tiles (diagonal; the sink tile 0 with ``keep_first_block``) and the block's ceil(budget x
+   visible tiles) (at least one) other tiles of highest m_ij, as ``sampled``; budget >= 1 keeps every tile.
 
-1. Reduced row g = rows gR..gR+R-1 concatenated, (Nq/R, R*D); reduced key c = for each slot t < R, the sum of the
-   keys j of group c (keys cS..cS+S-1) with (j + t) mod R = R-1 (``slot_mask``; with ``antidiagonals=2`` also
-   R-2), (Nk/S, R*D). Their dot product a_gc is the sum of the rectangle's antidiagonal entries of QK^T, so scoring
-   is ONE plain matmul with inner dim R*D: 1/S of QK^T's flops, on the tensor cores. Ragged ends are zero-padded.
-   The second antidiagonal: a slash line r - j = d meets (j + t) mod R = R-1 only for one parity of d when R is
-   even; the adjacent antidiagonal meets the others, at no extra matmul (the keys are added before it).
-2. z_gc = a_gc * scale * ``temperature_factor`` (None: 1/S, XAttention's mean of the logits; 1: their sum);
-   key group c is visible to reduced row g when all its keys are visible to the group's first row (the partly
-   visible groups lie in the forced diagonal tiles).
-3. p_gc = softmax over the visible key groups of z_g (float32; chunks of whole query blocks, never the whole table;
-   each chunk scores only the key groups it sees).
-4. m_ij = sum of p_gc over the reduced rows of query block i (B = ``block_size`` rows) and the key groups of key
-   tile j; the score is log(m_ij + TINY).
-5. Keep the forced tiles (diagonal, and the sink tile 0 if ``keep_first_block``) and the block's ceil(budget x
-   visible tiles) (at least one) other tiles of highest m_ij, as ``sampled`` does; budget >= 1 keeps every tile.
-
-Cost: the matmul is 2 (N/R)(N/S)(R D) H = 2 N^2 D H / S flops before causality and about half with it (each chunk
-of rows scores only the key groups it sees): 1/S of dense QK^T, no P.V, so 1/(2S) of dense attention's flops; exp
-runs on (N/R)(N/S)/2 elements per head, 1/(R S) of dense attention's. At the defaults (S = 8, R = 2) both are 1/16
-(6%) of dense attention's work; ``sampled`` does 1/8 of QK^T and 1/8 of the exps (one pass over every 8th row,
-after a few tiles for each row's normaliser).
-XAttention's S = R = 16 would be 3% and 0.4%. Half-precision inputs are scored in their own dtype (tensor cores,
-float32 accumulation) after folding the scale into q; the softmax and the masses run in float32. In PyTorch the
-softmax over the reduced table is a few passes of memory traffic over (N/R)(N/S)/2 floats per head; a fused kernel
-(matmul, online softmax, per-tile sums) would remove it.
-
-Measured (CPU, ``benchmarks/bench_selectors.py``: the retrieval model at 8K, 11 prompts (the seven held-out families,
-the four trained tasks), 18 values, dense 12; budget 0.1, density 0.17): values retrieved relative to dense, and in
-brackets the share of value-predicting rows whose reading head's plan lists the needle byte it reads (from the dense
-run's q, k). ``sampled`` 1.00 (0.99). S = 4: R = 1 1.00 (0.97), R = 2 1.00 (0.95). S = 8: R = 1 0.92 (0.91),
-R = 2 0.92 (0.91). S = 16: R = 1 0.58 (0.67), R = 2 0.75 (0.72); XAttention's square (R = 16, two antidiagonals)
-0.33 (0.39) with temperature 1, 0.25 (0.42) with 1/S. S = 32: 0.17-0.25 (0.31-0.34). PBS's selector without its
-permutation at the same density 0.42 (0.82), SpargeAttn's 0.25 (0.71). Why: summing the logits of S keys drowns a
-single key on this model once S reaches 16, and its copies (a value's bytes) are shorter than 16 rows, so a square's
-antidiagonal often misses them. Temperature 1 (the sum of the logits) beat 1/S (XAttention's mean) in 7 of 10 pairs
-of the plan-only measure (one tie). The defaults (S = 8, R = 2, one antidiagonal, temperature 1) are the cheapest
-setting that kept >= 90%.
-
-GQA: per query head (each query head scores against its KV head's reduced keys, never repeated).
-
-Non-finite inputs (kept confined as in dense attention): a block whose reduced rows score a visible key group NaN
-or +inf keeps every visible tile (its scores are NaN, and NaN scores are kept). So a NaN key reaches every block
-that sees its group fully (the others see it only in their forced diagonal tiles), and a NaN query row makes its
-block keep everything. A -inf score weighs nothing, as in dense attention.
+Half-precision inputs are scored in their own dtype (float32 accumulation, the scale folded into q); the softmax and
+masses run in float32. GQA: each query head scores against its KV head's reduced keys (never repeated). Non-finite
+inputs: a block whose reduced rows score a visible key group NaN or +inf keeps every visible tile (a NaN key reaches
+every block that sees its group fully, a NaN query row keeps its block whole); a -inf score weighs nothing. Why
+antidiagonals, the parity of slash lines, the cost (1/(2S) of dense attention's flops) and the retrieval measured
+per S and R: docs/methods.md ("`antidiag` step by step").
 """
 
 from __future__ import annotations
@@ -100,7 +64,7 @@ class AntidiagParams(MethodParams):
     scores every row. ``temperature_factor`` multiplies the reduced logits (None: 1/``score_stride``);
     ``antidiagonals=2`` adds the adjacent antidiagonal (slash lines of both parities); ``local_tiles`` and
     ``exact_tail_blocks`` as ``sampled``'s (``methods.tiles.StridedRowParams``). The defaults are the best
-    measured trade (module docstring): half ``sampled``'s matmul, a quarter of its exponentials, less retrieval.
+    measured trade (docs/methods.md): half ``sampled``'s matmul, a quarter of its exponentials, less retrieval.
     """
 
     block_size: int = 128

@@ -1,45 +1,27 @@
 """BFLA (Wu et al. 2026), select stage ``bfla``: block-filtered selection (Wu et al. 2026, Sec. 3.2-3.3).
 
-Stage 1, coarse blocks of b tokens (logical order), groups of g tokens, G = b/g groups per block:
+Stage 1, coarse blocks of b tokens (logical order) in groups of g tokens: flatten-g pooling (a group of g rows is one
+g*D vector, Eq. 3; a ragged group zero-padded, an empty one ignored); S[p, i, j] = max over group pairs of the pooled
+product (Eq. 4; query head p of KV head h); a block-causal mask from original positions (Eq. 5-8; chunked prefill
+through the offset Nk - Nq); A = softmax(alpha * S) over visible blocks (Eq. 9, alpha = ``score_scale``); keep the
+fewest top-A blocks with cumulative mass >= gamma (Eq. 10-12, ``top_mass``; gamma >= 1 keeps all). GQA: the mass
+mask is OR-ed over a KV head's query heads (the paper's final tile mask is indexed by KV head): one tile list each.
 
-1. Flatten-g pooling: each group of g rows becomes one g*D vector (Eq. 3); a ragged group is zero-padded and a
-   group with no real token is ignored.
-2. S[p, i, j] = max over group pairs (u, v) of <Phi(Q)_{p,i,u}, Phi(K)_{h,j,v}> (Eq. 4), query head p of KV head h.
-3. Block-causal mask from original positions (Eq. 5-8: key block j visible iff its first key <= the block's last
-   query position; chunked prefill supported through the absolute offset Nk - Nq).
-4. A = softmax(alpha * S) over visible blocks (Eq. 9; alpha = ``score_scale``). Default (not the paper's):
-   alpha = scale / g, i.e. 1/(g*sqrt(C)) at the usual scale, so that a block logit is the mean aligned token
-   logit of its best group pair (``block_softmax_scale``). The paper writes alpha = 1/sqrt(C); with it a flatten-g
-   score (a sum of g token products) gives a nearly one-hot block softmax, whose top block on real models is the
-   query block's own diagonal block (already in the local band), so gamma does nothing and the selection is just
-   band + sink + stride rescue (``docs/methods.md``). ``score_scale=1/math.sqrt(C)``
-   (the attention's scale) restores the paper's alpha.
-5. Keep the fewest top-A blocks with cumulative mass >= gamma (Eq. 10-12; ``top_mass``); gamma >= 1 keeps all.
-6. GQA: the mass mask is computed per query head and OR-ed over the group: the paper's final tile mask (Eq. 14,
-   20, 21) is indexed by KV head, so a group's heads share one tile list (and their K/V tile loads).
+Stage 2, on the (tile_size_q x tile_size_kv) tile grid (Eq. 13-20): each tile takes its coarse block's mask; the local
+band (Eq. 15; the paper's index range is garbled: the query tile's own diagonal tiles plus ``n_local`` before them);
+the sink, the first ``sink_tiles`` key tiles (Eq. 16); stride rescue (Eq. 18: ``hash32``(seed, i, j) mod eta == 0,
+head-independent; eta = 0 disables it); random rescue (Eq. 19: hash32(seed ^ 0x5851F42D, h, i, j) < floor(rho *
+2^32), h the KV head). Only causally visible tiles are kept; under a PBS permutation band and sink use logical tiles.
 
-Stage 2, on the (tile_size_q x tile_size_kv) attention-tile grid (Eq. 13-20):
+Departure: alpha defaults to scale / g (``block_softmax_scale``: a block logit is the mean aligned token logit of
+its best group pair), not the paper's 1/sqrt(C), with which the block softmax is nearly one-hot on the query block's
+own diagonal block; ``score_scale=1/math.sqrt(C)`` restores the paper's alpha. Memory: group scores per chunk of
+coarse query blocks (at most ``CHUNK_ELEMENTS`` elements); the kept tables are (N/b)^2 and (N/tile)^2.
 
-7. Expansion: tile (i, j) takes the mask of the coarse block containing it.
-8. Local band (Eq. 15): key tiles from (the tile holding the query tile's first position) - n_local to the tile
-   holding its last position. Interpretation: the paper's index range is garbled; we keep the query tile's own
-   diagonal tiles plus n_local tiles before them, so every row sees its own key even with n_local = 0.
-9. Sink (Eq. 16, written ``j < T``): the first ``sink_tiles`` key tiles.
-10. Stride rescue (Eq. 18): a causal tile still dropped is kept when chi(i, j; seed) mod eta == 0, chi = ``hash32``
-    (lowbias32 chain of seed, i, j; head-independent as written in the paper); eta = 0 disables it.
-11. Random rescue (Eq. 19): a still-dropped causal tile is kept when psi(h, i, j; seed) < rho, psi =
-    hash32(seed ^ 0x5851F42D, h, i, j) / 2^32 (h = KV head), compared exactly as hash < floor(rho * 2^32).
-Only causally visible tiles are ever kept. Under a PBS permutation, band and sink use logical tile positions.
-
-Memory: group scores are computed for chunks of coarse query blocks (at most ``CHUNK_ELEMENTS`` elements each);
-the kept tables are (N/b)^2 and (N/tile)^2.
-
-Non-finite inputs (not in the paper; kept confined as in dense attention): a block score that is not finite (a
-group holding a non-finite query or key) keeps its coarse block and leaves the softmax (``mass_keep``): a NaN
-query row makes its coarse query block keep every visible coarse block, a NaN key is computed by every block
-that sees it. Because the tile mask is shared by the GQA group, a NaN query row changes the tiles of every query
-head of its KV group inside its coarse query block (their rows stay finite; rows outside the coarse block are
-unchanged). A NaN in V is read only where its tile is selected (no selector reads V).
+Non-finite inputs (not in the paper; kept confined as in dense attention): a non-finite block score keeps its coarse
+block and leaves the softmax (``mass_keep``). Through the shared GQA tile mask a NaN query row changes the tiles of
+every query head of its KV group inside its coarse query block (rows stay finite). No selector reads V. The steps in
+full and why alpha departs: docs/methods.md ("`bfla` step by step").
 """
 
 from __future__ import annotations

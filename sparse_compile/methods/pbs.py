@@ -7,27 +7,22 @@ Per query head h, query block i (block size B both ways, logical order):
 
 1. Q_bar_i = mean of the block's query rows, K_bar_j = mean of logical key tile j (ragged blocks: mean over the
    rows they have).
-2. Candidates: tiles visible to the block (causal, from original positions). With a PBS key permutation the
-   query block's own (on-diagonal) segment is masked out of the pooled softmax, as App. B.1 says ("this mask also
-   includes the on-diagonal segments"): it is always computed. Without a
-   permutation (the MeanPooling baseline) C is only the causal mask, so the diagonal tiles stay candidates.
+2. Candidates: tiles visible to the block (causal, from original positions). With a PBS key permutation the query
+   block's own (on-diagonal) segment is masked out of the pooled softmax (App. B.1): it is always computed. Without
+   a permutation (the MeanPooling baseline) only the causal mask applies: the diagonal tiles stay candidates.
 3. a = softmax over candidates of Q_bar_i . K_bar_j * scale (scale = the attention's, 1/sqrt(d) by default).
-4. Keep the fewest top-a candidates whose mass reaches tau (Alg. 2 lines 11-15; see ``top_mass``). tau >= 1 keeps
+4. Keep the fewest top-a candidates whose mass reaches tau (Alg. 2 lines 11-15; ``top_mass``); tau >= 1 keeps
    every visible tile.
-5. Always keep the on-diagonal tiles (segment, or the partially visible "most recent" tiles without a
-   permutation, as the paper's baseline does) and, if ``keep_first_block``, the tile holding original key 0.
+5. Always keep the on-diagonal tiles (segment, or the partially visible "most recent" tiles without a permutation,
+   as the paper's baseline does) and, if ``keep_first_block``, the tile holding original key 0.
 
-GQA: selection per query head (pooled queries are per head; pooled keys per KV head are shared, not repeated),
-as in the paper, which selects per head; the kernel runs one program per query head anyway.
-With reorder ``none`` this is the paper's MeanPooling baseline (first and most recent key blocks forced).
+GQA: selection per query head, as in the paper (pooled keys per KV head are shared, not repeated). With reorder
+``none`` this is the paper's MeanPooling baseline (first and most recent key blocks forced).
 
-Non-finite inputs (not in the paper; kept confined as in dense attention): a query block or key tile whose pooled
-mean is not finite gives non-finite scores, and such a tile is kept and leaves the softmax (``mass_keep``), so a
-NaN query row makes its block keep every visible tile and a NaN key is computed by every block that sees it. The
-importance ignores non-finite scores (such a key gets no mass from that row, such a row gives none). What stays
-inexact: a NaN query row in the LAST query block changes the importance of its KV head (one row fewer), hence
-possibly its key order, so every block of the GQA group's heads may select differently (rows stay finite); and a
-NaN in V is read only where its tile is selected (no selector reads V).
+Non-finite inputs (not in the paper; kept confined as in dense attention): a non-finite pooled mean keeps its tile
+and leaves the softmax (``mass_keep``); the importance ignores non-finite scores. A NaN query row in the last query
+block can change its KV head's key order, hence every block of the group's selection (rows stay finite). The full
+text and the measurements: docs/methods.md ("`pbs` step by step", "PBS-Attn").
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """Sampled-row peak selection (built here): tiles ranked by the best exact score of a sample of query rows,
-measured against what those rows already read in the tiles every plan keeps. One pass over the keys, no exp.
-
-Why: ``sampled`` keeps retrieval because it scores sampled rows exactly (a lookup is one row and one key, and
-pooling dilutes both), but its exps cost (a pass with exp over every k-th row: about 1/k of dense attention's QK^T
-and exp, after each row's normaliser is estimated). Ranking the
-same rows' tiles by their largest score instead of their softmax mass lists the same lookups (the sampled-row
-rankings by mass and by max agree at every sample rate, ``benchmarks/bench_selectors.py --plan-only``,
-docs/methods.md), and a max needs neither exp nor the row's final normaliser when it is measured against a level
-known before the pass: the row's best score in the tiles the plan keeps anyway.
+measured against what those rows already read in the tiles every plan keeps. One pass over the keys, no exp: a
+row's largest score lists the same lookups as its softmax mass (``sampled``'s ranking), and measured against a
+level known before the pass it needs neither exp nor the row's final normaliser.
 
 Per query head h and query block i of B rows (keys in order; queries are the last Nq of Nk positions):
 
@@ -20,22 +14,15 @@ Per query head h and query block i of B rows (keys in order; queries are the las
 4. The forced tiles (the diagonal tiles; tile 0 if ``keep_first_block``) and the block's ceil(budget x visible
    tiles) (at least one) other tiles of highest s_ij (ties: lower tile first), as ``sampled``.
 
-Cost on the GPU (``kernels.peak``): one pass of QK^T over 1/k of the rows with a row max per tile (no exp), plus
-the diagonal tiles once more for the levels; all of a KV head's query heads share each key tile load. The ranking
-and the plan rows come from one fused top-share kernel (``kernels.budget``). Where the GPU multiplies FP8
-(``scores_in_fp8``), QK^T runs in e4m3: keys rounded with one scale per (batch, KV head), each sampled row with its
-own (``kernels.fp8``); 35% less selection time at 128K on an H100, the same retrieval (docs/methods.md).
+GPU (``kernels.peak``): one QK^T pass over 1/k of the rows with a row max per tile, the diagonal tiles once more for
+the levels, a KV head's query heads sharing each key tile load; ranking and plan rows by ``kernels.budget``. With
+``scores_in_fp8`` QK^T runs in e4m3 (``kernels.fp8``: keys one scale per (batch, KV head), rows their own).
 
-Non-finite inputs (rows as in dense attention; ``sampled``'s rule and its reasons): a key tile holding a NaN or
-infinite key element has a NaN score (kept) in every block that sees it, and a block with a NaN or infinite query
-element in any of its rows, sampled or not, keeps every visible tile (``scoring.keep_nonfinite``): a row scores a
-key with an infinite element +inf or -inf by the sign of its own element, so sampled rows that score it -inf could
-not speak for the others. Also a block whose sampled rows score any key they see as NaN or +inf, or whose level is
-not finite, keeps every visible tile (its scores are NaN). A -inf score weighs nothing (in FP8 any non-finite
-element becomes NaN: its blocks keep every visible tile). As in ``sampled``, a non-finite element of V reaches only
-the rows whose blocks compute its tile (every row from it on in dense attention): values are never read to plan.
-
-GQA: per query head (the keys of its KV head).
+Non-finite inputs (``sampled``'s rule): a key tile with a NaN or infinite key element has a NaN score (kept) in every
+block that sees it; a block with a NaN or infinite query element in any row, a sampled row scoring a seen key NaN or
++inf, or a non-finite level, keeps every visible tile (``scoring.keep_nonfinite``); a -inf score weighs nothing. V
+is never read to plan. GQA: per query head. Why, the reasons for the rule and the measurements: docs/methods.md
+("`peak` step by step", "Peak").
 """
 
 from __future__ import annotations

@@ -10,24 +10,18 @@ one segment n because S is a multiple of the block):
   mask (and the -1 padding of a ragged last segment) and early stopping never applies to them.
 * Pass 2, coordinate-scheduled prefix: every tile of segment n's ranked causal prefix [0, nS), in ranked order
   (best first). All of them are fully visible (every key < nS <= every query position of the segment).
-* Early stop: ``plan.early_stop = tau``. The paper stops when the gain Delta-l of a tile is below tau * l and
-  discards that tile; plan.py fixes the block-level form: stop when g_r < tau * l_r for ALL rows of the query
-  block, keeping the tile that triggered it (already computed). tau = 0 never stops: exact dense attention.
+* Early stop: ``plan.early_stop = tau``, in plan.py's block-level form: stop when g_r < tau * l_r for ALL rows of
+  the query block, keeping the tile that triggered it (the paper discards it). tau = 0 never stops: exact dense.
 
-The local dense window W <= S of Alg. 3/4 is taken as W = S: Alg. 4 lists no step for a separate window, and the
-ablation (Table 3) describes the window as the intra-segment pass that avoids special-casing masked positions;
-``S2OParams`` has no window parameter.
+The local dense window W <= S of Alg. 3/4 is taken as W = S (``S2OParams`` has no window parameter). Selection is
+thus nothing up front: every causal tile is listed and the kernel decides online how far down the ranked list to
+go. Tile tables are per query head (query sorting is per head), (B, Hq, N/bm, <= N/bn + S/bn).
 
-Selection is thus nothing up front: every causal tile is listed; the kernel decides online how far down the
-ranked list to go. Tile tables are per query head (query sorting is per head), (B, Hq, N/bm, <= N/bn + S/bn).
-
-Non-finite inputs (not in the paper; kept confined as in dense attention): the guide key and the segment query
-means leave non-finite rows out, and a non-finite ranking score ranks first (as +inf, ties by position). So a
-key whose scores are not finite is visited before any early stop can pass it (its NaN reaches every row that
-sees it, as in dense attention), and a NaN query row does not scramble the rankings. What stays inexact: a NaN
-query row moves within its segment's query order and its segment's query mean loses that row, so the rows of its
-segment (in every query head of its GQA group) may stop at other tiles than without it; they stay finite, and
-other segments are unchanged. A NaN in V is read only where its tile is visited (no ranking reads V).
+Non-finite inputs (not in the paper; kept confined as in dense attention): the guide key and the segment query means
+leave non-finite rows out and a non-finite ranking score ranks first (as +inf, ties by position), so a key whose
+scores are not finite is visited before any early stop can pass it, and a NaN query row does not scramble the
+rankings (its own segment's rows may stop at other tiles; they stay finite). V is never read to rank. Why W = S,
+and the rules in full: docs/methods.md ("`s2o` step by step").
 """
 
 from __future__ import annotations

@@ -1,73 +1,28 @@
 """Sampled-row mass selection (built here, not from one of the four papers): tiles ranked by the exact attention
-mass of every k-th query row of the block.
-
-Why: a retrieval lookup is one query row attending to one key. The papers' selectors pool query blocks and key
-tiles into means (PBS, SpargeAttn, S2O) or groups (BFLA), which dilutes that one row and that one key 128-fold, and
-they lose most retrieval at density 0.1 although the density itself is enough (``benchmarks/retrieval_oracle.py``:
-tiles ranked by the exact mass of every 8th row keep 95% of dense retrieval at 64K and density 0.1). This
-selector is that ranking: exact scores for a sample of rows, never pooled.
+mass of every k-th query row of the block, never pooled (pooling dilutes a lookup's one row and one key 128-fold).
 
 Per query head h and query block i of B rows (keys in order; queries are the last Nq of Nk positions):
 
-1. Sampled rows: rows k-1, 2k-1, ..., B-1 of the block (k = ``sample_every``; the block's last row is one of them,
-   so every key any row of the block sees is seen by a sampled row). In a ragged last block, rows past its end are
-   replaced by its last row.
+1. Sampled rows: rows k-1, 2k-1, ..., B-1 of the block (k = ``sample_every``; the last row is one, so every key a
+   row of the block sees is seen by a sampled row). In a ragged last block, rows past its end become its last row.
 2. Each sampled row r: e_r = exp(q_r . k_j * scale - level_r) over every key it sees (exact, float32). Its
-   normaliser's estimate Z_r: the sum of e_r over its forced region (step 4's tiles: its block's diagonal tiles,
-   the ``local_tiles`` before them, tile 0 with ``keep_first_block``), plus, of the tiles before the region, every
-   ``FAR_STRIDE``-th one's (tiles 7, 15, ...) times ``FAR_STRIDE``, the largest of them counted once. level_r is
-   its highest score in those tiles.
-3. m_ij = sum over the block's sampled rows of the e_r in key tile j, over Z_r: the mean of the rows' softmax
-   masses (times the rows) where the estimate holds.
-4. The forced tiles: the diagonal (partially visible) tiles, the ``local_tiles`` before them and, if
+   normaliser's estimate Z_r: the sum of e_r over its forced region (step 3's tiles), plus, of the tiles before the
+   region, every ``FAR_STRIDE``-th one's (tiles 7, 15, ...) times ``FAR_STRIDE``, the largest of them counted once.
+   level_r is its highest score in those tiles. m_ij = the sum of the sampled rows' e_r in key tile j, over Z_r.
+3. The forced tiles: the diagonal (partially visible) tiles, the ``local_tiles`` before them and, if
    ``keep_first_block``, tile 0 (the attention sink).
-5. Keep the forced tiles and the block's ceil(budget x visible tiles) (at least one) other tiles of highest m_ij
-   (ties: lower tile first); so a plan's density is the budget plus the forced tiles. budget >= 1 keeps every
-   visible tile. With a ``mass_target`` t > 0, the block keeps instead the fewest of its highest tiles that bring
-   its mass, the forced tiles' included, to t of the whole, at least ceil(min_budget x visible) and at most
-   ceil(budget x visible) of them: the budget becomes a cap, spent only where a block's attention is spread.
+4. Keep them and the block's ceil(budget x visible tiles) (at least one) other tiles of highest m_ij (ties: lower
+   tile first); budget >= 1 keeps every visible tile. With a ``mass_target`` t > 0 the block keeps instead the
+   fewest of its highest tiles that bring its mass, the forced tiles' included, to t of the whole, at least
+   ceil(min_budget x visible) and at most ceil(budget x visible) of them (the budget is then a cap).
 
-Why a mass target between a floor and a cap, and not a threshold alone (PBS's and SpargeAttn's rule) or a fixed
-share: with the same masses, a threshold tau set for density 0.1 kept 59% of dense retrieval at 64K, the fixed
-share 95% (H100): a block whose sampled rows look at their diagonal and the sink reaches tau with a few tiles, and
-its rows that were not sampled lose what they read elsewhere; the floor keeps them. A fixed share spends as much on
-a block whose attention sits on three tiles as on one whose attention is spread over forty: on SmolLM2 at 32K
-(YaRN) it lost +0.027 nats per token on prose at density 0.19, the target 0.96 with cap 0.2 +0.010 at 0.21, with
-all held-out retrieval kept at 16K-64K (docs/methods.md). The cap bounds the cost where every block is spread
-(random weights: the cap everywhere).
-
-Why an estimated normaliser: the exact one needs a pass over every key before the masses can be written (two
-passes); the region and one far tile in eight are a few tiles per block, so one pass follows, at 60% of the
-two-pass time (docs/methods.md). Where a row's far attention is spread, the estimate holds and the rows weigh as
-in the mean of their softmaxes; where it sits in a few tiles the estimate falls short and the row (a lookup)
-weighs more, never less: the largest sampled far tile is counted once so that one far lookup is not multiplied.
-Without the far tiles (the region's sum alone) rows that read widely outweighed the rest and blocks needed twice
-the tiles on a trained retrieval model; with them, SmolLM2 loses as with the exact normaliser (docs/methods.md).
-
-Cost: one pass of QK^T and exp over 1/k of the rows, after each program's region and 1/8 of its far tiles: about
-1/k (1 + 1/8) of dense attention's QK^T and exp work, none of its P.V. Block-level table (B, Hq, nqb, nkt); scores
-are formed one key chunk at a time.
-
-GQA: per query head (the kernel reads each KV head's keys for its group's heads).
-
-Non-finite inputs (rows as in dense attention): a key tile holding a NaN or infinite key element has a NaN score
-(kept) in every block that sees it, and a block with a NaN or infinite query element in any of its rows, sampled
-or not, has NaN in every visible tile (``scoring.keep_nonfinite``). Why the inputs and not the sampled rows'
-scores: a row scores a key with an infinite element +inf or -inf by the sign of its own element (NaN where that is
-0), so the sampled rows can score it -inf (it weighs nothing) while rows not sampled score it +inf (their softmax
-is NaN in dense attention); and whether a query row with an infinite element outputs NaN (a key it sees scores it
-+inf) or zeros (every key scores it -inf) depends on every key it sees. Each row then reads them as in dense
-attention.
-Also a block whose sampled rows score a key they see NaN or +inf keeps every visible tile (its scores are NaN), and
-so does a block with a row whose masses sum to ``LIMIT`` or more (a score ~44 nats above the best the normaliser
-saw); a -inf score weighs nothing, as in dense attention. The kernel needs no per-score test: such a score turns its
-row's sum of masses NaN or infinite; the input rule follows it, from one pass over Q and over K
-(``kernels.mass.keep_nonfinite``).
-
-Where the plan differs from dense attention by design: values are never read to plan, so a NaN or infinite element
-of V reaches the rows whose blocks compute its tile (every row from it on in dense attention, which multiplies it
-by each row's weight, however small; the rows of its tile before it too, 0 times NaN or inf, in the kernels and in
-SDPA's tiles alike).
+Cost: QK^T and exp over 1/k of the rows in one pass, about 1/k (1 + 1/8) of dense attention's, no P.V. GQA: per
+query head. Non-finite inputs (rows as in dense attention): a key tile with a NaN or infinite key element has a NaN
+score (kept) in every block that sees it; a block with a NaN or infinite query element in any row, sampled or not,
+has NaN in every visible tile (``scoring.keep_nonfinite``, ``kernels.mass.keep_nonfinite``), as does one whose
+sampled rows score a seen key NaN or +inf or whose masses sum to ``LIMIT`` or more; a -inf score weighs nothing. V
+is never read to plan. Why a mass target, why an estimated normaliser, the reasons for the non-finite rule and the
+measurements: docs/methods.md ("`sampled` step by step", "Sampled").
 """
 
 from __future__ import annotations

@@ -7,29 +7,21 @@ Query blocks of ``block_size_q`` rows, key tiles of ``block_size_kv`` logical ke
    similarity (``block_self_similarity``: the mean of the block's normalised Gram matrix).
 2. S_hat = q k^T * scale (scale = the attention's, 1/sqrt(d) by default); S_hat[:, j] = -inf for
    non-self-similar key tiles (s_kj < theta) and for causally invisible tiles (block-causal, original positions).
-3. P_hat[i] = softmax(S_hat[i]); M[i] = TopCdf(P_hat[i], tau). Boundary choice: the fewest top blocks whose
-   cumulative mass reaches tau (the crossing block is kept; the paper's snippet ``cumsum <= tau*sum`` drops it,
-   and its code then keeps at least one). tau >= 1 keeps every visible tile, explicitly.
+3. P_hat[i] = softmax(S_hat[i]); M[i] = TopCdf(P_hat[i], tau): the fewest top blocks whose cumulative mass reaches
+   tau (the crossing block is kept; the paper's snippet drops it). tau >= 1 keeps every visible tile, explicitly.
 4. M[i, :] = 1 if s_qi < theta; M[:, j] = 1 if s_kj < theta (non-self-similar blocks are never skipped).
-5. Added for causal prefill (the paper targets mostly non-causal models and is silent): the diagonal tiles (the
-   partially visible ones, or the on-diagonal segment under a PBS permutation) are always kept, so no query row
-   can end up seeing no key at all; and with ``keep_first_block`` (default) the tile holding key 0, the attention
-   sink. Mean pooling dilutes the sink key 64-fold in its tile's score, so TopCdf dropped it on a pretrained model
-   (SmolLM2-135M), and rows that lose their sink spread its mass over the rest: +0.95 nats per token at 8K
-   (docs/methods.md).
-6. The P.V skip lambda (``pv_threshold``) goes to the plan as ``pv_skip``: a row drops a tile's P.V share when
-   its tile maximum is below its running maximum by more than |lambda| (plan.py's rule; the paper decides per
-   warp's slice of rows and skips that warp's MMA, the plan per row, and our kernel keeps the MMA: a branch
-   around it cost a quarter of the kernel's speed).
+5. Added for causal prefill: the diagonal tiles (or the on-diagonal segment under a PBS permutation) are always
+   kept, so no query row sees no key; with ``keep_first_block`` (default) also the tile holding key 0, the
+   attention sink, which mean pooling dilutes so that TopCdf dropped it on a pretrained model.
+6. The P.V skip lambda (``pv_threshold``) goes to the plan as ``pv_skip``: per row (plan.py's rule), the MMA kept;
+   the paper decides per warp's slice of rows and skips that warp's MMA.
 
-GQA: per query head, as the paper selects per head (the pooled
-keys are shared through ``group_scores``).
+GQA: per query head, as the paper selects per head (the pooled keys are shared through ``group_scores``).
 
 Non-finite inputs (not in the paper; kept confined as in dense attention): a query block or key tile whose pooled
-mean is not finite gives non-finite scores, and such a tile is kept and leaves the softmax (``mass_keep``): a
-NaN query row makes its block keep every visible tile, a NaN key is computed by every block that sees it, and
-the kernel's online softmax carries the NaN into those rows' outputs (a non-finite row never decides a P.V
-skip). What stays inexact: a NaN in V is read only where its tile is selected (no selector reads V).
+mean is not finite gives non-finite scores, and such a tile is kept and leaves the softmax (``mass_keep``); the
+kernel's online softmax carries a NaN into those rows' outputs (a non-finite row never decides a P.V skip). No
+selector reads V. The departures' reasons and measurements: docs/methods.md ("`sparge` step by step", "SpargeAttn").
 """
 
 from __future__ import annotations
