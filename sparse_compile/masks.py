@@ -33,12 +33,14 @@ a reason, and the site stays dense.
    no bite lies beyond them (an end that grows sub-linearly is thus followed from where it matters). A bite that
    cannot be bounded (an infinite or NaN value next to a length-dependent one, a range whose ends do not move), or
    lengths past ``MAX_EVAL_LENGTH``/``MAX_EVAL_ELEMENTS``: not proven.
-5. The check: the mask must equal the expected one at small lengths (``SMALL_LENGTHS``), around every bite (where
-   a constant starts to matter), and at the two lengths past every bite; a cached prefix (kv_len's own symbol) at
-   5 keys and as long as the queries; lengths the shape guards exclude are skipped. A static mask too long to
-   evaluate at its own length is proven only when that length is itself past every bite. A bool mask keeps True; a
-   float mask keeps 0 and masks values at or below ``finfo.min / 2``. Query rows that see no key under the expected
-   mask are not compared: every implementation leaves them undefined (transformers even unmasks them on CUDA).
+5. The check: the mask must equal the expected one at small lengths (``SMALL_LENGTHS``), around every bite (where a
+   constant starts to matter), and at the two lengths past every bite; a cached prefix (kv_len's own symbol) at 5 keys
+   and as long as the queries; lengths the shape guards exclude are skipped. A mask whose key dim spells kv_len with
+   another symbol for the prefix (built once from layer 0's cache, met at a later layer sized by its own) gives that
+   symbol the prefix's value: SDPA's shape check makes them equal wherever the graph runs. A static mask too long to
+   evaluate at its own length is proven only when that length is itself past every bite. A bool mask keeps True; a float
+   mask keeps 0 and masks values at or below ``finfo.min / 2``. Query rows that see no key under the expected mask are
+   not compared: every implementation leaves them undefined (transformers even unmasks them on CUDA).
 6. Padding values: 0/1 masks with left, right, random and no padding. Values other than 0 and 1 (-1, 2, 0.5, inf,
    NaN) are proven only where the slice reads the padding through nothing but "nonzero" (``!= 0``, ``== 0``,
    ``bool()``, ``to(torch.bool)``, logical ops) after views and gathers: such a mask cannot tell -1 from 1, as the op
