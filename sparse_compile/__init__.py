@@ -23,58 +23,36 @@ if _Path(_kernels.__file__).resolve().parent not in (_HERE / "kernels", _HERE.pa
     raise ImportError(f"sparse_compile.kernels comes from {_Path(_kernels.__file__).parent}, not from this "
                       f"package's checkout ({_HERE.parent}): install this checkout (pip install -e .)")
 
-from .methods import build_plan  # noqa: E402  (first: the built-in methods register themselves)
-from .methods.bfla import BFLAParams  # noqa: E402
-from .methods.pbs import PBSParams  # noqa: E402
-from .methods.s2o import S2OParams  # noqa: E402
-from .methods.sampled import SampledParams  # noqa: E402
-from .methods.sparge import SpargeParams  # noqa: E402
+from . import methods as _methods  # noqa: E402, F401  (first: the built-in methods register themselves)
 from .backend import sparse_prefill  # noqa: E402
 from .config import SparseConfig  # noqa: E402
-from .params import MethodParams  # noqa: E402
 from .context import sparsity  # noqa: E402
-from .calibrate import Calibration, SiteCalibration, calibrate  # noqa: E402
-from .explain import ExplainReport, explain  # noqa: E402
+from .calibrate import calibrate  # noqa: E402
+from .explain import explain  # noqa: E402
 from .api import precompile, sparse_attention, varlen_attention  # noqa: E402
-from .plan import BlockPlan, execute_plan  # noqa: E402
-from .registry import DensityKnob, Method, register_method  # noqa: E402
 from .parallel import sequence_parallel, ulysses_attention  # noqa: E402
 from .report import reset_runtime_stats, runtime_stats  # noqa: E402
 from .transformers_attention import enable_transformers_attention, register as _register  # noqa: E402
 from .serving import serving_attention  # noqa: E402
+from . import extend  # noqa: E402, F401  (the extension API: methods, their parameters, plans)
 
 _register()  # the "sparse_prefill" attention implementation, where transformers is imported already
 
-__all__ = [
+__all__ = [  # the user API; the extension API is sparse_compile.extend
     "SparseConfig",
-    "varlen_attention",
-    "PBSParams",
-    "SpargeParams",
-    "BFLAParams",
-    "S2OParams",
-    "SampledParams",
-    "MethodParams",
-    "Method",
-    "DensityKnob",
-    "register_method",
-    "build_plan",
-    "BlockPlan",
-    "execute_plan",
     "sparse_prefill",
     "sparsity",
-    "calibrate",
-    "Calibration",
-    "SiteCalibration",
-    "explain",
-    "ExplainReport",
     "sparse_attention",
+    "varlen_attention",
     "precompile",
-    "sequence_parallel",
-    "ulysses_attention",
+    "calibrate",
+    "explain",
     "runtime_stats",
     "reset_runtime_stats",
     "enable_transformers_attention",
     "serving_attention",
+    "sequence_parallel",
+    "ulysses_attention",
 ]
 
 __version__ = "0.1.0"

@@ -2,7 +2,8 @@
 
 import torch
 
-from sparse_compile import BFLAParams, PBSParams, S2OParams, SampledParams, SparseConfig, SpargeParams
+from sparse_compile import SparseConfig
+from sparse_compile.extend import BFLAParams, PBSParams, S2OParams, SampledParams, SpargeParams
 from sparse_compile.methods.antidiag import AntidiagParams
 from sparse_compile.methods.peak import PeakParams
 

@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from sparse_compile import SampledParams, SparseConfig
+from sparse_compile import SparseConfig
+from sparse_compile.extend import SampledParams
 from sparse_compile.kernels import bfla as bfla_kernels
 from sparse_compile.kernels import pooling
 from sparse_compile.kernels.mass import MassRule, mass_select

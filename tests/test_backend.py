@@ -540,6 +540,6 @@ def test_break_even_entry_of_the_selector_wins_over_the_shape(monkeypatch):
     assert abs(breakeven.break_even_density(cpu, "16x16@sampled", 64) - 0.5) < 1e-9
     assert abs(breakeven.break_even_density(cpu, "16x16@pbs", 64) - 0.9) < 1e-9
     assert breakeven.lowest_density("16x16@sampled", 64, 64) == breakeven.lowest_density("16x16", 64, 64)
-    plan = sparse_compile.build_plan(*random_qkv(1, 2, 1, 64, 64, 16)[:2], None,
+    plan = sparse_compile.extend.build_plan(*random_qkv(1, 2, 1, 64, 64, 16)[:2], None,
                                      SparseConfig(method="sampled", sampled={"block_size": 16}))
     assert breakeven.plan_shape(plan) == "16x16" and breakeven.plan_shape(plan, "sampled") == "16x16@sampled"

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import sparse_compile
-from sparse_compile import Calibration, SparseConfig, sparsity
+from sparse_compile import SparseConfig, sparsity
+from sparse_compile.extend import Calibration
 from sparse_compile.calibrate import operator_error
 from sparse_compile.context import resolve
 from sparse_compile.dense import dense_causal_attention

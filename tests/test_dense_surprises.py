@@ -72,7 +72,7 @@ def test_calibrated_config_runs_its_sample_sparse():
         compiled(ids)
     assert paths(sparse_compile.runtime_stats()) == {site: {"sparse"} for site in SITES}
     # Calibration.save/load keeps it
-    assert sparse_compile.Calibration.from_dict(calibration.to_dict()).config.min_seq_len == 256
+    assert sparse_compile.extend.Calibration.from_dict(calibration.to_dict()).config.min_seq_len == 256
 
 
 def test_a_length_the_caller_sets_is_kept():

@@ -205,7 +205,7 @@ def test_gpu_runs_fp8_and_keeps_the_plan_valid(method):
     v = torch.randn_like(k)
     cfg = SparseConfig(method=method, **{method: {"budget": 0.1, "fp8_scores": True}})
     assert scores_in_fp8(cfg.params_of(method), q)
-    plan = sparse_compile.build_plan(q, k, 1 / math.sqrt(128), cfg, implementation="fast")
+    plan = sparse_compile.extend.build_plan(q, k, 1 / math.sqrt(128), cfg, implementation="fast")
     check_plan(plan, q, k)
     out = sparse_compile.sparse_attention(q, k, v, config=cfg)
     assert torch.isfinite(out).all()

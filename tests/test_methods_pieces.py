@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from sparse_compile import BFLAParams, PBSParams, S2OParams, SparseConfig
+from sparse_compile import SparseConfig
+from sparse_compile.extend import BFLAParams, PBSParams, S2OParams
 from sparse_compile.methods import build_plan
 from sparse_compile.kernels.reference import hash32, segmented_argsort_desc
 from sparse_compile.kernels.validate import expand_heads

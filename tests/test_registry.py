@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 @pytest.fixture
 def window_method():
-    sparse_compile.register_method(WINDOW)  # the one line
+    sparse_compile.extend.register_method(WINDOW)  # the one line
     yield WINDOW
     registry._METHODS.pop("window", None)
 
@@ -67,14 +67,14 @@ def test_registry_derives_the_rest():
     with pytest.raises(ValueError, match="unknown method 'window'"):
         SparseConfig(method="window")
     with pytest.raises(ValueError, match="SparseConfig field name"):
-        sparse_compile.register_method(sparse_compile.Method(
+        sparse_compile.extend.register_method(sparse_compile.extend.Method(
             name="enabled", params=WindowParams, select=WINDOW.select, density=WINDOW.density, keep_all={}))
 
 
 def test_method_parameters_are_typed_and_read_through_params_of():
     """Any method's parameters: ``params_of`` by name or by class (typed as that class); any other
     attribute is an AttributeError."""
-    from sparse_compile import PBSParams, SampledParams
+    from sparse_compile.extend import PBSParams, SampledParams
 
     config = SparseConfig(method="sampled", sampled={"budget": 0.2}, pbs=PBSParams(threshold=0.5))
     assert isinstance(config.params_of("pbs"), PBSParams) and config.params_of("pbs").threshold == 0.5
@@ -93,5 +93,5 @@ def test_reserved_names_are_the_configurations_fields():
 
     for field in dataclasses.fields(SparseConfig):
         with pytest.raises(ValueError, match="SparseConfig field name"):
-            sparse_compile.register_method(sparse_compile.Method(
+            sparse_compile.extend.register_method(sparse_compile.extend.Method(
                 name=field.name, params=WindowParams, select=WINDOW.select, density=WINDOW.density, keep_all={}))

@@ -26,7 +26,8 @@ import pytest
 import torch
 
 import sparse_compile
-from sparse_compile import BFLAParams, S2OParams, SparseConfig
+from sparse_compile import SparseConfig
+from sparse_compile.extend import BFLAParams, S2OParams
 from sparse_compile.kernels import bfla as bfla_kernels
 from sparse_compile.kernels import common as kernel_common
 from sparse_compile.kernels import pooling, sorting

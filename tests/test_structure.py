@@ -166,16 +166,16 @@ def _code_mentions(path: Path, word: str) -> list[int]:
 
 def test_a_method_with_kernels_is_its_own_files_and_one_line():
     """``sampled`` (a method with fast stages and kernels of its own) is named in code only by its two files, its
-    registration line in ``methods/__init__.py``, the package's public name of its parameters and the package
-    default (``DEFAULT_METHOD = "sampled"`` in ``config.py``)."""
+    registration line in ``methods/__init__.py``, the extension API's name of its parameters (``extend.py``) and
+    the package default (``DEFAULT_METHOD = "sampled"`` in ``config.py``)."""
     own = {ROOT / "sparse_compile" / "methods" / "sampled.py", ROOT / "kernels" / "sampled.py"}
     found = {}
     for path in _modules().values():
         if path not in own and (lines := _code_mentions(path, "sampled")):
             found[str(path.relative_to(ROOT))] = lines
-    init = (ROOT / "sparse_compile" / "__init__.py").read_text().splitlines()
-    public = found.pop("sparse_compile/__init__.py", [])  # ``from .methods.sampled import SampledParams``, __all__
-    assert public and all("SampledParams" in init[n - 1] for n in public), public
+    extend = (ROOT / "sparse_compile" / "extend.py").read_text().splitlines()
+    public = found.pop("sparse_compile/extend.py", [])  # ``from .methods.sampled import SampledParams``, __all__
+    assert public and all("SampledParams" in extend[n - 1] for n in public), public
     registration = found.pop("sparse_compile/methods/__init__.py", [])
     assert len(registration) == 1, registration
     config = (ROOT / "sparse_compile" / "config.py").read_text().splitlines()

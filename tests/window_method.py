@@ -2,14 +2,14 @@
 
 Everything a method needs is here: its parameters, its select stage (a reference; no fast twin, so the fast
 planner runs it too), the knob that sets its density and its keep-everything setting. Registering it is one line:
-``sparse_compile.register_method(WINDOW)``.
+``sparse_compile.extend.register_method(WINDOW)``.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from sparse_compile import DensityKnob, Method, MethodParams
+from sparse_compile.extend import DensityKnob, Method, MethodParams
 from sparse_compile.plan import VISIBLE_NONE, block_visibility, plan_from_block_mask
 
 

@@ -17,7 +17,7 @@ from sparse_compile.kernels.validate import expand_heads  # noqa: E402
 def planned_tiles(q: torch.Tensor, k: torch.Tensor, config) -> torch.Tensor:
     """(1, H, nqb, nkt) bool: the tiles the package's plan for ``config`` lists (128-token tiles, N a multiple)."""
     heads, n = q.shape[1], q.shape[2]
-    plan = sparse_compile.build_plan(q, k, 0.125, config)
+    plan = sparse_compile.extend.build_plan(q, k, 0.125, config)
     offsets, counts = expand_heads(plan.tile_offsets, heads).long(), expand_heads(plan.tile_counts, heads).long()
     live = torch.arange(offsets.shape[-1]) < counts[..., None]
     listed = torch.zeros(1, heads, n // 128, n // 128 + 1, dtype=torch.bool)
