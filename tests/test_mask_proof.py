@@ -41,6 +41,17 @@ def one_thread():
 KEEP_ALL = SparseConfig(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32}).keep_all()
 
 
+def _recording_compile(fn, dynamic):
+    """``fn`` compiled by a backend that rewrites each graph at keep-all and records its sites: (compiled, records)."""
+    records = []
+
+    def backend(gm, example_inputs):
+        records.extend(rewrite_graph(gm, KEEP_ALL))
+        return gm.forward
+
+    return torch.compile(fn, backend=backend, dynamic=dynamic), records
+
+
 def sparse_calls() -> int:
     return sum(n for s in sparse_compile.runtime_stats().values() for (path, _), n in s.calls.items()
                if path == "sparse")
@@ -176,13 +187,7 @@ def test_constants_hidden_in_arithmetic_never_change_a_result(name, dynamic):
         i, j = _grid(q.shape[-2])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=build(i, j, q.shape[-2]))
 
-    records = []
-
-    def backend(gm, example_inputs):
-        records.extend(rewrite_graph(gm, KEEP_ALL))
-        return gm.forward
-
-    compiled = torch.compile(attention, backend=backend, dynamic=dynamic)
+    compiled, records = _recording_compile(attention, dynamic=dynamic)
     with torch.no_grad(), torch._dynamo.config.patch(capture_scalar_outputs=True):
         for n in (150,) if not dynamic else (37, 150):
             q, k, v = torch.randn(3, 1, 2, n, 16).unbind(0)
@@ -211,13 +216,7 @@ def test_mask_that_reads_a_dynamic_batch_by_value(name):
         i, j = _grid(q.shape[-2])
         return F.scaled_dot_product_attention(q, q, q, attn_mask=build(i, j, q.shape[0], am))
 
-    records = []
-
-    def backend(gm, example_inputs):
-        records.extend(rewrite_graph(gm, KEEP_ALL))
-        return gm.forward
-
-    compiled = torch.compile(attention, backend=backend, dynamic=True)
+    compiled, records = _recording_compile(attention, dynamic=True)
     with torch.no_grad():
         for batch in (2, 6):
             q = torch.randn(batch, 2, 40, 16)
@@ -581,13 +580,7 @@ def test_mask_sized_by_another_length_of_the_prefix_is_proven_and_guarded():
         j = torch.arange(past + nq)[None, :]
         return F.scaled_dot_product_attention(q, k, k, attn_mask=(j <= i)[None, None])
 
-    records = []
-
-    def backend(gm, example_inputs):
-        records.extend(rewrite_graph(gm, KEEP_ALL))
-        return gm.forward
-
-    compiled = torch.compile(attention, backend=backend, dynamic=True)
+    compiled, records = _recording_compile(attention, dynamic=True)
     with torch.no_grad():
         for nq, past in ((20, 30), (33, 7), (5, 60)):
             q, k, other = torch.randn(1, 2, nq, 16), torch.randn(1, 2, past + nq, 16), torch.zeros(1, past)
