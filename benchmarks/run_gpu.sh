@@ -40,7 +40,7 @@ verify)
     timeout $limit python benchmarks/bench_breakeven.py --verify --calls 4 --reps 7 --queue-ahead --out "$out" 2>&1 \
         | tee "$out/verify_log.txt" | grep -v "^{" | tail -50 ;;
 table)
-    timeout $limit python benchmarks/bench_breakeven.py --measure --memory --reps 5 --store --out "$out" 2>&1 \
+    timeout $limit python benchmarks/bench_breakeven.py --measure --memory --reps 5 --out "$out" 2>&1 \
         | tee "$out/table_log.txt" | grep -v "^{" | tail -40
     cp sparse_compile/breakeven_tables.json "$out/" ;;
 kernel)
