@@ -76,6 +76,14 @@ def serve_batch(model, prompts, cb_config) -> tuple[dict, float]:
     return ttft, wall
 
 
+def attend_with(model, held) -> None:
+    """The model on the kernel route with ``held`` (a SparseConfig), or on transformers' paged SDPA (None)."""
+    if held is None:
+        model.set_attn_implementation("sdpa")
+    else:
+        sparse_compile.serving_attention(model, held)
+
+
 def batching(args, model, config, device) -> list:
     import random
 
@@ -91,20 +99,14 @@ def batching(args, model, config, device) -> list:
     cb_config = transformers.ContinuousBatchingConfig(**cb)
     contenders = {"sparse": config, "dense": config.keep_all() if args.dense == "keep_all" else None}
     for held in contenders.values():  # untimed: the kernels' compilation and autotuning stay out of the timings
-        if held is None:
-            model.set_attn_implementation("sdpa")
-        else:
-            sparse_compile.serving_attention(model, held)
+        attend_with(model, held)
         with torch.no_grad():
             serve_batch(model, prompts[:2], cb_config)
     rows = []
     for rep in range(args.reps):
         for label in (["sparse", "dense"] if rep % 2 == 0 else ["dense", "sparse"]):  # alternated
             held = contenders[label]
-            if held is None:
-                model.set_attn_implementation("sdpa")
-            else:
-                sparse_compile.serving_attention(model, held)
+            attend_with(model, held)
             sparse_compile.reset_runtime_stats()
             with torch.no_grad():
                 ttft, wall = serve_batch(model, prompts, cb_config)

@@ -77,7 +77,7 @@ def flex_window(window: int, n: int, device):
     return create_block_mask(sliding, None, None, n, n, device=device, _compile=True)  # no N x N mask at long N
 
 
-def layer_rows(args, device, dtype, rows: list) -> list:
+def layer_rows(args, device, dtype, rows: list) -> None:
     flex = None
     if device == "cuda":
         from torch.nn.attention.flex_attention import flex_attention
@@ -122,7 +122,6 @@ def layer_rows(args, device, dtype, rows: list) -> list:
                 rows.append(dict(part="layer", shape=name, length=n, window=window, contender=label, ms=value,
                                  band_share=share, vs_ideal=ms["ideal"] / value if value else None,
                                  band_path=path, max_error_vs_sdpa=error if label == "band" else None))
-    return rows
 
 
 def build(name: str, smoke: bool, device, dtype, implementation: str = "sdpa", layers=None):
@@ -152,7 +151,7 @@ def build(name: str, smoke: bool, device, dtype, implementation: str = "sdpa", l
         torch.set_default_dtype(default)
 
 
-def model_rows(args, device, dtype, rows: list) -> list:
+def model_rows(args, device, dtype, rows: list) -> None:
     options = dict(record_density=True)
     if args.smoke:
         options.update(method="pbs", min_seq_len=16, pbs={"block_size": 16, "segment_size": 32})
@@ -194,7 +193,6 @@ def model_rows(args, device, dtype, rows: list) -> list:
         del model, flex_model, contenders
         if device == "cuda":
             torch.cuda.empty_cache()
-    return rows
 
 
 def main() -> None:
