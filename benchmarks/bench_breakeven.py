@@ -1,6 +1,6 @@
 """Break-even table (``sparse_compile/breakeven_tables.json``) and the "never slower than dense" check.
 
-    python benchmarks/bench_breakeven.py --measure            # GPU: the table for this GPU's architecture
+    python benchmarks/bench_breakeven.py --measure            # GPU: the table for this GPU (its own entry)
     python benchmarks/bench_breakeven.py --verify             # GPU: each method at its defaults vs cuDNN
     python benchmarks/bench_breakeven.py --memory             # GPU: peak extra memory per method, 64K-256K
     python benchmarks/bench_breakeven.py --tiles              # GPU: each method's plans per tile vs our dense kernel
@@ -9,7 +9,8 @@
 ``--measure``: per length and per default plan shape of every registered method, the sparse kernel's time with
 every causal tile kept (early stop and P.V skip present but inert, so their branches cost what they cost) and the
 selection time, each over cuDNN's dense causal time. All three are timed alternately in one loop (the clock
-drifts under load), medians. Writes the architecture's entry of the table (``--table``).
+drifts under load), medians. Writes this GPU's own entry of the table (``--table``), keyed ``sm_90:NVIDIA H200``;
+a GPU without its own entry reads its architecture's (``sm_90``, measured on an H100).
 
 ``--verify``: ``sparse_attention`` at each method's defaults against cuDNN SDPA on the same inputs, random and
 structured (``bench_methods.structured_inputs``), alternately timed, medians, after warm-up calls that give each
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparse_compile  # noqa: E402
 from sparse_compile import SparseConfig  # noqa: E402
-from sparse_compile.breakeven import HISTORY, TABLE_FILE, architecture, plan_shape  # noqa: E402
+from sparse_compile.breakeven import HISTORY, TABLE_FILE, device_keys, plan_shape  # noqa: E402
 from sparse_compile.methods import build_plan  # noqa: E402
 from sparse_compile.methods import execute  # noqa: E402
 from sparse_compile.site import SiteSpec  # noqa: E402
@@ -95,7 +96,7 @@ def inert_full_plan_config(method: str) -> SparseConfig:
 
 
 def measure(args) -> None:
-    arch = architecture(torch.device("cuda"))
+    arch = device_keys(torch.device("cuda"))[0]  # this GPU's own entry: its break-even points, not its family's
     table = json.loads(Path(args.table).read_text()) if Path(args.table).exists() else {}
     entry = table.setdefault(arch, {})
     rows = []

@@ -43,7 +43,8 @@ from .plan import causal_tile_count
 from .rules import prefill_length
 
 __all__ = ["Advice", "advise", "plan_shape", "break_even_density", "lowest_density", "has_table", "DensityHistory",
-           "HISTORY", "MARGIN", "PROBE_EVERY", "PROBE_MAX", "HISTORY_ENTRIES", "HISTORY_CONFIGS", "load_tables"]
+           "device_keys", "HISTORY", "MARGIN", "PROBE_EVERY", "PROBE_MAX", "HISTORY_ENTRIES", "HISTORY_CONFIGS",
+           "load_tables"]
 
 MARGIN = 0.05  # the predicted gain the sparse path needs (BFLA / SpargeAttn at 128K, density 1: 1.02-1.03x)
 PROBE_EVERY = 16  # dense calls before the first re-plan at a site that runs dense
@@ -90,16 +91,24 @@ def load_tables() -> dict:
 
 
 def architecture(device: torch.device) -> str:
-    """The table's key for ``device``: ``sm_90`` for an H100, the device type otherwise (no table there)."""
-    return _architecture(device.type, device.index)
+    """The table's key for ``device``: the GPU's own entry where one was measured (``sm_90:NVIDIA H200``), else its
+    architecture's (``sm_90``, measured on an H100), the device type otherwise (no table there)."""
+    own, shared = device_keys(device)
+    return own if own in load_tables() else shared
+
+
+def device_keys(device: torch.device) -> tuple:
+    """(this GPU's own table key, its architecture's key): GPUs of one compute capability differ in memory bandwidth
+    and clocks (an H200 against an H100), so each may carry its own break-even points."""
+    return _device_keys(device.type, device.index)
 
 
 @functools.lru_cache(maxsize=None)
-def _architecture(kind: str, index: Optional[int]) -> str:  # a driver query: once per device, not per call
+def _device_keys(kind: str, index: Optional[int]) -> tuple:  # a driver query: once per device, not per call
     if kind != "cuda":
-        return kind
+        return kind, kind
     major, minor = torch.cuda.get_device_capability(index)
-    return f"sm_{major}{minor}"
+    return f"sm_{major}{minor}:{torch.cuda.get_device_name(index)}", f"sm_{major}{minor}"
 
 
 def has_table(device: torch.device) -> bool:

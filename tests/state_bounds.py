@@ -24,7 +24,7 @@ def cache_sizes() -> dict[str, tuple[int, int]]:
         "breakeven.HISTORY configurations": (breakeven.HISTORY.configs_held(), breakeven.HISTORY.max_configs),
         "breakeven.lowest_density": _lru(breakeven.lowest_density),
         "breakeven._break_even": _lru(breakeven._break_even),
-        "breakeven._architecture (per device)": _lru(breakeven._architecture, 64),
+        "breakeven._device_keys (per device)": _lru(breakeven._device_keys, 64),
         "context._resolve_cached": _lru(context._resolve_cached),
         "config._from_json": _lru(config._from_json),
         "config._at_site": _lru(config._at_site),
