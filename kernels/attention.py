@@ -46,7 +46,7 @@ try:  # host-side tensor descriptors (TMA) exist from Triton 3.4
 except ImportError:  # pragma: no cover - older Triton: pointer path only
     TensorDescriptor = None
 
-__all__ = ["block_sparse_attention", "KernelConfig", "default_config", "reads_keys_in_place",
+__all__ = ["block_sparse_attention", "KernelConfig", "default_config", "reads_keys_in_place", "hopper_serves",
            "is_triton_compile_failure"]
 
 log = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ def _fwd_inner(
 @jit_any_length
 def _block_sparse_attn_fwd(
     Q, K, V, Out, desc_k, desc_v,
-    TileOffsets, TileCounts, MaskedCounts, KeyIndex, QueryIndex, Visited, Lse,
+    TileOffsets, TileCounts, MaskedCounts, KeyIndex, QueryIndex, Visited, Lse, BlockRows,
     qk_scale, es_tau, pv_lambda, WINDOW, CHUNK,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -255,7 +255,7 @@ def _block_sparse_attn_fwd(
     EARLY_STOP: tl.constexpr, PV_SKIP: tl.constexpr, WRITE_VISITED: tl.constexpr, DOT_PREC: tl.constexpr,
     INT64_ROWS: tl.constexpr, STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
     SKIP_MASKED: tl.constexpr, RESUME: tl.constexpr, WRITE_LSE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, PACKED: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(not (RESUME and WRITE_LSE), "a resumed pass reads the row statistics, it does not write them")
@@ -283,14 +283,25 @@ def _block_sparse_attn_fwd(
     b64 = b.to(tl.int64)
 
     # -- the query block: logical rows, physical rows, absolute positions
-    rows = qblk * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < N_Q
-    if HAS_QIDX:
-        qidx_base = QueryIndex + b64 * stride_qib + (h // QIDX_DIV).to(tl.int64) * stride_qih
-        phys_rows = tl.load(qidx_base + rows * stride_qip, mask=row_ok, other=0)
-    else:
+    if PACKED:
+        # packed sequences: the plan block's own first row, row end, key end and query-to-key offset (its
+        # sequence's queries are the last positions of its keys); tiles list packed key rows
+        row0 = tl.load(BlockRows + pblk * 4)
+        rows = row0 + (qblk % Q_SPLIT) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < tl.load(BlockRows + pblk * 4 + 1)
+        key_len = tl.load(BlockRows + pblk * 4 + 2)
+        q_pos = rows + tl.load(BlockRows + pblk * 4 + 3)
         phys_rows = rows
-    q_pos = phys_rows + (N_K - N_Q)
+    else:
+        rows = qblk * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < N_Q
+        key_len = KEY_LEN
+        if HAS_QIDX:
+            qidx_base = QueryIndex + b64 * stride_qib + (h // QIDX_DIV).to(tl.int64) * stride_qih
+            phys_rows = tl.load(qidx_base + rows * stride_qip, mask=row_ok, other=0)
+        else:
+            phys_rows = rows
+        q_pos = phys_rows + (N_K - N_Q)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh
     q = _load_rows(q_base, phys_rows, stride_qm, stride_qd, offs_d, row_ok, True, HEAD_DIM, HEAD_DIM_PAD, INT64_ROWS)
@@ -335,14 +346,14 @@ def _block_sparse_attn_fwd(
         acc, l_i, m_i, _ = _fwd_inner(
             acc, l_i, m_i, q, q_pos, row_ok, tile_ptr, stride_tt, 0, n_masked,
             k_base, v_base, desc_k, desc_v, kidx_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_kip,
-            k_row0, k_col0, v_row0, v_col0, qk_scale, es_tau, pv_lambda, N_K, KEY_LEN, WINDOW, CHUNK, offs_d,
+            k_row0, k_col0, v_row0, v_col0, qk_scale, es_tau, pv_lambda, N_K, key_len, WINDOW, CHUNK, offs_d,
             True, False, MASKED_STAGES, TILE_SPLIT, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM,
             HEAD_DIM_PAD, DOT_PREC, INT64_ROWS, HAS_WINDOW, HAS_CHUNK)
     # -- stage 2: unmasked tiles, fully visible by the plan's promise: no mask arithmetic
     acc, l_i, m_i, n_visited = _fwd_inner(
         acc, l_i, m_i, q, q_pos, row_ok, tile_ptr, stride_tt, n_masked, n_tiles,
         k_base, v_base, desc_k, desc_v, kidx_base, stride_kn, stride_kd, stride_vn, stride_vd, stride_kip,
-        k_row0, k_col0, v_row0, v_col0, qk_scale, es_tau, pv_lambda, N_K, KEY_LEN, WINDOW, CHUNK, offs_d,
+        k_row0, k_col0, v_row0, v_col0, qk_scale, es_tau, pv_lambda, N_K, key_len, WINDOW, CHUNK, offs_d,
         False, EARLY_STOP, STAGES, TILE_SPLIT, HAS_KIDX, KEY_GATHER, USE_TMA, PV_SKIP, BLOCK_N, HEAD_DIM,
         HEAD_DIM_PAD, DOT_PREC, INT64_ROWS, HAS_WINDOW, HAS_CHUNK)
 
@@ -445,8 +456,9 @@ def _check_table(name: str, t, rank: int, batch: int, heads: tuple, device, dim2
 
 
 def _validate(q, k, v, tile_offsets, tile_counts, masked_counts, block_m, block_n, key_index, query_index,
-              early_stop, pv_skip) -> None:
-    validate_qkv(q, k, v, who="block_sparse_attention")
+              early_stop, pv_skip, block_rows=None) -> None:
+    # packed sequences each hold at most as many queries as keys; their totals need not
+    validate_qkv(q, k, v, who="block_sparse_attention", longer_queries_ok=block_rows is not None)
     if q.device.type != "cuda" and not interpreting():
         _fail(f"inputs on {q.device}: the Triton kernel needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
     batch, heads_q, num_queries, dim = q.shape
@@ -457,6 +469,17 @@ def _validate(q, k, v, tile_offsets, tile_counts, masked_counts, block_m, block_
         if not _is_pow2(val) or not 16 <= val <= 256:
             _fail(f"{name} must be a power of two in [16, 256], got {val!r}")
     blocks = cdiv(num_queries, block_m)
+    if block_rows is not None:
+        if not isinstance(block_rows, torch.Tensor) or block_rows.dtype != torch.int32 or block_rows.dim() != 2 \
+                or block_rows.shape[1] != 4 or not block_rows.is_contiguous():
+            _fail("block_rows must be a contiguous int32 (query blocks, 4) tensor (first row, row end, key end, "
+                  f"query-to-key offset), got {getattr(block_rows, 'dtype', type(block_rows).__name__)} "
+                  f"{tuple(getattr(block_rows, 'shape', ()))}")
+        if block_rows.device != q.device:
+            _fail(f"block_rows is on {block_rows.device}, inputs on {q.device}")
+        if batch != 1 or key_index is not None or query_index is not None:
+            _fail("block_rows (packed sequences) takes batch 1 and no key_index / query_index")
+        blocks = block_rows.shape[0]
     for name, table, rank in (("tile_offsets", tile_offsets, 4), ("tile_counts", tile_counts, 3),
                               ("masked_counts", masked_counts, 3)):
         _check_table(name, table, rank, batch, heads, q.device, blocks, "query blocks")
@@ -598,10 +621,12 @@ def is_compile_failure(exc: BaseException) -> bool:
 
 
 def _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, query_index, early_stop, pv_skip,
-                        key_mode, config, window: int = 0, chunk: int = 0) -> Optional[str]:
+                        key_mode, config, window: int = 0, chunk: int = 0, packed: bool = False) -> Optional[str]:
     """Why the Gluon Hopper kernel does not serve this call (a sentence), or None when it does. No host sync."""
     if config is not None:
         return "an explicit config= selects the Triton kernel"
+    if packed:  # the Gluon kernel's programs index one sequence's query blocks; packed rows are not taught to it
+        return "packed sequences (block_rows=): the Hopper kernel runs one sequence per batch row"
     if window > 0 or chunk > 0:
         # the Gluon kernel's masked tiles apply causal and padding only; teaching it the band is unmeasured on a
         # GPU (no H100 to test it here), so such calls run the Triton kernel, whose masked tiles apply it
@@ -640,6 +665,17 @@ def _hopper_spec(q, block_n, key_index, query_index, early_stop, pv_skip, key_mo
     the row statistics, whether it resumes from them)."""
     return (q.dtype, q.shape[-1], block_n, key_index is not None, pv_skip is not None, query_index is not None,
             early_stop > 0, key_mode, *passes)
+
+
+def hopper_serves(q, k, v, tile_offsets, *, block_m: int, block_n: int) -> bool:
+    """Whether ``block_sparse_attention`` (backend "auto") runs a plan in identity order without early stop, P.V
+    skip or band on the Gluon Hopper kernel (a packed launch, which it does not take, would give that up). No host
+    sync."""
+    if env_backend() == "triton":
+        return False
+    if _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, None, None, 0.0, None, "auto", None) is not None:
+        return False
+    return _hopper_spec(q, block_n, None, None, 0.0, None, "auto") not in _HOPPER_FAILED
 
 
 def reads_keys_in_place(q, k, v, tile_offsets, *, block_m: int, block_n: int, key_index, query_index=None,
@@ -687,6 +723,7 @@ def block_sparse_attention(
     skip_masked: bool = False,
     window: int = 0,
     chunk: int = 0,
+    block_rows: Optional[torch.Tensor] = None,
 ):
     """Block-sparse causal attention over tile lists (module docstring): q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D)
     -> out (B, Hq, Nq, D), and with ``return_visited`` the int32 (B, Hq, n_query_blocks) tiles each block
@@ -710,10 +747,18 @@ def block_sparse_attention(
     positions or outside the query's chunk (``sparse_compile/plan.py``); the plan must list any tile that holds such
     a key among its masked tiles (``sparse_compile.plan.local_plan`` / ``restrict_to_local`` build such plans).
     Served by this Triton kernel only (``backend="hopper"`` refuses them).
+
+    ``block_rows`` (int32 (n_blocks, 4), batch 1, no ``key_index`` / ``query_index`` / ``chunk``): packed sequences
+    in one launch. Plan block ``i`` is the query rows ``[block_rows[i, 0], min(+block_m, block_rows[i, 1]))``, its
+    keys end at ``block_rows[i, 2]`` (past it: padding) and a row ``r`` sits at key position ``r + block_rows[i, 3]``;
+    its tiles list key rows of the packed k/v (``sparse_compile/packed.py`` builds such tables). The Triton kernel
+    only.
     """
     global last_backend
     _validate(q, k, v, tile_offsets, tile_counts, masked_counts, block_m, block_n, key_index, query_index,
-              early_stop, pv_skip)
+              early_stop, pv_skip, block_rows)
+    if block_rows is not None and chunk:
+        _fail("chunk= counts positions from key 0, which packed sequences (block_rows=) do not share")
     validate_passes(q, out, lse, resume, who="block_sparse_attention")
     for name, value in (("window", window), ("chunk", chunk)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value >= 2**31:
@@ -722,7 +767,7 @@ def block_sparse_attention(
         pv_skip = None
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    nqb = cdiv(Nq, block_m)
+    nqb = cdiv(Nq, block_m) if block_rows is None else block_rows.shape[0]
     head_dim_pad = max(16, triton.next_power_of_2(D))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if not (scale > 0 and math.isfinite(scale)):
@@ -736,7 +781,7 @@ def block_sparse_attention(
         backend = "triton"
     if backend != "triton":
         why = _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, query_index, early_stop,
-                                  pv_skip, key_mode, config, window, chunk)
+                                  pv_skip, key_mode, config, window, chunk, block_rows is not None)
         if backend == "hopper" and why is not None:
             _fail(f"backend='hopper' cannot serve this call: {why}")
         if why is None:
@@ -814,14 +859,14 @@ def block_sparse_attention(
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)
     q_split = block_m // cfg.block_m
     # trailing kernel blocks past Nq do nothing but must not exist: trim the last plan block's halves
-    n_qblk = min(nqb * q_split, cdiv(Nq, cfg.block_m))
+    n_qblk = min(nqb * q_split, cdiv(Nq, cfg.block_m)) if block_rows is None else nqb * q_split
     if B * Hq * n_qblk >= 2**31:  # one grid dimension: CUDA allows 2^31 - 1 programs along it
         _fail(f"{B * Hq * n_qblk} programs exceed the launch grid (2^31 - 1): use a larger block_m")
     grid = (B * Hq * n_qblk,)
     _block_sparse_attn_fwd[grid](
         q, kk, vv, out, desc_k, desc_v,
         tile_offsets, tile_counts, masked_counts, kidx, qidx, visited if visited is not None else tile_counts,
-        lse if lse is not None else out,
+        lse if lse is not None else out, block_rows if block_rows is not None else tile_counts,
         scale * _LOG2E, float(early_stop), (pv_skip or 0.0) * _LOG2E, max(int(window), 1), max(int(chunk), 1),
         *q.stride(), *kk.stride(), *vv.stride(), *out.stride(),
         *tile_offsets.stride(), *tile_counts.stride(), *masked_counts.stride(),
@@ -841,7 +886,7 @@ def block_sparse_attention(
         STAGES=cfg.num_stages,
         MASKED_STAGES=cfg.masked_stages if cfg.masked_stages is not None else min(cfg.num_stages, 2),
         SKIP_MASKED=bool(skip_masked), RESUME=bool(resume), WRITE_LSE=lse is not None and not resume,
-        HAS_WINDOW=window > 0, HAS_CHUNK=chunk > 0,
+        HAS_WINDOW=window > 0, HAS_CHUNK=chunk > 0, PACKED=block_rows is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, visited) if return_visited else out

@@ -43,7 +43,8 @@ from .local import CAUSAL, Local
 from . import methods  # its stages looked up per call: tools and tests may wrap them
 from .methods import Unsupported
 from .padding import PaddingLayout, check_query_positions, document_segments, padding_layout
-from .plan import execute_plan, local_plan, restrict_to_local
+from . import packed
+from .plan import BlockPlan, execute_plan, local_plan, restrict_to_local
 from .registry import method_spec
 from .rules import RUNTIME_RULES, CallInfo, first_failure, prefill_length
 from .runtime_mask import check_runtime_mask
@@ -64,13 +65,14 @@ class Outcome:
     rule, break-even, the method declining, or a re-plan kept for the break-even history): dense attention then
     fills it. ``density``: per query head, with
     ``record_density``. ``replanned``: the call ran dense, but planned again so that the next call decides on a
-    fresh density."""
+    fresh density. ``plan``: a sparse call whose plan runs later, in a packed launch (``run_method(defer=True)``)."""
 
     path: str
     reason: str
     output: Optional[Tensor] = None
     density: Optional[list[float]] = None
     replanned: bool = False
+    plan: Optional[BlockPlan] = None
 
 
 # -- calibration: see what every call gets -------------------------------------------------------------------
@@ -236,17 +238,64 @@ DOCUMENT = "one of the documents packed in a row"
 
 
 def attend_segments(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
-                    segments: tuple, note: str = "") -> Tensor:
+                    segments: tuple, note: str = "", *, joined: bool = True) -> Tensor:
     """Packed sequences: each ``(q_start, q_end, k_start, k_end)`` is causal attention of those query rows at the
-    last positions of those keys (a fifth entry: AND a sliding window of that many keys), decided, run and recorded
-    as a call of its own (a long prompt sparse, a decode token dense, each with its reason); rows in no sequence
-    give zeros."""
+    last positions of those keys (a fifth entry: AND a sliding window of that many keys), decided and recorded as a
+    call of its own (a long prompt sparse, a decode token dense, each with its reason); rows in no sequence give
+    zeros. Every dense sequence and every method plan a packed launch takes (``packed.joinable``) run together in
+    one launch (``packed.py``); the others (a binding window, a method with an executor of its own, a plan the
+    Hopper kernel serves) run one after another, as does every sequence with ``joined=False`` or dtypes the packed
+    executors lack (float32 on a GPU; float64 on the kernels)."""
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    kernel = _kernel_for(q, config)
+    joined = joined and packed.executor(q, v, kernel)
+    waiting = []  # (packed.Segment, Outcome) of the sequences the packed launch runs
     for q0, q1, k0, k1, *window in segments:
         local = Local(window=window[0]) if window else CAUSAL
-        out[:, :, q0:q1] = attend(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], scale, config, site, QUERIES_LAST,
-                                  chunked_allowed=True, note=note, local=local)
+        qs, ks, vs = q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]
+        if not joined or local.binds(k1 - k0) or not 0 < q1 - q0 <= k1 - k0:
+            out[:, :, q0:q1] = attend(qs, ks, vs, scale, config, site, QUERIES_LAST, chunked_allowed=True, note=note,
+                                      local=local)
+            continue
+        with _without_autocast(q):
+            outcome = attempt(qs, ks, vs, scale, config, site, chunked_allowed=True, defer=True)
+        if outcome.output is not None:  # its plan ran on its own
+            out[:, :, q0:q1] = _recorded(site, outcome, qs.shape, note)
+        else:  # dense (every causal tile) or its method's plan, in the packed launch
+            waiting.append((packed.Segment(q0, q1, k0, k1, outcome.plan), outcome))
+    if waiting:
+        _run_packed(q, k, v, scale, config, site, waiting, kernel, out, note)
     return out
+
+
+def _run_packed(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
+                waiting: list, kernel: str, out: Tensor, note: str) -> None:
+    """The packed launch of ``attend_segments``' waiting sequences, written into ``out``, each recorded. A plan of
+    another block size than the first, or every sequence where the launch's kernel fails to compile, runs alone."""
+    sizes = next(((s.plan.block_m, s.plan.block_n) for s, _ in waiting if s.plan is not None), None)
+    together = [w for w in waiting if w[0].plan is None or (w[0].plan.block_m, w[0].plan.block_n) == sizes]
+    alone = [w for w in waiting if w[0].plan is not None and (w[0].plan.block_m, w[0].plan.block_n) != sizes]
+    plan = packed.pack([s for s, _ in together], q.shape[1], k.shape[1], q.device)
+    value = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    visited = None
+    try:
+        with _without_autocast(q):
+            visited = packed.execute_packed(q, k, v, plan, value, kernel=kernel, out=out,
+                                            return_visited=config.record_density)
+    except Exception as exc:  # as in run_method: only a failed kernel compile runs the sequences alone
+        if _compile_failure(exc) is None:
+            raise
+        together, alone = [], waiting
+    for i, (s, outcome) in enumerate(together):
+        queries, keys = s.q1 - s.q0, s.k1 - s.k0
+        if visited is not None and s.plan is not None:
+            seen = packed.segment_visits(visited, plan, i, s.plan, queries, keys)
+            outcome = dataclasses.replace(outcome, density=report.density_from_visits(seen, s.plan, queries, keys,
+                                                                                      q.shape[1]))
+        _recorded(site, outcome, (q.shape[0], q.shape[1], queries, q.shape[-1]), note)
+    for s, _ in alone:
+        out[:, :, s.q0:s.q1] = attend(q[:, :, s.q0:s.q1], k[:, :, s.k0:s.k1], v[:, :, s.k0:s.k1], scale, config, site,
+                                      QUERIES_LAST, chunked_allowed=True, note=note)
 
 
 def attend_padded(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
@@ -306,9 +355,9 @@ def dense_reason(q: Tensor, k: Tensor, v: Tensor, config: SparseConfig, site: st
 
 
 def attempt(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str, *,
-            chunked_allowed: bool = False, local: Local = CAUSAL) -> Outcome:
+            chunked_allowed: bool = False, local: Local = CAUSAL, defer: bool = False) -> Outcome:
     """The rules, then break-even, then the method: what one call runs (nothing recorded, no dense run).
-    ``local`` binding: the band's decision instead (module docstring)."""
+    ``local`` binding: the band's decision instead (module docstring). ``defer``: as ``run_method``'s."""
     if local.binds(k.shape[-2]):
         return _attempt_local(q, k, v, scale, config, site, chunked_allowed, local)
     capture = _CAPTURE.get()
@@ -320,7 +369,7 @@ def attempt(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: Spa
     advice = advise(q, k, config, site)
     if advice.dense_reason is not None and not advice.replan:
         return Outcome(DENSE, advice.dense_reason)
-    outcome = run_method(q, k, v, scale, config, advice.history_key, plan_only=advice.replan)
+    outcome = run_method(q, k, v, scale, config, advice.history_key, plan_only=advice.replan, defer=defer)
     if outcome.replanned:
         return Outcome(DENSE, f"{advice.dense_reason}; {outcome.reason}", replanned=True)
     return outcome
@@ -395,7 +444,8 @@ def _kernel_for(q: Tensor, config: SparseConfig) -> str:
 
 
 def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig,
-               history_key: Optional[tuple] = None, *, plan_only: bool = False, local: Local = CAUSAL) -> Outcome:
+               history_key: Optional[tuple] = None, *, plan_only: bool = False, local: Local = CAUSAL,
+               defer: bool = False) -> Outcome:
     """Build the method's plan and execute it: a sparse ``Outcome`` with its output, or a dense one without (the
     method declined: ``Unsupported``).
 
@@ -406,6 +456,9 @@ def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
     compile of seconds inside a server's call).
 
     ``local`` (binding): the method's plan cut to the band (``plan.restrict_to_local``): its own choices inside it.
+
+    ``defer``: a plan a packed launch can take (``packed.joinable``, the method without an executor of its own) is
+    returned unexecuted, in ``Outcome.plan``; others run here.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     kernel = _kernel_for(q, config)
@@ -422,7 +475,9 @@ def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
         # count the visits where the count is wanted
         want_visits = config.record_density or (history_key is not None and plan.early_stop > 0)
         out = visited = None
-        if not plan_only:
+        defer = (defer and not plan_only and not banded and spec.execute is None
+                 and packed.joinable(plan, q, k, v))
+        if not plan_only and not defer:
             result = methods.execute(q, k, v, plan, scale, config, kernel=kernel, return_visited=want_visits)
             out, visited = result if want_visits else (result, None)
     except Unsupported as exc:
@@ -436,6 +491,8 @@ def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
         HISTORY.remember(history_key, plan, config, q.shape[-2], k.shape[-2], visited)
     if plan_only:
         return Outcome(DENSE, "planned again, for the next call", replanned=True)
+    if defer:
+        return Outcome(SPARSE, f"method {config.method} ({kernel})", plan=plan)
     density = None
     if config.record_density:
         density = report.density_from_visits(visited, plan, q.shape[-2], k.shape[-2], q.shape[1])

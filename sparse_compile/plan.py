@@ -45,7 +45,6 @@ a GQA group share the entry.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -54,6 +53,7 @@ import torch
 
 from .kernels.reference import band_start, in_band
 from .kernels.validate import SUPPORTED_DTYPES, cdiv, expand_heads, validate_qkv
+from .state import STATE
 
 __all__ = [
     "BlockPlan",
@@ -61,6 +61,7 @@ __all__ = [
     "runs_on_kernels",
     "plan_density",
     "reference_attention",
+    "reference_tiles",
     "check_plan",
     "plan_from_block_mask",
     "causal_plan",
@@ -72,6 +73,7 @@ __all__ = [
     "tail_blocks",
     "causal_tiles_per_block",
     "apply_exact_tail",
+    "count_exact_tail",
     "VISIBLE_NONE",
     "VISIBLE_PARTIAL",
     "VISIBLE_FULL",
@@ -322,7 +324,7 @@ def _band_ranges(num_queries: int, num_keys: int, block_m: int, block_n: int, wi
     return t_lo, t_hi, f_lo, f_hi
 
 
-@functools.lru_cache(maxsize=64)
+@STATE.cached("plan.band_tables", 64)
 def _band_tables(num_queries: int, num_keys: int, block_m: int, block_n: int, window: int, chunk: int,
                  device: torch.device):
     """(tile_offsets, tile_counts, masked_counts) of ``local_plan``, each (1, 1, blocks, ...): per block the tiles
@@ -447,7 +449,7 @@ def restrict_to_local(plan: BlockPlan, num_queries: int, num_keys: int, *, windo
                    masked_counts=(group < 2).sum(-1, dtype=torch.int32).contiguous(), window=window, chunk=chunk)
 
 
-@functools.lru_cache(maxsize=256)  # asked on every planned call: a loop over query blocks, once per shape
+@STATE.cached("plan.causal_tile_count", 256)  # asked on every planned call: a loop over query blocks
 def causal_tile_count(num_queries: int, num_keys: int, block_m: int, block_n: int) -> int:
     """Number of (query block, key tile) pairs with at least one visible key, in the identity order."""
     offset = num_keys - num_queries
@@ -527,11 +529,18 @@ def apply_exact_tail(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                                             chunk=plan.chunk), scale)
     out[:, :, -rows:] = tail.to(out.dtype)
     if visited is not None:
-        tail = tail_blocks(plan, q.shape[-2])
-        causal = local_tiles_per_block(visited.shape[-1], q.shape[-2], num_keys, plan.block_m, plan.block_n,
+        count_exact_tail(visited, plan, q.shape[-2], num_keys)
+    return out, visited
+
+
+def count_exact_tail(visited: torch.Tensor, plan: BlockPlan, num_queries: int, num_keys: int) -> None:
+    """Count the exact tail's blocks in ``visited`` (per query block, in place) as every tile dense attention (in
+    the band, if any) computes for them."""
+    tail = tail_blocks(plan, num_queries)
+    if tail:
+        causal = local_tiles_per_block(visited.shape[-1], num_queries, num_keys, plan.block_m, plan.block_n,
                                        plan.window, plan.chunk)
         visited[..., -tail:] = causal[-tail:].to(visited.device, visited.dtype)
-    return out, visited
 
 
 def runs_on_kernels(q: torch.Tensor, kernel: str) -> bool:
@@ -666,7 +675,7 @@ def reference_attention(
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     dev = q.device
-    bm, bn = plan.block_m, plan.block_n
+    bm = plan.block_m
     nqb = cdiv(Nq, bm)
     offs = expand_heads(plan.tile_offsets, Hq).long()
     counts = expand_heads(plan.tile_counts, Hq).long()
@@ -679,50 +688,61 @@ def reference_attention(
     vf = v.to(cdt)[:, kv_head]
     out = torch.zeros(B, Hq, Nq, D, dtype=cdt, device=dev)
     visited = torch.zeros(B, Hq, nqb, dtype=torch.int32, device=dev)
-    tile_range = torch.arange(bn, device=dev)
     for i in range(nqb):
         rows = torch.arange(i * bm, min((i + 1) * bm, Nq), device=dev)
         m = rows.numel()
         phys_rows = rows.expand(B, Hq, m) if qi is None else qi[:, :, rows].long()
         qb = torch.gather(q.to(cdt), 2, phys_rows[..., None].expand(B, Hq, m, D))
-        qpos = phys_rows + (Nk - Nq)
         T = int(counts[:, :, i].max().item()) if counts.numel() else 0
         if T == 0:
             continue
-        logical = offs[:, :, i, :T, None] + tile_range  # (B, Hq, T, bn)
-        phys = _physical_keys(ki, logical, length)
-        valid = (phys >= 0) & (phys < Nk)
-        t_ids = torch.arange(T, device=dev)
-        live = t_ids < counts[:, :, i, None]  # (B, Hq, T)
-        is_masked = t_ids < masked[:, :, i, None]
-        safe = phys.clamp(0, Nk - 1).flatten(2)  # (B, Hq, T*bn)
-        kb = torch.gather(kf, 2, safe[..., None].expand(-1, -1, -1, D))
-        vb = torch.gather(vf, 2, safe[..., None].expand(-1, -1, -1, D))
-        s = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # (B, Hq, m, T*bn)
-        s = s.view(B, Hq, m, T, bn)
-        causal = phys[:, :, None, :, :] <= qpos[:, :, :, None, None]
-        if plan.has_band:  # masked tiles only, as in the kernel
-            causal = causal & in_band(qpos[:, :, :, None, None], phys[:, :, None, :, :], plan.window, plan.chunk)
-        allowed = torch.where(is_masked[:, :, None, :, None], valid[:, :, None] & causal, torch.ones_like(causal))
-        allowed = allowed & live[:, :, None, :, None]
-        s = s.masked_fill(~allowed, float("-inf"))
-        vb = vb.view(B, Hq, T, bn, D)
-        if plan.early_stop <= 0 and plan.pv_skip is None:
-            s2 = s.flatten(3)
-            mx = s2.amax(-1, keepdim=True)
-            mx = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)  # rows that see nothing
-            p = torch.exp(s2 - mx)
-            denom = p.sum(-1, keepdim=True)
-            # only an empty row divides by 1: a NaN denominator (a non-finite score) stays NaN
-            o = torch.matmul(p, vb.flatten(2, 3)) / torch.where(denom == 0, torch.ones_like(denom), denom)
-            visited[:, :, i] = counts[:, :, i].to(torch.int32)
-        else:
-            o, vis = _sequential_tiles(s, vb, live, is_masked, plan.early_stop, plan.pv_skip)
-            visited[:, :, i] = vis
+        o, visited[:, :, i] = reference_tiles(qb, phys_rows + (Nk - Nq), kf, vf, offs[:, :, i, :T], counts[:, :, i],
+                                              masked[:, :, i], plan, scale, key_index=ki, length=length, key_end=Nk)
         out.scatter_(2, phys_rows[..., None].expand(B, Hq, m, D), o)
     out, visited = apply_exact_tail(out, q, k, v, plan, scale, visited)
     out = out.to(q.dtype)
     return (out, visited) if return_visited else out
+
+
+def reference_tiles(qb: torch.Tensor, qpos: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, offs: torch.Tensor,
+                    counts: torch.Tensor, masked: torch.Tensor, plan, scale: float, *,
+                    key_index: Optional[torch.Tensor] = None, length: int, key_end):
+    """One step of ``reference_attention``: the listed tiles of a set of query blocks, in the module docstring's
+    semantics. qb (B, H, m, D) in the compute dtype at absolute positions ``qpos`` (B, H, m); kf, vf (B, H, Nk, D)
+    (an expanded view is fine); ``offs`` (B, H, T) int64, the first T of each list, ``counts`` / ``masked`` (B, H);
+    ``key_end``: keys at or past it are padding (an int, or a tensor broadcasting against (B, H, T, block_n): one
+    bound per packed block). ``plan``: its ``block_n``, band, early stop and P.V skip (a ``BlockPlan`` or
+    ``packed.PackedPlan``). Returns the output (B, H, m, D) and the tiles each block computed, int32 (B, H)."""
+    B, Hq, m, D = qb.shape
+    T, bn, dev = offs.shape[-1], plan.block_n, qb.device
+    logical = offs[..., None] + torch.arange(bn, device=dev)  # (B, Hq, T, bn)
+    phys = _physical_keys(key_index, logical, length)
+    valid = (phys >= 0) & (phys < key_end)
+    t_ids = torch.arange(T, device=dev)
+    live = t_ids < counts[..., None]  # (B, Hq, T)
+    is_masked = t_ids < masked[..., None]
+    safe = phys.clamp(0, kf.shape[2] - 1).flatten(2)  # (B, Hq, T*bn)
+    kb = torch.gather(kf, 2, safe[..., None].expand(-1, -1, -1, D))
+    vb = torch.gather(vf, 2, safe[..., None].expand(-1, -1, -1, vf.shape[-1]))
+    s = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # (B, Hq, m, T*bn)
+    s = s.view(B, Hq, m, T, bn)
+    causal = phys[:, :, None, :, :] <= qpos[:, :, :, None, None]
+    if plan.has_band:  # masked tiles only, as in the kernel
+        causal = causal & in_band(qpos[:, :, :, None, None], phys[:, :, None, :, :], plan.window, plan.chunk)
+    allowed = torch.where(is_masked[:, :, None, :, None], valid[:, :, None] & causal, torch.ones_like(causal))
+    allowed = allowed & live[:, :, None, :, None]
+    s = s.masked_fill(~allowed, float("-inf"))
+    vb = vb.view(B, Hq, T, bn, vf.shape[-1])
+    if plan.early_stop > 0 or plan.pv_skip is not None:
+        return _sequential_tiles(s, vb, live, is_masked, plan.early_stop, plan.pv_skip)
+    s2 = s.flatten(3)
+    mx = s2.amax(-1, keepdim=True)
+    mx = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)  # rows that see nothing
+    p = torch.exp(s2 - mx)
+    denom = p.sum(-1, keepdim=True)
+    # only an empty row divides by 1: a NaN denominator (a non-finite score) stays NaN
+    o = torch.matmul(p, vb.flatten(2, 3)) / torch.where(denom == 0, torch.ones_like(denom), denom)
+    return o, counts.to(torch.int32)
 
 
 def _sequential_tiles(s, vb, live, is_masked, early_stop, pv_skip):
