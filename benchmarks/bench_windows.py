@@ -9,6 +9,9 @@ models whose layers are mostly windows.
 * ``flex`` (``flex_attention`` compiled, with the sliding-window ``BlockMask``), ``sdpa masked`` (SDPA with the
   band as an explicit bool mask, what transformers' SDPA path runs; skipped past ``--mask-limit`` tokens).
 
+``--part sweep``: one window layer on the Triton kernel under each launch configuration of ``SWEEP`` (tile sizes,
+warps, pipeline stages) against the causal keep-all plan on each backend, ``vs_ideal`` against the faster one.
+
 ``--part model``: whole-model time to first token, random bf16 weights, batch 1, for a Gemma-3-4B-shaped model (34
 layers, window 1,024, five local layers per global one, 8 query / 4 KV heads, head dim 256) and a Mistral-7B-shaped
 one (window 4,096): ``torch.compile`` with ``backend="sparse_prefill"`` at the default configuration against the
@@ -124,6 +127,61 @@ def layer_rows(args, device, dtype, rows: list) -> None:
                                  band_path=path, max_error_vs_sdpa=error if label == "band" else None))
 
 
+SWEEP = [  # (plan tile, kernel block_m, block_n, warps, stages): the band's launch candidates
+    (128, 128, 128, 8, 3), (128, 128, 128, 8, 2), (128, 128, 64, 8, 2), (128, 128, 64, 4, 2), (128, 64, 64, 4, 2),
+    (128, 64, 64, 4, 3), (128, 64, 128, 4, 2), (64, 64, 64, 4, 2), (64, 64, 64, 4, 3), (128, 128, 32, 8, 2),
+]
+
+
+def sweep_rows(args, device, dtype, rows: list) -> None:
+    """One window layer on the Triton kernel under each of ``SWEEP``'s launch configurations, against the causal
+    keep-all plan on each backend: where the band's time per tile goes."""
+    from sparse_compile.kernels import KernelConfig, block_sparse_attention
+    from sparse_compile.kernels import attention as kernel_module
+    from sparse_compile.plan import local_plan
+
+    for name in args.shapes:
+        shape = SHAPES[name]
+        hq, hkv, d, window = (4, 2, 16, 40) if args.smoke else (
+            shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"],
+            args.window or shape["sliding_window"])
+        for n in args.lengths:
+            gen = torch.Generator(device=device).manual_seed(0)
+            q, k, v = (torch.randn(1, h, n, d, device=device, dtype=dtype, generator=gen) for h in (hq, hkv, hkv))
+            contenders, backends = {}, {}
+            for backend in ("triton", "auto"):
+                full = local_plan(1, hq, n, n, 128, 128, device=device)
+
+                def keep_all(full=full, backend=backend):
+                    return block_sparse_attention(q, k, v, full.tile_offsets, full.tile_counts, full.masked_counts,
+                                                  block_m=128, block_n=128, backend=backend)
+                contenders[f"causal keep-all ({backend})"] = keep_all
+            for tile, bm, bn, warps, stages in ([(64, 64, 64, 4, 1)] if args.smoke else SWEEP):
+                band = local_plan(1, hq, n, n, tile, tile, device=device, window=window)
+                config = KernelConfig(bm, bn, num_warps=warps, num_stages=stages)
+
+                def run(band=band, config=config, tile=tile):
+                    return block_sparse_attention(q, k, v, band.tile_offsets, band.tile_counts, band.masked_counts,
+                                                  block_m=tile, block_n=tile, window=window, config=config,
+                                                  backend="triton")
+                contenders[f"band {tile}: {bm}x{bn} w{warps} s{stages}"] = run
+            with torch.no_grad():
+                for label, fn in list(contenders.items()):
+                    try:
+                        fn()
+                        backends[label] = kernel_module.last_backend
+                    except Exception as exc:  # a configuration that does not compile (shared memory): a row says so
+                        print(f"{label}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr, flush=True)
+                        del contenders[label]
+                samples = alternating_samples(contenders, args.reps, warmup=2)
+            ms = {label: statistics.median(t) for label, t in samples.items()}
+            share = band_share(n, window)
+            ideal = min(ms[c] for c in ms if c.startswith("causal")) * share
+            for label, value in ms.items():
+                rows.append(dict(part="sweep", shape=name, length=n, window=window, contender=label, ms=value,
+                                 band_share=share, vs_ideal=ideal / value, backend=backends.get(label)))
+
+
 def build(name: str, smoke: bool, device, dtype, implementation: str = "sdpa", layers=None):
     import transformers
 
@@ -197,7 +255,7 @@ def model_rows(args, device, dtype, rows: list) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("layer", "model", "both"), default="both")
+    parser.add_argument("--part", choices=("layer", "model", "both", "sweep"), default="both")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--window", type=int, default=None, help="layer part: override the shape's window")
@@ -219,6 +277,8 @@ def main() -> None:
             layer_rows(args, device, dtype, rows)
         if args.part in ("model", "both"):
             model_rows(args, device, dtype, rows)
+        if args.part == "sweep":
+            sweep_rows(args, device, dtype, rows)
     finally:
         write(args, device, dtype, rows)
 
