@@ -15,12 +15,22 @@ the same model on ``--dense`` (``sdpa``: transformers' paged SDPA; ``keep_all``:
 attention through the same kernels). Per request: TTFT (first token's timestamp minus the request's creation);
 per run: prefill tokens per second, sparse and dense call counts, density.
 
+``--scenario varlen``: the attention of one packed step alone (Llama-3.1-8B's heads, bf16), as continuous batching
+hands it to the kernel route: ``sparse_compile.varlen_attention``'s packed launch (every sequence decided on its own,
+the joinable ones in one kernel launch) against the per-sequence path (``pipeline.attend_segments(...,
+joined=False)``: one decision and one launch per sequence), on three mixes: ``decode`` (64 decode tokens over 1K-32K
+keys), ``mixed`` (two 8K chunks over long prefixes, four short prompts, 32 decode tokens) and ``prefill`` (four
+prompts of 16K-64K). Per row: milliseconds per call, sparse and dense call counts. On sm_90 the per-sequence path's
+long prompts run the Gluon Hopper kernel (the packed launch leaves them to it);
+``SPARSE_COMPILE_ATTENTION_BACKEND=triton`` times the Triton kernel alone.
+
 Contenders alternate in one loop (``harness.alternating_samples``); every row carries the sparse and dense call
 counts the run made (``runtime_stats()``, per forward pass of the whole prompt) and the mean density of the sparse
 calls (``record_density``). Rows go to the store ``benchmarks/results/bench_serving.jsonl`` with ``--store``.
 
     python benchmarks/bench_serving.py --lengths 131072 --chunk 8192 --store      # GPU
     python benchmarks/bench_serving.py --scenario batching --requests 32 --store  # GPU
+    python benchmarks/bench_serving.py --scenario varlen --store                  # GPU
     python benchmarks/bench_serving.py --smoke                                    # CPU, toy sizes
 """
 
@@ -121,9 +131,57 @@ def batching(args, model, config, device) -> list:
     return rows
 
 
+def varlen_mixes(smoke: bool, rng) -> dict:
+    """(query length, key length) per sequence of each packed step."""
+    if smoke:
+        return {"decode": [(1, rng.randint(16, 300)) for _ in range(8)],
+                "mixed": [(64, 200), (64, 300), (40, 40), (1, 90), (1, 150), (7, 7)],
+                "prefill": [(n, n) for n in (256, 128)]}
+    return {"decode": [(1, rng.randint(1024, 32768)) for _ in range(64)],
+            "mixed": [(8192, 8192 * 4), (8192, 8192 * 8)] + [(n, n) for n in (500, 1000, 1500, 2000)]
+            + [(1, rng.randint(1024, 65536)) for _ in range(32)],
+            "prefill": [(n, n) for n in (16384, 32768, 49152, 65536)]}
+
+
+def varlen(args, config, device, dtype) -> list:
+    """``--scenario varlen`` (module docstring)."""
+    import random
+
+    from sparse_compile import pipeline
+
+    heads, kv_heads, dim = (4, 2, 16) if args.smoke else (32, 8, 128)
+    rows = []
+    for mix, lengths in varlen_mixes(args.smoke, random.Random(0)).items():
+        q_total, k_total = sum(a for a, _ in lengths), sum(b for _, b in lengths)
+        q, k, v = (torch.randn(1, h, n, dim, device=device, dtype=dtype)
+                   for h, n in ((heads, q_total), (kv_heads, k_total), (kv_heads, k_total)))
+        segments, q0, k0 = [], 0, 0
+        for a, b in lengths:
+            segments.append((q0, q0 + a, k0, k0 + b))
+            q0, k0 = q0 + a, k0 + b
+        contenders = {f"{label}": (lambda joined=joined: pipeline.attend_segments(
+            q, k, v, None, config, "varlen", tuple(segments), joined=joined)) for label, joined in
+            (("packed launch", True), ("per sequence", False))}
+        per_run = {}
+        for label, fn in contenders.items():  # one untimed run each: its call counts
+            sparse_compile.reset_runtime_stats()
+            with torch.no_grad():
+                fn()
+            sync()
+            per_run[label] = calls_by_path()
+        with torch.no_grad():
+            samples = alternating_samples(contenders, args.reps, warmup=1)
+        loop = statistics.median(samples["per sequence"])
+        for label, times in samples.items():
+            rows.append(dict(scenario="varlen", mix=mix, sequences=len(lengths), queries=q_total, keys=k_total,
+                             contender=label, ms=statistics.median(times), vs_per_sequence=statistics.median(times)
+                             / loop, sparse_calls=per_run[label]["sparse"], dense_calls=per_run[label]["dense"]))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", choices=("chunked", "batching"), default="chunked")
+    parser.add_argument("--scenario", choices=("chunked", "batching", "varlen"), default="chunked")
     parser.add_argument("--requests", type=int, default=32, help="batching: how many requests")
     parser.add_argument("--prompt-range", type=int, nargs=2, default=[8192, 131072], help="batching: prompt lengths")
     parser.add_argument("--max-batch-tokens", type=int, default=8192, help="batching: tokens per step")
@@ -143,13 +201,22 @@ def main() -> None:
     if args.smoke:
         args.lengths, args.chunk, args.reps = [256], 64, min(args.reps, 2)
         args.requests, args.prompt_range, args.max_batch_tokens = 4, [40, 300], 256
-    model = build_model(args.smoke, device, dtype, args.layers)
     options = dict(record_density=True)
     if args.method:
         options["method"] = args.method
     if args.smoke:  # toy lengths: lower the floor and the blocks so the toy run takes the sparse path
-        options.update(method=args.method or "pbs", min_seq_len=16, pbs={"block_size": 16, "segment_size": 32})
+        options.update(method=args.method or ("sampled" if args.scenario == "varlen" else "pbs"), min_seq_len=16,
+                       pbs={"block_size": 16, "segment_size": 32}, sampled={"block_size": 16, "sample_every": 4})
     config = SparseConfig(**options)
+    if args.scenario == "varlen":
+        rows = varlen(args, config, device, dtype)
+        meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", dtype=str(dtype),
+                    config=repr(config))
+        print(write_results("bench_serving_varlen", rows, meta=meta, out_dir=args.out,
+                            store="bench_serving" if args.store else None,
+                            params=("scenario", "mix", "contender"), extra=dict(method=args.method or "default")))
+        return
+    model = build_model(args.smoke, device, dtype, args.layers)
     if args.scenario == "batching":
         rows = batching(args, model, config, device)
         meta = dict(model="Llama-3.1-8B shape" if not args.smoke else "toy", requests=args.requests,

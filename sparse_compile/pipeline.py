@@ -245,7 +245,8 @@ def attend_segments(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], con
     zeros. Every dense sequence and every method plan a packed launch takes (``packed.joinable``) run together in
     one launch (``packed.py``); the others (a binding window, a method with an executor of its own, a plan the
     Hopper kernel serves) run one after another, as does every sequence with ``joined=False`` or dtypes the packed
-    executors lack (float32 on a GPU; float64 on the kernels)."""
+    executors lack (float32 on a GPU; float64 on the kernels). On the PyTorch reference (the CPU) only the method
+    plans join: dense sequences run SDPA each."""
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     kernel = _kernel_for(q, config)
     joined = joined and packed.executor(q, v, kernel)
@@ -259,6 +260,9 @@ def attend_segments(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], con
             continue
         with _without_autocast(q):
             outcome = attempt(qs, ks, vs, scale, config, site, chunked_allowed=True, defer=True)
+            if outcome.output is None and outcome.plan is None and kernel == "reference":
+                # dense on the CPU: SDPA, which the reference's padded blocks would only slow down
+                outcome = dataclasses.replace(outcome, output=run_dense(qs, ks, vs, scale, QUERIES_LAST))
         if outcome.output is not None:  # its plan ran on its own
             out[:, :, q0:q1] = _recorded(site, outcome, qs.shape, note)
         else:  # dense (every causal tile) or its method's plan, in the packed launch
