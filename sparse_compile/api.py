@@ -7,7 +7,6 @@ from __future__ import annotations
 import numbers
 import time
 import warnings
-from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -22,6 +21,7 @@ from .parallel import is_dtensor, register_dtensor_sharding
 from .pipeline import EAGER_SITE, attend_eager, attend_segments, run_method
 from .rules import SUPPORTED_DTYPES, autocast_inputs, prefill_length, too_short, validate_qkv
 from .site import SiteSpec
+from .state import STATE
 
 __all__ = ["sparse_attention", "varlen_attention", "VARLEN_SITE", "precompile", "precompile_kernels",
            "PRECOMPILE_LENGTH", "PRECOMPILED_ENTRIES"]
@@ -60,7 +60,7 @@ def sparse_attention(
         raise TypeError(f"sparse_attention: scale must be a float or None (1/sqrt(head_dim)), got "
                         f"{type(scale).__name__}")
     local = Local(_band_argument("window", window), _band_argument("chunk", chunk))
-    if not _WARNED_SHORT and not local.binds(k.shape[-2]):  # a binding band runs on the kernels, short or not
+    if not _WARNED_SHORT.value and not local.binds(k.shape[-2]):  # a binding band runs on the kernels, short too
         _warn_if_short(q, k, config)
     if is_dtensor(q):  # tensor parallelism: the op's DTensor sharding rule runs each rank's heads (parallel.py)
         register_dtensor_sharding()
@@ -81,18 +81,17 @@ def _band_argument(name: str, value) -> int:
     return int(value)
 
 
-_WARNED_SHORT = False  # sparse_attention's first prefill below min_seq_len in this process has said so
+_WARNED_SHORT = STATE.value("api.warned_short", False)  # the first prefill below min_seq_len has said so
 
 
 def _warn_if_short(q: Tensor, k: Tensor, config: Optional[SparseConfig]) -> None:
     """Once per process: a ``UserWarning`` at the first prefill (more than one query) that runs dense only because
     it is shorter than ``min_seq_len`` (an exact result that reads as "sparse and exact" otherwise)."""
-    global _WARNED_SHORT
     resolved = resolve(config or SparseConfig())
     queries, keys = q.shape[-2], k.shape[-2]
     if not resolved.enabled or queries < 2 or prefill_length(queries, keys) >= resolved.min_seq_len:
         return
-    _WARNED_SHORT = True
+    _WARNED_SHORT.value = True
     warnings.warn(f"sparse_attention: {too_short(queries, keys, resolved.min_seq_len)}: this call runs exact dense "
                   "attention (error 0 against SDPA, no speedup), as does every call shorter than min_seq_len; to run "
                   "the sparse method on shorter inputs pass config=SparseConfig(min_seq_len=...) or open "
@@ -167,8 +166,8 @@ def _varlen_segments(q, k, v, cu_seqlens_q, cu_seqlens_k) -> tuple:
 # -- kernels compiled ahead of the first long prompt ---------------------------------------------------------------
 # the specialisations already run (device, dtype, heads, dims, length, configuration): one each per process,
 # least recently used dropped past PRECOMPILED_ENTRIES (running one again costs a short call, never a wrong result)
-_PRECOMPILED: OrderedDict = OrderedDict()
 PRECOMPILED_ENTRIES = 256
+_PRECOMPILED = STATE.lru("api.precompiled", PRECOMPILED_ENTRIES)
 PRECOMPILE_LENGTH = 4096  # past every method's default block and segment: each kernel of the plan's path runs
 
 
@@ -176,12 +175,9 @@ def _run_once(device, dtype, heads: int, kv_heads: int, head_dim: int, value_dim
               config: SparseConfig) -> bool:
     """Run ``config``'s method once on random inputs of this specialisation (once per process); True if it ran."""
     key = (str(device), dtype, heads, kv_heads, head_dim, value_dim, length, config.to_json())
-    if key in _PRECOMPILED:
-        _PRECOMPILED.move_to_end(key)
+    if _PRECOMPILED.touch(key):
         return False
-    _PRECOMPILED[key] = None
-    while len(_PRECOMPILED) > PRECOMPILED_ENTRIES:
-        _PRECOMPILED.popitem(last=False)
+    _PRECOMPILED.put(key, None)
     generator = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn((1, h, length, d), generator=generator, device=device, dtype=dtype)
                for h, d in ((heads, head_dim), (kv_heads, head_dim), (kv_heads, value_dim)))

@@ -8,9 +8,7 @@ import difflib
 import logging
 import os
 import sys
-import threading
 import warnings
-from collections import OrderedDict
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -22,6 +20,7 @@ from .padding import per_forward
 from .report import SiteRecord
 from .rewrite import reads_mutated_input, rewrite_graph
 from .rules import forward_transform
+from .state import STATE
 from .transformers_attention import register as register_transformers_attention
 
 __all__ = ["sparse_prefill", "on_rewrite", "LOG_ENV_VAR", "OptionsError"]
@@ -29,7 +28,8 @@ __all__ = ["sparse_prefill", "on_rewrite", "LOG_ENV_VAR", "OptionsError"]
 log = logging.getLogger("sparse_compile")
 LOG_ENV_VAR = "SPARSE_COMPILE_LOG"
 
-_LISTENERS: list = []  # callbacks of the on_rewrite blocks in force
+# callbacks of the on_rewrite blocks in force: each block removes its own at its end, so a reset leaves them
+_LISTENERS: list = STATE.add("backend.listeners", [], kept="each on_rewrite block removes its own callback")
 
 
 @contextlib.contextmanager
@@ -242,20 +242,11 @@ _REMEDIES = {
                 "is_causal=True)",
 }
 
-_WARNED_LOCK = threading.Lock()
-
-
-def _reinit_lock() -> None:  # a child forked while another thread compiled must not wait for that lock
-    global _WARNED_LOCK
-    _WARNED_LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):  # POSIX
-    os.register_at_fork(after_in_child=_reinit_lock)
+_WARNED_LOCK = STATE.lock("backend.warned_lock")
 # Dynamo frame id -> warnings given for its graphs (a recompile says nothing new); the least recently compiled
 # frame forgotten past WARNED_FRAMES (a frame compiled again after that may repeat its warning once)
-_WARNED: "OrderedDict[int, set]" = OrderedDict()
 WARNED_FRAMES = 256
+_WARNED = STATE.lru("backend.warned", WARNED_FRAMES)
 
 
 def _compile_id(gm: fx.GraphModule):
@@ -278,10 +269,10 @@ def _first_time(gm: fx.GraphModule, message: Any) -> bool:
     with _WARNED_LOCK:
         if cid.frame_compile_id == 0:  # a frame's first compile (frame ids restart after torch._dynamo.reset())
             _WARNED.pop(cid.frame_id, None)
-        given = _WARNED.setdefault(cid.frame_id, set())
-        _WARNED.move_to_end(cid.frame_id)
-        while len(_WARNED) > WARNED_FRAMES:
-            _WARNED.popitem(last=False)
+        given = _WARNED.get(cid.frame_id)
+        if given is None:
+            given = set()
+            _WARNED.put(cid.frame_id, given)
         if message in given:
             return False
         given.add(message)

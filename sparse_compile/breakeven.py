@@ -27,12 +27,8 @@ tests, other GPUs).
 
 from __future__ import annotations
 
-import functools
 import json
 import math
-import os
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -41,6 +37,7 @@ import torch
 
 from .plan import causal_tile_count
 from .rules import prefill_length
+from .state import STATE, BoundedLRU, Lock
 
 __all__ = ["Advice", "advise", "plan_shape", "break_even_density", "lowest_density", "has_table", "DensityHistory",
            "device_keys", "HISTORY", "MARGIN", "PROBE_EVERY", "PROBE_MAX", "HISTORY_ENTRIES", "HISTORY_CONFIGS",
@@ -72,22 +69,21 @@ def plan_shape(plan, select: Optional[str] = None) -> str:
     return "+".join(parts) + (f"@{select}" if select else "")
 
 
-@functools.lru_cache(maxsize=1024)
+@STATE.cached("breakeven.lowest_density", 1024)
 def lowest_density(shape: str, num_queries: int, num_keys: int) -> float:
     """The least density a plan of ``shape`` can have: every query block keeps at least one tile."""
     block_m, block_n = (int(side) for side in shape.split("@")[0].split("+")[0].split("x"))
     return -(-num_queries // block_m) / max(causal_tile_count(num_queries, num_keys, block_m, block_n), 1)
 
 
-_TABLES: Optional[dict] = None
+_TABLES = STATE.value("breakeven.tables")  # the table file, read once
 
 
 def load_tables() -> dict:
     """{architecture: {plan shape: {length: {"kernel": ..., "select": ...}}}} from ``breakeven_tables.json``."""
-    global _TABLES
-    if _TABLES is None:
-        _TABLES = json.loads(TABLE_FILE.read_text()) if TABLE_FILE.exists() else {}
-    return _TABLES
+    if _TABLES.value is None:
+        _TABLES.value = json.loads(TABLE_FILE.read_text()) if TABLE_FILE.exists() else {}
+    return _TABLES.value
 
 
 def architecture(device: torch.device) -> str:
@@ -103,7 +99,7 @@ def device_keys(device: torch.device) -> tuple:
     return _device_keys(device.type, device.index)
 
 
-@functools.lru_cache(maxsize=None)
+@STATE.cached("breakeven.device_keys", None)  # one per device
 def _device_keys(kind: str, index: Optional[int]) -> tuple:  # a driver query: once per device, not per call
     if kind != "cuda":
         return kind, kind
@@ -123,7 +119,7 @@ def break_even_density(device: torch.device, shape: str, num_keys: int) -> Optio
     return _break_even(architecture(device), shape, num_keys, id(load_tables()))
 
 
-@functools.lru_cache(maxsize=1024)
+@STATE.cached("breakeven.break_even", 1024)
 def _break_even(arch: str, shape: str, num_keys: int, tables_id: int) -> Optional[float]:
     tables = load_tables().get(arch, {})
     table = tables.get(shape) or tables.get(shape.split("@")[0])  # the selector's own entry, else the shape's
@@ -161,15 +157,10 @@ class DensityHistory:
             raise ValueError(f"DensityHistory: max_entries and max_configs must be >= 1, got {max_entries}, "
                              f"{max_configs}")
         self.max_entries, self.max_configs = max_entries, max_configs
-        self._lock = threading.Lock()
-        # least recently used first: keys hold batch sizes and region configurations, as many as the inputs have
-        self._entries: OrderedDict = OrderedDict()
-        self._shapes: OrderedDict = OrderedDict()  # configuration -> the shape of its last plan (every site's)
-        if hasattr(os, "register_at_fork"):  # a child forked while another thread held the lock: a fresh one
-            os.register_at_fork(after_in_child=self._reinit_lock)
-
-    def _reinit_lock(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = Lock()
+        # keys hold batch sizes and region configurations, as many as the inputs have
+        self._entries = BoundedLRU(max_entries)
+        self._shapes = BoundedLRU(max_configs)  # configuration -> the shape of its last plan (every site's)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -181,14 +172,9 @@ class DensityHistory:
         """The entry at ``key``, now the most recently used (created if ``create``; the least recently used one
         dropped past ``max_entries``: that site and length plans again on its next call). Under the lock."""
         entry = self._entries.get(key)
-        if entry is None:
-            if not create:
-                return None
-            entry = self._entries[key] = _Entry()
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
-        else:
-            self._entries.move_to_end(key)
+        if entry is None and create:
+            entry = _Entry()
+            self._entries.put(key, entry)
         return entry
 
     @staticmethod
@@ -214,7 +200,7 @@ class DensityHistory:
     def shape_of(self, config) -> Optional[str]:
         """The plan shape ``config`` produced last anywhere, before this site has planned itself."""
         with self._lock:
-            return self._shapes.get(config)  # read only: recency is what record() sets
+            return self._shapes.peek(config)  # read only: recency is what record() sets
 
     def should_probe(self, key) -> bool:
         """Count one more dense call at ``key``; True when it is time to plan again (the next wait doubles)."""
@@ -253,10 +239,7 @@ class DensityHistory:
             entry = self._entry(key, create=True)
             entry.pending, entry.shape, entry.dense_calls = (host, event), shape, 0
             if config is not None:
-                self._shapes[config] = shape
-                self._shapes.move_to_end(config)
-                while len(self._shapes) > self.max_configs:
-                    self._shapes.popitem(last=False)
+                self._shapes.put(config, shape)
 
     def clear(self) -> None:
         with self._lock:
@@ -272,7 +255,9 @@ def _plan_density(plan, num_queries: int, num_keys: int, visited: Optional[torch
     return visited.sum(dtype=torch.float32) / max(total, 1)
 
 
-HISTORY = DensityHistory()
+HISTORY = STATE.add("breakeven.history", DensityHistory(), bound=HISTORY_ENTRIES)
+STATE.add("breakeven.history_configurations", HISTORY._shapes, bound=HISTORY_CONFIGS, clear=HISTORY.clear)
+STATE.lock("breakeven.history_lock", HISTORY._lock)
 
 
 @dataclass(frozen=True)

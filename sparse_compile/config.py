@@ -10,7 +10,6 @@ what it knows of them comes from the registry.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 from dataclasses import dataclass, fields
@@ -18,6 +17,7 @@ from typing import Any, Iterable, Mapping, Optional, TypeVar, Union, overload
 
 from .params import MAX_INT, MethodParams, check_int
 from .registry import NO_REORDER, check_stage_pair, method_spec, registered_methods, reserve_names
+from .state import STATE
 
 __all__ = ["SparseConfig", "DEFAULT_METHOD", "KERNEL_NAMES", "PLANNER_NAMES", "normalize_site_params",
            "check_skip_layers"]
@@ -474,12 +474,12 @@ def _non_default(value: dict, default: dict) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=64)
+@STATE.cached("config.from_json", 64)
 def _from_json(text: str) -> SparseConfig:
     return SparseConfig(**json.loads(text))
 
 
-@functools.lru_cache(maxsize=4096)
+@STATE.cached("config.at_site", 4096)
 def _at_site(config: SparseConfig, site: str) -> SparseConfig:
     overrides = dict(config.site_params).get(site)
     if overrides is None:

@@ -18,6 +18,7 @@ import torch
 
 from .config import SparseConfig, normalize_site_params
 from .registry import registered_methods
+from .state import STATE
 
 __all__ = ["sparsity", "RegionState", "current_region"]
 
@@ -50,7 +51,7 @@ _REGION: contextvars.ContextVar[RegionState] = contextvars.ContextVar("sparse_co
 _ENTERED: contextvars.ContextVar[tuple] = contextvars.ContextVar("sparse_compile_entered", default=())
 # thread id -> regions open in it: a call in a thread with none, while another thread has one open, is most likely
 # work that a server or an executor handed to its own thread, where the caller's region does not reach
-_OPEN_IN_THREADS: dict[int, int] = {}
+_OPEN_IN_THREADS: dict[int, int] = STATE.add("context.open_in_threads", {})
 
 
 def current_region() -> RegionState:
@@ -256,7 +257,7 @@ def _check_values(params: dict) -> None:
             _check_method_value(f"sparsity(site_params=...)[{site!r}]", key, value)
 
 
-@functools.lru_cache(maxsize=256)
+@STATE.cached("context.resolve", 256)
 def _resolve_cached(config: SparseConfig, region: RegionState) -> SparseConfig:
     return region.apply(config)
 

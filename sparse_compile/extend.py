@@ -5,6 +5,8 @@
     register_method(Method(name="window", params=WindowParams, select=select, density=DensityKnob(...)))
 
 A method is two files and this one line (docs/design.md, "Adding a method"); tests/window_method.py is one.
+``reset_state()`` empties every store the package keeps across calls (``sparse_compile.state.STATE``), as a fresh
+import has them: what a test calls to start clean.
 """
 
 from .calibrate import Calibration, SiteCalibration
@@ -18,6 +20,9 @@ from .methods.sparge import SpargeParams
 from .params import MethodParams
 from .plan import BlockPlan, execute_plan
 from .registry import DensityKnob, Method, register_method
+from .state import STATE
+
+reset_state = STATE.reset
 
 __all__ = [
     "register_method",
@@ -35,4 +40,5 @@ __all__ = [
     "Calibration",
     "SiteCalibration",
     "ExplainReport",
+    "reset_state",
 ]

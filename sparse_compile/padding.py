@@ -29,8 +29,10 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["RowGroup", "PaddingLayout", "padding_layout", "check_query_positions", "forward_scope", "per_forward",
-           "owned_mask", "read_once", "document_segments"]
+from .state import STATE
+
+__all__ = ["RowGroup", "PaddingLayout", "padding_layout", "check_query_positions", "forward_scope", "in_forward_scope",
+           "per_forward", "owned_mask", "read_once", "compute_layout", "document_segments"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,11 @@ def forward_scope() -> Iterator[None]:
         _SCOPE.reset(token)
 
 
+def in_forward_scope() -> bool:
+    """Whether a ``forward_scope`` is open here (one is only while a compiled graph's call runs)."""
+    return _SCOPE.get() is not None
+
+
 def per_forward(compiled: Callable) -> Callable:
     """``compiled`` (a compiled graph's callable) with every call in its own ``forward_scope``."""
 
@@ -91,7 +98,7 @@ def per_forward(compiled: Callable) -> Callable:
     return scoped
 
 
-_OWNED: dict[int, tuple] = {}  # id -> (weakref, that mask's cache)
+_OWNED: dict[int, tuple] = STATE.add("padding.owned", {})  # id -> (weakref, that mask's cache)
 
 
 def owned_mask(mask: Tensor) -> Tensor:
@@ -131,10 +138,10 @@ def padding_layout(key_padding: Tensor, num_keys: int) -> PaddingLayout:
     ``forward_scope`` (module docstring)."""
     if key_padding.dim() != 2 or key_padding.shape[1] != num_keys:
         raise ValueError(f"key padding mask: expected shape (batch, {num_keys}), got {tuple(key_padding.shape)}")
-    return read_once(key_padding, ("layout", tuple(key_padding.shape)), _layout, key_padding)
+    return read_once(key_padding, ("layout", tuple(key_padding.shape)), compute_layout, key_padding)
 
 
-def _layout(key_padding: Tensor) -> PaddingLayout:
+def compute_layout(key_padding: Tensor) -> PaddingLayout:
     valid = key_padding != 0
     batch, n = valid.shape
     if batch == 0 or n == 0:  # nothing to summarise (an empty call runs dense attention)

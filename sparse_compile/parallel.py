@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextvars
 import sys
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -35,6 +34,7 @@ from .padding import check_query_positions
 from .pipeline import attend_eager
 from .rules import SUPPORTED_DTYPES, validate_qkv
 from .site import SiteSpec
+from .state import STATE
 
 __all__ = ["sequence_parallel", "ulysses_attention", "register_dtensor_sharding", "is_dtensor",
            "active_sequence_group", "run_sequence_parallel", "refuse_under_sequence_parallel"]
@@ -278,8 +278,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, scale: Opt
 
 
 # -- tensor parallelism: the op's DTensor sharding rule ----------------------------------------------------------
-_REGISTERED = False
-_REGISTER_LOCK = threading.Lock()
+_REGISTERED = STATE.value("parallel.registered", False)  # after a reset: registered again, torch's entry replaced
+_REGISTER_LOCK = STATE.lock("parallel.register_lock")
 
 
 def _head_shards(spec) -> int:
@@ -326,14 +326,13 @@ def is_dtensor(tensor) -> bool:
 def register_dtensor_sharding() -> None:
     """Register the op's DTensor sharding rule (once). The rewrite calls it when ``torch.distributed.tensor`` is
     loaded, so DTensor models need nothing more; importing DTensor costs a second, so it is not done otherwise."""
-    global _REGISTERED
-    if _REGISTERED or not dist.is_available():
+    if _REGISTERED.value or not dist.is_available():
         return
     with _REGISTER_LOCK:
-        if _REGISTERED:
+        if _REGISTERED.value:
             return
         from torch.distributed.tensor.experimental import register_sharding
 
         # the op exists: ``import sparse_compile`` imports ``attention_op``, which registers it
         register_sharding(torch.ops.sparse_compile.causal_attention.default)(_causal_attention_sharding)
-        _REGISTERED = True
+        _REGISTERED.value = True

@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
+from .state import STATE
+
 __all__ = ["Method", "DensityKnob", "register_method", "method_spec", "registered_methods", "reorder_stage_names",
            "valid_pairs", "check_stage_pair", "reserve_names", "NO_REORDER"]
 
@@ -92,8 +94,10 @@ class Method:
                 raise ValueError(f"Method {self.name!r}: {key!r} is not a field of {self.params.__name__}")
 
 
-_METHODS: dict[str, Method] = {}
-_RESERVED: set[str] = set()  # SparseConfig's own field names (``reserve_names``, called by config.py)
+_DEFINITION = "a definition, registered at import: the built-in methods and the ones registered since"
+_METHODS: dict[str, Method] = STATE.add("registry.methods", {}, kept=_DEFINITION)
+# SparseConfig's own field names (``reserve_names``, called by config.py)
+_RESERVED: set[str] = STATE.add("registry.reserved", set(), kept=_DEFINITION)
 
 
 def reserve_names(names) -> None:

@@ -6,8 +6,6 @@ thread-safe log (``runtime_stats()``). Both also go to the ``sparse_compile`` lo
 
 from __future__ import annotations
 
-import os
-import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
@@ -15,6 +13,7 @@ from typing import Optional
 import torch
 
 from .plan import causal_tiles_per_block
+from .state import STATE
 
 __all__ = ["SiteRecord", "SiteRuntime", "RuntimeStats", "runtime_stats", "reset_runtime_stats", "record_call",
            "register_plain_sdpa", "record_plain_sdpa_calls", "density_from_visits", "PLAIN_SDPA",
@@ -62,8 +61,8 @@ class SiteRuntime:
         return self.density_sum / self.density_count if self.density_count else None
 
 
-_LOCK = threading.Lock()
-_RUNTIME: dict[str, SiteRuntime] = {}
+_LOCK = STATE.lock("report.lock")
+_RUNTIME: dict[str, SiteRuntime] = STATE.add("report.runtime", {})  # site -> its record
 # Reasons name sizes ("q_len 37 < min_seq_len 64", a padded batch's rows): a site sees as many as its inputs have
 # lengths. Past this many distinct reasons on one path (sparse, dense), a site counts further new reasons of that
 # path under OTHER_REASONS: the counts stay exact, the memory bounded, and one path's many reasons never hide
@@ -78,16 +77,6 @@ def _count(entry: SiteRuntime, path: str, reason: str, rows: int = 0, counter: s
     if key not in counts and sum(p == path for p, _ in counts) >= MAX_REASONS_PER_PATH:
         key = (path, OTHER_REASONS)
     counts[key] += rows if counter == "rows" else 1
-
-
-def _reinit_lock() -> None:
-    # a child forked while another thread held the lock would wait for it forever
-    global _LOCK
-    _LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):  # POSIX
-    os.register_at_fork(after_in_child=_reinit_lock)
 
 
 def record_call(site: str, path: str, reason: str, shape: tuple, density: Optional[list[float]] = None,

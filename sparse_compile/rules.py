@@ -11,7 +11,6 @@ The q/k/v checks that every entry point shares come from the bottom layer (``ker
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from .kernels.validate import MAX_HEAD_DIM, SUPPORTED_DTYPES, validate_qkv
+from .state import STATE
 
 __all__ = ["Rule", "first_failure", "REWRITE_RULES", "RUNTIME_RULES", "CallInfo", "validate_qkv",
            "SUPPORTED_DTYPES", "MIN_HEAD_DIM", "MAX_HEAD_DIM", "head_dim_supported", "layer_index", "excluded",
@@ -61,7 +61,7 @@ def head_dim_supported(dim: Any) -> bool:
     return isinstance(dim, int) and MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM and dim % 8 == 0
 
 
-@functools.lru_cache(maxsize=4096)  # asked on every call of the op: a regex per site, once
+@STATE.cached("rules.layer_index", 4096)  # asked on every call of the op: a regex per site, once
 def layer_index(path: str) -> Optional[int]:
     """The first integer component of a module path: ``model.layers.3.self_attn`` -> 3."""
     match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", path)

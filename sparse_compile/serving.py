@@ -26,7 +26,6 @@ and the rest: docs/design.md ("Serving", "The kernels route in detail").
 from __future__ import annotations
 
 import contextvars
-import functools
 import math
 import os
 import warnings
@@ -44,6 +43,7 @@ from .config import SparseConfig
 from .context import resolve
 from .pipeline import DENSE, attend_segments
 from .rules import SUPPORTED_DTYPES, autocast_inputs, validate_qkv
+from .state import STATE, WITH_MODEL
 
 __all__ = ["KERNEL_NAME", "KERNEL_PATH", "CONFIG_VARIABLE", "serving_attention", "local_kernels_entry",
            "attention_forward", "flash_attn_varlen_func", "flash_attn_func"]
@@ -61,12 +61,12 @@ CONFIG_VARIABLE = "SPARSE_COMPILE_CONFIG"
 _CALL: contextvars.ContextVar[Optional[tuple[Optional[SparseConfig], str]]] = contextvars.ContextVar(
     "sparse_compile_serving", default=None)
 #: the modules of the models ``serving_attention`` switched (their configuration is the one they hold)
-_SERVED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-_WARNED: set = set()
+_SERVED: "weakref.WeakSet[torch.nn.Module]" = STATE.add("serving.served", weakref.WeakSet(), kept=WITH_MODEL)
+_WARNED: set = STATE.add("serving.warned", set())  # the reasons a warning gave
 
 
 # -- the configuration of a kernel call ------------------------------------------------------------------------
-@functools.lru_cache(maxsize=8)
+@STATE.cached("serving.config_from_text", 8)
 def _config_from_text(text: str) -> SparseConfig:
     try:
         return SparseConfig.from_json(text)

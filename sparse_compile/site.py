@@ -9,12 +9,12 @@ describes itself; the op reads it back once per distinct string.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from dataclasses import dataclass, field, fields
 
 from .config import SparseConfig
 from .local import Local
+from .state import STATE
 
 __all__ = ["SiteSpec"]
 
@@ -75,7 +75,7 @@ class SiteSpec:
         return dataclasses.replace(self, **changes)
 
 
-@functools.lru_cache(maxsize=4096)
+@STATE.cached("site.from_json", 4096)
 def _from_json(text: str) -> SiteSpec:
     data = json.loads(text)
     config = SparseConfig.from_json(json.dumps(data.pop("config", {}), sort_keys=True))

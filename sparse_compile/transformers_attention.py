@@ -50,9 +50,10 @@ from .local import CAUSAL, Local
 from .padding import owned_mask, padding_layout
 from .pipeline import DENSE, DOCUMENT, attend, attend_causal, attend_segments
 from .rules import autocast_inputs
+from .state import STATE, WITH_MODEL
 
 __all__ = ["NAME", "MIN_TRANSFORMERS", "register", "enable_transformers_attention", "config_of", "site_of",
-           "attention_forward", "mask_forward"]
+           "attention_forward", "mask_forward", "supports_version", "note_of", "CausalNote"]
 
 NAME = "sparse_prefill"
 MIN_TRANSFORMERS = (4, 53)  # AttentionInterface came in 4.51, AttentionMaskInterface (masking_utils) in 4.53
@@ -75,11 +76,12 @@ def _installed_version() -> Optional[str]:
     return getattr(module, "__version__", None) if module is not None else None
 
 
-def _supported(version: Optional[str]) -> bool:
+def supports_version(version: Optional[str]) -> bool:
     return version is not None and _version_tuple(version) >= MIN_TRANSFORMERS
 
 
-@functools.lru_cache(maxsize=None)
+@STATE.cached("transformers_attention.entry", None, bound=2,
+              kept="registered with transformers: one object per pair, so registering again changes nothing")
 def _entry(function, traced):
     """``function`` as registered. Run eagerly it is ``function`` outside Dynamo's reach (a graph break under
     torch.compile would run it with the front door's configuration, not the compile's options). Traced by torch.compile
@@ -102,7 +104,7 @@ def register() -> bool:
     """Register ``"sparse_prefill"`` through transformers' public registration functions
     (``AttentionInterface.register``, ``AttentionMaskInterface.register``) when transformers is imported and recent
     enough; True if it did. Does nothing unless transformers is imported; registering again is harmless."""
-    if not _supported(_installed_version()):
+    if not supports_version(_installed_version()):
         return False
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -118,7 +120,7 @@ def _require_transformers():
         import transformers
     except ImportError as exc:
         raise ImportError("sparse_compile.enable_transformers_attention: transformers is not installed") from exc
-    if not _supported(transformers.__version__):
+    if not supports_version(transformers.__version__):
         need = ".".join(map(str, MIN_TRANSFORMERS))
         raise RuntimeError(
             f"sparse_compile: the {NAME!r} attention implementation needs transformers >= {need} (its "
@@ -130,9 +132,11 @@ def _require_transformers():
 
 
 # -- per-model configuration and site names -------------------------------------------------------------------
-_DEFAULT: list[SparseConfig] = [SparseConfig()]
-_CONFIGS: "weakref.WeakKeyDictionary[torch.nn.Module, SparseConfig]" = weakref.WeakKeyDictionary()
-_SITES: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+_DEFAULT = STATE.value("transformers_attention.default", SparseConfig())
+_CONFIGS: "weakref.WeakKeyDictionary[torch.nn.Module, SparseConfig]" = STATE.add(
+    "transformers_attention.configs", weakref.WeakKeyDictionary(), kept=WITH_MODEL)
+_SITES: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = STATE.add(
+    "transformers_attention.sites", weakref.WeakKeyDictionary(), kept=WITH_MODEL)
 
 
 def enable_transformers_attention(model=None, config: Optional[SparseConfig] = None):
@@ -150,7 +154,7 @@ def enable_transformers_attention(model=None, config: Optional[SparseConfig] = N
                         f"{type(config).__name__}")
     if model is None:
         if config is not None:
-            _DEFAULT[0] = config
+            _DEFAULT.value = config
         return None
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"enable_transformers_attention(model=...): must be a transformers model (a "
@@ -217,13 +221,13 @@ def _site_of(module: torch.nn.Module) -> str:
 
 
 def _config_of(module: torch.nn.Module) -> SparseConfig:
-    return _CONFIGS.get(module, _DEFAULT[0])
+    return _CONFIGS.get(module, _DEFAULT.value)
 
 
 def config_of(module: Optional[torch.nn.Module]) -> SparseConfig:
     """The ``SparseConfig`` a module's attention runs with: the one ``enable_transformers_attention(model, config)``
     gave its model, else the default (``enable_transformers_attention(None, config)``); None: the default."""
-    return _DEFAULT[0] if module is None else _config_of(module)
+    return _DEFAULT.value if module is None else _config_of(module)
 
 
 def site_of(module: torch.nn.Module) -> str:
@@ -233,7 +237,7 @@ def site_of(module: torch.nn.Module) -> str:
 
 # -- notes on the masks this module returns ---------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Causal:
+class CausalNote:
     """A 2-D (batch, keys) key-padding mask: causal attention over those keys, queries at the last positions, AND
     ``local`` (a sliding window, chunks from each row's first valid key: ``local.py``)."""
 
@@ -253,7 +257,7 @@ class _Dense:
     reason: str
 
 
-_NOTES: dict[int, tuple[weakref.ref, Any]] = {}
+_NOTES: dict[int, tuple[weakref.ref, Any]] = STATE.add("transformers_attention.notes", {})
 
 
 def _noted(tensor: Tensor, note) -> Tensor:
@@ -268,7 +272,7 @@ def _noted(tensor: Tensor, note) -> Tensor:
     return tensor
 
 
-def _note_of(tensor: Tensor):
+def note_of(tensor: Tensor):
     entry = _NOTES.get(id(tensor))
     if entry is None or entry[0]() is not tensor:
         return None
@@ -465,7 +469,7 @@ def mask_forward(batch_size: int, cache_position: Optional[Tensor] = None, kv_le
     if not (q_len >= 1 and q_len <= keys <= kv_length):
         return dense(f"query positions [{first}, {first + q_len}) do not fit the {kv_length} keys at offset "
                      f"{kv_offset}")
-    if isinstance(attention_mask, Tensor) and isinstance(_note_of(attention_mask), _Causal) and \
+    if isinstance(attention_mask, Tensor) and isinstance(note_of(attention_mask), CausalNote) and \
             tuple(attention_mask.shape) == (batch_size, keys):
         # this function's own mask passed back in (generate() builds a static cache's mask, the model's forward
         # builds it again from that): already over these keys, not a padding mask over positions 0..keys
@@ -494,10 +498,10 @@ def mask_forward(batch_size: int, cache_position: Optional[Tensor] = None, kv_le
     if padding is None:
         if keys == q_len == kv_length and local.is_causal:
             return None  # a causal prefill without padding: no mask at all
-        return _noted(torch.ones(batch_size, keys, dtype=torch.bool, device=device), _Causal(True, local))
+        return _noted(torch.ones(batch_size, keys, dtype=torch.bool, device=device), CausalNote(True, local))
     # a fresh tensor per forward pass, which every layer receives: its padding summary is read once (padding.py);
     # contiguous, since generate() makes a static cache's masks contiguous and a copy would carry no note
-    return _noted(owned_mask(padding.contiguous()), _Causal(False, local))
+    return _noted(owned_mask(padding.contiguous()), CausalNote(False, local))
 
 
 def _chunk_problem(padding: Optional[Tensor], left: Optional[Tensor], chunk: int, kv_offset: int, keys: int,
@@ -594,7 +598,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                       stacklevel=2)
     q_len, kv_len = query.shape[-2], key.shape[-2]
     feature, eager = _unsupported(dropout, kwargs)
-    note = _note_of(attention_mask) if isinstance(attention_mask, Tensor) else None
+    note = note_of(attention_mask) if isinstance(attention_mask, Tensor) else None
 
     if attention_mask is None:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -608,7 +612,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     elif isinstance(note, _Documents) and feature is None and attention_mask.shape == (query.shape[0], kv_len) \
             and q_len == kv_len:
         return _attend_documents(module, query, key, value, attention_mask, scaling, site), None
-    elif isinstance(note, _Causal):
+    elif isinstance(note, CausalNote):
         keys, padding = attention_mask.shape[-1], (None if note.all_valid else attention_mask)
         if keys > kv_len or keys < q_len or attention_mask.shape[0] != query.shape[0]:
             raise ValueError(f"sparse_compile ({site}): a {tuple(attention_mask.shape)} padding mask does not fit "
@@ -624,7 +628,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         return _delegate(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs, site,
                          reason, eager)
 
-    local = note.local if isinstance(note, _Causal) and note.local.binds(keys) else CAUSAL
+    local = note.local if isinstance(note, CausalNote) and note.local.binds(keys) else CAUSAL
     window = kwargs.get("sliding_window")
     if feature is None and isinstance(window, int) and keys > window and local.window != window:
         # the model says its layer has a window its mask does not: the mask is not this layer's

@@ -65,14 +65,12 @@ def pytest_runtest_makereport(item, call):
 def _fresh_run_time_state():
     """Every test starts from the same run-time state, whatever ran before it in this worker: no compiled code (a
     frame transformers shares between models, such as its deprecation wrapper, would otherwise reach Dynamo's
-    recompile limit after enough tests and run eager), no run-time records and no break-even density history (all
-    process-wide)."""
-    import sparse_compile
-    from sparse_compile import breakeven
+    recompile limit after enough tests and run eager), and every store of the package's run-time state as a fresh
+    import has it (run-time records, break-even density history, caches, warnings given: all process-wide)."""
+    import sparse_compile.extend
 
     torch._dynamo.reset()
-    sparse_compile.reset_runtime_stats()
-    breakeven.HISTORY.clear()
+    sparse_compile.extend.reset_state()
     yield
 
 

@@ -17,10 +17,11 @@ import torch
 import sparse_compile
 from sparse_compile import SparseConfig
 from sparse_compile import transformers_attention as front
+from sparse_compile.state import STATE
 
 transformers = pytest.importorskip("transformers")
 
-SUPPORTED = front._supported(transformers.__version__)
+SUPPORTED = front.supports_version(transformers.__version__)
 needs_interface = pytest.mark.skipif(
     not SUPPORTED, reason=f"transformers {transformers.__version__} has no AttentionMaskInterface (needs >= 4.53)")
 if SUPPORTED:  # as users do before from_pretrained(..., attn_implementation="sparse_prefill"): registered here
@@ -329,7 +330,7 @@ def test_mask_function_builds_no_quadratic_mask():
         chunk = front.mask_forward(batch_size=2, cache_position=torch.arange(30, 50), kv_length=50,
                                    attention_mask=padding)
     assert plain is None
-    assert chunk.shape == (2, 50) and isinstance(front._note_of(chunk), front._Causal)
+    assert chunk.shape == (2, 50) and isinstance(front.note_of(chunk), front.CausalNote)
 
 
 def _registered() -> tuple[bool, bool]:
@@ -345,7 +346,7 @@ def test_attention_function_called_directly_gqa_layout_and_layer_site():
     layer.layer_idx, layer.is_causal = 3, True
     q, k, v = torch.randn(2, 4, 40, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
     config = SparseConfig(**SMALL).keep_all()
-    front._CONFIGS[layer] = config
+    STATE["transformers_attention.configs"][layer] = config
     out, weights = front.attention_forward(layer, q, k, v, None, scaling=0.3)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
     assert weights is None and out.shape == (2, 40, 4, 16) and out.is_contiguous()
@@ -371,14 +372,14 @@ def test_import_neither_imports_transformers_nor_watches_imports():
     _run("import sys; finders = list(sys.meta_path); import sparse_compile; "
          "assert 'transformers' not in sys.modules and sys.meta_path == finders; "
          "import transformers.modeling_utils; from transformers import AutoModelForCausalLM; "
-         "from sparse_compile import transformers_attention as f; ok = f._supported(transformers.__version__); "
+         "from sparse_compile import transformers_attention as f; ok = f.supports_version(transformers.__version__); "
          + _REGISTERED + "assert got == (False, False), got; "
          "ok and sparse_compile.enable_transformers_attention(); " + _REGISTERED + "assert got == (ok, ok), got")
 
 
 def test_import_registers_when_transformers_is_already_imported():
     _run("import sys, transformers; import sparse_compile; from sparse_compile import transformers_attention as f; "
-         "ok = f._supported(transformers.__version__); " + _REGISTERED + "assert got == (ok, ok), got")
+         "ok = f.supports_version(transformers.__version__); " + _REGISTERED + "assert got == (ok, ok), got")
 
 
 @needs_interface

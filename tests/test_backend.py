@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import sparse_compile
 from sparse_compile import SparseConfig, sparsity
+from sparse_compile.state import STATE
 from sparse_compile.context import current_region, resolve
 
 from helpers import op_spec, random_qkv
@@ -349,8 +350,8 @@ def test_padding_summary_read_once_per_mask_tensor(monkeypatch):
     from sparse_compile import padding
 
     reads = []
-    real = padding._layout
-    monkeypatch.setattr(padding, "_layout", lambda m: reads.append(1) or real(m))
+    real = padding.compute_layout
+    monkeypatch.setattr(padding, "compute_layout", lambda m: reads.append(1) or real(m))
     q, k, v = random_qkv(2, 4, 2, 40, 40, 16)
     ones = torch.ones(2, 40, dtype=torch.long)
     spec = op_spec("ones", SparseConfig(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32}), enable_gqa=True,
@@ -433,7 +434,7 @@ def test_break_even_runs_dense_where_the_last_plan_was_too_dense(monkeypatch):
     shape = "16x16+keys"
     # a table for the CPU: the sparse kernel at every tile costs 1.25x dense, selection 10%: break-even 0.68 with
     # the 5% margin the sparse path must be predicted to gain
-    monkeypatch.setattr(breakeven, "_TABLES", {"cpu": {shape: {"64": {"kernel": 1.25, "select": 0.1}}}})
+    monkeypatch.setattr(STATE["breakeven.tables"], "value", {"cpu": {shape: {"64": {"kernel": 1.25, "select": 0.1}}}})
     breakeven.HISTORY.clear()
     q, k, v = random_qkv(1, 4, 2, 64, 64, 16)
     first = sparse_compile.sparse_attention(q, k, v, config=config)  # no history: plans, runs sparse, remembers
@@ -472,7 +473,7 @@ def test_early_stop_replan_runs_the_whole_call(monkeypatch):
 
     config = SparseConfig(method="s2o", min_seq_len=2,
                           s2o={"segment_size": 32, "block_size_q": 16, "block_size_kv": 16, "early_stop": 1e-9})
-    monkeypatch.setattr(breakeven, "_TABLES",
+    monkeypatch.setattr(STATE["breakeven.tables"], "value",
                         {"cpu": {"16x16+keys+queries+stop": {"64": {"kernel": 1.25, "select": 0.1}}}})
     breakeven.HISTORY.clear()
     q, k, v = random_qkv(1, 8, 2, 64, 64, 16)
@@ -498,7 +499,7 @@ def test_break_even_below_any_plan_skips_planning(monkeypatch):
 
     config = SparseConfig(method="pbs", min_seq_len=2, pbs={"block_size": 16, "segment_size": 32})
     # selection alone costs 1.5x dense: break-even 0, below the least density of any 16x16 plan
-    monkeypatch.setattr(breakeven, "_TABLES", {"cpu": {"16x16+keys": {"64": {"kernel": 1.0, "select": 1.5}}}})
+    monkeypatch.setattr(STATE["breakeven.tables"], "value", {"cpu": {"16x16+keys": {"64": {"kernel": 1.0, "select": 1.5}}}})
     breakeven.HISTORY.clear()
     q, k, v = random_qkv(1, 4, 2, 64, 64, 16)
     sparse_compile.sparse_attention(q, k, v, config=config)  # the first plan of this configuration: its shape
@@ -519,7 +520,7 @@ def test_break_even_density_interpolates_in_log_length(monkeypatch):
     from sparse_compile import breakeven
 
     table = {"cpu": {"s": {"1024": {"kernel": 2.0, "select": 0.0}, "4096": {"kernel": 1.0, "select": 0.0}}}}
-    monkeypatch.setattr(breakeven, "_TABLES", table)
+    monkeypatch.setattr(STATE["breakeven.tables"], "value", table)
     cpu = torch.device("cpu")
     gain = 1 - breakeven.MARGIN  # the sparse path must be predicted MARGIN faster than dense
     assert breakeven.break_even_density(cpu, "s", 512) == gain / 2  # nearest below
@@ -535,7 +536,7 @@ def test_break_even_entry_of_the_selector_wins_over_the_shape(monkeypatch):
 
     table = {"cpu": {"16x16": {"64": {"kernel": 1.0, "select": 0.05}},
                      "16x16@sampled": {"64": {"kernel": 1.0, "select": 0.45}}}}
-    monkeypatch.setattr(breakeven, "_TABLES", table)
+    monkeypatch.setattr(STATE["breakeven.tables"], "value", table)
     cpu = torch.device("cpu")
     assert abs(breakeven.break_even_density(cpu, "16x16@sampled", 64) - 0.5) < 1e-9
     assert abs(breakeven.break_even_density(cpu, "16x16@pbs", 64) - 0.9) < 1e-9

@@ -99,7 +99,6 @@ def test_varlen_causal_calls_run_the_packages_rules_per_sequence(monkeypatch):
 @pytest.mark.parametrize("feature", ["not causal", "softcap", "sinks", "window"])
 def test_what_the_sparse_path_lacks_runs_the_dense_reference_and_says_so(feature, monkeypatch):
     monkeypatch.setenv(serving.CONFIG_VARIABLE, KEEP_ALL.to_json())
-    monkeypatch.setattr(serving, "_WARNED", set())
     q, k, v, cq, ck = _packed([200, 1, 50], [200, 120, 90])
     sinks = torch.randn(q.shape[1])
     kwargs, expect, reason = {"causal": True}, {}, None

@@ -94,8 +94,7 @@ def test_a_set_length_above_the_sample_warns_naming_min_seq_len():
 
 
 # -- sparse_attention: the dense path at the defaults is said ---------------------------------------------------
-def test_sparse_attention_below_min_seq_len_warns_once(monkeypatch):
-    monkeypatch.setattr(sparse_compile.api, "_WARNED_SHORT", False)
+def test_sparse_attention_below_min_seq_len_warns_once():  # once per process: the reset before each test
     q = torch.randn(1, 2, 64, 16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -109,8 +108,7 @@ def test_sparse_attention_below_min_seq_len_warns_once(monkeypatch):
     assert sparse_compile.runtime_stats()["sparse_attention"].last_path == "dense"
 
 
-def test_sparse_attention_says_nothing_where_it_runs_sparse_or_is_disabled(monkeypatch):
-    monkeypatch.setattr(sparse_compile.api, "_WARNED_SHORT", False)
+def test_sparse_attention_says_nothing_where_it_runs_sparse_or_is_disabled():
     q = torch.randn(1, 2, 64, 16)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)

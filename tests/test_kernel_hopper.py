@@ -329,7 +329,7 @@ def test_gpu_s2o_keys_gathered_in_place_agree_with_copies():
     # the window pass against one pass over the plan (the masked squares in the walk): same output, same stops
     one, one_visited = execute_s2o(q, k, v, plan, scale, config, return_visited=True, window_pass=False)
     _assert_close(gathered, one, torch.bfloat16, "window pass vs one pass")
-    window_counts = s2o._window_tables(N, 256, 128, 128, q.device)[1]
+    window_counts = s2o.window_tables(N, 256, 128, 128, q.device)[1]
     masked = torch.minimum(plan.masked_counts, plan.tile_counts)
     assert (gathered_visited == one_visited - masked + window_counts).float().mean().item() > 0.99
     ref = reference_attention(q, k, v, plan, scale)

@@ -404,7 +404,7 @@ def test_s2o_runs_in_segment_chunks_with_the_same_result(kernel):
                                               list_budget=0.5, copy_bytes_floor=0)  # many chunks
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
     if kernel == "triton":  # the kernels run the masked squares as each segment's causal triangle
-        window_counts = s2o._window_tables(200, 64, 16, 16, q.device)[1]
+        window_counts = s2o.window_tables(200, 64, 16, 16, q.device)[1]
         visits = visits - plan.masked_counts.repeat_interleave(2 // plan.masked_counts.shape[1], 1) + window_counts
     assert torch.equal(chunked_visits, visits)
     exact = s2o.execute_s2o(q, k, v, build_plan(q, k, None, config.keep_all()), None, config, kernel=kernel)

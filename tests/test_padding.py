@@ -26,8 +26,8 @@ def test_padding_mask_changed_through_an_alias_is_read_again_once_per_forward(al
     from sparse_compile import padding
 
     reads = []
-    real = padding._layout
-    monkeypatch.setattr(padding, "_layout", lambda m: reads.append(1) or real(m))
+    real = padding.compute_layout
+    monkeypatch.setattr(padding, "compute_layout", lambda m: reads.append(1) or real(m))
     q, k, v = random_qkv(2, 2, 2, 40, 40, 16)
     pad = torch.ones(2, 40, dtype=torch.long)
     compiled = compile_small(_two_layers_with_padding, method="pbs")
@@ -53,11 +53,11 @@ def test_transformers_front_door_reads_a_padding_mask_once_per_forward_and_again
     from sparse_compile import padding
     from sparse_compile import transformers_attention as front
 
-    if not front._supported(transformers.__version__):
+    if not front.supports_version(transformers.__version__):
         pytest.skip("transformers without AttentionMaskInterface")
     reads = []
-    real = padding._layout
-    monkeypatch.setattr(padding, "_layout", lambda m: reads.append(1) or real(m))
+    real = padding.compute_layout
+    monkeypatch.setattr(padding, "compute_layout", lambda m: reads.append(1) or real(m))
     config = transformers.LlamaConfig(vocab_size=128, max_position_embeddings=256, intermediate_size=64,
                                       num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     model = transformers.LlamaForCausalLM(config).eval()

@@ -95,6 +95,7 @@ def _scenario_tensor_parallel_local(rank, mesh):
     """The common plan: attention sees plain local tensors, Hq/P and Hkv/P heads per rank."""
     import sparse_compile
     from sparse_compile import SparseConfig
+    from sparse_compile.state import STATE
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     model = _tiny_llama()
@@ -111,12 +112,12 @@ def _scenario_tensor_parallel_local(rank, mesh):
     parallelize_module(model, mesh, plan)
     sparse_compile.reset_runtime_stats()
     compiled, records = _compile_as_users_do(model, SparseConfig(method="pbs", **SMALL).keep_all())
-    registered_before = sparse_compile.parallel._REGISTERED
+    registered_before = STATE["parallel.registered"].value
     with torch.no_grad():
         plain = compiled(ids).logits
         padded = compiled(ids, attention_mask=mask).logits
     valid = mask.bool()
-    return dict(registered_by_rewrite=(registered_before, sparse_compile.parallel._REGISTERED),
+    return dict(registered_by_rewrite=(registered_before, STATE["parallel.registered"].value),
                 plain=(plain - ref_plain).abs().max().item(),
                 padded=(padded[valid] - ref_padded[valid]).abs().max().item(),
                 rewritten=[r.rewritten for r in records if r.q_shape[2] > 1],

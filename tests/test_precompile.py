@@ -16,9 +16,9 @@ def test_precompile_refuses_a_cpu_device_and_bad_lengths():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_precompile_runs_every_length_bucket_once():
-    from sparse_compile import api
+    from sparse_compile.state import STATE
 
-    before = len(api._PRECOMPILED)
+    before = len(STATE["api.precompiled"])
     seconds = sparse_compile.precompile(16384, methods=("pbs", "sampled"))
-    assert seconds > 0 and len(api._PRECOMPILED) - before == 2 * 3  # 4096, 8192, 16384
+    assert seconds > 0 and len(STATE["api.precompiled"]) - before == 2 * 3  # 4096, 8192, 16384
     assert sparse_compile.precompile(16384, methods=("pbs", "sampled")) < seconds

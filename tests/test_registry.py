@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import sparse_compile
 from sparse_compile import SparseConfig, registry, sparsity
+from sparse_compile.state import STATE
 
 from helpers import random_qkv
 from models import ModelArgs, Transformer
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 def window_method():
     sparse_compile.extend.register_method(WINDOW)  # the one line
     yield WINDOW
-    registry._METHODS.pop("window", None)
+    STATE["registry.methods"].pop("window", None)
 
 
 def test_sixth_method_through_the_compiled_backend(window_method):

@@ -27,6 +27,7 @@ import torch
 
 import sparse_compile
 from sparse_compile import SparseConfig
+from sparse_compile.state import STATE
 from sparse_compile.extend import BFLAParams, S2OParams
 from sparse_compile.kernels import bfla as bfla_kernels
 from sparse_compile.kernels import common as kernel_common
@@ -321,7 +322,7 @@ def test_dispatch_and_config_switch(monkeypatch):
     from sparse_compile import registry
 
     pbs_spec = registry.method_spec("pbs")
-    monkeypatch.setitem(registry._METHODS, "pbs", dataclasses.replace(pbs_spec, fast_select=spy))
+    monkeypatch.setitem(STATE["registry.methods"], "pbs", dataclasses.replace(pbs_spec, fast_select=spy))
     cfg = _config("pbs", "pbs")
     build_plan(q, k, None, cfg)  # auto on CPU tensors: the reference
     assert calls == []
@@ -345,7 +346,8 @@ def test_dispatch_and_config_switch(monkeypatch):
     def custom(q, k, scale, r, config):
         raise NotImplementedError
 
-    monkeypatch.setitem(registry._METHODS, "pbs", dataclasses.replace(pbs_spec, select=custom, fast_select=None))
+    replaced = dataclasses.replace(pbs_spec, select=custom, fast_select=None)
+    monkeypatch.setitem(STATE["registry.methods"], "pbs", replaced)
     assert stage_functions("pbs", "pbs", True)[1] is custom
     assert stage_functions("pbs", "sparge", True)[1] is sparge.select_sparge_fast
 

@@ -2,6 +2,7 @@
 ``sparsity`` region, the records stay exact, and an error in the middle of a call (out of memory, an interrupt, a
 kernel that fails to compile, a fork) leaves nothing half-updated."""
 
+import contextlib
 import os
 import threading
 import time
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 import sparse_compile
-from sparse_compile import breakeven, context, methods, padding, report
+from sparse_compile import breakeven, context, methods, padding
+from sparse_compile.state import STATE
 from helpers import SMALL_PBS, random_qkv
 from state_bounds import cache_sizes
 
@@ -79,7 +81,7 @@ def test_eight_threads_each_in_its_own_region_match_the_same_calls_run_serially(
     execute, held = methods.execute, []
 
     def watched(*args, **kwargs):
-        held.append(report._LOCK.locked() or breakeven.HISTORY._lock.locked())
+        held.append(any(lock.locked() for lock in STATE.locks()))
         return execute(*args, **kwargs)
 
     monkeypatch.setattr(methods, "execute", watched)
@@ -142,7 +144,7 @@ def _fault(monkeypatch, error, times=1):
 def _nothing_half_updated(before):
     assert _stats() == before
     assert context.current_region() == context.RegionState()
-    assert padding._SCOPE.get() is None
+    assert not padding.in_forward_scope()
     for name, (size, bound) in cache_sizes().items():
         assert size <= bound, name
 
@@ -199,7 +201,9 @@ def test_a_process_forked_after_the_first_call_works_even_with_a_lock_held_at_th
     with torch.no_grad():
         want_model, want_attention = compiled(tokens), sparse_compile.sparse_attention(q, k, v, config=config)
     # as if another thread were recording a call at the moment of the fork: the child gets its own locks
-    with report._LOCK, breakeven.HISTORY._lock:
+    with contextlib.ExitStack() as held:
+        for lock in STATE.locks():
+            held.enter_context(lock)
         pid = os.fork()
     if pid == 0:  # the child: exit status 0 if its calls give the parent's results and are recorded
         status = 1

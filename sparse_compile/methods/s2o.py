@@ -26,7 +26,6 @@ and the rules in full: docs/methods.md ("`s2o` step by step").
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -37,11 +36,12 @@ from ..kernels.reference import segmented_argsort_desc
 from ..kernels.validate import cdiv
 from ..plan import BlockPlan, execute_plan, runs_on_kernels
 from ..registry import DensityKnob, Method, register_method
+from ..state import STATE
 from .scoring import Reordering, Unsupported, block_mean, chunk_count, compute_dtype, finite_row_mean
 from .fast_path import plan_from_tables
 
 __all__ = ["S2OParams", "S2OLayout", "s2o_layout", "s2o_segment_tensors", "planned_segment", "reorder_s2o",
-           "select_s2o", "reorder_s2o_fast", "select_s2o_fast"]
+           "select_s2o", "reorder_s2o_fast", "select_s2o_fast", "window_tables"]
 
 
 @dataclass(frozen=True)
@@ -264,7 +264,7 @@ def select_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reord
 
 
 # -- GPU fast path: the same plans from Triton kernels ----------------------------------------------------------
-@functools.lru_cache(maxsize=64)
+@STATE.cached("s2o.width", 64)
 def _s2o_width(n: int, segment: int, block_n: int):
     layout = s2o_layout(n, segment, block_n)
     width = max(a // block_n + b // block_n for a, b in zip(layout.intra_pad, layout.prefix_len))
@@ -336,8 +336,8 @@ LIST_BUDGET = 2
 COPY_BYTES_FLOOR = 2 << 30
 
 
-@functools.lru_cache(maxsize=64)
-def _window_tables(n: int, segment: int, block_m: int, block_n: int, device: torch.device):
+@STATE.cached("s2o.window_tables", 64)
+def window_tables(n: int, segment: int, block_m: int, block_n: int, device: torch.device):
     """(tile_offsets, tile_counts, masked_counts) of the intra-segment causal window in the original query order,
     each (1, 1, blocks, ...): block i (rows r0..r1 of segment s0..) lists the tiles holding a key in (r0, r1]
     (masked) first, then the segment's tiles before them (fully visible to every row)."""
@@ -357,9 +357,9 @@ def _window_tables(n: int, segment: int, block_m: int, block_n: int, device: tor
 
 
 def _window_plan(q: torch.Tensor, segment: int, block_m: int, block_n: int) -> BlockPlan:
-    """The window pass's plan for q's (batch, query heads): ``_window_tables`` expanded with stride 0."""
+    """The window pass's plan for q's (batch, query heads): ``window_tables`` expanded with stride 0."""
     batch, heads, n = q.shape[:3]
-    tables = [t.expand(batch, heads, *t.shape[2:]) for t in _window_tables(n, segment, block_m, block_n, q.device)]
+    tables = [t.expand(batch, heads, *t.shape[2:]) for t in window_tables(n, segment, block_m, block_n, q.device)]
     return BlockPlan(block_m=block_m, block_n=block_n, tile_offsets=tables[0], tile_counts=tables[1],
                      masked_counts=tables[2])
 
@@ -370,7 +370,7 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
     """``execute_plan`` for S2O's plans, in O(N) extra memory.
 
     On the kernels, two passes: the plan's masked tiles are each block's own-segment keys, run as the causal
-    triangle of every segment in the original query order (``_window_tables``), writing each row's log2-sum-exp2;
+    triangle of every segment in the original query order (``window_tables``), writing each row's log2-sum-exp2;
     then the ranked-prefix walk (the plan's unmasked tiles, early stop) resumes from that state. Its visited counts
     are the tiles the two passes computed. With sorted queries a block's rows spread over its whole segment, so in
     one pass it would visit the segment's full square of tiles, every score masked by position; the triangle holds
