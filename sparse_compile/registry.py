@@ -55,10 +55,12 @@ class Method:
     name          what ``SparseConfig(method=...)`` and ``sparsity(method=...)`` take; also the keyword of its
                   parameters (``SparseConfig(pbs={...})``).
     params        its parameters: a frozen dataclass deriving from ``config.MethodParams``.
-    select        reference select stage ``fn(q, k, scale, reordering, config) -> BlockPlan`` (the specification).
-    reorder       reference reorder stage ``fn(q, k, scale, config) -> Reordering``, or None (keys in order).
+    select        reference select stage ``fn(q, k, scale, reordering, params) -> BlockPlan`` (the specification);
+                  ``params`` is the method's own parameters (an instance of ``params``), never the configuration.
+    reorder       reference reorder stage ``fn(q, k, scale, params) -> Reordering`` (its method's parameters), or
+                  None (keys in order).
     fast_select / fast_reorder   GPU twins with the same signature and the same plans, or None.
-    execute       the method's own executor ``fn(q, k, v, plan, scale, config, *, kernel, return_visited)`` when
+    execute       the method's own executor ``fn(q, k, v, plan, scale, params, *, kernel, return_visited)`` when
                   ``plan.execute_plan`` alone would not do (S2O runs its plans in segment chunks), or None.
     select_after  reorder stages (besides its own) that its selector accepts, e.g. ``("none", "pbs")``.
     density       the knob that sets its density (benchmarks calibrate it).

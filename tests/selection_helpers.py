@@ -46,6 +46,11 @@ def _config(reorder, select, params=SMALL, **kw):
     return SparseConfig(method="pbs", reorder=reorder, select=select, **params, **kw)
 
 
+def stage_params(config, stage: str):
+    """What a reorder stage receives: its method's parameters (None for ``"none"``, which keeps keys in order)."""
+    return None if stage == "none" else config.params_of(stage)
+
+
 def structured_qk(batch, heads_q, heads_kv, n_q, n_k, dim, block, *, seed=0, dtype=torch.float32, device="cpu"):
     """Inputs with the structure selection reacts to (random inputs make every block look alike).
 

@@ -317,17 +317,17 @@ def test_gpu_s2o_keys_gathered_in_place_agree_with_copies():
     assert A.reads_keys_in_place(q, k, v, plan.tile_offsets, block_m=128, block_n=128, key_index=plan.key_index,
                                  query_index=plan.query_index, early_stop=plan.early_stop)
     before = A.BACKEND_CALLS["hopper"]
-    gathered, gathered_visited = execute_s2o(q, k, v, plan, scale, config, return_visited=True)
+    gathered, gathered_visited = execute_s2o(q, k, v, plan, scale, config.params_of("s2o"), return_visited=True)
     assert A.BACKEND_CALLS["hopper"] == before + 2, A._HOPPER_FAILED  # the window pass, then one walk: no chunks
     # (copy_bytes_floor=0: a list this short would otherwise be copied in one piece)
-    copied, copied_visited = execute_s2o(q, k, v, plan, scale, config, return_visited=True, key_mode="copy",
+    copied, copied_visited = execute_s2o(q, k, v, plan, scale, config.params_of("s2o"), return_visited=True, key_mode="copy",
                                          copy_bytes_floor=0)
     assert A.BACKEND_CALLS["hopper"] > before + 2  # the copies run in segment chunks
     _assert_close(gathered, copied, torch.bfloat16, "gathered vs copied keys")
     assert (gathered_visited == copied_visited).float().mean().item() > 0.99
     assert int(gathered_visited.sum()) < int(plan.tile_counts.sum())  # the walks stopped early
     # the window pass against one pass over the plan (the masked squares in the walk): same output, same stops
-    one, one_visited = execute_s2o(q, k, v, plan, scale, config, return_visited=True, window_pass=False)
+    one, one_visited = execute_s2o(q, k, v, plan, scale, config.params_of("s2o"), return_visited=True, window_pass=False)
     _assert_close(gathered, one, torch.bfloat16, "window pass vs one pass")
     window_counts = s2o.window_tables(N, 256, 128, 128, q.device)[1]
     masked = torch.minimum(plan.masked_counts, plan.tile_counts)

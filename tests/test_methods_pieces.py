@@ -84,7 +84,7 @@ def test_pbs_importance_matches_brute_force():
 def test_pbs_reorder_sorts_inside_segments_only():
     q, k, _ = random_qkv(1, 2, 2, 100, 100, 8, dtype=torch.float64)
     config = _config("pbs", "pbs")
-    r = reorder_pbs(q, k, 0.35, config)
+    r = reorder_pbs(q, k, 0.35, config.params_of("pbs"))
     s = pbs_key_importance(q, k, 0.35, 16)
     ki = r.key_index.long()
     assert r.segment_size == 32 and r.key_index.dtype == torch.int32
@@ -282,7 +282,7 @@ def test_s2o_reorder_matches_algorithm_1():
     B, Hq, Hkv, N, D, S = 1, 4, 2, 150, 8, 64
     q, k, _ = random_qkv(B, Hq, Hkv, N, N, D, dtype=torch.float64)
     config = _config("s2o", "s2o")
-    r = reorder_s2o(q, k, 1.0, config)
+    r = reorder_s2o(q, k, 1.0, config.params_of("s2o"))
     lay = r.extras["layout"]
     assert lay.seg_len == (64, 64, 22) and lay.intra_pad == (64, 64, 32) and lay.prefix_len == (0, 64, 128)
     assert lay.base == (0, 64, 192) and lay.length == 352 == r.key_index.shape[-1]
@@ -361,7 +361,7 @@ def test_s2o_chunks_ignore_what_unlisted_tile_entries_hold():
         padded = plan if filler is None else plan.with_options(tile_offsets=torch.where(listed, plan.tile_offsets,
                                                             torch.full_like(plan.tile_offsets, filler)))
         whole, visits = execute_plan(q, k, v, padded, None, kernel="reference", return_visited=True)
-        chunked, chunked_visits = s2o.execute_s2o(q, k, v, padded, None, config, kernel="reference",
+        chunked, chunked_visits = s2o.execute_s2o(q, k, v, padded, None, config.params_of("s2o"), kernel="reference",
                                                   return_visited=True, list_budget=0.5, copy_bytes_floor=0)
         torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
         assert torch.equal(chunked_visits, visits)
@@ -380,10 +380,10 @@ def test_s2o_copies_a_list_in_one_piece_while_it_fits_the_floor(monkeypatch):
     calls = []
     real = s2o.execute_plan
     monkeypatch.setattr(s2o, "execute_plan", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    whole = s2o.execute_s2o(q, k, v, plan, None, config, kernel="reference")
+    whole = s2o.execute_s2o(q, k, v, plan, None, config.params_of("s2o"), kernel="reference")
     assert len(calls) == 1
     row_bytes = 1 * 1 * (16 + 16) * 4  # batch x KV heads x (Dk + Dv) x fp32
-    chunked = s2o.execute_s2o(q, k, v, plan, None, config, kernel="reference",
+    chunked = s2o.execute_s2o(q, k, v, plan, None, config.params_of("s2o"), kernel="reference",
                               copy_bytes_floor=row_bytes * plan.key_index.shape[-1] // 2)
     assert len(calls) > 2
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
@@ -400,12 +400,12 @@ def test_s2o_runs_in_segment_chunks_with_the_same_result(kernel):
                                                       early_stop=0.02))
     plan = build_plan(q, k, None, config)
     whole, visits = execute_plan(q, k, v, plan, None, kernel=kernel, return_visited=True)
-    chunked, chunked_visits = s2o.execute_s2o(q, k, v, plan, None, config, kernel=kernel, return_visited=True,
+    chunked, chunked_visits = s2o.execute_s2o(q, k, v, plan, None, config.params_of("s2o"), kernel=kernel, return_visited=True,
                                               list_budget=0.5, copy_bytes_floor=0)  # many chunks
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
     if kernel == "triton":  # the kernels run the masked squares as each segment's causal triangle
         window_counts = s2o.window_tables(200, 64, 16, 16, q.device)[1]
         visits = visits - plan.masked_counts.repeat_interleave(2 // plan.masked_counts.shape[1], 1) + window_counts
     assert torch.equal(chunked_visits, visits)
-    exact = s2o.execute_s2o(q, k, v, build_plan(q, k, None, config.keep_all()), None, config, kernel=kernel)
+    exact = s2o.execute_s2o(q, k, v, build_plan(q, k, None, config.keep_all()), None, config.params_of("s2o"), kernel=kernel)
     assert rel_error(exact, dense_reference(q, k, v)) < 1e-5

@@ -155,7 +155,7 @@ def test_the_planned_spans_are_bounded_by_the_prompt_and_never_exceed_the_span_a
     # the reference planner lays S2O's key list out with it
     q, k, _ = _inputs(200)
     config = SparseConfig(method="s2o", s2o={"segment_size": MAX_SPAN})
-    reordering = methods.s2o.reorder_s2o(q, k, 0.25, config)
+    reordering = methods.s2o.reorder_s2o(q, k, 0.25, config.params_of("s2o"))
     assert reordering.extras["layout"].segment == 256 and reordering.key_index.shape[-1] == 256
 
 

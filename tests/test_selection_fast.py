@@ -56,6 +56,7 @@ from selection_helpers import (
     reference_bfla_coarse,
     reference_bounds,
     structured_qk,
+    stage_params,
 )
 
 
@@ -69,15 +70,15 @@ def test_pbs_reorder_and_select_agree(dtype):
     q, k = structured_qk(B, Hq, Hkv, N, N, D, 16, seed=1, dtype=dtype)
     cfg = _config("pbs", "pbs")
     scale = 1 / math.sqrt(D)
-    r_ref = stage_functions("pbs", "pbs", False)[0](q, k, scale, cfg)
-    r_fast = pbs.reorder_pbs_fast(q, k, scale, cfg)
+    r_ref = stage_functions("pbs", "pbs", False)[0](q, k, scale, stage_params(cfg, "pbs"))
+    r_fast = pbs.reorder_pbs_fast(q, k, scale, cfg.params_of("pbs"))
     imp = pbs_key_importance(q.double(), k.double(), scale, cfg.params_of("pbs").block_size)
     assert r_fast.key_index.dtype == torch.int32 and r_fast.segment_size == r_ref.segment_size
     assert_order_agrees(r_fast.key_index, r_ref.key_index, imp, _pbs_segments(N, 32), "pbs key order")
     assert torch.equal(r_fast.key_index[..., (N // 32) * 32:], r_ref.key_index[..., (N // 32) * 32:])
     # stage-wise: the same reordering in, the same blocks out
-    p_fast = pbs.select_pbs_fast(q, k, scale, r_ref, cfg)
-    p_ref = stage_functions("pbs", "pbs", False)[1](q, k, scale, r_ref, cfg)
+    p_fast = pbs.select_pbs_fast(q, k, scale, r_ref, cfg.params_of("pbs"))
+    p_ref = stage_functions("pbs", "pbs", False)[1](q, k, scale, r_ref, cfg.params_of("pbs"))
     assert_plan_layout(p_fast, p_ref)
     check_plan(p_fast, q, k)
     if not plans_identical(p_fast, p_ref):
@@ -97,9 +98,9 @@ def test_sparge_select_agrees(reorder, shape):
     q, k = structured_qk(B, Hq, Hkv, Nq, Nk, D, 16, seed=2)
     cfg = _config(reorder, "sparge")
     scale = 1 / math.sqrt(D)
-    r = stage_functions(reorder, "pbs", False)[0](q, k, scale, cfg)
-    p_fast = sparge.select_sparge_fast(q, k, scale, r, cfg)
-    p_ref = stage_functions(reorder, "sparge", False)[1](q, k, scale, r, cfg)
+    r = stage_functions(reorder, "pbs", False)[0](q, k, scale, stage_params(cfg, reorder))
+    p_fast = sparge.select_sparge_fast(q, k, scale, r, cfg.params_of("sparge"))
+    p_ref = stage_functions(reorder, "sparge", False)[1](q, k, scale, r, cfg.params_of("sparge"))
     assert_plan_layout(p_fast, p_ref)
     check_plan(p_fast, q, k)
     if not plans_identical(p_fast, p_ref):
@@ -118,7 +119,7 @@ def test_bfla_select_agrees(reorder, score_scale):
     scale = 1 / math.sqrt(D)
     alpha = block_softmax_scale(cfg.params_of("bfla"), scale)  # the block softmax's scale (Eq. 9): None = scale / g
     assert alpha == (score_scale if score_scale is not None else scale / 8)
-    r = stage_functions(reorder, "pbs", False)[0](q, k, scale, cfg)
+    r = stage_functions(reorder, "pbs", False)[0](q, k, scale, stage_params(cfg, reorder))
     # coarse mass per query head: agreement up to ambiguous blocks
     coarse_fast = fast_bfla_coarse(q, k, alpha, r, cfg)
     coarse_ref = reference_bfla_coarse(q, k, alpha, r, cfg)
@@ -134,11 +135,11 @@ def test_bfla_select_agrees(reorder, score_scale):
                                      stride_seed=p.seed, random_rescue=p.random_rescue,
                                      random_seed=p.seed ^ bfla.RANDOM_SALT, key_tiles=tpos,
                                      segment=r.segment_size or 0)
-    p_ref = stage_functions(reorder, "bfla", False)[1](q, k, scale, r, cfg)
+    p_ref = stage_functions(reorder, "bfla", False)[1](q, k, scale, r, cfg.params_of("bfla"))
     for name, t in zip(("tile_offsets", "tile_counts", "masked_counts"), tables):
         assert torch.equal(t, getattr(p_ref, name)), name
     # and the whole fast stage
-    p_fast = bfla.select_bfla_fast(q, k, scale, r, cfg)
+    p_fast = bfla.select_bfla_fast(q, k, scale, r, cfg.params_of("bfla"))
     assert_plan_layout(p_fast, p_ref)
     check_plan(p_fast, q, k)
     if torch.equal(coarse_fast, coarse_ref):
@@ -153,8 +154,8 @@ def test_s2o_reorder_and_select_agree(sort_queries):
     cfg = _config("s2o", "s2o", params)
     q, k = structured_qk(B, Hq, Hkv, N, N, D, 16, seed=4)
     scale = 1 / math.sqrt(D)
-    r_ref = stage_functions("s2o", "s2o", False)[0](q, k, scale, cfg)
-    r_fast = s2o.reorder_s2o_fast(q, k, scale, cfg)
+    r_ref = stage_functions("s2o", "s2o", False)[0](q, k, scale, stage_params(cfg, "s2o"))
+    r_fast = s2o.reorder_s2o_fast(q, k, scale, cfg.params_of("s2o"))
     lay = r_ref.extras["layout"]
     assert r_fast.extras["layout"] == lay
     S, g = 64, len(lay.seg_len)
@@ -177,8 +178,8 @@ def test_s2o_reorder_and_select_agree(sort_queries):
             z = a + lay.intra_pad[n]
             assert_order_agrees(ki_f[..., z: z + n * S], ki_r[..., z: z + n * S], s_n, [(0, n * S)],
                                 f"s2o prefix {n}")
-    p_fast = s2o.select_s2o_fast(q, k, scale, r_ref, cfg)
-    p_ref = stage_functions("s2o", "s2o", False)[1](q, k, scale, r_ref, cfg)
+    p_fast = s2o.select_s2o_fast(q, k, scale, r_ref, cfg.params_of("s2o"))
+    p_ref = stage_functions("s2o", "s2o", False)[1](q, k, scale, r_ref, cfg.params_of("s2o"))
     assert_plan_layout(p_fast, p_ref)
     assert plans_identical(p_fast, p_ref)
 
@@ -236,9 +237,9 @@ def test_keep_all_plans_identical(method):
     q, k = structured_qk(2, 4, 2, 100, 100, 8, 16, seed=6)
     cfg = _config(*PRESETS[method]).keep_all()
     scale = 1 / math.sqrt(8)
-    r = stage_functions(*PRESETS[method], False)[0](q, k, scale, cfg)
-    p_fast = stage_functions(*PRESETS[method], True)[1](q, k, scale, r, cfg)
-    p_ref = stage_functions(*PRESETS[method], False)[1](q, k, scale, r, cfg)
+    r = stage_functions(*PRESETS[method], False)[0](q, k, scale, stage_params(cfg, PRESETS[method][0]))
+    p_fast = stage_functions(*PRESETS[method], True)[1](q, k, scale, r, cfg.params_of(PRESETS[method][1]))
+    p_ref = stage_functions(*PRESETS[method], False)[1](q, k, scale, r, cfg.params_of(PRESETS[method][1]))
     assert_plan_layout(p_fast, p_ref)
     assert plans_identical(p_fast, p_ref)
 
@@ -313,9 +314,9 @@ def test_dispatch_and_config_switch(monkeypatch):
     q, k = structured_qk(1, 2, 1, 64, 64, 8, 16)
     calls = []
 
-    def spy(q, k, scale, r, config):
+    def spy(q, k, scale, r, params):
         calls.append("fast")
-        return stage_functions("pbs", "pbs", False)[1](q, k, scale, r, config)
+        return stage_functions("pbs", "pbs", False)[1](q, k, scale, r, params)
 
     import dataclasses
 
@@ -343,7 +344,7 @@ def test_dispatch_and_config_switch(monkeypatch):
     with pytest.raises(ValueError, match="CUDA"):
         build_plan(q, k, None, cfg, implementation="fast")
     # a method registered without a fast twin runs its reference stage on the fast path too
-    def custom(q, k, scale, r, config):
+    def custom(q, k, scale, r, params):
         raise NotImplementedError
 
     replaced = dataclasses.replace(pbs_spec, select=custom, fast_select=None)

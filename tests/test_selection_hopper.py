@@ -30,6 +30,7 @@ from selection_helpers import (
     reference_bfla_coarse,
     reference_bounds,
     structured_qk,
+    stage_params,
 )
 
 
@@ -162,8 +163,8 @@ def test_gpu_bf16_agreement(method, shape):
     q, k = structured_qk(B, Hq, Hkv, N, N, D, block, seed=9, dtype=torch.bfloat16, device=dev)
     cfg = SparseConfig(method=method)
     scale = 1 / math.sqrt(D)
-    r_ref = stage_functions(reorder, "pbs", False)[0](q, k, scale, cfg)
-    r_fast = stage_functions(reorder, "pbs", True)[0](q, k, scale, cfg)
+    r_ref = stage_functions(reorder, "pbs", False)[0](q, k, scale, stage_params(cfg, reorder))
+    r_fast = stage_functions(reorder, "pbs", True)[0](q, k, scale, stage_params(cfg, reorder))
     if reorder == "pbs":
         imp = pbs_key_importance(q.double(), k.double(), scale, cfg.params_of("pbs").block_size)
         segments = _pbs_segments(N, cfg.params_of("pbs").segment_size)
@@ -180,8 +181,8 @@ def test_gpu_bf16_agreement(method, shape):
             s_n = (qm[:, :, n, None, :] @ k.double().transpose(-1, -2)[..., : n * S])[..., 0, :]
             assert_order_agrees(r_fast.key_index[..., z: z + n * S], r_ref.key_index[..., z: z + n * S], s_n,
                                 [(0, n * S)], f"s2o prefix {n}")
-    p_ref = stage_functions(reorder, select, False)[1](q, k, scale, r_ref, cfg)
-    p_fast = stage_functions(reorder, select, True)[1](q, k, scale, r_ref, cfg)
+    p_ref = stage_functions(reorder, select, False)[1](q, k, scale, r_ref, cfg.params_of(select))
+    p_fast = stage_functions(reorder, select, True)[1](q, k, scale, r_ref, cfg.params_of(select))
     assert_plan_layout(p_fast, p_ref)
     check_plan(p_fast, q, k)
     if method in ("pbs", "sparge", "sampled", "peak") and not plans_identical(p_fast, p_ref):

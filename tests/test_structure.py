@@ -139,6 +139,15 @@ def test_kernels_import_nothing_from_the_package():
     assert {name: t for name, t in upward.items() if t} == {}
 
 
+def test_the_methods_import_nothing_from_the_configuration():
+    """A stage receives its own method's parameters, never the configuration: ``methods/`` stays below
+    ``config.py`` (which reads the registry the methods fill)."""
+    graph = import_graph()
+    upward = {name: sorted(targets & {f"{PACKAGE}.config", f"{PACKAGE}.context", f"{PACKAGE}.site"})
+              for name, targets in graph.items() if name.startswith(f"{PACKAGE}.methods")}
+    assert {name: t for name, t in upward.items() if t} == {}
+
+
 def _code_mentions(path: Path, word: str) -> list[int]:
     """Lines where ``word`` occurs in code (names, attributes, strings that are not docstrings, imports)."""
     tree = ast.parse(path.read_text(), str(path))

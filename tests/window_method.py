@@ -31,8 +31,7 @@ class WindowParams(MethodParams):
             raise ValueError(f"WindowParams.window_blocks: must be >= 0, got {self.window_blocks}")
 
 
-def select_window(q: torch.Tensor, k: torch.Tensor, scale: float, reordering, config):
-    params = config.params_of("window")
+def select_window(q: torch.Tensor, k: torch.Tensor, scale: float, reordering, params: WindowParams):
     block = params.block_size
     batch, heads, num_queries, _ = q.shape
     num_keys = k.shape[2]

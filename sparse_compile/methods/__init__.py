@@ -1,9 +1,9 @@
 """The sparse methods, one module each, and ``build_plan``: reorder, then select, into one ``BlockPlan``.
 
 Each module (``pbs``, ``sparge``, ``bfla``, ``s2o``, and our own selectors ``sampled``, ``peak`` and ``antidiag``)
-declares
-its parameters, its stages and ends with one ``register_method(...)`` call (``registry.py``); importing it below is
-its one line here. A method registered from outside the package joins the same way.
+declares its parameters, its stages (each receives its own method's parameters, never the configuration) and ends
+with one ``register_method(...)`` call (``registry.py``); importing it below is its one line here. A method
+registered from outside the package joins the same way.
 ``build_plan(q, k, scale, config)`` runs ``config.reorder_stage`` then ``config.select_stage`` and returns the
 plan that ``plan.execute_plan`` runs. Everything here is exact PyTorch, vectorised over batch and heads,
 deterministic and free of host syncs; memory is O(N*D) plus block-level tables.
@@ -28,7 +28,6 @@ from typing import Callable, Optional
 
 import torch
 
-from ..config import SparseConfig
 from ..plan import BlockPlan, execute_plan
 from ..registry import NO_REORDER, check_stage_pair, method_spec
 from . import fast_path
@@ -45,7 +44,7 @@ from . import sparge  # noqa: F401,E402
 __all__ = ["build_plan", "execute", "Unsupported", "Reordering", "stage_functions"]
 
 
-def _no_reorder(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reordering:
+def _no_reorder(q: torch.Tensor, k: torch.Tensor, scale: float, params) -> Reordering:
     return Reordering(NO_REORDER)
 
 
@@ -91,7 +90,7 @@ def stage_functions(reorder: str, select: str, use_fast: bool) -> tuple[Callable
     return reorder_fn, select_fn
 
 
-def build_plan(q: torch.Tensor, k: torch.Tensor, scale: Optional[float], config: SparseConfig, *,
+def build_plan(q: torch.Tensor, k: torch.Tensor, scale: Optional[float], config, *,
                implementation: Optional[str] = None) -> BlockPlan:
     """Reorder then select: the ``BlockPlan`` of ``config``'s method for causal attention of ``q`` over ``k``.
 
@@ -110,15 +109,16 @@ def build_plan(q: torch.Tensor, k: torch.Tensor, scale: Optional[float], config:
         raise ValueError(f"build_plan: implementation must be 'auto', 'fast' or 'reference', got {impl!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     reorder_fn, select_fn = stage_functions(reorder, select, _use_fast(impl, q, k))
-    with torch.no_grad():
-        reordering = reorder_fn(q, k, scale, config)
-        return select_fn(q, k, scale, reordering, config)
+    with torch.no_grad():  # each stage receives its own method's parameters, nothing else of the configuration
+        reordering = reorder_fn(q, k, scale, None if reorder == NO_REORDER else config.params_of(reorder))
+        return select_fn(q, k, scale, reordering, config.params_of(select))
 
 
-def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: float, config: SparseConfig, *,
+def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: float, config, *,
             kernel: str, return_visited: bool = False):
     """``plan`` through its method's own executor (S2O: segment chunks), else ``plan.execute_plan``."""
     executor = method_spec(config.select_stage).execute
     if executor is not None:
-        return executor(q, k, v, plan, scale, config, kernel=kernel, return_visited=return_visited)
+        return executor(q, k, v, plan, scale, config.params_of(config.select_stage), kernel=kernel,
+                        return_visited=return_visited)
     return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited)

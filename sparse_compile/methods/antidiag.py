@@ -178,10 +178,9 @@ def antidiag_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: 
     return out
 
 
-def select_antidiag(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
+def select_antidiag(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, params) -> BlockPlan:
     if reordering.key_index is not None or reordering.query_index is not None:
         raise ValueError("the antidiag selector takes keys and queries in order (reorder 'none')")
-    params = config.params_of(AntidiagParams)
     keep_all = params.budget >= 1.0
     scores = None if keep_all else antidiag_tile_logits(q, k, scale, params.block_size, params.score_stride,
                                                         params.row_stride, params.antidiagonals,

@@ -189,8 +189,7 @@ def bfla_block_scores(q: torch.Tensor, k: torch.Tensor, block: int, group: int, 
     return out
 
 
-def select_bfla(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
-    params = config.params_of("bfla")
+def select_bfla(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, params) -> BlockPlan:
     batch, heads_q, num_queries, _ = q.shape
     heads_kv, num_keys = k.shape[1], k.shape[2]
     key_length = reordering.key_index.shape[-1] if reordering.key_index is not None else num_keys
@@ -233,7 +232,7 @@ def select_bfla(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reor
 
 
 # -- GPU fast path: the same plans from Triton kernels ----------------------------------------------------------
-def select_bfla_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
+def select_bfla_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, params) -> BlockPlan:
     """= ``select_bfla`` (flatten-g mass per query head, OR over the group, tile rescue), per KV head."""
     from ..kernels.bfla import bfla_block_scores as block_scores_fast
     from ..kernels.bfla import bfla_tiles
@@ -241,7 +240,6 @@ def select_bfla_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering:
     from ..kernels.pooling import block_pool
 
     check_selectable(reordering)
-    params = config.params_of("bfla")
     key_length = reordering.key_index.shape[-1] if reordering.key_index is not None else k.shape[2]
     coarse = planned_coarse_block(params, q.shape[2], key_length)
     tile_q, tile_k = params.tile_size_q, params.tile_size_kv

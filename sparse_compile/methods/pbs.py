@@ -114,7 +114,7 @@ def pbs_key_importance(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int
     return out
 
 
-def reorder_pbs(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reordering:
+def reorder_pbs(q: torch.Tensor, k: torch.Tensor, scale: float, params) -> Reordering:
     """Query-aware key permutation (PBS Sec. 3.3): keys sorted by descending importance inside segments of S.
 
     Segments are the first floor(Nk/S) * S keys (paper Sec. 3.2); the trailing Nk mod S keys keep their order.
@@ -122,15 +122,13 @@ def reorder_pbs(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reord
     GQA, permuting queries would cost per query head). Works for chunked prefill (Nq < Nk): segments are over
     the absolute key positions.
     """
-    params = config.params_of("pbs")
     num_keys = k.shape[2]
     importance = pbs_key_importance(q, k, scale, params.block_size)
     perm = segmented_argsort_desc(importance, params.segment_size, num_keys // params.segment_size)
     return Reordering("pbs", key_index=perm.to(torch.int32).contiguous(), segment_size=params.segment_size)
 
 
-def select_pbs(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
-    params = config.params_of("pbs")
+def select_pbs(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, params) -> BlockPlan:
     bs = params.block_size
     batch, heads_q, num_queries, _ = q.shape
     num_keys = k.shape[2]
@@ -151,22 +149,20 @@ def select_pbs(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reord
 
 
 # -- GPU fast path: the same plans from Triton kernels ----------------------------------------------------------
-def reorder_pbs_fast(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reordering:
+def reorder_pbs_fast(q: torch.Tensor, k: torch.Tensor, scale: float, params) -> Reordering:
     """= ``reorder_pbs``: importance of the last query block, keys sorted inside segments."""
     from ..kernels.pbs import pbs_key_permutation
 
-    params = config.params_of("pbs")
     perm = pbs_key_permutation(q, k, scale, params.block_size, params.segment_size)
     return Reordering("pbs", key_index=perm, segment_size=params.segment_size)
 
 
-def select_pbs_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
+def select_pbs_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, params) -> BlockPlan:
     """= ``select_pbs`` (MeanPooling block selection)."""
     from ..kernels.mass import MassRule, mass_select
     from ..kernels.pooling import block_pool, pooled_logits
 
     check_selectable(reordering)
-    params = config.params_of("pbs")
     bs = params.block_size
     grid = tile_grid(q, k, reordering, bs, bs)
     segment = reordering.segment_size or 0

@@ -107,8 +107,7 @@ def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int,
     return keep_nonfinite(out, q, k_in, block)  # the rows not sampled: a non-finite key or query element
 
 
-def select_peak(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
-    params = config.params_of(PeakParams)
+def select_peak(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, params) -> BlockPlan:
     keep_all = params.budget >= 1.0
     scores = None if keep_all else peak_tile_scores(q, k, scale, params.block_size, params.sample_every,
                                                     params.keep_first_block, scores_in_fp8(params, q))
@@ -116,12 +115,11 @@ def select_peak(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reor
 
 
 def select_peak_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering,
-                     config) -> BlockPlan:
+                     params) -> BlockPlan:
     """= ``select_peak``: the peaks from ``kernels.peak``, the ranking and the plan rows from ``kernels.budget``."""
     from ..kernels.peak import peak_tile_scores as peak_kernel
     from .fast_path import budget_plan
 
-    params = config.params_of(PeakParams)
     return budget_plan(lambda: peak_kernel(q, k, scale, params.block_size, params.sample_every,
                                            params.keep_first_block, scores_in_fp8(params, q)), q, k, reordering,
                        params, "peak")

@@ -146,7 +146,7 @@ def _rank_first_if_nonfinite(scores: torch.Tensor) -> torch.Tensor:
                                                                   device=scores.device))
 
 
-def reorder_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reordering:
+def reorder_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, params) -> Reordering:
     """S2O Algorithm 1 (intra-segment lightweight ranking), laid out as one logical key list for the plan.
 
     * Segments of S over the sequence; the last one may be shorter (it is treated like the others). S is
@@ -164,7 +164,6 @@ def reorder_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reord
     * Non-finite rows are left out of k_guide and q_mean; non-finite scores rank first (module docstring).
     Requires Nq == Nk (the paper's segments describe a full prefill).
     """
-    params = config.params_of("s2o")
     batch, heads_q, n, dim = _full_prefill_shape(q, k)
     heads_kv, S, bn = k.shape[1], planned_segment(params, n), params.block_size_kv
     group = heads_q // heads_kv
@@ -221,8 +220,7 @@ def reorder_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reord
     return Reordering("s2o", key_index=key_index, query_index=query_index, extras={"layout": layout})
 
 
-def select_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
-    params = config.params_of("s2o")
+def select_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, params) -> BlockPlan:
     layout = reordering.extras["layout"]
     bm, bn, S = params.block_size_q, params.block_size_kv, layout.segment
     batch, heads_q, n, _ = q.shape
@@ -271,7 +269,7 @@ def _s2o_width(n: int, segment: int, block_n: int):
     return layout, width
 
 
-def reorder_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> Reordering:
+def reorder_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, params) -> Reordering:
     """= ``reorder_s2o``: query sort inside segments, ranked causal prefixes, the logical key list.
 
     The layout, the ranking and the key list take ``planned_segment``; the pass over Q keeps the segment asked
@@ -283,7 +281,6 @@ def reorder_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> 
     from ..kernels.s2o import s2o_assemble, s2o_rank_keys
     from ..kernels.sorting import MAX_SEGMENT, segmented_argsort_desc as sort_in_segments
 
-    params = config.params_of("s2o")
     batch, heads_q, n, dim = _full_prefill_shape(q, k)
     heads_kv, S, bn = k.shape[1], planned_segment(params, n), params.block_size_kv
     layout, _ = _s2o_width(n, S, bn)
@@ -309,11 +306,10 @@ def reorder_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, config) -> 
     return Reordering("s2o", key_index=key_index, query_index=query_index, extras={"layout": layout})
 
 
-def select_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
+def select_s2o_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, params) -> BlockPlan:
     """= ``select_s2o``: intra-segment masked tiles, then the ranked prefix; early stop in the kernel."""
     from ..kernels.s2o import s2o_select
 
-    params = config.params_of("s2o")
     layout = reordering.extras["layout"]
     batch, heads_q, n, _ = q.shape
     heads_kv = k.shape[1]
@@ -364,7 +360,7 @@ def _window_plan(q: torch.Tensor, segment: int, block_m: int, block_n: int) -> B
                      masked_counts=tables[2])
 
 
-def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale, config, *,
+def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale, params, *,
                 kernel: str = "auto", return_visited: bool = False, key_mode: str = "auto",
                 window_pass: bool = True, list_budget: float = LIST_BUDGET, copy_bytes_floor: int = COPY_BYTES_FLOOR):
     """``execute_plan`` for S2O's plans, in O(N) extra memory.
@@ -387,7 +383,6 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
     """
     if key_mode not in ("auto", "copy"):
         raise ValueError(f"execute_s2o: key_mode must be 'auto' or 'copy', got {key_mode!r}")
-    params = config.params_of("s2o")
     passes = {}
     window_visits = None
     # a plan cut to a band (``plan.restrict_to_local``) lists band-cut tiles among its masked ones, which the window

@@ -149,8 +149,7 @@ def sampled_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: i
     return keep_nonfinite(out, q, k_in, block)  # the rows not sampled: a non-finite key or query element
 
 
-def select_sampled(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
-    params = config.params_of(SampledParams)
+def select_sampled(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, params) -> BlockPlan:
     keep_all = params.budget >= 1.0
     scores = None if keep_all else sampled_tile_logits(q, k, scale, params.block_size, params.sample_every,
                                                        scores_in_fp8(params, q), params.local_tiles,
@@ -160,13 +159,12 @@ def select_sampled(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: R
 
 # -- GPU fast path: the masses from a Triton kernel -------------------------------------------------------------
 def select_sampled_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering,
-                        config) -> BlockPlan:
+                        params) -> BlockPlan:
     """= ``select_sampled``: the masses from ``kernels.sampled`` (the selection's cost), the ranking and the plan
     rows from ``kernels.budget``."""
     from ..kernels.sampled import sampled_mass_logits
     from .fast_path import budget_plan
 
-    params = config.params_of(SampledParams)
     bs = params.block_size
     return budget_plan(lambda: sampled_mass_logits(q, k, scale, bs, bs, params.sample_every,
                                                    scores_in_fp8(params, q), params.local_tiles,

@@ -66,8 +66,7 @@ class SpargeParams(MethodParams):
                                     "pv_threshold": optional_field(finite_field(sign=-1))}
 
 
-def select_sparge(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
-    params = config.params_of("sparge")
+def select_sparge(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, params) -> BlockPlan:
     bm, bn = params.block_size_q, params.block_size_kv
     batch, heads_q, num_queries, _ = q.shape
     num_keys = k.shape[2]
@@ -91,13 +90,12 @@ def select_sparge(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Re
 
 
 # -- GPU fast path: the same plans from Triton kernels ----------------------------------------------------------
-def select_sparge_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, config) -> BlockPlan:
+def select_sparge_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, params) -> BlockPlan:
     """= ``select_sparge`` (self-similarity judge + TopCdf; P.V skip to the plan)."""
     from ..kernels.mass import MassRule, mass_select
     from ..kernels.pooling import block_pool, pooled_logits
 
     check_selectable(reordering)
-    params = config.params_of("sparge")
     bm, bn = params.block_size_q, params.block_size_kv
     grid = tile_grid(q, k, reordering, bm, bn)
     rule = MassRule(threshold=params.cdf_threshold, scale=scale, segment=reordering.segment_size or 0,
