@@ -35,10 +35,15 @@ a reason, and the site stays dense.
    lengths past ``MAX_EVAL_LENGTH``/``MAX_EVAL_ELEMENTS``: not proven.
 5. The check: the mask must equal the expected one at small lengths (``SMALL_LENGTHS``), around every bite (where a
    constant starts to matter), and at the two lengths past every bite; a cached prefix (kv_len's own symbol) at 5 keys
-   and as long as the queries; lengths the shape guards exclude are skipped. A mask whose key dim spells kv_len with
-   another symbol for the prefix (built once from layer 0's cache, met at a later layer sized by its own) gives that
-   symbol the prefix's value: SDPA's shape check makes them equal wherever the graph runs. A static mask too long to
-   evaluate at its own length is proven only when that length is itself past every bite. A bool mask keeps True; a float
+   and as long as the queries; lengths the shape guards exclude (every guard over the evaluated symbols) are skipped.
+   A mask whose key dim spells kv_len with another symbol (built once from layer 0's cache, met at a later layer
+   sized by its own; a sliding cache's ``window - 1 + q_len`` against k's ``cached + q_len``) gives that symbol the
+   value that makes them equal: SDPA's shape check (a bare symbol) or Dynamo's guard on that equality (any other
+   form) holds it wherever the graph runs. A size that sizes nothing and that the guards bound below (a sliding
+   cache's count of tokens seen, where its queries start) is evaluated at its lowest value, one above and ``n``
+   above at every point (``n`` above in the reach, so a constant it meets is a bite); at static lengths it is the
+   reach's only moving value. A static mask too long to evaluate at its own length is proven only when that length
+   is itself past every bite. A bool mask keeps True; a float
    mask keeps 0 and masks values at or below ``finfo.min / 2``. Query rows that see no key under the expected mask are
    not compared: every implementation leaves them undefined (transformers even unmasks them on CUDA).
 6. Padding values: 0/1 masks with left, right, random and no padding. Values other than 0 and 1 (-1, 2, 0.5, inf,
@@ -67,6 +72,8 @@ Soundness rests on these assumptions; nothing else is taken on trust:
   Length-dependent values combined with each other (``i`` with ``j``, the length with the positions) have the
   same pattern at every length. A pattern periodic in the length itself (``(n // c) % 2``) is checked around its
   breakpoints up to twice the largest.
+- A size the guards bound below moves the mask only where it meets a constant (as a length does); a cache's count
+  of tokens seen is only ever compared through the positions it starts.
 - Sizes that are not lengths (a dynamic batch) keep their traced values. The slice may use them to shape tensors
   and to count rows that index a tensor (``arange(batch)`` selecting the padding's rows); any other use of
   their value is not proven, so the mask's pattern cannot depend on them.
@@ -85,6 +92,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -701,8 +709,13 @@ class _Space:
     q_symbol: Any = None
     prefix_symbols: set = field(default_factory=set)  # kv_len's symbols other than q_len's (a cached prefix)
     tied: set = field(default_factory=set)  # symbols that take kv_len's value
-    aliases: dict = field(default_factory=dict)  # symbol -> the prefix symbol whose value it takes (_prefix_aliases)
+    aliases: dict = field(default_factory=dict)  # symbol -> the expression of lengths it equals (_prefix_aliases)
     ranges: dict = field(default_factory=dict)  # symbol -> (lowest, highest) value the shape guards allow
+    # symbols read by value that size nothing (a sliding cache's count of tokens seen: the queries' first position)
+    # -> the lower bounds the shape guards give them; each point tries the lowest value, one above it, and ``n``
+    # above it (``n``: the reach, so that a constant they meet is a bite)
+    offsets: dict = field(default_factory=dict)
+    guards: tuple = ()  # the shape guards over these symbols only: a point where one is false never runs
     # a static chunk over a symbolic cache (chunked prefill): q_len is the int nq at every call, and a length n is
     # the cached prefix, kv_len = nq + n, reached by giving kv_len's one symbol the value n + chunk_offset
     chunk_offset: Optional[int] = None
@@ -722,9 +735,10 @@ class _Space:
             return False
         return all(lo <= prefix <= hi for lo, hi in (self.ranges.get(s, (2, math.inf)) for s in self.prefix_symbols))
 
-    def point(self, n: int, prefix: int) -> tuple:
+    def point(self, n: int, prefix: int, extra: Optional[int] = None) -> tuple:
         """(sizes, batch, q_len, kv_len) with ``n`` queries (and a cached prefix of ``prefix`` keys); for a static
-        chunk, ``n`` cached keys before the chunk's queries."""
+        chunk, ``n`` cached keys before the chunk's queries. Offsets take their lowest value plus ``extra``
+        (default ``n``)."""
         if self.chunk_offset is not None:
             symbols = dict(self.base)
             for s in self.prefix_symbols:
@@ -740,41 +754,120 @@ class _Space:
             for s in self.prefix_symbols:
                 symbols[s] = prefix
             sizes = _Sizes(symbols=symbols)
-        for alias, prefix_symbol in self.aliases.items():
-            sizes.symbols[alias] = sizes.symbols[prefix_symbol]
+        for alias, value in self.aliases.items():
+            sizes.symbols[alias] = int(value.xreplace(sizes.symbols))
         n_q, n_k = sizes.value(self.nq), sizes.value(self.nk)
         for symbol in self.tied:
             sizes.symbols[symbol] = n_k
+        for symbol, bounds in self.offsets.items():
+            lowest = max(int(bound.xreplace(sizes.symbols)) for bound in bounds)
+            sizes.symbols[symbol] = lowest + (n if extra is None else extra)
         if n_k < n_q:
             raise _Unsupported(f"kv_len {self.nk} can be shorter than q_len {self.nq}")
         return sizes, self.batch, n_q, n_k
 
+    def extras(self, n: int) -> tuple:
+        """The offsets' values above their lowest that each point is checked at."""
+        return tuple(sorted({0, 1, n})) if self.offsets else (None,)
+
+    def admits(self, sizes: _Sizes) -> bool:
+        """Whether no shape guard over the evaluated symbols is false at ``sizes`` (undecided: admitted)."""
+        for guard in self.guards:
+            try:
+                value = guard.xreplace({s: sympy.Integer(v) for s, v in sizes.symbols.items()})
+            except Exception:  # noqa: BLE001 - a guard sympy cannot evaluate: the point stays
+                continue
+            if value is sympy.false:
+                return False
+        return True
+
     def keys_at(self, n: int) -> int:
         """The largest length (queries or keys) an evaluation at ``n`` runs at."""
+        if self.exact:  # n moves the offsets only
+            return self.nk
         return self.nq + n if self.chunk_offset is not None else n
 
     def elements(self, n: int) -> int:
+        if self.exact:
+            return self.batch * self.nq * self.nk
         if self.chunk_offset is not None:
             return self.batch * self.nq * (self.nq + n)
         return self.batch * n * (n + (n if self.prefix_symbols else 0))
 
 
-def _prefix_aliases(mask_keys: Any, nk: Any, lengths: set) -> dict:
-    """{a: b} where the mask's key dim is kv_len with its cached-prefix symbol b spelt as another symbol a. A
-    mask built once per forward from one layer's cache (transformers reads layer 0's length) meets a later layer
-    whose keys Dynamo sized from that layer's own cache: ``s53 + s81`` keys in the mask, ``s66 + s81`` in k. SDPA
-    takes a mask whose key dim is kv_len (or 1, which ``a + q_len >= 2`` rules out), so at every length the graph
-    runs at ``a == b``: an evaluation gives ``a`` the prefix's value."""
+def _prefix_aliases(mask_keys: Any, nk: Any, lengths: set, guards: list) -> dict:
+    """{a: e} where the mask's key dim is kv_len with one symbol a that is not a length, e an expression of the
+    lengths that a equals wherever the graph runs. A mask built once per forward from one layer's cache
+    (transformers reads layer 0's length) meets a later layer whose keys Dynamo sized from that layer's own cache:
+    ``s53 + s81`` keys in the mask, ``s66 + s81`` in k. A sliding cache sizes its mask ``window - 1 + q_len``
+    while k is ``cached + q_len``: ``s9 + s81 - 1`` against ``s53 + s81``, ``s9 = s53 + 1``. SDPA takes a mask
+    whose key dim is kv_len (or 1, which ``a + q_len >= 2`` rules out for a bare symbol), and Dynamo guards the
+    equality it traced (``Eq(s81 + s9 - 1, s53 + s81)``), required here for any other form: an evaluation gives
+    ``a`` that value."""
     if not isinstance(mask_keys, torch.SymInt) or not isinstance(nk, torch.SymInt):
         return {}
     others = _symbols(mask_keys) - lengths
     if len(others) != 1:
         return {}
     alias = next(iter(others))
-    for prefix_symbol in _symbols(nk) - _symbols(mask_keys):
-        if (mask_keys.node.expr.xreplace({alias: prefix_symbol}) - nk.node.expr).expand() == 0:
-            return {alias: prefix_symbol}
-    return {}
+    difference = sympy.expand(mask_keys.node.expr - nk.node.expr)
+    slope = difference.diff(alias)
+    if slope not in (1, -1):
+        return {}
+    value = sympy.expand(alias - difference / slope)  # the value of alias at which difference is 0
+    if alias in value.free_symbols or not value.free_symbols <= lengths:
+        return {}
+    bare = isinstance(value, sympy.Symbol) and value in _symbols(nk) - _symbols(mask_keys)
+    guarded = any(isinstance(g, sympy.Eq) and sympy.expand(g.lhs - g.rhs - difference) * sympy.expand(
+        g.lhs - g.rhs + difference) == 0 for g in guards)
+    return {alias: value} if bare or guarded else {}
+
+
+def _lower_bounds(symbol, guards: list, known: set, ranges: dict) -> list:
+    """Expressions of ``known`` symbols that the shape guards put ``symbol`` at or above (``s67 >= s9``: s9), from
+    the guards that relate it linearly to them; its range's lower end if finite. Empty: nothing bounds it below."""
+    bounds = []
+    lo = ranges.get(symbol)
+    if lo is not None and math.isfinite(lo):
+        bounds.append(sympy.Integer(int(lo)))
+    for guard in guards:
+        if not isinstance(guard, (sympy.Ge, sympy.Gt, sympy.Le, sympy.Lt, sympy.Eq)):
+            continue
+        if symbol not in guard.free_symbols or not guard.free_symbols <= known | {symbol}:
+            continue
+        try:
+            difference = sympy.expand(guard.lhs - guard.rhs)  # the guard: difference >= 0, > 0, <= 0, < 0 or == 0
+            slope = difference.diff(symbol)
+        except Exception:  # noqa: BLE001 - a guard with functions sympy cannot differentiate: no bound from it
+            continue
+        if not slope.is_Integer or slope == 0:
+            continue
+        rest = sympy.expand(difference - slope * symbol)
+        if symbol in rest.free_symbols:
+            continue
+        sign = -1 if isinstance(guard, (sympy.Le, sympy.Lt)) else 1
+        if isinstance(guard, sympy.Eq):
+            sign = 1 if slope > 0 else -1
+        elif sign * slope < 0:
+            continue  # an upper bound: a point past it fails the guards and is skipped
+        least = 1 if isinstance(guard, (sympy.Gt, sympy.Lt)) else 0  # sign * difference >= least
+        bounds.append(sympy.ceiling((least - sign * rest) / (sign * slope)))
+    return bounds
+
+
+def _guards(shape_env) -> list:
+    """The shape guards Dynamo installs for the graph, in the symbols the graph's sizes use (a guard recorded before
+    Dynamo replaced a symbol with an equal expression, ``s9 -> s53 + 1``, is read after the replacement)."""
+    if shape_env is None:
+        return []
+    replacements = dict(getattr(shape_env, "replacements", {}))
+    out = []
+    for guard in getattr(shape_env, "guards", ()):
+        try:
+            out.append(guard.expr.xreplace(replacements) if replacements else guard.expr)
+        except Exception:  # noqa: BLE001 - a guard that cannot be rewritten is not used
+            continue
+    return [g for g in out if isinstance(g, sympy.Basic) and not isinstance(g, sympy.logic.boolalg.BooleanAtom)]
 
 
 def _space(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set, mask_keys: Any = None) -> _Space:
@@ -797,10 +890,22 @@ def _space(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set, mask
                 # static q/k with a dynamic size elsewhere in the slice (a dynamic batch): its values live there
                 shape_env = d.node.shape_env
     length_symbols = _symbols(nq) | _symbols(nk) | set(tied_to_keys)
-    aliases = _prefix_aliases(mask_keys, nk, length_symbols)
+    guards = _guards(shape_env)
+    aliases = _prefix_aliases(mask_keys, nk, length_symbols, guards)
     length_symbols |= set(aliases)
+    offsets: dict = {}
+    batch_guess = q.shape[0] if isinstance(q.shape[0], int) else 1
+    static_long = isinstance(nq, int) and isinstance(nk, int) and batch_guess * nq * nk > EXACT_ELEMENTS
+    if not static_long:  # a long static mask substitutes literals for lengths: its offsets stay at their values
+        ranges_of = {s: _bound(r.lower, -math.inf) for s, r in getattr(shape_env, "var_to_range", {}).items()}
+        for s in all_symbols - length_symbols - _shape_symbols(nodes, q, k):
+            bounds = _lower_bounds(s, guards, length_symbols, ranges_of)
+            if bounds:
+                offsets[s] = bounds
+    evaluated = length_symbols | set(offsets)
+    checks = tuple(g for g in guards if g.free_symbols and g.free_symbols <= evaluated)
     base: dict = {}
-    for s in all_symbols - length_symbols:
+    for s in all_symbols - evaluated:
         hint = _hint(s, shape_env)
         if hint is None:
             raise _Unsupported(f"no example value for the size {s}")
@@ -808,12 +913,13 @@ def _space(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set, mask
     batch_traced = q.shape[0]
     batch = batch_traced if isinstance(batch_traced, int) else _Sizes(symbols=base).value(batch_traced)
     if isinstance(nq, int) and not isinstance(nk, int):
-        return _chunk_space(nq, nk, batch, base, shape_env, tied_to_keys, aliases)
+        return _chunk_space(nq, nk, batch, base, shape_env, tied_to_keys, aliases, offsets, checks)
     if isinstance(nq, int):
         if nq > nk:
             raise _Unsupported(f"static q_len {nq} > kv_len {nk}: mask not analysed")
         if batch * nq * nk <= EXACT_ELEMENTS:
-            return _Space(static=True, exact=True, nq=nq, nk=nk, batch=batch, base=base)
+            return _Space(static=True, exact=True, nq=nq, nk=nk, batch=batch, base=base, offsets=offsets,
+                          guards=checks)
         if nq != nk:
             raise _Unsupported(f"static q_len {nq} != kv_len {nk} (prefill with a cache): mask not analysed")
         if batch in {nq + d for d in range(-2, 3)}:
@@ -831,11 +937,22 @@ def _space(nodes: set, q: torch.Tensor, k: torch.Tensor, tied_to_keys: set, mask
         ranges[s] = (lo, hi)
     return _Space(static=False, exact=False, nq=nq, nk=nk, batch=batch, base=base, q_symbol=next(iter(q_syms)),
                   prefix_symbols=_symbols(nk) - q_syms - set(tied_to_keys), tied=set(tied_to_keys), ranges=ranges,
-                  aliases=aliases)
+                  aliases=aliases, offsets=offsets, guards=checks)
+
+
+def _shape_symbols(nodes: set, q: torch.Tensor, k: torch.Tensor) -> set:
+    """The symbols in the shape of q, k or a tensor of the slice."""
+    found: set = set()
+    values = [q, k] + [example_value(node) for node in nodes]
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            for d in value.shape:
+                found |= _symbols(d)
+    return found
 
 
 def _chunk_space(nq: int, nk: Any, batch: int, base: dict, shape_env, tied_to_keys: set,
-                 aliases: dict) -> _Space:
+                 aliases: dict, offsets: dict, guards: tuple) -> _Space:
     """A static chunk of ``nq`` queries over ``nk`` keys, one symbol ``s`` plus a constant (``s + c``: a cache
     that grows between calls): every length the graph runs at is ``nq`` queries after some cached prefix."""
     symbols = _symbols(nk)
@@ -854,7 +971,8 @@ def _chunk_space(nq: int, nk: Any, batch: int, base: dict, shape_env, tied_to_ke
     for tied in tied_to_keys:
         ranges[tied] = (2, math.inf)
     return _Space(static=False, exact=False, nq=nq, nk=nk, batch=batch, base=base, prefix_symbols={symbol},
-                  tied=set(tied_to_keys), ranges=ranges, chunk_offset=nq - at_zero, aliases=aliases)
+                  tied=set(tied_to_keys), ranges=ranges, chunk_offset=nq - at_zero, aliases=aliases, offsets=offsets,
+                  guards=guards)
 
 
 def _bound(value: Any, default: float) -> float:
@@ -922,6 +1040,8 @@ def _reach(gm: fx.GraphModule, ordered: list, mask: fx.Node, space: _Space, inpu
         for n in (n_a, n_b):
             ops: dict = {}
             sizes, batch, n_q, n_k = space.point(n, n)
+            if not space.admits(sizes):
+                raise _Unsupported(f"the shape guards do not allow evaluating the mask at {n} tokens")
             try:
                 _evaluate(gm, ordered, mask, sizes, inputs_for(batch, n_q, n_k, None),
                           observe=lambda node, args, kwargs: ops.__setitem__(node, _operands(node, args, kwargs)))
@@ -952,8 +1072,13 @@ def _points(gm: fx.GraphModule, ordered: list, mask: fx.Node, space: _Space, inp
             local: Local = CAUSAL) -> list:
     """Every (sizes, batch, q_len, kv_len) the mask is checked at; ``local``'s window and chunk are bites too (the
     expected mask changes where they start to matter, and the lengths past every bite are past them)."""
-    if space.exact:
+    if space.exact and not space.offsets:
         return [space.point(space.nq, 0)]
+    if space.exact:  # the traced sizes at every offset: n is the offsets' value above their lowest
+        n_a, n_b, bites = _reach(gm, ordered, mask, space, inputs_for, FIRST_LENGTH)
+        extras = {0, 1, 2, 3, n_a, n_b} | {int(b.length) + d for b in bites if b.length < n_a for d in range(-2, 4)}
+        points = [space.point(space.nq, 0, extra) for extra in sorted(e for e in extras if e >= 0)]
+        return [p for p in points if space.admits(p[0])]
     widths = [w for w in (local.window, local.chunk) if w]
     first = max([FIRST_LENGTH] + [_odd(REACH_FACTOR * w + REACH_MARGIN) for w in widths])
     n_a, n_b, bites = _reach(gm, ordered, mask, space, inputs_for, first)
@@ -972,14 +1097,14 @@ def _points(gm: fx.GraphModule, ordered: list, mask: fx.Node, space: _Space, inp
     for bite in bites:
         if bite.length < n_a:
             lengths |= {int(bite.length) + d for d in range(-2, 4)}
-    points = []
     if space.chunk_offset is not None:  # n is the cached prefix: none at all too, and a single key
-        return [space.point(n, n) for n in sorted(lengths | {0, 1}) if space.allows(n, n)]
-    for n in sorted(lengths):
-        for prefix in ((SMALL_PREFIX, n) if space.prefix_symbols else (0,)):
-            if n >= 2 and space.allows(n, prefix):
-                points.append(space.point(n, prefix))
-    return points
+        wanted = [(n, n, extra) for n in sorted(lengths | {0, 1}) if space.allows(n, n) for extra in space.extras(n)]
+    else:
+        wanted = [(n, prefix, extra) for n in sorted(lengths) if n >= 2
+                  for prefix in ((SMALL_PREFIX, n) if space.prefix_symbols else (0,)) if space.allows(n, prefix)
+                  for extra in space.extras(n)]
+    points = [space.point(*w) for w in wanted]
+    return [p for p in points if space.admits(p[0])]
 
 
 def analyse_mask(gm: fx.GraphModule, site: fx.Node, mask: fx.Node, q: torch.Tensor,

@@ -18,6 +18,8 @@ package's own reference.
   prompt length +-1 under left, right, hole-y and one-token padding; static-cache ``generate()`` on Llama-4,
   Cohere2, Phi-3 and Gemma-2 without soft-capping, with windows shorter than and around the prompt; chunked prefill
   over a user-made StaticCache; CPU bf16 autocast; ``sparsity(enabled=False)`` / ``skip_layers`` keep the window.
+* compiled: chunked prefill over a DynamicCache's sliding layers (every chunk sparse), Llama-4's real chunk size
+  (past the proof's reach: dense, counted with the reason).
 
 Every local layer must be counted sparse with its ``Local`` named, every dense call with its reason.
 """
@@ -555,7 +557,7 @@ def test_front_door_skip_layers_and_disabled_regions_keep_the_window():
                     assert path == "sparse" and "sliding window 8" in reason, reason
 
 
-# -- silent dense paths of the compiled path (named in the compile records only, absent from runtime_stats) --------
+# -- the compiled path: a chunk size past the proof's reach, chunked prefill over a sliding cache ----------------
 def _rewrite_records(model, *calls):
     records = []
 
@@ -571,11 +573,7 @@ def _rewrite_records(model, *calls):
     return records, outs
 
 
-@pytest.mark.xfail(strict=True, reason="Llama-4's real attention_chunk_size (8192) is past the proof's reach "
-                   "(masks.MAX_EVAL_LENGTH 8448: proving it evaluates the mask at 16,403 tokens): its chunked layers "
-                   "compile to plain SDPA, not rewritten, and run uncounted in runtime_stats() (the reason is in the "
-                   "compile records only); the front door runs them sparse")
-def test_compiled_llama4_with_its_real_chunk_size_runs_its_chunked_layers_sparse():
+def _llama4_real_chunks():
     T = transformers
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -585,6 +583,15 @@ def test_compiled_llama4_with_its_real_chunk_size_runs_its_chunked_layers_sparse
             intermediate_size_mlp=64, num_local_experts=1, no_rope_layers=[1, 0],
             layer_types=["chunked_attention", "full_attention"])).eval()
     model.set_attn_implementation("sdpa")
+    return model
+
+
+@pytest.mark.xfail(strict=True, reason="Llama-4's real attention_chunk_size (8192) is past the proof's reach "
+                   "(masks.MAX_EVAL_LENGTH 8448: proving it evaluates the mask past two chunks, at 16,403 tokens): "
+                   "its chunked layers compile to plain SDPA, counted dense with that reason (the next test); the "
+                   "front door runs them sparse")
+def test_compiled_llama4_with_its_real_chunk_size_runs_its_chunked_layers_sparse():
+    model = _llama4_real_chunks()
     ids, mask = left_padded()
     records, (out,) = _rewrite_records(model, lambda m: m(ids, attention_mask=mask).logits)
     with torch.no_grad():
@@ -594,17 +601,36 @@ def test_compiled_llama4_with_its_real_chunk_size_runs_its_chunked_layers_sparse
     assert all(r.rewritten for r in records), [(r.site, r.reason) for r in records if not r.rewritten]
 
 
-@pytest.mark.xfail(strict=True, reason="compiled chunked prefill over a DynamicCache: from the second chunk on a "
-                   "sliding layer's mask is not proven (masks: 'the mask computes with the size sN (q_arange), which "
-                   "is not a length'): plain SDPA, uncounted in runtime_stats(); the front door runs such chunks sparse")
+def test_compiled_llama4_with_its_real_chunk_size_counts_its_chunked_layers_dense_with_the_reason():
+    """What the chunked layers do meanwhile through the registered backend: plain SDPA, exact, each call counted
+    dense in runtime_stats() with the proof's reason, and one warning naming the site."""
+    model = _llama4_real_chunks()
+    ids, mask = left_padded()
+    compiled = torch.compile(model, backend="sparse_prefill", options=KEEP_ALL, dynamic=True)  # every length
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, ref = compiled(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-4, atol=1e-4)
+    stats = sparse_compile.runtime_stats()
+    chunked, full = stats["model.layers.0.self_attn"], stats["model.layers.1.self_attn"]
+    assert chunked.last_path == "dense" and "proving it would evaluate the mask at 16403 tokens" in \
+        chunked.last_reason and chunked.plain_sdpa, chunked.calls
+    assert full.last_path == "sparse", full.calls
+    named = [str(w.message) for w in caught if "model.layers.0.self_attn" in str(w.message)]
+    assert len(named) == 1 and "16403 tokens" in named[0], [str(w.message)[:200] for w in caught]
+
+
 def test_compiled_chunked_prefill_over_a_sliding_cache_runs_every_chunk_sparse():
+    """From the second chunk the mask's keys are ``window - 1 + q_len`` (a symbol Dynamo ties to the cache's length
+    by a guard) and its queries start at the cache's count of tokens seen (a size no tensor has)."""
     model = _one_layer("window", W)
-    ids = torch.randint(1, 128, (1, 40))
+    ids = torch.randint(1, 128, (1, 67))
 
     def chunked(m):
         cache, logits = None, []
-        for s in (0, 20):
-            out = m(ids[:, s:s + 20], past_key_values=cache, use_cache=True)
+        for s, e in ((0, 20), (20, 40), (40, 47), (47, 67)):
+            out = m(ids[:, s:e], past_key_values=cache, use_cache=True)
             cache, logits = out.past_key_values, logits + [out.logits]
         return torch.cat(logits, 1)
 
@@ -612,6 +638,36 @@ def test_compiled_chunked_prefill_over_a_sliding_cache_runs_every_chunk_sparse()
     with torch.no_grad():
         torch.testing.assert_close(out, chunked(model), rtol=1e-4, atol=1e-4)  # exact either way
     assert all(r.rewritten for r in records), [(r.site, r.reason) for r in records if not r.rewritten]
+    assert all("sliding window 8" in r.reason for r in records), [r.reason for r in records]
+
+
+def test_compiled_chunked_prefill_over_a_sliding_cache_counts_every_chunk_sparse():
+    """Through the registered backend, as users compile (default dynamic: equal chunks recompile once, the count
+    of tokens seen then symbolic and every size static); a Llama-4 chunked layer over the same cache (its chunks
+    start at absolute positions, not at the cache's first key) stays dense, counted with its reason."""
+    for kind in ("window", "chunk"):
+        torch._dynamo.reset()
+        sparse_compile.reset_runtime_stats()
+        model = _one_layer(kind, W)
+        ids = torch.randint(1, 128, (1, 80))
+
+        def chunked(m):
+            cache, logits = None, []
+            for s in range(0, 80, 20):
+                out = m(ids[:, s:s + 20], past_key_values=cache, use_cache=True)
+                cache, logits = out.past_key_values, logits + [out.logits]
+            return torch.cat(logits, 1)
+
+        compiled = torch.compile(model, backend="sparse_prefill", options=KEEP_ALL)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.testing.assert_close(chunked(compiled), chunked(model), rtol=1e-4, atol=1e-4)
+        ((site, stats),) = sparse_compile.runtime_stats().items()
+        if kind == "window":
+            assert set(stats.calls) == {("sparse", stats.last_reason)} and sum(stats.calls.values()) == 4, stats.calls
+        else:  # the first chunk (no cache) sparse, the others plain SDPA with the proof's reason
+            assert stats.plain_sdpa and all("not proven" in why for why in stats.plain_sdpa), stats.plain_sdpa
+            assert sum(n for (path, _), n in stats.calls.items() if path == "dense") == 3, stats.calls
 
 
 @needs_interface

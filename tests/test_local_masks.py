@@ -374,3 +374,120 @@ def test_proven_local_masks_run_equal_to_eager_with_every_padding(family):
             rows = torch.isfinite(ref).all(-1).all(1) & (am != 0)  # padded and keyless query rows: undefined
             torch.testing.assert_close(out.transpose(1, 2)[rows], ref.transpose(1, 2)[rows], rtol=1e-4, atol=1e-5)
     assert records and all(r.rewritten and EXACT[family](5).describe() in r.reason for r in records), records
+
+
+# -- over a sliding cache: positions from a count of tokens seen, keys sized by the cache's window ------------------
+SLIDING_EXACT = {"window_lt": lambda w: Local(window=w), "window_gt": lambda w: Local(window=w),
+                 "window_le": lambda w: Local(window=w + 1), "causal": lambda w: Local()}
+# a window or chunks in absolute positions, gone past a count of tokens seen, on its parity, as wide as the cache
+SLIDING_TRAPS = ("chunk_abs", "sink_abs", "window_until", "window_parity", "window_of_cache", "window_from_seen")
+
+
+@dataclass(frozen=True)
+class SlidingProgram:
+    family: str
+    width: int
+    limit: int  # window_until's count of tokens seen
+
+
+def sliding_mask(p: SlidingProgram, nq: int, seen: int, window: int) -> torch.Tensor:
+    """transformers' DynamicSlidingWindowLayer: once full (seen >= window) it holds window - 1 keys before the chunk
+    and the mask's keys start at seen - window + 1; queries at seen + i."""
+    if seen >= window:
+        offset, nk = max(seen - window + 1, 0), window - 1 + nq
+    else:
+        offset, nk = 0, seen + nq
+    i = torch.arange(nq)[:, None] + seen
+    j = torch.arange(nk)[None, :] + offset
+    w, causal = p.width, j <= i
+    count = i - i + seen  # the count as a tensor: compared by value inside the mask, never guarded on
+    keep = {"window_lt": lambda: causal & (i - j < w), "window_gt": lambda: causal & (j > i - w),
+            "window_le": lambda: causal & (i - j <= w), "causal": lambda: causal,
+            "chunk_abs": lambda: causal & (i // w == j // w), "sink_abs": lambda: causal & ((i - j < w) | (j < 2)),
+            "window_until": lambda: causal & ((i - j < w) | (count > p.limit)),
+            "window_parity": lambda: causal & ((i - j < w) | (count % 2 == 1)),
+            "window_of_cache": lambda: causal & (i - j < window),
+            "window_from_seen": lambda: causal & (i - j < w + (count > p.limit).long())}[p.family]()
+    return keep[None, None]
+
+
+class SlidingPrograms(nn.Module):
+    def __init__(self, programs):
+        super().__init__()
+        self.programs = programs
+
+    def forward(self, q, cached, seen, window):
+        k = torch.cat([cached, q], dim=-2)  # the cache's keys, then the chunk's
+        return [F.scaled_dot_product_attention(q, k, k, attn_mask=sliding_mask(p, q.shape[-2], seen, window))
+                for p in self.programs]
+
+
+def _sliding_programs(rng: random.Random) -> list:
+    programs = [SlidingProgram(f, rng.randint(2, 12), rng.randint(10, 90)) for f in SLIDING_EXACT for _ in range(2)]
+    return programs + [SlidingProgram(f, rng.randint(2, 12), rng.randint(10, 90)) for f in SLIDING_TRAPS
+                       for _ in range(2)]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_masks_over_a_sliding_cache_proven_with_the_right_widths_or_not_at_all(seed):
+    """The count of tokens seen is a size Dynamo traced (no tensor has it) and the mask's keys ``window - 1 +
+    q_len`` a symbol that only the shape guard ``window - 1 == cached`` ties to k. Every proof must hold at counts,
+    chunks and cache sizes it never evaluated; the windows must be proven with their widths, and the compiled
+    programs give eager's result at every call."""
+    rng = random.Random(seed)
+    programs = _sliding_programs(rng)
+    found = []
+
+    def backend(gm, example_inputs):
+        found.extend(call.mask for call in find_sdpa_calls(gm))
+        return gm.forward
+
+    model = SlidingPrograms(programs)
+    nq, window, seen = rng.randint(5, 30), rng.randint(3, 20), rng.randint(25, 60)
+    q = torch.randn(1, 2, nq, 16)
+    with torch.no_grad():
+        torch.compile(model, backend=backend, dynamic=True)(q, torch.randn(1, 2, window - 1, 16), seen, window)
+    assert len(found) == len(programs), found
+    grid = [(m, w, s) for m in (2, 3, 17, 64) for w in (3, 4, 9, 33) for s in (w, w + 1, w + 5, 2 * w + 3, 97, 400)]
+    for p, proof in zip(programs, found):
+        if isinstance(proof, NotProven):
+            assert p.family not in SLIDING_EXACT, (p, proof.reason)
+            continue
+        for m, w, s in grid:
+            got = sliding_mask(p, m, s, w).expand(1, 1, m, w - 1 + m)
+            want = expected_mask(proof.local, m, w - 1 + m, torch.ones(1, w - 1 + m, dtype=torch.long))
+            bad = ((got != want) & want.any(-1, keepdim=True)).nonzero()
+            assert not len(bad), f"{p}: proven {proof.local} but at q {m}, window {w}, seen {s} differs at {bad[0]}"
+        if p.family in SLIDING_EXACT:
+            assert proof.local == SLIDING_EXACT[p.family](p.width), (p, proof)
+    assert sum(isinstance(f, MaskMatch) for f in found) >= len(SLIDING_EXACT) * 2
+
+
+def test_masks_over_a_sliding_cache_compiled_equal_eager():
+    """The rewritten graph (keep-all) at counts, chunks and windows other than the traced ones: eager's result, a
+    trap dense; a count below the window takes the other branch (another graph) and stays exact too."""
+    from sparse_compile.rewrite import rewrite_graph
+    from helpers import SMALL
+    from sparse_compile import SparseConfig
+
+    programs = _sliding_programs(random.Random(5))
+    records = []
+
+    def backend(gm, example_inputs):
+        records.extend(rewrite_graph(gm, SparseConfig(method="pbs", **SMALL).keep_all()))
+        return gm.forward
+
+    model = SlidingPrograms(programs)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for nq, window, seen in ((20, 8, 20), (7, 8, 41), (33, 5, 300), (3, 12, 12), (9, 8, 4)):
+            q = torch.randn(1, 2, nq, 16)
+            cached = torch.randn(1, 2, window - 1 if seen >= window else seen, 16)
+            for dim in (0, 1, 3):
+                torch._dynamo.mark_static(q, dim)
+                torch._dynamo.mark_static(cached, dim)
+            for p, out, ref in zip(programs, compiled(q, cached, seen, window), model(q, cached, seen, window)):
+                rows = torch.isfinite(ref).all(-1)
+                torch.testing.assert_close(out[rows], ref[rows], rtol=1e-4, atol=1e-5, msg=lambda m: f"{p}: {m}")
+    proven = {p.family for p, r in zip(programs, records) if r.rewritten}
+    assert set(SLIDING_EXACT) <= proven, [(p, r.reason) for p, r in zip(programs, records) if not r.rewritten]
