@@ -176,7 +176,10 @@ class SparseConfig:
     skip_layers     attention sites left dense: an int is a layer index (the first integer in the module path,
                     e.g. ``model.layers.3.self_attn`` is layer 3), a str names whole components of the module path
                     (``"layers.1"`` skips ``model.layers.1.self_attn``, not ``model.layers.10.self_attn``).
-    kernel          "triton" (GPU), "reference" (PyTorch, any device) or "auto" (Triton on CUDA, else reference).
+    kernel          which kernel runs the plans: "auto" (on CUDA the Gluon Hopper kernel where it serves the call, the
+                    Triton kernel otherwise; elsewhere the reference), "triton" (the Triton kernel only: CUDA, or
+                    the CPU under ``TRITON_INTERPRET=1``) or "reference" (PyTorch, any device). The environment
+                    variable ``SPARSE_COMPILE_ATTENTION_BACKEND=triton`` makes "auto" skip the Hopper kernel too.
     planner         the reorder/select stages that build the plan: "fast" (Triton kernels, CUDA or the interpreter),
                     "reference" (PyTorch) or "auto" (fast on CUDA when Triton is there, else reference).
     record_density  measure each call's achieved density (costs a host sync; off by default).

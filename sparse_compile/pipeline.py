@@ -243,10 +243,10 @@ def attend_segments(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], con
     last positions of those keys (a fifth entry: AND a sliding window of that many keys), decided and recorded as a
     call of its own (a long prompt sparse, a decode token dense, each with its reason); rows in no sequence give
     zeros. Every dense sequence and every method plan a packed launch takes (``packed.joinable``) run together in
-    one launch (``packed.py``); the others (a binding window, a method with an executor of its own, a plan the
-    Hopper kernel serves) run one after another, as does every sequence with ``joined=False`` or dtypes the packed
-    executors lack (float32 on a GPU; float64 on the kernels). On the PyTorch reference (the CPU) only the method
-    plans join: dense sequences run SDPA each."""
+    one launch (``packed.py``; decode tokens beside larger plan blocks in a second: ``_run_packed``); the others (a
+    binding window, a method with an executor of its own, a plan the Hopper kernel serves) run one after another,
+    as does every sequence with ``joined=False`` or dtypes the packed executors lack (float32 on a GPU; float64 on
+    the kernels). On the PyTorch reference (the CPU) only the method plans join: dense sequences run SDPA each."""
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     kernel = _kernel_for(q, config)
     joined = joined and packed.executor(q, v, kernel)
@@ -272,31 +272,40 @@ def attend_segments(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], con
     return out
 
 
+SHORT_ROWS = 16  # dense sequences of at most this many queries (decode tokens) launch apart from larger plan blocks
+
+
 def _run_packed(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig, site: str,
                 waiting: list, kernel: str, out: Tensor, note: str) -> None:
-    """The packed launch of ``attend_segments``' waiting sequences, written into ``out``, each recorded. A plan of
-    another block size than the first, or every sequence where the launch's kernel fails to compile, runs alone."""
+    """The packed launch of ``attend_segments``' waiting sequences, written into ``out``, each recorded. Where the
+    method plans' query blocks are larger than ``SHORT_ROWS``, the dense sequences of at most that many queries
+    take a second launch of 16-row blocks (a decode token would fill one row of a 128-row block). A plan of another
+    block size than the first, or every sequence of a launch whose kernel fails to compile, runs alone."""
     sizes = next(((s.plan.block_m, s.plan.block_n) for s, _ in waiting if s.plan is not None), None)
-    together = [w for w in waiting if w[0].plan is None or (w[0].plan.block_m, w[0].plan.block_n) == sizes]
     alone = [w for w in waiting if w[0].plan is not None and (w[0].plan.block_m, w[0].plan.block_n) != sizes]
-    plan = packed.pack([s for s, _ in together], q.shape[1], k.shape[1], q.device)
+    short = [w for w in waiting if w[0].plan is None and w[0].q1 - w[0].q0 <= SHORT_ROWS < (sizes or (0,))[0]]
+    rest = [w for w in waiting if w not in alone and w not in short]
     value = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    visited = None
-    try:
-        with _without_autocast(q):
-            visited = packed.execute_packed(q, k, v, plan, value, kernel=kernel, out=out,
-                                            return_visited=config.record_density)
-    except Exception as exc:  # as in run_method: only a failed kernel compile runs the sequences alone
-        if _compile_failure(exc) is None:
-            raise
-        together, alone = [], waiting
-    for i, (s, outcome) in enumerate(together):
-        queries, keys = s.q1 - s.q0, s.k1 - s.k0
-        if visited is not None and s.plan is not None:
-            seen = packed.segment_visits(visited, plan, i, s.plan, queries, keys)
-            outcome = dataclasses.replace(outcome, density=report.density_from_visits(seen, s.plan, queries, keys,
-                                                                                      q.shape[1]))
-        _recorded(site, outcome, (q.shape[0], q.shape[1], queries, q.shape[-1]), note)
+    for together in (rest, short):
+        if not together:
+            continue
+        plan = packed.pack([s for s, _ in together], q.shape[1], k.shape[1], q.device)
+        try:
+            with _without_autocast(q):
+                visited = packed.execute_packed(q, k, v, plan, value, kernel=kernel, out=out,
+                                                return_visited=config.record_density)
+        except Exception as exc:  # as in run_method: only a failed kernel compile runs the sequences alone
+            if _compile_failure(exc) is None:
+                raise
+            alone += together
+            continue
+        for i, (s, outcome) in enumerate(together):
+            queries, keys = s.q1 - s.q0, s.k1 - s.k0
+            if visited is not None and s.plan is not None:
+                seen = packed.segment_visits(visited, plan, i, s.plan, queries, keys)
+                outcome = dataclasses.replace(outcome, density=report.density_from_visits(
+                    seen, s.plan, queries, keys, q.shape[1]))
+            _recorded(site, outcome, (q.shape[0], q.shape[1], queries, q.shape[-1]), note)
     for s, _ in alone:
         out[:, :, s.q0:s.q1] = attend(q[:, :, s.q0:s.q1], k[:, :, s.k0:s.k1], v[:, :, s.k0:s.k1], scale, config, site,
                                       QUERIES_LAST, chunked_allowed=True, note=note)
@@ -426,7 +435,8 @@ def run_band(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: Sp
     plan = local_plan(q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], block, block, device=q.device,
                       window=local.window, chunk=local.chunk)
     try:
-        result = execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=config.record_density)
+        result = execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=config.record_density,
+                              backend=_backend_for(config))
     except Exception as exc:  # as in run_method: only a failed kernel compile goes dense
         failure = _compile_failure(exc)
         if failure is None:
@@ -442,9 +452,16 @@ def run_band(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: Sp
 
 # -- the method: plan, execute, remember the density ------------------------------------------------------------
 def _kernel_for(q: Tensor, config: SparseConfig) -> str:
+    """The executor ``execute_plan`` takes: the kernels ("triton") or the PyTorch reference."""
     if config.kernel != "auto":
-        return config.kernel
+        return "reference" if config.kernel == "reference" else "triton"
     return "triton" if q.is_cuda else "reference"
+
+
+def _backend_for(config: SparseConfig) -> str:
+    """Which kernel serves a call on the kernels: ``kernel="triton"`` the Triton kernel only; "auto" the Gluon
+    Hopper kernel where it serves the call (``SPARSE_COMPILE_ATTENTION_BACKEND=triton`` overrides that)."""
+    return "triton" if config.kernel == "triton" else "auto"
 
 
 def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig,
@@ -482,7 +499,8 @@ def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
         defer = (defer and not plan_only and not banded and spec.execute is None
                  and packed.joinable(plan, q, k, v))
         if not plan_only and not defer:
-            result = methods.execute(q, k, v, plan, scale, config, kernel=kernel, return_visited=want_visits)
+            result = methods.execute(q, k, v, plan, scale, config, kernel=kernel, return_visited=want_visits,
+                                     backend=_backend_for(config))
             out, visited = result if want_visits else (result, None)
     except Unsupported as exc:
         return Outcome(DENSE, f"method {config.method}: {exc}")

@@ -60,8 +60,9 @@ class Method:
     reorder       reference reorder stage ``fn(q, k, scale, params) -> Reordering`` (its method's parameters), or
                   None (keys in order).
     fast_select / fast_reorder   GPU twins with the same signature and the same plans, or None.
-    execute       the method's own executor ``fn(q, k, v, plan, scale, params, *, kernel, return_visited)`` when
-                  ``plan.execute_plan`` alone would not do (S2O runs its plans in segment chunks), or None.
+    execute       the method's own executor ``fn(q, k, v, plan, scale, params, *, kernel, return_visited,
+                  backend)`` (``kernel`` and ``backend`` as ``plan.execute_plan`` takes them) when ``execute_plan``
+                  alone would not do (S2O runs its plans in segment chunks), or None.
     select_after  reorder stages (besides its own) that its selector accepts, e.g. ``("none", "pbs")``.
     density       the knob that sets its density (benchmarks calibrate it).
     keep_all      the parameter values that keep every causal block: with them the method is exact.

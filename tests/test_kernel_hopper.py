@@ -299,6 +299,24 @@ def test_gpu_hopper_backend_choices_and_fallbacks(monkeypatch):
 
 @gpu
 @hopper_gpu
+def test_gpu_the_configured_kernel_picks_the_backend():
+    """``SparseConfig(kernel="triton")`` runs the Triton kernel only; "auto" the Hopper kernel where it serves."""
+    import sparse_compile
+    from sparse_compile import SparseConfig
+
+    A = _attention_module()
+    q, k, v = random_qkv(1, 4, 2, 1024, 1024, 128, dtype=torch.bfloat16, device="cuda")
+    for kernel, backend in (("triton", "triton"), ("auto", "hopper")):
+        config = SparseConfig(min_seq_len=2, dense_when_faster=False, kernel=kernel).keep_all()
+        out = sparse_compile.sparse_attention(q, k, v, config=config)
+        assert A.last_backend == backend, kernel
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                                                enable_gqa=True)
+        _assert_close(out, ref, torch.bfloat16)
+
+
+@gpu
+@hopper_gpu
 def test_gpu_s2o_keys_gathered_in_place_agree_with_copies():
     """An S2O key list over 12 x N: the executor runs one call in which the Hopper kernel gathers the ranked keys
     in place (no permuted copies) and agrees with the segment chunks over copies (outputs, visited counts)."""
