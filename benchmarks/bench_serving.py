@@ -107,11 +107,18 @@ def batching(args, model, config, device) -> list:
     if args.smoke:
         cb.update(num_blocks=64)
     cb_config = transformers.ContinuousBatchingConfig(**cb)
-    contenders = {"sparse": config, "dense": config.keep_all() if args.dense == "keep_all" else None}
-    for held in contenders.values():  # untimed: the kernels' compilation and autotuning stay out of the timings
-        attend_with(model, held)
-        with torch.no_grad():
-            serve_batch(model, prompts[:2], cb_config)
+    # timed without record_density (a host sync per call); one untimed run of every request with it first: the
+    # density, and every shape the kernels compile and tune for, out of the timings
+    timed = config.replace(record_density=False)
+    contenders = {"sparse": timed, "dense": timed.keep_all() if args.dense == "keep_all" else None}
+    attend_with(model, config)
+    sparse_compile.reset_runtime_stats()
+    with torch.no_grad():
+        serve_batch(model, prompts, cb_config)
+    density = mean_density()
+    attend_with(model, contenders["dense"])
+    with torch.no_grad():
+        serve_batch(model, prompts[:2], cb_config)
     rows = []
     for rep in range(args.reps):
         for label in (["sparse", "dense"] if rep % 2 == 0 else ["dense", "sparse"]):  # alternated
@@ -127,7 +134,7 @@ def batching(args, model, config, device) -> list:
                                  ttft_ms=seconds * 1e3))
             rows.append(dict(scenario="batching", rep=rep, contender=contender, request="all", prompt=sum(lengths),
                              wall_ms=wall * 1e3, prefill_tok_s=sum(lengths) / wall, sparse_calls=calls["sparse"],
-                             dense_calls=calls["dense"], density=mean_density()))
+                             dense_calls=calls["dense"], density=density if label == "sparse" else None))
     return rows
 
 
@@ -233,6 +240,8 @@ def main() -> None:
 
     rows = []
     for length in args.lengths:
+        sparse_compile.enable_transformers_attention(model, config)  # the counted runs record densities
+        model.config._attn_implementation = "sdpa"
         ids = torch.randint(1, model.config.vocab_size, (1, length), device=device)
         contenders = {
             "dense one call": with_attention(model, "sdpa", lambda x: one_call(model, x)),
@@ -247,6 +256,9 @@ def main() -> None:
                 fn(ids)
             sync()
             per_run[label] = (calls_by_path(), mean_density())
+        # timed without record_density: its host sync per call would weigh on the chunked runs' many calls
+        sparse_compile.enable_transformers_attention(model, config.replace(record_density=False))
+        model.config._attn_implementation = "sdpa"
         memory = {}
         if device == "cuda":
             for label, fn in contenders.items():
