@@ -98,8 +98,8 @@ def pack(segments: Sequence[Segment], heads: int, kv_heads: int, device) -> Pack
     """Join the segments' plans into one ``PackedPlan`` (module docstring). Every method plan must share one block
     size (``pipeline`` runs the others on their own); dense segments take it, or, with none, 128-key tiles and query
     blocks of the longest segment's queries rounded up to a power of two (16 to 128). Host work is arithmetic on the
-    segments' bounds; the device work is one copy of the block table, the dense tiles' construction and one
-    concatenation of the method plans' tables."""
+    segments' bounds (a few numbers per block); the device builds the dense blocks' tiles and joins them with the
+    method plans' tables. No host sync."""
     plans = [s.plan for s in segments if s.plan is not None]
     if plans:
         block_m, block_n = plans[0].block_m, plans[0].block_n
@@ -134,12 +134,13 @@ def pack(segments: Sequence[Segment], heads: int, kv_heads: int, device) -> Pack
     width = max([int(total[dense].max()) if bool(dense.any()) else 1] + [p.tile_offsets.shape[-1] for p in plans])
     tables = ([], [], [])
     source = torch.nonzero(dense)[:, 0].tolist()  # the block behind each row of the tables, before sorting
-    if source:
-        masked = (total - full)[dense][:, None]
-        t = torch.arange(width)[None, :]
-        tile = torch.minimum(torch.where(t < masked, full[dense][:, None] + t, t - masked), total[dense][:, None] - 1)
-        for table, host in zip(tables, (tile * block_n + k0[which][dense][:, None], total[dense], masked[:, 0])):
-            table.append(host.to(torch.int32).to(device)[None, None].expand(1, table_heads, *host.shape))
+    if source:  # built where they run, from four numbers per block
+        full_d, total_d, first_d = (x[dense].to(device) for x in (full, total, k0[which]))
+        masked = (total_d - full_d)[:, None]
+        t = torch.arange(width, device=device)[None, :]
+        tile = torch.minimum(torch.where(t < masked, full_d[:, None] + t, t - masked), total_d[:, None] - 1)
+        for table, part in zip(tables, (tile * block_n + first_d[:, None], total_d, masked[:, 0])):
+            table.append(part.to(torch.int32)[None, None].expand(1, table_heads, *part.shape))
     positions = [[] for _ in segments]
     for r, owner in enumerate(range_plans):
         if owner is None:
@@ -153,13 +154,15 @@ def pack(segments: Sequence[Segment], heads: int, kv_heads: int, device) -> Pack
         positions[n] = torch.nonzero(which == r)[:, 0].tolist()
         source += positions[n]
     # longest last (the kernel starts there): by the keys a block's last row sees
-    order = sorted(range(len(source)), key=lambda j: int(p_hi[source[j]]))
-    where = {source[j]: i for i, j in enumerate(order)}
-    perm = torch.tensor(order, dtype=torch.int64, device=device)
-    offs, cnt, msk = (torch.cat(t, dim=2).index_select(2, perm).to(torch.int32).contiguous() for t in tables)
-    table = rows[torch.tensor([source[j] for j in order], dtype=torch.int64)].to(torch.int32).contiguous()
+    source = torch.tensor(source, dtype=torch.int64)
+    order = torch.argsort(p_hi[source], stable=True)
+    where = torch.empty_like(order)
+    where[source[order]] = torch.arange(order.numel())  # block -> its row in the sorted tables
+    offs, cnt, msk = (torch.cat(t, dim=2).index_select(2, order.to(device)).to(torch.int32).contiguous()
+                      for t in tables)
+    table = rows[source[order]].to(torch.int32).contiguous()
     return PackedPlan(block_m, block_n, offs, cnt, msk, table.to(device),
-                      positions=tuple(tuple(where[b] for b in mine) for mine in positions))
+                      positions=tuple(tuple(where[mine].tolist()) for mine in positions))
 
 
 def execute_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedPlan, scale: float, *,

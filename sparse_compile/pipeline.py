@@ -282,9 +282,13 @@ def _run_packed(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config:
     take a second launch of 16-row blocks (a decode token would fill one row of a 128-row block). A plan of another
     block size than the first, or every sequence of a launch whose kernel fails to compile, runs alone."""
     sizes = next(((s.plan.block_m, s.plan.block_n) for s, _ in waiting if s.plan is not None), None)
-    alone = [w for w in waiting if w[0].plan is not None and (w[0].plan.block_m, w[0].plan.block_n) != sizes]
-    short = [w for w in waiting if w[0].plan is None and w[0].q1 - w[0].q0 <= SHORT_ROWS < (sizes or (0,))[0]]
-    rest = [w for w in waiting if w not in alone and w not in short]
+    alone, rest, short = [], [], []
+    for w in waiting:
+        s = w[0]
+        if s.plan is not None:
+            (rest if (s.plan.block_m, s.plan.block_n) == sizes else alone).append(w)
+        else:
+            (short if s.q1 - s.q0 <= SHORT_ROWS < (sizes or (0,))[0] else rest).append(w)
     value = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     for together in (rest, short):
         if not together:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import sparse_compile
-from sparse_compile import SparseConfig, kernels, methods, packed, pipeline, serving
+from sparse_compile import SparseConfig, breakeven, kernels, methods, packed, pipeline, serving
 from sparse_compile.kernels.validate import expand_heads
 from sparse_compile.rules import prefill_length
 
@@ -82,6 +82,7 @@ def _both_paths(q, k, v, cq, ck, config):
     out = {}
     for joined in (True, False):
         sparse_compile.reset_runtime_stats()
+        breakeven.HISTORY.clear()  # each path decides from the same (empty) density history
         result = pipeline.attend_segments(q4, k4, v4, None, config, "varlen", segments, joined=joined)
         stats = sparse_compile.runtime_stats()["varlen"]
         out[joined] = (result[0].transpose(0, 1), dict(stats.calls), (stats.density_sum, stats.density_count))
@@ -173,6 +174,18 @@ def test_the_exact_tail_runs_inside_the_launch():
                                    atol=2e-5)
 
 
+def test_decode_tokens_beside_larger_blocks_take_a_launch_of_their_own(launches):
+    """Method blocks of 32 rows: the decode tokens and short chunks (at most 16 queries) run in 16-row blocks, a
+    second launch; the rest of the dense sequences join the method's."""
+    q, k, v, cq, ck = _packed(Q_LENS, K_LENS, 4, 2)
+    small = {**SMALL, "sampled": SMALL["sampled"].updated({"block_size": 32})}
+    config = SparseConfig(method="sampled", min_seq_len=MIN_LEN, kernel="triton", record_density=True, **small)
+    (joined, joined_calls, joined_density), (alone, alone_calls, alone_density) = _both_paths(q, k, v, cq, ck, config)
+    assert launches[0] == 2 + _long(Q_LENS, K_LENS)
+    torch.testing.assert_close(joined, alone, rtol=2e-6, atol=2e-6)
+    assert joined_calls == alone_calls and joined_density == pytest.approx(alone_density)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_the_reference_runs_the_joined_plan_on_the_cpu(dtype, launches):
     q, k, v, cq, ck = _packed(Q_LENS, K_LENS, 6, 2, dtype=dtype)
@@ -235,8 +248,11 @@ def test_the_packed_table_is_checked(launches):
 
 
 @gpu
+@pytest.mark.parametrize("backend", ["auto", "triton"])
 @pytest.mark.parametrize("method", ["sampled", "pbs"])
-def test_gpu_one_launch_matches_the_per_sequence_path_in_bfloat16(method):
+def test_gpu_one_launch_matches_the_per_sequence_path_in_bfloat16(method, backend, monkeypatch):
+    """bf16 at serving sizes; ``auto`` on sm_90 leaves the long prompts to the Hopper kernel, ``triton`` joins them."""
+    monkeypatch.setenv("SPARSE_COMPILE_ATTENTION_BACKEND", backend)
     q_lens = [0, 1, 4096, 3, 1000, 1, 77, 2048, 1]
     k_lens = [9, 1, 4096, 5000, 3000, 300, 77, 8192, 16000]
     q, k, v, cq, ck = _packed(q_lens, k_lens, 32, 8, d=128, dtype=torch.bfloat16, device="cuda")
