@@ -111,7 +111,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     (a whole prompt, a chunk over its cache, or one decode token). Each sequence is decided by the same rules as a
     call of its own and recorded as one in ``runtime_stats()`` (site ``"varlen_attention"``): long ones run the
     method, short ones and decode tokens dense, each with its reason. Returns ``(T_q, Hq, D)``. Reads the offsets on
-    the host once per call; sequences run one after another.
+    the host once per call; on the kernels the sequences then run in one launch (``sparse_compile/packed.py``;
+    docs/design.md, "Serving", says what runs apart).
     """
     lengths = _varlen_segments(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if config is not None and not isinstance(config, SparseConfig):

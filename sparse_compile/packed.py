@@ -69,14 +69,15 @@ class Segment:
     plan: Optional[BlockPlan] = None
 
 
-def joinable(plan: BlockPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def joinable(plan: BlockPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "auto") -> bool:
     """Whether a sequence's ``plan`` can run inside a joined launch: identity order, no early stop, P.V skip or band
-    (one launch has one of each: a dense sequence beside it would take them too), and, on a GPU, a plan the Gluon
-    Hopper kernel would not serve (it runs one sequence per launch, faster than the Triton kernel there)."""
+    (one launch has one of each: a dense sequence beside it would take them too), and, on a GPU with ``backend``
+    "auto", a plan the Gluon Hopper kernel would not serve (it takes one sequence per launch, and is the faster
+    kernel where it serves)."""
     if (plan.key_index is not None or plan.query_index is not None or plan.early_stop > 0
             or plan.pv_skip is not None or plan.has_band):
         return False
-    if not q.is_cuda:
+    if not q.is_cuda or backend == "triton":
         return True
     from .kernels.attention import hopper_serves
 

@@ -501,7 +501,7 @@ def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
         want_visits = config.record_density or (history_key is not None and plan.early_stop > 0)
         out = visited = None
         defer = (defer and not plan_only and not banded and spec.execute is None
-                 and packed.joinable(plan, q, k, v))
+                 and packed.joinable(plan, q, k, v, backend=_backend_for(config)))
         if not plan_only and not defer:
             result = methods.execute(q, k, v, plan, scale, config, kernel=kernel, return_visited=want_visits,
                                      backend=_backend_for(config))
