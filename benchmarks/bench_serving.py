@@ -13,16 +13,8 @@ transformers' continuous batching (``generate_batch``, one new token each) with 
 (``sparse_compile.serving_attention``; needs the ``kernels`` package and a transformers that accepts it) against
 the same model on ``--dense`` (``sdpa``: transformers' paged SDPA; ``keep_all``: the same route at keep-all, dense
 attention through the same kernels). Per request: TTFT (first token's timestamp minus the request's creation);
-per run: prefill tokens per second, sparse and dense call counts, density.
-
-``--scenario varlen``: the attention of one packed step alone (Llama-3.1-8B's heads, bf16), as continuous batching
-hands it to the kernel route: ``sparse_compile.varlen_attention``'s packed launch (every sequence decided on its own,
-the joinable ones in one kernel launch) against the per-sequence path (``pipeline.attend_segments(...,
-joined=False)``: one decision and one launch per sequence), on three mixes: ``decode`` (64 decode tokens over 1K-32K
-keys), ``mixed`` (two 8K chunks over long prefixes, four short prompts, 32 decode tokens) and ``prefill`` (four
-prompts of 16K-64K). Per row: milliseconds per call, sparse and dense call counts. On sm_90 the per-sequence path's
-long prompts run the Gluon Hopper kernel (the packed launch leaves them to it);
-``SPARSE_COMPILE_ATTENTION_BACKEND=triton`` times the Triton kernel alone.
+per run: prefill tokens per second, sparse and dense call counts, density. ``--scenario varlen``: one packed
+step's attention, the packed launch against the per-sequence loop (``varlen``).
 
 Contenders alternate in one loop (``harness.alternating_samples``); every row carries the sparse and dense call
 counts the run made (``runtime_stats()``, per forward pass of the whole prompt) and the mean density of the sparse
@@ -30,7 +22,6 @@ calls (``record_density``). Rows go to the store ``benchmarks/results/bench_serv
 
     python benchmarks/bench_serving.py --lengths 131072 --chunk 8192 --store      # GPU
     python benchmarks/bench_serving.py --scenario batching --requests 32 --store  # GPU
-    python benchmarks/bench_serving.py --scenario varlen --store                  # GPU
     python benchmarks/bench_serving.py --smoke                                    # CPU, toy sizes
 """
 
@@ -151,7 +142,15 @@ def varlen_mixes(smoke: bool, rng) -> dict:
 
 
 def varlen(args, config, device, dtype) -> list:
-    """``--scenario varlen`` (module docstring)."""
+    """``--scenario varlen``: the attention of one packed step alone (Llama-3.1-8B's heads, bf16), as continuous
+    batching hands it to the kernel route: ``pipeline.attend_segments``' packed launch (every sequence decided on its
+    own, the joinable ones in one kernel launch) against its per-sequence path (``joined=False``: one decision and
+    one launch per sequence), on three mixes (``varlen_mixes``): ``decode`` (64 decode tokens over 1K-32K keys),
+    ``mixed`` (two 8K chunks over long prefixes, four short prompts, 32 decode tokens) and ``prefill`` (four prompts
+    of 16K-64K). Per row: milliseconds per call, sparse and dense call counts. On sm_90 the long prompts' plans run
+    on the Gluon Hopper kernel in both (the packed launch leaves them to it); ``SPARSE_COMPILE_ATTENTION_BACKEND=
+    triton`` times the Triton kernel alone. ``python benchmarks/bench_serving.py --scenario varlen --store`` (GPU).
+    """
     import random
 
     from sparse_compile import pipeline
