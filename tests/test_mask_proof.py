@@ -29,15 +29,6 @@ from sparse_compile.rewrite import rewrite_graph
 pytestmark = pytest.mark.usefixtures("fresh_compile_state", "one_thread")
 
 
-@pytest.fixture
-def one_thread():
-    """Many tiny tensor ops: a second intra-op thread only adds waiting, a lot of it on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 KEEP_ALL = SparseConfig(min_seq_len=2, pbs={"block_size": 16, "segment_size": 32}).keep_all()
 
 
