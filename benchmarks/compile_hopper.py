@@ -50,7 +50,7 @@ CASES = {
 #: type; their scalar arguments are fp32 for the scales and int32 otherwise
 POINTERS = {"Q": "bf16", "Out": "bf16", "K": "bf16", "V": "bf16", "TileOffsets": "i32", "TileCounts": "i32",
             "MaskedCounts": "i32", "KeyIndex": "i32", "QueryIndex": "i32", "Visited": "i32", "Lse": "fp32",
-            "Timeline": "i64"}
+            "Timeline": "i64", "BlockRows": "i32"}
 FP32_ARGS = ("qk_scale", "es_tau", "pv_lambda")
 
 
