@@ -148,6 +148,25 @@ def segment_permutation(length: int, gen: torch.Generator, device) -> torch.Tens
     return perm.flatten(2)[..., :length].to(torch.int32).contiguous()
 
 
+def qkv_sets(n: int, count: int, gen: torch.Generator, device) -> list:
+    """``count`` (q, k, v) input sets at length n, for ``Rotating`` to cycle through."""
+    return [tuple(torch.randn(B, h, n, D, device=device, dtype=DTYPE, generator=gen) for h in (HQ, HKV, HKV))
+            for _ in range(count)]
+
+
+def sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def visibilities(n: int, gen: torch.Generator, device) -> tuple:
+    """(vis, kidx, vis_p, causal_tiles): the causal tile visibility in sequence order, a segment permutation of
+    the keys and the visibility under it (per query head), and the count of causal tiles rho is a share of."""
+    vis = block_visibility(n, n, BLOCK, BLOCK, batch=B, heads=HQ, device=device)
+    kidx = segment_permutation(n, gen, device)
+    vis_p = expand_heads(block_visibility(n, n, BLOCK, BLOCK, key_index=kidx), HQ)
+    return vis, kidx, vis_p, int((vis != VISIBLE_NONE).sum())
+
+
 def _causal_mask_mod(b, h, q_idx, kv_idx):
     # one module-level function: a new closure per call would make Dynamo recompile flex for every cell
     return q_idx >= kv_idx
@@ -212,19 +231,11 @@ def sweep(args) -> None:
     for n in args.n:
         set_bytes = (HQ + 2 * HKV) * n * D * 2
         nrot = rotation_count(set_bytes, cap=2)
-        sets = [tuple(torch.randn(B, h, n, D, device=dev, dtype=DTYPE, generator=gen) for h in (HQ, HKV, HKV))
-                for _ in range(nrot)]
+        sets = qkv_sets(n, nrot, gen, dev)
         pairs_dense = causal_pairs(n, n)
         flops_dense = attention_flops(pairs_dense, B, HQ, D)
-
-        def sdpa(q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
         ref_out = sdpa(*sets[0])
-        vis = block_visibility(n, n, BLOCK, BLOCK, batch=B, heads=HQ, device=dev)
-        kidx = segment_permutation(n, gen, dev)
-        vis_p = expand_heads(block_visibility(n, n, BLOCK, BLOCK, key_index=kidx), HQ)
-        causal_tiles = int((vis != VISIBLE_NONE).sum())
+        vis, kidx, vis_p, causal_tiles = visibilities(n, gen, dev)
         for rho in args.rho:
             keep = make_keep(vis, rho, gen)
             kept = int(keep.sum())
@@ -325,17 +336,11 @@ def tune(args) -> None:
     configs = [parse_config(c) for c in args.configs]
     for n in args.n:
         warmup, rep = bench_params(n, args.time_scale)
-        sets = [tuple(torch.randn(B, h, n, D, device=dev, dtype=DTYPE, generator=gen) for h in (HQ, HKV, HKV))
-                for _ in range(2)]
-        ref = F.scaled_dot_product_attention(*sets[0], is_causal=True, enable_gqa=True)
-        t_sdpa = time_ms(Rotating(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                                   enable_gqa=True), sets),
-                         warmup=warmup, rep=rep)
+        sets = qkv_sets(n, 2, gen, dev)
+        ref = sdpa(*sets[0])
+        t_sdpa = time_ms(Rotating(sdpa, sets), warmup=warmup, rep=rep)
         log(f"N={n} sdpa {t_sdpa:.3f} ms")
-        vis = block_visibility(n, n, BLOCK, BLOCK, batch=B, heads=HQ, device=dev)
-        kidx = segment_permutation(n, gen, dev)
-        vis_p = expand_heads(block_visibility(n, n, BLOCK, BLOCK, key_index=kidx), HQ)
-        causal_tiles = int((vis != VISIBLE_NONE).sum())
+        vis, kidx, vis_p, causal_tiles = visibilities(n, gen, dev)
         for rho in args.rho:
             keep = make_keep(vis, rho, gen)
             rho_real = int(keep.sum()) / causal_tiles
