@@ -490,18 +490,10 @@ def main(argv=None) -> None:
             raise SystemExit(f"--hopper-constant: kernels.hopper has no constant {name!r}")
         setattr(hopper, name, None if value == "None" else int(value))
     started = time.perf_counter()
-    if args.measure:
-        measure(args)
-    if args.verify:
-        verify(args)
-    if args.tiles:
-        tiles(args)
-    if args.dense_path:
-        dense_path(args)
-    if args.s2o_parts:
-        s2o_parts(args)
-    if args.memory:
-        memory(args)
+    for wanted, step in ((args.measure, measure), (args.verify, verify), (args.tiles, tiles),
+                         (args.dense_path, dense_path), (args.s2o_parts, s2o_parts), (args.memory, memory)):
+        if wanted:  # in this order: --verify reads the table --measure writes
+            step(args)
     print(f"done in {time.perf_counter() - started:.0f} s")
 
 
