@@ -5,7 +5,7 @@
 
 Prints, per region, the density (the share of the causal attention tiles computed, 1.0 = dense), how far the
 last-token logits are from dense attention's, and why a density is as high as it is where that is the tiles every
-plan keeps or random weights (``density_note.py``).
+plan keeps or random weights (``density_note.py``). The model is ``quickstart.py``'s ``TinyDecoder``.
 """
 
 from __future__ import annotations
@@ -13,53 +13,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import sparse_compile
 from density_note import explain_density
-
-
-class Block(nn.Module):
-    """Pre-norm decoder block: causal self-attention (GQA) and an MLP."""
-
-    def __init__(self, dim: int, heads: int, kv_heads: int):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
-        self.attention_norm, self.mlp_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
-        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim, bias=False)
-        self.out = nn.Linear(dim, dim, bias=False)
-        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim, bias=False), nn.SiLU(), nn.Linear(2 * dim, dim, bias=False))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, N, _ = x.shape
-        sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
-        q, k, v = self.qkv(self.attention_norm(x)).split(sizes, dim=-1)
-        q = q.view(B, N, self.heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, N, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, N, self.kv_heads, self.head_dim).transpose(1, 2)
-        # the call sparse_prefill rewrites: causal SDPA, no mask, K/V with fewer heads than Q
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        x = x + self.out(y.transpose(1, 2).reshape(B, N, -1))
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class TinyDecoder(nn.Module):
-    """A small decoder-only language model (random weights); nothing in it knows about sparse_compile."""
-
-    def __init__(self, vocab: int = 256, dim: int = 256, layers: int = 4, heads: int = 4, kv_heads: int = 2):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, heads, kv_heads) for _ in range(layers))
-        self.norm = nn.RMSNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        x = self.norm(x)
-        return self.head(x[:, -1:] if last_only else x)
+from quickstart import TinyDecoder  # the same small random-weights decoder, nothing sparse in it
 
 
 def main() -> None:
