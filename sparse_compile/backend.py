@@ -16,14 +16,14 @@ import torch.fx as fx
 from . import report
 from .config import SparseConfig
 from .eager_attention import EAGER_RULE, FUSED_RULE, SOFTCAP_RULE, find_eager_attention, is_eager
-from .padding import per_forward
+from .padding import forward_scope
 from .report import SiteRecord
 from .rewrite import reads_mutated_input, rewrite_graph
 from .rules import forward_transform
 from .state import STATE
 from .transformers_attention import register as register_transformers_attention
 
-__all__ = ["sparse_prefill", "on_rewrite", "LOG_ENV_VAR", "OptionsError"]
+__all__ = ["sparse_prefill", "on_rewrite", "CompiledGraph", "LOG_ENV_VAR", "OptionsError"]
 
 log = logging.getLogger("sparse_compile")
 LOG_ENV_VAR = "SPARSE_COMPILE_LOG"
@@ -161,15 +161,10 @@ def sparse_prefill(
         precompile_kernels(gm, config)
     patches = list_mode_options(mode) if mode else None
     compiled = compile_fx(gm, example_inputs, config_patches=patches)
-    left_as_sdpa = [r for r in records if not r.rewritten]
-    if left_as_sdpa:  # plain SDPA cannot follow sequence_parallel: refuse there rather than attend within a chunk
-        from .parallel import refuse_under_sequence_parallel
-
-        compiled = refuse_under_sequence_parallel(_counting_plain_sdpa(compiled, left_as_sdpa), left_as_sdpa)
-    if any(r.rewritten for r in records):
-        # a summary of a mask read once per call, unless the graph writes that mask in place between its sites
-        scoped = compiled if reads_mutated_input(gm) else per_forward(compiled)
-        compiled = _eager_under_transforms(scoped, original)
+    rewritten = any(r.rewritten for r in records)
+    compiled = CompiledGraph(compiled, original if rewritten else None,
+                             [r for r in records if not r.rewritten],
+                             per_forward=rewritten and not reads_mutated_input(gm))
     if not _QUIET.get():
         _warn_plain_sdpa(gm, records)
         _warn_recompile_limit(gm, records)
@@ -183,44 +178,50 @@ def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def _eager_under_transforms(compiled: Callable, original: fx.GraphModule) -> Callable:
-    """``compiled``, except that a call under forward AD or a torch.func transform runs the graph as traced (plain
-    SDPA, eagerly): what the model does uncompiled, tangents included."""
-    boxed = getattr(compiled, "_boxed_call", False)
+class CompiledGraph:
+    """What the backend hands Dynamo: Inductor's compiled graph, and around each call the package's steps, in the
+    order ``__call__`` takes them."""
 
-    def guarded(*args, **kwargs):
-        # the rewritten op has no forward derivative nor batching rule (custom ops would drop a tangent silently)
-        if forward_transform() is not None:
+    def __init__(self, compiled: Callable, traced: Optional[fx.GraphModule], left_as_sdpa: Sequence[SiteRecord],
+                 *, per_forward: bool):
+        self.compiled = compiled
+        self.traced = traced  # the graph before the rewrite, where a site was rewritten
+        self.per_forward = per_forward
+        # sites kept as plain SDPA: registered now, counted per call (a plain SDPA call has no hook of its own)
+        self.plain_sdpa = tuple((r.site, r.reason, _shape_of(r.q_shape),
+                                 _KEPT.get(r.rule, report.PLAIN_SDPA_REASON) + r.reason) for r in left_as_sdpa)
+        for r in left_as_sdpa:
+            report.register_plain_sdpa(r.site, r.reason)
+        self.refusal = "; ".join(f"{r.site}: {r.reason}" for r in left_as_sdpa)
+        self._boxed_call = getattr(compiled, "_boxed_call", False)  # Dynamo's calling convention, passed through
+
+    def __call__(self, *args, **kwargs):
+        # 1. forward AD or a torch.func transform: the traced graph, eagerly (the rewritten op has no forward
+        #    derivative nor batching rule: a custom op would drop a tangent silently), what the model does uncompiled
+        if self.traced is not None and forward_transform() is not None:
             log.debug("forward-mode AD or a torch.func transform is active: running the traced graph eagerly")
             # a boxed call passes one list of inputs (graph inputs are never lists themselves)
-            unboxed = args[0] if boxed and len(args) == 1 and isinstance(args[0], list) else args
-            return original(*unboxed, **kwargs)
-        return compiled(*args, **kwargs)
+            unboxed = args[0] if self._boxed_call and len(args) == 1 and isinstance(args[0], list) else args
+            return self.traced(*unboxed, **kwargs)
+        # 2. plain SDPA cannot follow sequence_parallel: refuse there rather than attend within a chunk
+        if self.refusal:
+            from .parallel import refuse_plain_sdpa_under_sequence_parallel
 
-    guarded._boxed_call = boxed  # Dynamo's calling convention, passed through
-    return guarded
+            refuse_plain_sdpa_under_sequence_parallel(self.refusal, args, kwargs)
+        # 3. every site kept as plain SDPA: one dense call each
+        if self.plain_sdpa:
+            report.record_plain_sdpa_calls(self.plain_sdpa)
+        # 4. the graph, with a mask's summary read once per call (unless the graph writes that mask in place)
+        if not self.per_forward:
+            return self.compiled(*args, **kwargs)
+        with forward_scope():
+            return self.compiled(*args, **kwargs)
 
 
 # -- sites kept as plain SDPA: listed, counted, and said once per graph -----------------------------------------
 def _shape_of(shape: tuple) -> tuple:
     # the compile-time shape, a symbolic size by its name (no SymInt, and so no shape environment, is kept alive)
     return tuple(d if isinstance(d, int) else str(d) for d in shape)
-
-
-def _counting_plain_sdpa(compiled: Callable, left_as_sdpa: list[SiteRecord]) -> Callable:
-    """Register the sites now, and count each call of the compiled graph as one dense call of each: a plain SDPA
-    call has no hook of its own, the graph call is the cheapest place (one lock per call)."""
-    calls = tuple((r.site, r.reason, _shape_of(r.q_shape), _KEPT.get(r.rule, report.PLAIN_SDPA_REASON) + r.reason)
-                  for r in left_as_sdpa)
-    for r in left_as_sdpa:
-        report.register_plain_sdpa(r.site, r.reason)
-
-    def counted(*args, **kwargs):
-        report.record_plain_sdpa_calls(calls)
-        return compiled(*args, **kwargs)
-
-    counted._boxed_call = getattr(compiled, "_boxed_call", False)  # Dynamo's calling convention, passed through
-    return counted
 
 
 # how a call's reason starts where the site is no SDPA call (else report.PLAIN_SDPA_REASON)

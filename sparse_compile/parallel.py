@@ -37,7 +37,7 @@ from .site import SiteSpec
 from .state import STATE
 
 __all__ = ["sequence_parallel", "ulysses_attention", "register_dtensor_sharding", "is_dtensor",
-           "active_sequence_group", "run_sequence_parallel", "refuse_under_sequence_parallel"]
+           "active_sequence_group", "run_sequence_parallel", "refuse_plain_sdpa_under_sequence_parallel"]
 
 _SEQUENCE_GROUP: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar(
     "sparse_compile_sequence_parallel", default=None
@@ -120,29 +120,23 @@ def _raise_refusals(who: str, rows: list[list[int]], own_problem: Optional[str])
         raise RuntimeError(f"{who}: refused on {summary}" + (f"\nthis rank: {own_problem}" if own_problem else ""))
 
 
-def refuse_under_sequence_parallel(compiled: Callable, left_as_sdpa: list) -> Callable:
-    """Wrap a compiled graph that kept attention as plain SDPA (``SiteRecord``s ``left_as_sdpa``): inside
+def refuse_plain_sdpa_under_sequence_parallel(sites: str, args: tuple, kwargs: dict) -> None:
+    """A compiled graph that kept attention as plain SDPA at ``sites``, called with ``args`` / ``kwargs``: inside
     ``sequence_parallel`` those sites would silently attend within this rank's chunk only, so raise there. The
     other ranks, if their graphs were rewritten, wait in their first attention's header exchange: post a refusal
     there so that they raise too."""
-    sites = "; ".join(f"{record.site}: {record.reason}" for record in left_as_sdpa)
-
-    def guarded(*args, **kwargs):
-        group = _SEQUENCE_GROUP.get()
-        if group is not None:
-            problem = (f"this compiled graph left attention as plain SDPA ({sites}); on a chunk of the sequence it "
-                       "would attend within the chunk only. Every attention must be rewritten (no skip_layers, "
-                       "proven masks, prefill only: see sparse_compile.explain); run anything else outside "
-                       "sequence_parallel")
-            leaves = torch.utils._pytree.tree_leaves((args, kwargs))  # boxed calls pass one list of inputs
-            device = next((leaf.device for leaf in leaves if isinstance(leaf, Tensor)), torch.device("cpu"))
-            header = torch.zeros(len(_SHAPE_FIELDS) + 2, dtype=torch.int64, device=device)
-            header[_REFUSAL] = 2
-            _raise_refusals("sequence_parallel", _exchange_headers(header, group), problem)
-        return compiled(*args, **kwargs)
-
-    guarded._boxed_call = getattr(compiled, "_boxed_call", False)  # Dynamo's calling convention, passed through
-    return guarded
+    group = _SEQUENCE_GROUP.get()
+    if group is None:
+        return
+    problem = (f"this compiled graph left attention as plain SDPA ({sites}); on a chunk of the sequence it "
+               "would attend within the chunk only. Every attention must be rewritten (no skip_layers, "
+               "proven masks, prefill only: see sparse_compile.explain); run anything else outside "
+               "sequence_parallel")
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))  # boxed calls pass one list of inputs
+    device = next((leaf.device for leaf in leaves if isinstance(leaf, Tensor)), torch.device("cpu"))
+    header = torch.zeros(len(_SHAPE_FIELDS) + 2, dtype=torch.int64, device=device)
+    header[_REFUSAL] = 2
+    _raise_refusals("sequence_parallel", _exchange_headers(header, group), problem)
 
 
 @dataclass(frozen=True)
