@@ -29,6 +29,16 @@ from helpers import (
 )
 
 
+def _assert_matches_reference(q, k, v, plan, dtype, what="vs reference", **options):
+    """The kernel on ``plan`` against the float64 reference of the same plan: the output within ``dtype``'s
+    tolerance, the tiles visited exactly. Returns the kernel's output."""
+    out, visited = _kernel(q, k, v, plan, return_visited=True, **options)
+    ref, ref_visited = _ref(q, k, v, plan)
+    _assert_close(out, ref, dtype, what)
+    assert torch.equal(visited, ref_visited)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------- dense plans
 
 DENSE_SHAPES = [
@@ -47,12 +57,9 @@ def test_causal_plan_equals_dense_and_reference(shape):
     B, Hq, Hkv, Nq, Nk, D, bm, bn, dtype = shape
     q, k, v = random_qkv(B, Hq, Hkv, Nq, Nk, D, dtype=dtype, device=DEV)
     plan = causal_plan(B, Hq, Nq, Nk, bm, bn, device=DEV)
-    out, visited = _kernel(q, k, v, plan, return_visited=True)
+    out = _assert_matches_reference(q, k, v, plan, dtype)
     assert out.dtype == dtype and out.shape == q.shape
-    ref, ref_visited = _ref(q, k, v, plan)
-    _assert_close(out, ref, dtype, "vs reference")
     _assert_close(out, dense_reference(q, k, v), dtype, "vs dense")
-    assert torch.equal(visited, ref_visited)
 
 
 def test_plan_with_kv_heads_and_custom_scale():
@@ -93,11 +100,8 @@ def test_permuted_keys_and_queries_equal_dense(kheads, qheads, mode):
     vis = block_visibility(Nq, Nk, bm, bn, key_index=ki, query_index=qi)
     plan = plan_from_block_mask(torch.ones_like(vis, dtype=torch.bool), vis, bm, bn, key_index=ki, query_index=qi)
     check_plan(plan, q, k)
-    out, visited = _kernel(q, k, v, plan, return_visited=True, key_mode=mode)
-    ref, ref_visited = _ref(q, k, v, plan)
-    _assert_close(out, ref, dtype, "vs reference")
+    out = _assert_matches_reference(q, k, v, plan, dtype, key_mode=mode)
     _assert_close(out, dense_reference(q, k, v), dtype, "vs dense")
-    assert torch.equal(visited, ref_visited)
 
 
 def test_key_index_with_padding_and_longer_than_keys():
@@ -127,10 +131,7 @@ def test_random_sparse_blocks_match_reference(plan_heads, ordered):
     keep = torch.rand(vis.shape, device=DEV) < 0.5
     scores = torch.rand(vis.shape, device=DEV) if ordered else None
     plan = plan_from_block_mask(keep, vis, bm, bn, order_scores=scores)
-    out, visited = _kernel(q, k, v, plan, return_visited=True, check=True)
-    ref, ref_visited = _ref(q, k, v, plan)
-    _assert_close(out, ref, torch.float32)
-    assert torch.equal(visited, ref_visited)
+    out = _assert_matches_reference(q, k, v, plan, torch.float32, "", check=True)
     assert rel_error(out, dense_reference(q, k, v)) > 1e-3  # dropping tiles must matter
 
 
@@ -142,10 +143,7 @@ def test_sparse_permuted_gqa8_fp16_chunked():
     keep = torch.rand(vis.shape, device=DEV) < 0.6
     plan = plan_from_block_mask(keep, vis, bm, bn, key_index=ki, query_index=qi)
     for mode in ("gather", "copy"):
-        out, visited = _kernel(q, k, v, plan, return_visited=True, key_mode=mode)
-        ref, ref_visited = _ref(q, k, v, plan)
-        _assert_close(out, ref, torch.float16, mode)
-        assert torch.equal(visited, ref_visited)
+        _assert_matches_reference(q, k, v, plan, torch.float16, mode, key_mode=mode)
 
 
 def test_unaligned_overlapping_masked_tiles_match_reference():
@@ -157,10 +155,7 @@ def test_unaligned_overlapping_masked_tiles_match_reference():
     counts = torch.randint(1, T + 1, (B, Hq, nqb), dtype=torch.int32, device=DEV)
     plan = BlockPlan(bm, bn, offsets, counts, counts.clone())  # every tile masked: no visibility promise
     check_plan(plan, q, k)
-    out, visited = _kernel(q, k, v, plan, return_visited=True)
-    ref, ref_visited = _ref(q, k, v, plan)
-    _assert_close(out, ref, torch.float32)
-    assert torch.equal(visited, ref_visited)
+    _assert_matches_reference(q, k, v, plan, torch.float32, "")
 
 
 def test_empty_tile_lists_give_zeros():
