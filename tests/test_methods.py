@@ -39,6 +39,18 @@ def _supported(pair, shape):
     return not (pair[0] == "s2o" and shape[3] != shape[4])
 
 
+def _checked_plan(pair, shape, dtype, scale, keep_all=False):
+    """Random q, k, v of ``shape`` and the pair's plan for them (its defaults, or keep-all), checked valid; the
+    test is skipped where the pair cannot run the shape."""
+    if not _supported(pair, shape):
+        pytest.skip("s2o needs Nq == Nk")
+    q, k, v = random_qkv(*shape, dtype=dtype)
+    config = _config(*pair)
+    plan = build_plan(q, k, scale, config.keep_all() if keep_all else config)
+    check_plan(plan, q, k)
+    return q, k, v, plan
+
+
 def _computed_fraction(q, k, v, plan):
     """Tiles actually computed (early stop included) over the causal tiles of the identity tiling."""
     _, visited = reference_attention(q, k, v, plan, return_visited=True)
@@ -53,12 +65,8 @@ def _computed_fraction(q, k, v, plan):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
 def test_keep_all_equals_dense(pair, shape):
-    if not _supported(pair, shape):
-        pytest.skip("s2o needs Nq == Nk")
-    B, Hq, Hkv, Nq, Nk, D = shape
-    q, k, v = random_qkv(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float64)
-    plan = build_plan(q, k, None, _config(*pair).keep_all())
-    check_plan(plan, q, k)
+    q, k, v, plan = _checked_plan(pair, shape, torch.float64, None, keep_all=True)
+    Hq = shape[1]
     out, visited = reference_attention(q, k, v, plan, return_visited=True)
     assert rel_error(out, dense_reference(q, k, v)) < 1e-10
     assert bool((visited == expand_heads(plan.tile_counts, Hq)).all())
@@ -67,12 +75,8 @@ def test_keep_all_equals_dense(pair, shape):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
 def test_defaults_give_valid_plan_and_finite_output(pair, shape):
-    if not _supported(pair, shape):
-        pytest.skip("s2o needs Nq == Nk")
-    B, Hq, Hkv, Nq, Nk, D = shape
-    q, k, v = random_qkv(B, Hq, Hkv, Nq, Nk, D)
-    plan = build_plan(q, k, 0.3, _config(*pair))
-    check_plan(plan, q, k)
+    q, k, v, plan = _checked_plan(pair, shape, torch.float32, 0.3)
+    B, Hq, _, Nq, Nk, _ = shape
     out = reference_attention(q, k, v, plan, scale=0.3)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert bool(torch.isfinite(out).all())
