@@ -73,6 +73,23 @@ def left_padded(ids: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def before_and_after_keep_all(model, run, config=None):
+    """``run()`` with the model's own attention, then with the front door's at a keep-everything ``config``
+    (default: ``SMALL``'s), no gradients: (ref, out), which must agree."""
+    with torch.no_grad():
+        ref = run()
+        sparse_compile.enable_transformers_attention(model, config or SparseConfig(**SMALL).keep_all())
+        out = run()
+    return ref, out
+
+
+def assert_padded_logits_unchanged(model, ids, mask, config=None, tol=1e-5):
+    """The logits of the unpadded positions are the model's own attention's at keep-all."""
+    ref, out = before_and_after_keep_all(model, lambda: model(ids, attention_mask=mask).logits, config)
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], ref[valid], rtol=tol, atol=tol)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_stats():
     sparse_compile.reset_runtime_stats()
@@ -202,10 +219,7 @@ def test_chunked_prefill_with_cache_and_padding():
         second = model(ids[:, 40:], attention_mask=mask, past_key_values=first.past_key_values, use_cache=True)
         return torch.cat([first.logits, second.logits], 1)
 
-    with torch.no_grad():
-        ref = chunks()
-        sparse_compile.enable_transformers_attention(model, SparseConfig(**SMALL).keep_all())
-        out = chunks()
+    ref, out = before_and_after_keep_all(model, chunks)
     valid = mask.bool()
     torch.testing.assert_close(out[valid], ref[valid], rtol=1e-5, atol=1e-5)
     stats = sparse_compile.runtime_stats()["model.layers.0.self_attn"]
@@ -220,10 +234,7 @@ def test_static_cache_generate():
     mask = left_padded(ids)
     kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
                   cache_implementation="static")
-    with torch.no_grad():
-        ref = model.generate(ids, **kwargs)
-        sparse_compile.enable_transformers_attention(model, SparseConfig(**SMALL).keep_all())
-        out = model.generate(ids, **kwargs)
+    ref, out = before_and_after_keep_all(model, lambda: model.generate(ids, **kwargs))
     assert torch.equal(out, ref)
     assert calls("sparse") == {site: 1 for site in attention_sites(model)}
 
@@ -242,10 +253,7 @@ def test_beam_search_and_sampling_same_tokens():
             out.append(model.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, **style))
         return out
 
-    with torch.no_grad():
-        ref = run()
-        sparse_compile.enable_transformers_attention(model, SparseConfig(**SMALL).keep_all())
-        out = run()
+    ref, out = before_and_after_keep_all(model, run)
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
     assert calls("sparse") == {site: 2 for site in attention_sites(model)}
 
@@ -256,10 +264,7 @@ def test_sliding_window_shorter_than_the_prompt_runs_with_its_window():
     """Sparse with the window, eager's logits."""
     model = tiny("mistral", sliding_window=24)
     ids = torch.randint(1, 128, (1, 70))
-    with torch.no_grad():
-        ref = model(ids).logits
-        sparse_compile.enable_transformers_attention(model, SparseConfig(**SMALL).keep_all())
-        out = model(ids).logits
+    ref, out = before_and_after_keep_all(model, lambda: model(ids).logits)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert calls("sparse") == {site: 1 for site in attention_sites(model)}
     assert all(any("sliding window 24" in r for r in rs) for rs in reasons("sparse").values()), reasons("sparse")
@@ -270,12 +275,7 @@ def test_gemma3_global_and_sliding_layers():
     model = tiny("gemma3", sliding_window=16, layer_types=["sliding_attention", "full_attention"])
     ids = torch.randint(1, 128, (2, 64))
     mask = left_padded(ids)
-    with torch.no_grad():
-        ref = model(ids, attention_mask=mask).logits
-        sparse_compile.enable_transformers_attention(model, SparseConfig(**SMALL).keep_all())
-        out = model(ids, attention_mask=mask).logits
-    valid = mask.bool()
-    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-5, atol=1e-5)
+    assert_padded_logits_unchanged(model, ids, mask)
     assert calls("sparse") == {"model.layers.0.self_attn": 1, "model.layers.1.self_attn": 1}
     assert all("sliding window 16" in r for r in reasons("sparse")["model.layers.0.self_attn"])
 
@@ -285,12 +285,7 @@ def test_soft_capping_runs_the_models_eager_attention():
     model = tiny("gemma2", "eager", attn_logit_softcapping=20.0)
     ids = torch.randint(1, 128, (2, 40))
     mask = left_padded(ids)
-    with torch.no_grad():
-        ref = model(ids, attention_mask=mask).logits
-        sparse_compile.enable_transformers_attention(model, SparseConfig(**SMALL).keep_all())
-        out = model(ids, attention_mask=mask).logits
-    valid = mask.bool()
-    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-5, atol=1e-5)
+    assert_padded_logits_unchanged(model, ids, mask)
     assert calls("sparse") == {site: 0 for site in attention_sites(model)}
     assert all(rs == {"attention logit soft-capping (20.0)"} for rs in reasons("dense").values()), reasons("dense")
 

@@ -21,7 +21,7 @@ from sparse_compile.rewrite import rewrite_graph
 
 transformers = pytest.importorskip("transformers")
 
-from test_attention_interface import SUPPORTED  # noqa: E402
+from test_attention_interface import SUPPORTED, assert_padded_logits_unchanged, before_and_after_keep_all  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state", "one_thread")
 needs_interface = pytest.mark.skipif(not SUPPORTED, reason="transformers has no AttentionMaskInterface")
@@ -156,12 +156,7 @@ def test_compiled_local_layers_keep_all_equals_sdpa(name):
 def test_front_door_local_layers_keep_all_equals_sdpa(name):
     model = build(name)
     ids, mask = left_padded(2, 45)
-    with torch.no_grad():
-        ref = model(ids, attention_mask=mask).logits
-        sparse_compile.enable_transformers_attention(model, KEEP_ALL)
-        out = model(ids, attention_mask=mask).logits
-    valid = mask.bool()
-    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-4, atol=1e-4)
+    assert_padded_logits_unchanged(model, ids, mask, KEEP_ALL, tol=1e-4)
     assert_local_layers_ran(name, 1)
 
 
@@ -172,10 +167,8 @@ def test_front_door_generate_with_a_window_gives_the_same_tokens(name):
     window; a chunked layer's cache offset puts its chunks elsewhere: transformers' mask)."""
     model = build(name)
     ids, mask = left_padded(2, 30)
-    with torch.no_grad():
-        ref = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
-        sparse_compile.enable_transformers_attention(model, KEEP_ALL)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    ref, out = before_and_after_keep_all(
+        model, lambda: model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False), KEEP_ALL)
     assert torch.equal(out, ref)
     assert_local_layers_ran(name, 1)
 
@@ -187,12 +180,7 @@ def test_soft_capping_and_sinks_keep_the_eager_delegate_with_the_window(name, wh
     """What the sparse path lacks runs the model's eager attention with the mask the window layer needs."""
     model = build(name, "eager")
     ids, mask = left_padded(2, 40)
-    with torch.no_grad():
-        ref = model(ids, attention_mask=mask).logits
-        sparse_compile.enable_transformers_attention(model, KEEP_ALL)
-        out = model(ids, attention_mask=mask).logits
-    valid = mask.bool()
-    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-4, atol=1e-4)
+    assert_padded_logits_unchanged(model, ids, mask, KEEP_ALL, tol=1e-4)
     stats = sparse_compile.runtime_stats()
     assert all(sum(n for (p, _), n in s.calls.items() if p == "sparse") == 0 for s in stats.values()), stats
     assert all({r for (_, r) in s.calls} == {why} for s in stats.values()), {k: s.calls for k, s in stats.items()}
@@ -202,12 +190,7 @@ def test_soft_capping_and_sinks_keep_the_eager_delegate_with_the_window(name, wh
 def test_gemma2_without_soft_capping_runs_its_window():
     model = build("gemma2", "eager", attn_logit_softcapping=None)
     ids, mask = left_padded(2, 40)
-    with torch.no_grad():
-        ref = model(ids, attention_mask=mask).logits
-        sparse_compile.enable_transformers_attention(model, KEEP_ALL)
-        out = model(ids, attention_mask=mask).logits
-    valid = mask.bool()
-    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-4, atol=1e-4)
+    assert_padded_logits_unchanged(model, ids, mask, KEEP_ALL, tol=1e-4)
     assert_local_layers_ran("gemma2", 1)
 
 
@@ -227,10 +210,7 @@ def test_front_door_chunked_prefill_over_a_sliding_cache(name):
             logits.append(out.logits)
         return torch.cat(logits, 1)
 
-    with torch.no_grad():
-        ref = chunked()
-        sparse_compile.enable_transformers_attention(model, KEEP_ALL)
-        out = chunked()
+    ref, out = before_and_after_keep_all(model, chunked, KEEP_ALL)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert_local_layers_ran(name, 4)
 
@@ -244,9 +224,6 @@ def test_front_door_static_cache_generate_with_a_window(name):
     ids, mask = left_padded(2, 30)
     kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
                   cache_implementation="static")
-    with torch.no_grad():
-        ref = model.generate(ids, **kwargs)
-        sparse_compile.enable_transformers_attention(model, KEEP_ALL)
-        out = model.generate(ids, **kwargs)
+    ref, out = before_and_after_keep_all(model, lambda: model.generate(ids, **kwargs), KEEP_ALL)
     assert torch.equal(out, ref)
     assert_local_layers_ran(name, 1)
