@@ -50,22 +50,27 @@ def ours(caught) -> list[str]:
     return [str(w.message) for w in caught if str(w.message).startswith("sparse_compile:")]
 
 
+def warned(fn, *args, calls: int = 1) -> tuple:
+    """``fn(*args)`` called ``calls`` times without gradients, every warning recorded: (the first call's output,
+    the package's warnings)."""
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        out = fn(*args)
+        for _ in range(calls - 1):
+            fn(*args)
+    return out, ours(caught)
+
+
 def test_plain_sdpa_sites_are_listed_counted_and_warned_once_per_graph():
     model, x = EncoderDecoder().eval(), torch.randn(1, 24, 32)
     compiled = torch.compile(model, backend="sparse_prefill", options=OPTIONS)
-    with warnings.catch_warnings(record=True) as first, torch.no_grad():
-        warnings.simplefilter("always")
-        out = compiled(x)
-    said = ours(first)
+    out, said = warned(compiled, x)
     assert len(said) == 1, said
     assert "1 of 2 attention sites" in said[0] and f"enc: {NOT_CAUSAL}" in said[0] and "is_causal=True" in said[0]
     assert "dec" not in said[0].replace("decode", "")
     torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
 
-    with warnings.catch_warnings(record=True) as second, torch.no_grad():
-        warnings.simplefilter("always")
-        compiled(x)
-    assert ours(second) == []  # a second call of the same graph says nothing
+    assert warned(compiled, x)[1] == []  # a second call of the same graph says nothing
 
     stats = sparse_compile.runtime_stats()
     assert set(stats) == {"enc", "dec"}
@@ -96,10 +101,7 @@ def test_decode_steps_and_skipped_layers_are_listed_not_warned():
 
     q, kv, q2 = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 24, 16), torch.randn(1, 2, 24, 16)
     compiled = torch.compile(Step(), backend="sparse_prefill", options={**OPTIONS, "skip_layers": ["prefill"]})
-    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
-        warnings.simplefilter("always")
-        compiled(q, kv, kv, q2)
-    assert ours(caught) == []
+    assert warned(compiled, q, kv, kv, q2)[1] == []
     stats = sparse_compile.runtime_stats()
     assert len(stats) == 2 and all(s.plain_sdpa and s.last_path == "dense" for s in stats.values())
     reasons = sorted(s.plain_sdpa[0] for s in stats.values())
@@ -235,11 +237,7 @@ class ClassifierHeads(nn.Module):
 def test_attention_computed_without_sdpa_is_listed_and_warned_once():
     model, x = EagerAttention().eval(), torch.randn(1, 24, 32)
     compiled = torch.compile(model, backend="sparse_prefill", options=OPTIONS)
-    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
-        warnings.simplefilter("always")
-        out = compiled(x)
-        compiled(x)
-    said = ours(caught)
+    out, said = warned(compiled, x, calls=2)
     assert len(said) == 1, said
     assert "1 of 1 attention sites" in said[0] and "without scaled_dot_product_attention" in said[0]
     assert "attn_implementation='sdpa'" in said[0]
@@ -262,12 +260,9 @@ def test_soft_capped_attention_of_gemma2_is_warned_with_its_reason():
                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8)
     model, ids = T.Gemma2ForCausalLM(config).eval(), torch.randint(0, 64, (1, 24))
     compiled = torch.compile(model, backend="sparse_prefill", options=OPTIONS)
-    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
-        warnings.simplefilter("always")
-        logits = compiled(ids).logits
-        compiled(ids)
-        expected = model(ids).logits
-    said = ours(caught)
+    out, said = warned(compiled, ids, calls=2)
+    with torch.no_grad():
+        logits, expected = out.logits, model(ids).logits
     assert len(said) == 1, said
     assert "2 of 2 attention sites" in said[0] and "soft-capping" in said[0]
     assert "model.layers.0.self_attn" in said[0] and "model.layers.1.self_attn" in said[0]
@@ -280,10 +275,7 @@ def test_soft_capped_attention_of_gemma2_is_warned_with_its_reason():
 def test_softmax_layers_that_are_not_attention_are_not_reported():
     model, x = ClassifierHeads().eval(), torch.randn(1, 24, 32)
     compiled = torch.compile(model, backend="sparse_prefill", options=OPTIONS)
-    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
-        warnings.simplefilter("always")
-        compiled(x)
-    assert ours(caught) == []
+    assert warned(compiled, x)[1] == []
     stats = sparse_compile.runtime_stats()
     assert list(stats) == ["attn"] and stats["attn"].last_path == "sparse"
 
