@@ -132,24 +132,23 @@ def test_backend_name_resolves_in_fresh_interpreter():
 
 
 # -- configuration ----------------------------------------------------------------------------------------------
-def test_config_validation_names_the_problem():
-    with pytest.raises(ValueError, match="unknown method 'nope'"):
-        SparseConfig(method="nope")
-    with pytest.raises(ValueError, match="min_seq_len"):
-        SparseConfig(min_seq_len=0)
-    with pytest.raises(ValueError, match="PBSParams.threshold"):
-        SparseConfig(pbs={"threshold": 1.5})
-    with pytest.raises(ValueError, match="unknown parameter.*'tau'"):
-        SparseConfig(pbs={"tau": 0.5})
-    with pytest.raises(ValueError, match="segment_size"):
-        SparseConfig(pbs={"block_size": 128, "segment_size": 200})
-    with pytest.raises(ValueError, match="skip_layers"):
-        SparseConfig(skip_layers=3)
+@pytest.mark.parametrize("options, match", [
+    (dict(method="nope"), "unknown method 'nope'"),
+    (dict(min_seq_len=0), "min_seq_len"),
+    (dict(pbs={"threshold": 1.5}), "PBSParams.threshold"),
+    (dict(pbs={"tau": 0.5}), "unknown parameter.*'tau'"),
+    (dict(pbs={"block_size": 128, "segment_size": 200}), "segment_size"),
+    (dict(skip_layers=3), "skip_layers"),
+    (dict(method="s2o", select="pbs"), "cannot be combined.*valid pairs"),
+    (dict(reorder="bogus"), "unknown reorder stage 'bogus'"),
+])
+def test_config_validation_names_the_problem(options, match):
+    with pytest.raises(ValueError, match=match):
+        SparseConfig(**options)
+
+
+def test_config_keeps_valid_layers_and_stage_pairs():
     assert SparseConfig(skip_layers=[1, "x"]).skip_layers == (1, "x")
-    with pytest.raises(ValueError, match="cannot be combined.*valid pairs"):
-        SparseConfig(method="s2o", select="pbs")
-    with pytest.raises(ValueError, match="unknown reorder stage 'bogus'"):
-        SparseConfig(reorder="bogus")
     assert SparseConfig(method="pbs", select="sparge").select_stage == "sparge"
 
 
