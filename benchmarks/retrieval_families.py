@@ -290,25 +290,9 @@ def make_instance(family: str, filler: bytes, length: int, rng: random.Random, q
     code_len = body_len - sum(len(t) for t, _, _ in needles)
     if code_len < 64:
         raise ValueError(f"make_instance: length {length} is too short for family {family!r}")
-    code = filler[:code_len]
-    cuts = sorted(rng.random() for _ in needles)
-    positions = []
-    for frac in cuts:
-        newline = code.find(b"\n", int(frac * code_len))
-        positions.append(code_len if newline < 0 else newline + 1)
-    positions.sort()
-    pieces, cursor, out_len, value_needle = [], 0, 0, {}
-    for pos, (text, index, lead) in zip(positions, needles):
-        pieces.append(code[cursor:pos])
-        out_len += pos - cursor
-        if index is not None:
-            value_needle[index] = out_len + lead
-        pieces.append(text.encode())
-        out_len += len(text)
-        cursor = pos
-    pieces.append(code[cursor:])
-    body = b"".join(pieces)
+    body, offsets = rt.plant_at_line_starts(filler[:code_len], [text.encode() for text, _, _ in needles], rng)
     assert len(body) == body_len
+    value_needle = {index: offset + lead for (_, index, lead), offset in zip(needles, offsets) if index is not None}
     answers, base = [], body_len
     for (head, value, _, index), q in zip(asks, query_bytes):
         start = base + 1 + len(head)

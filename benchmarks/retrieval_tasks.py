@@ -193,6 +193,27 @@ def _extra_lookups(needles, queries, count: int, rng: random.Random, list_share:
     return merged, extra_queries + queries, count, list_keys
 
 
+def plant_at_line_starts(code: bytes, lines: Sequence[bytes], rng: random.Random) -> tuple[bytes, list[int]]:
+    """``code`` with ``lines`` planted in order at line starts, their depths spread over [0, 1] (sorted uniform
+    positions, each moved to the next line start): the result and where each planted line starts in it."""
+    cuts = sorted(rng.random() for _ in lines)
+    positions = []
+    for frac in cuts:
+        newline = code.find(b"\n", int(frac * len(code)))
+        positions.append(len(code) if newline < 0 else newline + 1)
+    positions.sort()
+    pieces, offsets, cursor, out_len = [], [], 0, 0
+    for pos, line in zip(positions, lines):
+        pieces.append(code[cursor:pos])
+        out_len += pos - cursor
+        offsets.append(out_len)
+        pieces.append(line)
+        out_len += len(line)
+        cursor = pos
+    pieces.append(code[cursor:])
+    return b"".join(pieces), offsets
+
+
 def make_instance(task: str, filler: bytes, length: int, rng: random.Random, style: str = "vkey",
                   extra_lookups: int = 0, extra_list_share: float = 0.0,
                   extra_near_miss_share: float = 0.0) -> Instance:
@@ -241,25 +262,7 @@ def make_instance(task: str, filler: bytes, length: int, rng: random.Random, sty
     code_len = body_len - sum(len(n) for n in needle_lines)
     if code_len < 64:
         raise ValueError(f"make_instance: length {length} is too short for task {task!r}")
-    code = filler[:code_len]
-    # needle depths spread over [0, 1]: sorted uniform positions, moved to the next line start
-    cuts = sorted(rng.random() for _ in needle_lines)
-    positions = []
-    for frac in cuts:
-        pos = int(frac * code_len)
-        newline = code.find(b"\n", pos)
-        positions.append(code_len if newline < 0 else newline + 1)
-    positions.sort()
-    pieces, needle_offsets, cursor, out_len = [], [], 0, 0
-    for pos, line in zip(positions, needle_lines):
-        pieces.append(code[cursor:pos])
-        out_len += pos - cursor
-        needle_offsets.append(out_len)
-        pieces.append(line)
-        out_len += len(line)
-        cursor = pos
-    pieces.append(code[cursor:])
-    body = b"".join(pieces)
+    body, needle_offsets = plant_at_line_starts(filler[:code_len], needle_lines, rng)
     assert len(body) == body_len
     data = body + b"".join(q for q, _ in query_parts)
     # where each value's needle sits (the value's first needle for multivalue lists)
