@@ -71,6 +71,30 @@ def partial_rows_file(args) -> Path:
     return partial
 
 
+def timed_call(fn, ids, times: list, clocks: list) -> None:
+    """One timed call of ``fn(ids)``: its wall time to ``times``, the SM clock after it to ``clocks``. Run-time
+    statistics start empty, so what the caller reads after it is this call's dispatch."""
+    sparse_compile.reset_runtime_stats()
+    sync()
+    started = time.perf_counter()
+    fn(ids)
+    sync()
+    times.append(time.perf_counter() - started)
+    clocks.append(sm_clock_mhz())
+
+
+def record_times(row: dict, times: list, clocks: list) -> bool:
+    """The median of ``times`` as the row's ``ttft_s``, the mean of the clocks read as its ``sm_clock_mhz``;
+    False (the row left as it is) where nothing was timed."""
+    if not times:
+        return False
+    t = sorted(times)
+    row["ttft_s"] = t[len(t) // 2]
+    mhz = [c for c in clocks if c]
+    row["sm_clock_mhz"] = round(sum(mhz) / len(mhz)) if mhz else None
+    return True
+
+
 def summarize(rows: list, args, meta: dict) -> None:
     """Speedup over the fastest dense path and end-to-end efficiency per row; JSON + table + plot."""
     reference = {(r["N"], r["contender"]): r.get("ttft_s") for r in rows}
@@ -253,22 +277,12 @@ def main() -> None:
                 for row, fn, reps in order:
                     if round_ >= reps:
                         continue
-                    sparse_compile.reset_runtime_stats()
-                    sync()
-                    started = time.perf_counter()
-                    fn(ids)
-                    sync()
-                    times[id(row)].append(time.perf_counter() - started)
-                    clocks[id(row)].append(sm_clock_mhz())
+                    timed_call(fn, ids, times[id(row)], clocks[id(row)])
                     if "density" in row:  # which way the method's calls went in the timed run, and why
                         row["dispatch"] = dispatch_summary(sparse_compile.runtime_stats())
         for row, _, _ in entries:
             row["N"] = n
-            if times[id(row)]:
-                t = sorted(times[id(row)])
-                row["ttft_s"] = t[len(t) // 2]
-                mhz = [c for c in clocks[id(row)] if c]
-                row["sm_clock_mhz"] = round(sum(mhz) / len(mhz)) if mhz else None
+            record_times(row, times[id(row)], clocks[id(row)])
             rows.append(row)
             with partial.open("a") as f:  # row by row: a run cut short still leaves its measurements
                 f.write(json.dumps(row) + "\n")
@@ -337,13 +351,7 @@ def front_door(model, base, options: dict, args, device: str, dtype) -> None:
                     fn(ids)
             for order in alternating_rounds(live, args.reps):
                 for row, fn in order:
-                    sparse_compile.reset_runtime_stats()
-                    sync()
-                    started = time.perf_counter()
-                    fn(ids)
-                    sync()
-                    times[id(row)].append(time.perf_counter() - started)
-                    clocks[id(row)].append(sm_clock_mhz())
+                    timed_call(fn, ids, times[id(row)], clocks[id(row)])
                     if "setting" in row:  # the timed run's own count: the recorded one used other kernel variants
                         stats = sparse_compile.runtime_stats()
                         row["dispatch"] = dispatch_summary(stats)
@@ -352,12 +360,8 @@ def front_door(model, base, options: dict, args, device: str, dtype) -> None:
         reference = None
         for row, _ in entries:
             row.update(N=n, mode="front_door")
-            if times[id(row)]:
-                t = sorted(times[id(row)])
-                row["ttft_s"] = t[len(t) // 2]
+            if record_times(row, times[id(row)], clocks[id(row)]):
                 row["ttft_ms"] = row["ttft_s"] * 1e3
-                mhz = [c for c in clocks[id(row)] if c]
-                row["sm_clock_mhz"] = round(sum(mhz) / len(mhz)) if mhz else None
                 if row["contender"] == "inductor":
                     reference = row["ttft_s"]
         for row, _ in entries:
