@@ -177,7 +177,7 @@ def main() -> None:
             sparge={"block_size_q": 32, "block_size_kv": 32},
             bfla={"coarse_block_size": 64, "group_size": 16, "tile_size_q": 32, "tile_size_kv": 32},
             s2o={"segment_size": 64, "block_size_q": 32, "block_size_kv": 32})
-    options = {f: getattr(base, f) for f in ("min_seq_len", "pbs", "sparge", "bfla", "s2o")}
+    options = {"min_seq_len": base.min_seq_len, **{m: base.params_of(m) for m in ("pbs", "sparge", "bfla", "s2o")}}
 
     torch.manual_seed(0)
     model = build_model(args.smoke, device, dtype, num_layers=args.layers)
