@@ -242,11 +242,12 @@ def attend_segments(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], con
     """Packed sequences: each ``(q_start, q_end, k_start, k_end)`` is causal attention of those query rows at the
     last positions of those keys (a fifth entry: AND a sliding window of that many keys), decided and recorded as a
     call of its own (a long prompt sparse, a decode token dense, each with its reason); rows in no sequence give
-    zeros. Every dense sequence and every method plan a packed launch takes (``packed.joinable``) run together in
-    one launch (``packed.py``; decode tokens beside larger plan blocks in a second: ``_run_packed``); the others (a
-    binding window, a method with an executor of its own, a plan the Hopper kernel serves) run one after another,
-    as does every sequence with ``joined=False`` or dtypes the packed executors lack (float32 on a GPU; float64 on
-    the kernels). On the PyTorch reference (the CPU) only the method plans join: dense sequences run SDPA each."""
+    zeros. Every method plan a packed launch takes (``packed.joinable``) and every dense sequence of at most
+    ``SHORT_ROWS`` queries (decode tokens) run together in one launch (``packed.py``; decode tokens beside larger
+    plan blocks in a second: ``_run_packed``); the others (a longer dense sequence: SDPA; a binding window, a method
+    with an executor of its own, a plan the Hopper kernel serves) run one after another, as does every sequence with
+    ``joined=False`` or dtypes the packed executors lack (float32 on a GPU; float64 on the kernels). On the PyTorch
+    reference (the CPU) only the method plans join: dense sequences run SDPA each."""
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     kernel = _kernel_for(q, config)
     joined = joined and packed.executor(q, v, kernel)
@@ -260,8 +261,10 @@ def attend_segments(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], con
             continue
         with _without_autocast(q):
             outcome = attempt(qs, ks, vs, scale, config, site, chunked_allowed=True, defer=True)
-            if outcome.output is None and outcome.plan is None and kernel == "reference":
-                # dense on the CPU: SDPA, which the reference's padded blocks would only slow down
+            if outcome.output is None and outcome.plan is None and (kernel == "reference" or q1 - q0 > SHORT_ROWS):
+                # dense past a decode step: SDPA. On the CPU the reference's padded blocks would only slow it down; on
+                # a GPU the sparse kernel at every tile is 1.2-1.6x cuDNN at 8K (the break-even table's kernel
+                # ratio), while decode tokens joined the launch measured faster than one call each
                 outcome = dataclasses.replace(outcome, output=run_dense(qs, ks, vs, scale, QUERIES_LAST))
         if outcome.output is not None:  # its plan ran on its own
             out[:, :, q0:q1] = _recorded(site, outcome, qs.shape, note)
