@@ -112,7 +112,7 @@ def test_negligible_pv_skip_is_not_run():
 def test_pv_skip_decides_per_row():
     """A row's P.V skip never depends on the other rows of its block: 16-row kernel blocks over a 32-row plan give
     the same output as 32-row ones, and rows whose tile maxima are far below drop exactly their own share."""
-    from kernels.attention import KernelConfig, block_sparse_attention
+    from sparse_compile.kernels.attention import KernelConfig, block_sparse_attention
 
     B, Hq, Hkv, N, D, bm, b = 1, 2, 1, 80, 32, 32, 16
     q, k, v = _sink_qkv(B, Hq, Hkv, N, N, D, torch.float32, strength=1.2)
