@@ -760,7 +760,10 @@ class _Space:
         for symbol in self.tied:
             sizes.symbols[symbol] = n_k
         for symbol, bounds in self.offsets.items():
-            lowest = max(int(bound.xreplace(sizes.symbols)) for bound in bounds)
+            try:
+                lowest = max(int(bound.xreplace(sizes.symbols)) for bound in bounds)
+            except (TypeError, ValueError) as exc:  # a bound that does not evaluate to a number
+                raise _Unsupported(f"the size {symbol} has no lowest value at these lengths ({exc})") from exc
             sizes.symbols[symbol] = lowest + (n if extra is None else extra)
         if n_k < n_q:
             raise _Unsupported(f"kv_len {self.nk} can be shorter than q_len {self.nq}")
