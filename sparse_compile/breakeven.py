@@ -40,8 +40,8 @@ from .rules import prefill_length
 from .state import STATE, BoundedLRU, Lock
 
 __all__ = ["Advice", "advise", "plan_shape", "break_even_density", "lowest_density", "has_table", "DensityHistory",
-           "device_keys", "HISTORY", "MARGIN", "PROBE_EVERY", "PROBE_MAX", "HISTORY_ENTRIES", "HISTORY_CONFIGS",
-           "load_tables"]
+           "device_keys", "table_key", "HISTORY", "MARGIN", "PROBE_EVERY", "PROBE_MAX", "HISTORY_ENTRIES",
+           "HISTORY_CONFIGS", "load_tables"]
 
 MARGIN = 0.05  # the predicted gain the sparse path needs (BFLA / SpargeAttn at 128K, density 1: 1.02-1.03x)
 PROBE_EVERY = 16  # dense calls before the first re-plan at a site that runs dense
@@ -89,8 +89,14 @@ def load_tables() -> dict:
 def architecture(device: torch.device) -> str:
     """The table's key for ``device``: the GPU's own entry where one was measured (``sm_90:NVIDIA H200``), else its
     architecture's (``sm_90``, measured on an H100), the device type otherwise (no table there)."""
-    own, shared = device_keys(device)
-    return own if own in load_tables() else shared
+    return table_key(device_keys(device), load_tables())
+
+
+def table_key(keys: tuple, tables: dict) -> str:
+    """Of (a GPU's own key, its architecture's key), the one ``tables`` holds an entry for, the GPU's own first;
+    the architecture's where neither has one (no table: the method runs as configured)."""
+    own, shared = keys
+    return own if own in tables else shared
 
 
 def device_keys(device: torch.device) -> tuple:

@@ -528,6 +528,19 @@ def test_break_even_density_interpolates_in_log_length(monkeypatch):
     assert breakeven.break_even_density(cpu, "other", 2048) is None
 
 
+def test_a_gpus_own_break_even_entry_wins_over_its_architectures():
+    """An H200 reads its own measured entry; another GPU of its compute capability the architecture's (the H100's)."""
+    from sparse_compile import breakeven
+
+    tables = {"sm_90": {}, "sm_90:NVIDIA H200": {}}
+    assert breakeven.table_key(("sm_90:NVIDIA H200", "sm_90"), tables) == "sm_90:NVIDIA H200"
+    assert breakeven.table_key(("sm_90:NVIDIA H100 80GB HBM3", "sm_90"), tables) == "sm_90"
+    assert breakeven.table_key(("sm_100:NVIDIA B200", "sm_100"), tables) == "sm_100"  # no entry: no table
+    assert breakeven.table_key(("cpu", "cpu"), tables) == "cpu"
+    shipped = breakeven.load_tables()
+    assert "sm_90" in shipped and "sm_90:NVIDIA H200" in shipped  # both measured entries ship
+
+
 def test_break_even_entry_of_the_selector_wins_over_the_shape(monkeypatch):
     """Two selectors can make plans of one shape at different selection costs (PBS without its permutation and
     the sampled selector: 128x128): a ``shape@select`` entry serves that selector, the plain shape the others."""
