@@ -30,8 +30,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import triton
@@ -39,7 +40,7 @@ import triton.language as tl
 
 from .common import interpreting, jit_any_length
 from .permute import permute_keys
-from .validate import MAX_HEAD_DIM, cdiv, validate_passes, validate_qkv
+from .validate import MAX_HEAD_DIM, cdiv, check_kernel_options, validate_passes, validate_qkv
 
 try:  # host-side tensor descriptors (TMA) exist from Triton 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -401,6 +402,7 @@ class KernelConfig:
     masked_stages: Optional[int] = None
 
 
+
 def default_config(block_m: int, block_n: int, *, head_dim_pad: int, dtype: torch.dtype, device: torch.device,
                    exact: bool) -> KernelConfig:
     """Launch parameters for tiles of ``block_m`` x ``block_n``, a head dim and dtype (see docs/kernels.md).
@@ -621,10 +623,11 @@ def is_compile_failure(exc: BaseException) -> bool:
 
 
 def _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, query_index, early_stop, pv_skip,
-                        key_mode, config, window: int = 0, chunk: int = 0, packed: bool = False) -> Optional[str]:
+                        key_mode, config, window: int = 0, chunk: int = 0, packed: bool = False,
+                        tuned: bool = False) -> Optional[str]:
     """Why the Gluon Hopper kernel does not serve this call (a sentence), or None when it does. No host sync."""
-    if config is not None:
-        return "an explicit config= selects the Triton kernel"
+    if config is not None or tuned:
+        return "an explicit config= or options= tunes (and so selects) the Triton kernel"
     if packed:  # the Gluon kernel's programs index one sequence's query blocks; packed rows are not taught to it
         return "packed sequences (block_rows=): the Hopper kernel runs one sequence per batch row"
     if window > 0 or chunk > 0:
@@ -724,6 +727,7 @@ def block_sparse_attention(
     window: int = 0,
     chunk: int = 0,
     block_rows: Optional[torch.Tensor] = None,
+    options: Optional[Mapping] = None,
 ):
     """Block-sparse causal attention over tile lists (module docstring): q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D)
     -> out (B, Hq, Nq, D), and with ``return_visited`` the int32 (B, Hq, n_query_blocks) tiles each block
@@ -731,7 +735,8 @@ def block_sparse_attention(
 
     ``scale`` defaults to 1/sqrt(D). ``key_mode`` (with ``key_index``): "gather", "copy" (needs an index with Hkv
     heads) or "auto". ``config`` overrides the launch parameters of the Triton kernel (tuning and tests; it also
-    selects the Triton kernel). ``backend``: "auto" (the Gluon Hopper kernel where it serves the call, module
+    selects the Triton kernel); ``options`` (names of ``KERNEL_OPTIONS``) set some of them over the default choice,
+    and select the Triton kernel too. ``backend``: "auto" (the Gluon Hopper kernel where it serves the call, module
     docstring; the environment variable ``SPARSE_COMPILE_ATTENTION_BACKEND=triton`` turns it off), "triton" or
     "hopper" (ValueError naming why when the Hopper kernel cannot serve the call). Raises ValueError naming the
     first problem with the inputs. ``sparse_compile.plan.execute_plan`` calls this with a plan's fields.
@@ -755,6 +760,8 @@ def block_sparse_attention(
     only.
     """
     global last_backend
+    if options:
+        check_kernel_options(options, "block_sparse_attention: options")
     _validate(q, k, v, tile_offsets, tile_counts, masked_counts, block_m, block_n, key_index, query_index,
               early_stop, pv_skip, block_rows)
     if block_rows is not None and chunk:
@@ -781,7 +788,8 @@ def block_sparse_attention(
         backend = "triton"
     if backend != "triton":
         why = _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, query_index, early_stop,
-                                  pv_skip, key_mode, config, window, chunk, block_rows is not None)
+                                  pv_skip, key_mode, config, window, chunk, block_rows is not None,
+                                  bool(options))
         if backend == "hopper" and why is not None:
             _fail(f"backend='hopper' cannot serve this call: {why}")
         if why is None:
@@ -817,6 +825,8 @@ def block_sparse_attention(
     exact = early_stop > 0 or pv_skip is not None
     cfg = config or default_config(block_m, block_n, head_dim_pad=head_dim_pad, dtype=q.dtype, device=q.device,
                                    exact=exact)
+    if options:
+        cfg = dataclasses.replace(cfg, **options)
     if block_m % cfg.block_m or block_m // cfg.block_m not in (1, 2) or cfg.block_m < 16:
         _fail(f"config.block_m={cfg.block_m} must be block_m ({block_m}) or half of it")
     if block_n % cfg.block_n or cfg.block_n < 16:

@@ -7,11 +7,36 @@ gets the same message whichever door it came through.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "MAX_HEAD_DIM", "cdiv", "validate_qkv", "validate_passes", "expand_heads"]
+__all__ = ["SUPPORTED_DTYPES", "MAX_HEAD_DIM", "KERNEL_OPTIONS", "cdiv", "validate_qkv", "validate_passes",
+           "expand_heads", "check_kernel_options"]
+
+#: the Triton kernel's launch parameters a caller may set over its default choice (``block_sparse_attention(options=)``,
+#: ``SparseConfig(kernel_options=...)``): name -> (allowed values, what it sets)
+KERNEL_OPTIONS = {
+    "num_warps": ((1, 2, 4, 8, 16), "warps per program"),
+    "num_stages": (tuple(range(1, 9)), "software-pipelining depth of the loop over unmasked tiles"),
+    "masked_stages": ((None,) + tuple(range(1, 9)), "the same for the loop over masked tiles (None: min(stages, 2))"),
+    "use_tma": ((None, True, False), "TMA loads (None: where the GPU and layout allow)"),
+}
+
+
+def check_kernel_options(options, who: str) -> None:
+    """ValueError naming the first key or value of ``options`` (a mapping) that ``KERNEL_OPTIONS`` does not allow."""
+    if not isinstance(options, Mapping):
+        raise ValueError(f"{who}: must be a dict of launch parameters, got {type(options).__name__}")
+    for name, value in options.items():
+        if name not in KERNEL_OPTIONS:
+            raise ValueError(f"{who}: unknown launch parameter {name!r}; valid: {sorted(KERNEL_OPTIONS)}")
+        allowed = KERNEL_OPTIONS[name][0]
+        # exact types: True is not 1 warp, 2.0 is not 2 stages
+        if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
+            raise ValueError(f"{who}[{name!r}]: must be one of {list(allowed)} ({KERNEL_OPTIONS[name][1]}), "
+                             f"got {value!r}")
+
 
 #: the dtypes the sparse path (kernels, planners, reference) serves
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

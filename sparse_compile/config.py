@@ -125,6 +125,22 @@ def _merge_sections(name: str, sources: list) -> Any:
     return {**a, **b}
 
 
+def _kernel_options(value: Any) -> tuple:
+    """``SparseConfig.kernel_options`` as sorted (name, value) pairs (hashable), or the error naming the problem."""
+    from .kernels.validate import check_kernel_options
+
+    if value is None:
+        return ()
+    if isinstance(value, tuple):  # pairs, as the field holds them
+        try:
+            value = dict(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"SparseConfig.kernel_options: must be a dict of launch parameters, got {value!r}") \
+                from None
+    check_kernel_options(value, "SparseConfig.kernel_options")
+    return tuple(sorted(value.items()))
+
+
 def normalize_site_params(value: Any, owner: str = "SparseConfig.site_params") -> tuple:
     """``{site: {param: value}}`` (or this function's own output) as a sorted, hashable tuple of
     ``(site, ((param, value), ...))`` pairs. Checks the shape only; the parameters are checked against the method
@@ -180,6 +196,9 @@ class SparseConfig:
                     Triton kernel otherwise; elsewhere the reference), "triton" (the Triton kernel only: CUDA, or
                     the CPU under ``TRITON_INTERPRET=1``) or "reference" (PyTorch, any device). The environment
                     variable ``SPARSE_COMPILE_ATTENTION_BACKEND=triton`` makes "auto" skip the Hopper kernel too.
+    kernel_options  the Triton kernel's launch parameters over its own choice per tile size and head dim, as
+                    FlexAttention's ``kernel_options``: ``{"num_warps": 8, "num_stages": 2}`` (names and values:
+                    ``kernels.validate.KERNEL_OPTIONS``). Giving any runs the Triton kernel (they tune it).
     planner         the reorder/select stages that build the plan: "fast" (Triton kernels, CUDA or the interpreter),
                     "reference" (PyTorch) or "auto" (fast on CUDA when Triton is there, else reference).
     record_density  measure each call's achieved density (costs a host sync; off by default).
@@ -210,6 +229,7 @@ class SparseConfig:
     min_seq_len: int = 16384
     skip_layers: tuple = ()
     kernel: str = "auto"
+    kernel_options: tuple = ()
     planner: str = "auto"
     record_density: bool = False
     dense_when_faster: bool = True
@@ -218,8 +238,9 @@ class SparseConfig:
 
     def __init__(self, method: str = DEFAULT_METHOD, reorder: Optional[str] = None, select: Optional[str] = None,
                  enabled: bool = True, min_seq_len: int = 16384, skip_layers=(), kernel: str = "auto",
-                 planner: str = "auto", record_density: bool = False, dense_when_faster: bool = True,
-                 site_params=None, params=None, **method_params: Union[MethodParams, Mapping[str, Any]]) -> None:
+                 kernel_options=None, planner: str = "auto", record_density: bool = False,
+                 dense_when_faster: bool = True, site_params=None, params=None,
+                 **method_params: Union[MethodParams, Mapping[str, Any]]) -> None:
         # every registered method's name is a keyword (its parameters), and so is each parameter of the configured one
         registered = registered_methods()
         knobs = {k: v for k, v in method_params.items() if k not in registered}
@@ -284,6 +305,7 @@ class SparseConfig:
         if self.planner not in PLANNER_NAMES:
             raise ValueError(f"SparseConfig.planner: unknown planner {self.planner!r}; valid: {list(PLANNER_NAMES)}")
         object.__setattr__(self, "site_params", normalize_site_params(site_params))
+        object.__setattr__(self, "kernel_options", _kernel_options(kernel_options))
         stage = self.select_stage
         for site, overrides in self.site_params:
             try:
@@ -369,6 +391,7 @@ class SparseConfig:
         """Keyword arguments that rebuild this configuration (methods' parameters and ``site_params`` as dicts)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "params"}
         out["site_params"] = {site: dict(overrides) for site, overrides in self.site_params}
+        out["kernel_options"] = dict(self.kernel_options)
         out.update({name: dataclasses.asdict(value) for name, value in self.params})
         return out
 

@@ -167,7 +167,8 @@ def pack(segments: Sequence[Segment], heads: int, kv_heads: int, device) -> Pack
 
 
 def execute_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedPlan, scale: float, *,
-                   kernel: str, out: torch.Tensor, return_visited: bool = False) -> Optional[torch.Tensor]:
+                   kernel: str, out: torch.Tensor, return_visited: bool = False,
+                   kernel_options=None) -> Optional[torch.Tensor]:
     """Run ``packed`` on q (1, Hq, T_q, D), k/v (1, Hkv, T_k, D), writing its rows of ``out`` (q's shape and dtype;
     rows in no block are left as they are). ``kernel``: "triton" (one launch) or "reference" (PyTorch). Returns the
     tiles each (query head, block) computed, int32 (1, Hq, n_blocks), with ``return_visited``, else None."""
@@ -176,7 +177,8 @@ def execute_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Pa
 
         result = block_sparse_attention(q, k, v, packed.tile_offsets, packed.tile_counts, packed.masked_counts,
                                         block_m=packed.block_m, block_n=packed.block_n, scale=scale, out=out,
-                                        return_visited=return_visited, block_rows=packed.block_rows)
+                                        return_visited=return_visited, block_rows=packed.block_rows,
+                                        options=kernel_options)
         return result[1] if return_visited else None
     visited = reference_packed_attention(q, k, v, packed, scale, out=out)
     return visited if return_visited else None

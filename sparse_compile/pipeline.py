@@ -300,7 +300,8 @@ def _run_packed(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config:
         try:
             with _without_autocast(q):
                 visited = packed.execute_packed(q, k, v, plan, value, kernel=kernel, out=out,
-                                                return_visited=config.record_density)
+                                                return_visited=config.record_density,
+                                                kernel_options=dict(config.kernel_options))
         except Exception as exc:  # as in run_method: only a failed kernel compile runs the sequences alone
             if _compile_failure(exc) is None:
                 raise
@@ -443,7 +444,7 @@ def run_band(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: Sp
                       window=local.window, chunk=local.chunk)
     try:
         result = execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=config.record_density,
-                              backend=_backend_for(config))
+                              backend=_backend_for(config), kernel_options=dict(config.kernel_options))
     except Exception as exc:  # as in run_method: only a failed kernel compile goes dense
         failure = _compile_failure(exc)
         if failure is None:
@@ -466,9 +467,10 @@ def _kernel_for(q: Tensor, config: SparseConfig) -> str:
 
 
 def _backend_for(config: SparseConfig) -> str:
-    """Which kernel serves a call on the kernels: ``kernel="triton"`` the Triton kernel only; "auto" the Gluon
-    Hopper kernel where it serves the call (``SPARSE_COMPILE_ATTENTION_BACKEND=triton`` overrides that)."""
-    return "triton" if config.kernel == "triton" else "auto"
+    """Which kernel serves a call on the kernels: ``kernel="triton"`` (or any ``kernel_options``, which tune it) the
+    Triton kernel only; "auto" the Gluon Hopper kernel where it serves the call
+    (``SPARSE_COMPILE_ATTENTION_BACKEND=triton`` overrides that)."""
+    return "triton" if config.kernel == "triton" or config.kernel_options else "auto"
 
 
 def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig,
@@ -507,7 +509,7 @@ def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
                  and packed.joinable(plan, q, k, v, backend=_backend_for(config)))
         if not plan_only and not defer:
             result = methods.execute(q, k, v, plan, scale, config, kernel=kernel, return_visited=want_visits,
-                                     backend=_backend_for(config))
+                                     backend=_backend_for(config), kernel_options=dict(config.kernel_options))
             out, visited = result if want_visits else (result, None)
     except Unsupported as exc:
         return Outcome(DENSE, f"method {config.method}: {exc}")

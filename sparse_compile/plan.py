@@ -551,15 +551,16 @@ def runs_on_kernels(q: torch.Tensor, kernel: str) -> bool:
 def execute_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: Optional[float] = None,
                  *, kernel: str = "auto", return_visited: bool = False, check: bool = False,
                  key_mode: str = "auto", config=None, out=None, lse=None, resume: bool = False,
-                 skip_masked: bool = False, backend: str = "auto"):
+                 skip_masked: bool = False, backend: str = "auto", kernel_options=None):
     """Run ``plan`` on q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D): the one place that picks the executor.
 
     ``kernel``: "triton" (the Triton kernel: CUDA, or the CPU under ``TRITON_INTERPRET=1``), "reference"
     (``reference_attention``, pure PyTorch) or "auto" (Triton for CUDA inputs, the reference otherwise).
     ``check=True`` runs ``check_plan`` first (host syncs). ``key_mode`` and ``config`` (a
     ``sparse_compile.kernels.KernelConfig``) go to the Triton kernel; ``backend`` to the kernels ("auto": the Gluon
-    Hopper kernel where it serves the call; "triton": the Triton kernel only). Returns the output, and with
-    ``return_visited`` also the tiles each (batch, query head, query block) computed, int32.
+    Hopper kernel where it serves the call; "triton": the Triton kernel only), ``kernel_options`` (launch
+    parameters over the Triton kernel's own choice: ``kernels.validate.KERNEL_OPTIONS``) too. Returns the output,
+    and with ``return_visited`` also the tiles each (batch, query head, query block) computed, int32.
     ``out`` / ``lse`` / ``resume`` / ``skip_masked`` run a plan as the second of two passes over one softmax
     (``kernels.block_sparse_attention`` documents them); the kernels only: the reference runs a plan in one pass.
     """
@@ -577,7 +578,7 @@ def execute_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockP
             block_n=plan.block_n, key_index=plan.key_index, query_index=plan.query_index, scale=scale,
             early_stop=plan.early_stop, pv_skip=plan.pv_skip, return_visited=return_visited, key_mode=key_mode,
             config=config, out=out, lse=lse, resume=resume, skip_masked=skip_masked, window=plan.window,
-            chunk=plan.chunk, backend=backend)
+            chunk=plan.chunk, backend=backend, options=kernel_options)
         if plan.exact_tail <= 0:
             return result
         if lse is not None or resume:

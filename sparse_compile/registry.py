@@ -61,7 +61,7 @@ class Method:
                   None (keys in order).
     fast_select / fast_reorder   GPU twins with the same signature and the same plans, or None.
     execute       the method's own executor ``fn(q, k, v, plan, scale, params, *, kernel, return_visited,
-                  backend)`` (``kernel`` and ``backend`` as ``plan.execute_plan`` takes them) when ``execute_plan``
+                  backend, kernel_options)`` (as ``plan.execute_plan`` takes them) when ``execute_plan``
                   alone would not do (S2O runs its plans in segment chunks), or None.
     select_after  reorder stages (besides its own) that its selector accepts, e.g. ``("none", "pbs")``.
     density       the knob that sets its density (benchmarks calibrate it).

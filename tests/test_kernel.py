@@ -311,3 +311,21 @@ def test_plain_tensor_signature():
     assert torch.equal(via_plan, out) and torch.equal(via_plan_visited, visited)
     with pytest.raises(ValueError, match="tile_counts"):
         block_sparse_attention(q, k, v, plan.tile_offsets, None, plan.masked_counts, block_m=16, block_n=16)
+
+
+def test_kernel_options_tune_the_kernel_and_keep_its_result():
+    """``SparseConfig(kernel_options=...)`` reaches the kernel's launch (an invalid one is refused there too) and
+    changes nothing computed."""
+    import sparse_compile
+    from sparse_compile import SparseConfig
+
+    q, k, v = random_qkv(1, 2, 1, 80, 80, 16, dtype=torch.float32)
+    base = SparseConfig(method="pbs", min_seq_len=16, kernel="triton", dense_when_faster=False,
+                        pbs={"block_size": 16, "segment_size": 32}).keep_all()
+    tuned = base.replace(kernel_options={"num_warps": 2, "num_stages": 2})
+    torch.testing.assert_close(sparse_compile.sparse_attention(q, k, v, config=tuned),
+                               sparse_compile.sparse_attention(q, k, v, config=base), rtol=0, atol=0)
+    plan = causal_plan(1, 2, 80, 80, 16, 16)
+    with pytest.raises(ValueError, match="options\\['num_warps'\\]"):
+        block_sparse_attention(q, k, v, plan.tile_offsets, plan.tile_counts, plan.masked_counts, block_m=16,
+                               block_n=16, options={"num_warps": 5})

@@ -300,14 +300,17 @@ def test_gpu_hopper_backend_choices_and_fallbacks(monkeypatch):
 @gpu
 @hopper_gpu
 def test_gpu_the_configured_kernel_picks_the_backend():
-    """``SparseConfig(kernel="triton")`` runs the Triton kernel only; "auto" the Hopper kernel where it serves."""
+    """``SparseConfig(kernel="triton")`` runs the Triton kernel only, as do ``kernel_options``; "auto" the Hopper
+    kernel where it serves."""
     import sparse_compile
     from sparse_compile import SparseConfig
 
     A = _attention_module()
     q, k, v = random_qkv(1, 4, 2, 1024, 1024, 128, dtype=torch.bfloat16, device="cuda")
-    for kernel, backend in (("triton", "triton"), ("auto", "hopper")):
-        config = SparseConfig(min_seq_len=2, dense_when_faster=False, kernel=kernel).keep_all()
+    for kernel, options, backend in (("triton", None, "triton"), ("auto", None, "hopper"),
+                                     ("auto", {"num_stages": 2}, "triton")):  # options tune the Triton kernel
+        config = SparseConfig(min_seq_len=2, dense_when_faster=False, kernel=kernel,
+                              kernel_options=options).keep_all()
         out = sparse_compile.sparse_attention(q, k, v, config=config)
         assert A.last_backend == backend, kernel
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,

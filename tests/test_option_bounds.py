@@ -205,3 +205,20 @@ def test_torch_compile_options_fail_with_the_plain_error_at_the_first_call(optio
     with pytest.raises(ValueError, match=message) as info:
         compiled(torch.ones(3))
     assert not isinstance(info.value, BackendCompilerFailed)
+
+
+def test_kernel_options_are_validated_where_given_and_travel_with_the_configuration():
+    """``kernel_options`` (FlexAttention's ``kernel_options``): names and values checked at construction, held
+    hashable, kept by JSON (the graph's copy) and accepted by ``torch.compile``'s options and regions."""
+    config = SparseConfig(kernel_options={"num_warps": 8, "num_stages": 2})
+    assert config.kernel_options == (("num_stages", 2), ("num_warps", 8))
+    assert SparseConfig.from_json(config.to_json()) == config and hash(config) == hash(config.replace())
+    assert SparseConfig.from_options({"kernel_options": {"use_tma": False}}).kernel_options == (("use_tma", False),)
+    assert SparseConfig().to_json() == "{}"  # the default holds none
+    with sparsity(kernel_options={"masked_stages": 1}):
+        pass
+    for bad, match in (({"num_warps": 3}, "num_warps"), ({"num_stages": 2.0}, "num_stages"),
+                       ({"num_warps": True}, "num_warps"), ({"block": 64}, "unknown launch parameter 'block'"),
+                       ([("num_warps", 4)], "dict of launch parameters")):
+        with pytest.raises(ValueError, match=match):
+            SparseConfig(kernel_options=bad)

@@ -115,11 +115,12 @@ def build_plan(q: torch.Tensor, k: torch.Tensor, scale: Optional[float], config,
 
 
 def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale: float, config, *,
-            kernel: str, return_visited: bool = False, backend: str = "auto"):
+            kernel: str, return_visited: bool = False, backend: str = "auto", kernel_options=None):
     """``plan`` through its method's own executor (S2O: segment chunks), else ``plan.execute_plan``; ``backend``
-    as ``execute_plan`` takes it."""
+    and ``kernel_options`` as ``execute_plan`` takes them."""
     executor = method_spec(config.select_stage).execute
     if executor is not None:
         return executor(q, k, v, plan, scale, config.params_of(config.select_stage), kernel=kernel,
-                        return_visited=return_visited, backend=backend)
-    return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited, backend=backend)
+                        return_visited=return_visited, backend=backend, kernel_options=kernel_options)
+    return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited, backend=backend,
+                        kernel_options=kernel_options)

@@ -362,6 +362,7 @@ def _window_plan(q: torch.Tensor, segment: int, block_m: int, block_n: int) -> B
 
 def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, scale, params, *,
                 kernel: str = "auto", return_visited: bool = False, key_mode: str = "auto", backend: str = "auto",
+                kernel_options=None,
                 window_pass: bool = True, list_budget: float = LIST_BUDGET, copy_bytes_floor: int = COPY_BYTES_FLOOR):
     """``execute_plan`` for S2O's plans, in O(N) extra memory.
 
@@ -390,11 +391,12 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
     if window_pass and runs_on_kernels(q, kernel) and not plan.has_band:
         window = _window_plan(q, params.segment_size, plan.block_m, plan.block_n)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        out = execute_plan(q, k, v, window, scale, kernel=kernel, lse=lse, backend=backend)
+        out = execute_plan(q, k, v, window, scale, kernel=kernel, lse=lse, backend=backend,
+                           kernel_options=kernel_options)
         passes = {"out": out, "lse": lse, "resume": True, "skip_masked": True}
         window_visits = window.tile_counts
     result = _ranked_walk(q, k, v, plan, scale, params, kernel, return_visited, key_mode, passes, list_budget,
-                          copy_bytes_floor, backend)
+                          copy_bytes_floor, backend, kernel_options)
     if window_visits is None or not return_visited:
         return result
     out, visited = result
@@ -402,16 +404,16 @@ def execute_s2o(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPl
 
 
 def _ranked_walk(q, k, v, plan: BlockPlan, scale, params, kernel: str, return_visited: bool, key_mode: str,
-                 passes: dict, list_budget: float, copy_bytes_floor: int, backend: str):
+                 passes: dict, list_budget: float, copy_bytes_floor: int, backend: str, kernel_options=None):
     """The plan (with ``passes``: its unmasked tiles, resumed from the window pass) in one call or segment chunks."""
-    if key_mode == "auto" and kernel != "reference" and q.is_cuda and backend != "triton":
+    if key_mode == "auto" and kernel != "reference" and q.is_cuda and backend != "triton" and not kernel_options:
         from ..kernels.attention import reads_keys_in_place
 
         if reads_keys_in_place(q, k, v, plan.tile_offsets, block_m=plan.block_m, block_n=plan.block_n,
                                key_index=plan.key_index, query_index=plan.query_index, early_stop=plan.early_stop,
                                pv_skip=plan.pv_skip, window=plan.window, chunk=plan.chunk):
             return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited, backend=backend,
-                                **passes)
+                                kernel_options=kernel_options, **passes)
     n = q.shape[-2]
     copied = "copy" if kernel != "reference" else "auto"  # the kernels read each chunk's keys from a copy
     layout = s2o_layout(n, params.segment_size, plan.block_n)
@@ -428,7 +430,7 @@ def _ranked_walk(q, k, v, plan: BlockPlan, scale, params, kernel: str, return_vi
     chunks.append((start, segments))
     if len(chunks) == 1:
         return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited,
-                            key_mode=copied, backend=backend, **passes)
+                            key_mode=copied, backend=backend, kernel_options=kernel_options, **passes)
     out = passes.get("out")
     if out is None:
         out = torch.empty_like(q) if v.shape[-1] == q.shape[-1] else q.new_empty((*q.shape[:-1], v.shape[-1]))
@@ -456,7 +458,8 @@ def _ranked_walk(q, k, v, plan: BlockPlan, scale, params, kernel: str, return_vi
         if passes:  # the chunk resumes its own rows, in place
             chunk_passes = dict(passes, out=out[:, :, row0:row1], lse=passes["lse"][:, :, row0:row1])
         result = execute_plan(q[:, :, row0:row1], k[:, :, :row1], v[:, :, :row1], chunk_plan, scale, kernel=kernel,
-                              return_visited=return_visited, key_mode=copied, backend=backend, **chunk_passes)
+                              return_visited=return_visited, key_mode=copied, backend=backend,
+                              kernel_options=kernel_options, **chunk_passes)
         if return_visited:
             result, visited[:, :, block0:block1] = result
         if not passes:
