@@ -77,6 +77,15 @@ def serve_batch(model, prompts, cb_config) -> tuple[dict, float]:
     return ttft, wall
 
 
+def hold(model, config) -> str:
+    """The front door's name, with ``config`` held by the model and its attention left on ``"sdpa"`` (each
+    contender switches it per call: ``with_attention``)."""
+    sparse_compile.enable_transformers_attention(model, config)
+    name = model.config._attn_implementation
+    model.config._attn_implementation = "sdpa"
+    return name
+
+
 def attend_with(model, held) -> None:
     """The model on the kernel route with ``held`` (a SparseConfig), or on transformers' paged SDPA (None)."""
     if held is None:
@@ -233,14 +242,9 @@ def main() -> None:
                             params=("scenario", "rep", "contender", "request", "prompt"),
                             extra=dict(layers=model.config.num_hidden_layers, method=args.method or "default")))
         return
-    sparse_compile.enable_transformers_attention(model, config)
-    name = model.config._attn_implementation
-    model.config._attn_implementation = "sdpa"
-
     rows = []
     for length in args.lengths:
-        sparse_compile.enable_transformers_attention(model, config)  # the counted runs record densities
-        model.config._attn_implementation = "sdpa"
+        name = hold(model, config)  # the counted runs record densities
         ids = torch.randint(1, model.config.vocab_size, (1, length), device=device)
         contenders = {
             "dense one call": with_attention(model, "sdpa", lambda x: one_call(model, x)),
@@ -256,8 +260,7 @@ def main() -> None:
             sync()
             per_run[label] = (calls_by_path(), mean_density())
         # timed without record_density: its host sync per call would weigh on the chunked runs' many calls
-        sparse_compile.enable_transformers_attention(model, config.replace(record_density=False))
-        model.config._attn_implementation = "sdpa"
+        hold(model, config.replace(record_density=False))
         memory = {}
         if device == "cuda":
             for label, fn in contenders.items():

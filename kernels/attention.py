@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -402,7 +402,6 @@ class KernelConfig:
     masked_stages: Optional[int] = None
 
 
-
 def default_config(block_m: int, block_n: int, *, head_dim_pad: int, dtype: torch.dtype, device: torch.device,
                    exact: bool) -> KernelConfig:
     """Launch parameters for tiles of ``block_m`` x ``block_n``, a head dim and dtype (see docs/kernels.md).
@@ -623,10 +622,9 @@ def is_compile_failure(exc: BaseException) -> bool:
 
 
 def _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, query_index, early_stop, pv_skip,
-                        key_mode, config, window: int = 0, chunk: int = 0, packed: bool = False,
-                        tuned: bool = False) -> Optional[str]:
+                        key_mode, config, window: int = 0, chunk: int = 0, packed: bool = False) -> Optional[str]:
     """Why the Gluon Hopper kernel does not serve this call (a sentence), or None when it does. No host sync."""
-    if config is not None or tuned:
+    if config is not None:
         return "an explicit config= or options= tunes (and so selects) the Triton kernel"
     if packed:  # the Gluon kernel's programs index one sequence's query blocks; packed rows are not taught to it
         return "packed sequences (block_rows=): the Hopper kernel runs one sequence per batch row"
@@ -760,8 +758,6 @@ def block_sparse_attention(
     only.
     """
     global last_backend
-    if options:
-        check_kernel_options(options, "block_sparse_attention: options")
     _validate(q, k, v, tile_offsets, tile_counts, masked_counts, block_m, block_n, key_index, query_index,
               early_stop, pv_skip, block_rows)
     if block_rows is not None and chunk:
@@ -776,6 +772,12 @@ def block_sparse_attention(
     Hkv, Nk = k.shape[1], k.shape[2]
     nqb = cdiv(Nq, block_m) if block_rows is None else block_rows.shape[0]
     head_dim_pad = max(16, triton.next_power_of_2(D))
+    exact = early_stop > 0 or pv_skip is not None
+    if options:  # some launch parameters over the default choice: a config of the Triton kernel, as config= is
+        check_kernel_options(options, "block_sparse_attention: options")
+        config = dataclasses.replace(config or default_config(block_m, block_n, head_dim_pad=head_dim_pad,
+                                                              dtype=q.dtype, device=q.device, exact=exact),
+                                     **options)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if not (scale > 0 and math.isfinite(scale)):
         _fail(f"scale must be a positive finite number, got {scale!r}")
@@ -788,8 +790,7 @@ def block_sparse_attention(
         backend = "triton"
     if backend != "triton":
         why = _hopper_unsupported(q, k, v, tile_offsets, block_m, block_n, key_index, query_index, early_stop,
-                                  pv_skip, key_mode, config, window, chunk, block_rows is not None,
-                                  bool(options))
+                                  pv_skip, key_mode, config, window, chunk, block_rows is not None)
         if backend == "hopper" and why is not None:
             _fail(f"backend='hopper' cannot serve this call: {why}")
         if why is None:
@@ -822,11 +823,8 @@ def block_sparse_attention(
     last_backend = "triton"
     BACKEND_CALLS["triton"] += 1
 
-    exact = early_stop > 0 or pv_skip is not None
     cfg = config or default_config(block_m, block_n, head_dim_pad=head_dim_pad, dtype=q.dtype, device=q.device,
                                    exact=exact)
-    if options:
-        cfg = dataclasses.replace(cfg, **options)
     if block_m % cfg.block_m or block_m // cfg.block_m not in (1, 2) or cfg.block_m < 16:
         _fail(f"config.block_m={cfg.block_m} must be block_m ({block_m}) or half of it")
     if block_n % cfg.block_n or cfg.block_n < 16:

@@ -301,7 +301,7 @@ def _run_packed(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config:
             with _without_autocast(q):
                 visited = packed.execute_packed(q, k, v, plan, value, kernel=kernel, out=out,
                                                 return_visited=config.record_density,
-                                                kernel_options=dict(config.kernel_options))
+                                                kernel_options=_launch(config)["kernel_options"])
         except Exception as exc:  # as in run_method: only a failed kernel compile runs the sequences alone
             if _compile_failure(exc) is None:
                 raise
@@ -444,7 +444,7 @@ def run_band(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: Sp
                       window=local.window, chunk=local.chunk)
     try:
         result = execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=config.record_density,
-                              backend=_backend_for(config), kernel_options=dict(config.kernel_options))
+                              **_launch(config))
     except Exception as exc:  # as in run_method: only a failed kernel compile goes dense
         failure = _compile_failure(exc)
         if failure is None:
@@ -466,11 +466,13 @@ def _kernel_for(q: Tensor, config: SparseConfig) -> str:
     return "triton" if q.is_cuda else "reference"
 
 
-def _backend_for(config: SparseConfig) -> str:
-    """Which kernel serves a call on the kernels: ``kernel="triton"`` (or any ``kernel_options``, which tune it) the
-    Triton kernel only; "auto" the Gluon Hopper kernel where it serves the call
-    (``SPARSE_COMPILE_ATTENTION_BACKEND=triton`` overrides that)."""
-    return "triton" if config.kernel == "triton" or config.kernel_options else "auto"
+def _launch(config: SparseConfig) -> dict:
+    """What the kernels receive of the configuration (``execute_plan``'s keywords): which kernel serves a call
+    (``kernel="triton"``, or any ``kernel_options``, which tune it: the Triton kernel only; "auto": the Gluon Hopper
+    kernel where it serves the call, ``SPARSE_COMPILE_ATTENTION_BACKEND=triton`` overriding that) and its launch
+    parameters."""
+    backend = "triton" if config.kernel == "triton" or config.kernel_options else "auto"
+    return {"backend": backend, "kernel_options": dict(config.kernel_options)}
 
 
 def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: SparseConfig,
@@ -505,11 +507,12 @@ def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
         # count the visits where the count is wanted
         want_visits = config.record_density or (history_key is not None and plan.early_stop > 0)
         out = visited = None
+        launch = _launch(config)
         defer = (defer and not plan_only and not banded and spec.execute is None
-                 and packed.joinable(plan, q, k, v, backend=_backend_for(config)))
+                 and packed.joinable(plan, q, k, v, backend=launch["backend"]))
         if not plan_only and not defer:
             result = methods.execute(q, k, v, plan, scale, config, kernel=kernel, return_visited=want_visits,
-                                     backend=_backend_for(config), kernel_options=dict(config.kernel_options))
+                                     **launch)
             out, visited = result if want_visits else (result, None)
     except Unsupported as exc:
         return Outcome(DENSE, f"method {config.method}: {exc}")
