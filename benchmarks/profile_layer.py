@@ -121,7 +121,7 @@ def main() -> None:
             s2o={"segment_size": 64, "block_size_q": 32, "block_size_kv": 32})
     else:
         base = sparse_compile.SparseConfig(min_seq_len=4096)
-    options = {f: getattr(base, f) for f in ("min_seq_len", "pbs", "sparge", "bfla", "s2o")}
+    options = {"min_seq_len": base.min_seq_len, **{m: base.params_of(m) for m in ("pbs", "sparge", "bfla", "s2o")}}
     out_dir = Path(args.out) if args.out else RUNS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = out_dir / f"{args.name}.jsonl"
