@@ -6,7 +6,11 @@ step); each chunk's queries then attend to the whole prefix. This benchmark time
 (random weights, ``e2e_model.build_model``) and through the front door (``enable_transformers_attention``):
 
 * ``dense one call`` / ``sparse one call``: the whole prompt in one forward (``logits_to_keep=1``);
-* ``dense chunked`` / ``sparse chunked``: ``--chunk`` tokens per forward over one ``DynamicCache``.
+* ``dense chunked`` / ``sparse chunked``: ``--chunk`` tokens per forward over one ``DynamicCache``;
+* ``sparse chunked, static cache``: the same over a ``StaticCache`` (preallocated, written in place: no
+  concatenation, as a server's paged cache);
+* ``cache updates``: the chunked forwards' ``DynamicCache`` updates alone (it concatenates: a cost of chunking
+  itself, dense and sparse alike).
 
 ``--scenario batching``: ``--requests`` prompts with lengths drawn from ``--prompt-range`` (seeded), served by
 transformers' continuous batching (``generate_batch``, one new token each) with the package's kernel route
@@ -43,15 +47,53 @@ from harness import alternating_samples, write_results  # noqa: E402
 from sparse_compile import SparseConfig  # noqa: E402
 
 
-def chunked(model, ids, chunk: int):
-    """Prefill ``ids`` in ``chunk``-token forwards over one cache; the last chunk's last logits."""
+def chunked(model, ids, chunk: int, static: bool = False):
+    """Prefill ``ids`` in ``chunk``-token forwards over one cache (a ``DynamicCache``, which concatenates each chunk's
+    keys and values onto the cache, or with ``static`` a ``StaticCache`` of the prompt's length, written in place as
+    a server's preallocated cache is); the last chunk's last logits."""
     import transformers
 
-    cache = transformers.DynamicCache()
+    if static:
+        cache = transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1])
+    else:
+        cache = transformers.DynamicCache()
     logits = None
     for start in range(0, ids.shape[1], chunk):
         logits = model(ids[:, start:start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     return logits
+
+
+def profile(runs: dict, out: Path, tag: str) -> None:
+    """One profiled run of each of ``runs`` (label: a callable without arguments): its kernels by total device
+    time, to ``out/profile_<label>_<tag>.txt``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    out.mkdir(parents=True, exist_ok=True)
+    for label, fn in runs.items():
+        with torch.no_grad(), torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            sync()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
+        (out / f"profile_{label.replace(' ', '_')}_{tag}.txt").write_text(table)
+
+
+def cache_updates(model, ids, chunk: int):
+    """The chunked prefill's ``DynamicCache`` updates alone (each chunk's keys and values appended in every layer,
+    which concatenates the growing cache): a cost of the chunked contenders, dense and sparse alike, that one call
+    does not pay."""
+    import transformers
+
+    cfg = model.config
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    # in the model's layout: projected as (B, N, H, D) and transposed, which the concatenation copies slower
+    part = torch.randn(1, chunk, cfg.num_key_value_heads, dim, device=ids.device, dtype=model.dtype).transpose(1, 2)
+    cache = transformers.DynamicCache()
+    for start in range(0, ids.shape[1], chunk):
+        n = min(chunk, ids.shape[1] - start)
+        for layer in range(cfg.num_hidden_layers):
+            cache.update(part[:, :, :n], part[:, :, :n], layer)
+    return cache
 
 
 def one_call(model, ids):
@@ -186,6 +228,8 @@ def varlen(args, config, device, dtype) -> list:
             per_run[label] = calls_by_path()
         with torch.no_grad():
             samples = alternating_samples(contenders, args.reps, warmup=1)
+        if args.profile and args.out:
+            profile(contenders, Path(args.out), mix)
         loop = statistics.median(samples["per sequence"])
         for label, times in samples.items():
             rows.append(dict(scenario="varlen", mix=mix, sequences=len(lengths), queries=q_total, keys=k_total,
@@ -206,6 +250,11 @@ def main() -> None:
     parser.add_argument("--method", default=None, help="a method name (default: the package's default config)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's 32)")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--fixed-budget", type=float, default=None,
+                        help="sampled keeps this share of every block's visible tiles (mass_target=0): one call and "
+                             "the chunks then run at the same density")
+    parser.add_argument("--profile", action="store_true",
+                        help="a torch.profiler table of each sparse contender (chunked) or each mix's contenders (varlen) under --out")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, for testing the script")
     parser.add_argument("--out", default=None)
     parser.add_argument("--store", action="store_true", help="append the rows to the benchmark's store")
@@ -219,6 +268,8 @@ def main() -> None:
     options = dict(record_density=True)
     if args.method:
         options["method"] = args.method
+    if args.fixed_budget is not None:
+        options.update(method="sampled", sampled={"mass_target": 0.0, "budget": args.fixed_budget})
     if args.smoke:  # toy lengths: lower the floor and the blocks so the toy run takes the sparse path
         options.update(method=args.method or ("sampled" if args.scenario == "varlen" else "pbs"), min_seq_len=16,
                        pbs={"block_size": 16, "segment_size": 32}, sampled={"block_size": 16, "sample_every": 4})
@@ -251,6 +302,9 @@ def main() -> None:
             "sparse one call": with_attention(model, name, lambda x: one_call(model, x)),
             "dense chunked": with_attention(model, "sdpa", lambda x: chunked(model, x, args.chunk)),
             "sparse chunked": with_attention(model, name, lambda x: chunked(model, x, args.chunk)),
+            "sparse chunked, static cache": with_attention(model, name,
+                                                           lambda x: chunked(model, x, args.chunk, static=True)),
+            "cache updates": lambda x: cache_updates(model, x, args.chunk),
         }
         per_run = {}
         for label, fn in contenders.items():  # one untimed run each: its call counts and density
@@ -271,10 +325,13 @@ def main() -> None:
         with torch.no_grad():
             samples = alternating_samples({k: (lambda f=f: f(ids)) for k, f in contenders.items()}, args.reps,
                                           warmup=1)
+        if args.profile and args.out:
+            profile({label: (lambda f=contenders[label]: f(ids)) for label in ("sparse one call", "sparse chunked")},
+                    Path(args.out), str(length))
         one = statistics.median(samples["sparse one call"])
         for label, times in samples.items():
             calls, density = per_run[label]
-            rows.append(dict(scenario="chunked", length=length, chunk=args.chunk if "chunked" in label else length, contender=label,
+            rows.append(dict(scenario="chunked", length=length, chunk=length if "one call" in label else args.chunk, contender=label,
                              ttft_ms=statistics.median(times), sparse_calls=calls["sparse"],
                              dense_calls=calls["dense"], density=density,
                              vs_sparse_one_call=statistics.median(times) / one,

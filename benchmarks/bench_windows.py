@@ -160,6 +160,14 @@ def sweep_rows(args, device, dtype, rows: list) -> None:
                     return block_sparse_attention(q, k, v, full.tile_offsets, full.tile_counts, full.masked_counts,
                                                   block_m=128, block_n=128, backend=backend)
                 contenders[f"causal keep-all ({backend})"] = keep_all
+            if d > 128:  # the D=256 default before the sweep chose 128x64 with 8 warps
+                full = local_plan(1, hq, n, n, 128, 128, device=device)
+                contenders["causal keep-all (triton) 64x64 w4 s2"] = lambda full=full: block_sparse_attention(
+                    q, k, v, full.tile_offsets, full.tile_counts, full.masked_counts, block_m=128, block_n=128,
+                    config=KernelConfig(64, 64, num_warps=4, num_stages=2), backend="triton")
+            # the band as users call it (plan built per call, the rules, dispatch): its cost over the bare launch
+            contenders["band: sparse_attention(window=)"] = lambda: sparse_compile.sparse_attention(q, k, v,
+                                                                                                  window=window)
             for tile, bm, bn, warps, stages in ([(64, 64, 64, 4, 1)] if args.smoke else SWEEP):
                 band = local_plan(1, hq, n, n, tile, tile, device=device, window=window)
                 config = KernelConfig(bm, bn, num_warps=warps, num_stages=stages)
