@@ -40,7 +40,7 @@ import triton.language as tl
 
 from .common import interpreting, jit_any_length
 from .permute import permute_keys
-from .validate import MAX_HEAD_DIM, cdiv, check_kernel_options, validate_passes, validate_qkv
+from .validate import MAX_HEAD_DIM, cdiv, check_kernel_options, validate_qkv
 
 try:  # host-side tensor descriptors (TMA) exist from Triton 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -464,9 +464,9 @@ def _check_table(name: str, t, rank: int, batch: int, heads: tuple, device, dim2
 
 
 def _validate(q, k, v, tile_offsets, tile_counts, masked_counts, block_m, block_n, key_index, query_index,
-              early_stop, pv_skip, block_rows=None) -> None:
+              early_stop, pv_skip, block_rows=None, passes=None) -> None:
     # packed sequences each hold at most as many queries as keys; their totals need not
-    validate_qkv(q, k, v, who="block_sparse_attention", longer_queries_ok=block_rows is not None)
+    validate_qkv(q, k, v, who="block_sparse_attention", longer_queries_ok=block_rows is not None, passes=passes)
     if q.device.type != "cuda" and not interpreting():
         _fail(f"inputs on {q.device}: the Triton kernel needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
     batch, heads_q, num_queries, dim = q.shape
@@ -766,10 +766,9 @@ def block_sparse_attention(
     """
     global last_backend
     _validate(q, k, v, tile_offsets, tile_counts, masked_counts, block_m, block_n, key_index, query_index,
-              early_stop, pv_skip, block_rows)
+              early_stop, pv_skip, block_rows, passes=(out, lse, resume))
     if block_rows is not None and chunk:
         _fail("chunk= counts positions from key 0, which packed sequences (block_rows=) do not share")
-    validate_passes(q, out, lse, resume, who="block_sparse_attention")
     for name, value in (("window", window), ("chunk", chunk)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value >= 2**31:
             _fail(f"{name} must be an int in [0, 2^31) (0: none), got {value!r}")

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from .common import (TileGrid, dot, dot_precision, empty_plan_tables, interpreting, is_finite, jit_any_length,
-                     launchable, mix32, physical_rows, plan_buckets, query_block_bounds, row_visibility, row_warps,
-                     rows_per_program, split_heads, store_plan_rows)
+                     mix32, physical_rows, plan_buckets, query_block_bounds, row_visibility, row_warps,
+                     rows_per_program, runs_in_float32, split_heads, store_plan_rows)
 from .reference import hash32
 from .pooling import BlockPool
 from .validate import cdiv
@@ -84,7 +84,8 @@ def bfla_block_scores(q: torch.Tensor, k: torch.Tensor, block: int, group: int,
 
     ``segment_bound``: keys permuted inside segments of this many keys (1: in order), for the causal skip.
     """
-    q, k = launchable(q), launchable(k)
+    if runs_in_float32(q.dtype):
+        q, k = q.float(), k.float()
     if k.dtype != q.dtype:
         k = k.to(q.dtype)
     B, Hq, Nq, D = q.shape

@@ -85,12 +85,15 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if interpreting() else "tf32x3"
 
 
+def runs_in_float32(dtype: torch.dtype) -> bool:
+    """Whether the kernels read inputs of ``dtype`` as float32: bf16 ``tl.dot`` is wrong under the interpreter, so
+    those small CPU cases run in float32."""
+    return dtype == torch.bfloat16 and interpreting()
+
+
 def launchable(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the kernels can read it: bf16 ``tl.dot`` is wrong under the interpreter, so those small CPU cases
-    run in float32."""
-    if interpreting() and x.dtype == torch.bfloat16:
-        return x.float()
-    return x
+    """``x`` as the kernels can read it (``runs_in_float32``)."""
+    return x.float() if runs_in_float32(x.dtype) else x
 
 
 class TileGrid(NamedTuple):

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (dot, dot_precision, interpreting, is_finite, jit_any_length, launchable, load_head_rows, pow2,
+from .common import (dot, dot_precision, interpreting, is_finite, jit_any_length, load_head_rows, pow2, runs_in_float32,
                      split_heads)
 from .sorting import segmented_argsort_desc
 from .validate import cdiv
@@ -150,7 +150,8 @@ def pbs_key_permutation(q: torch.Tensor, k: torch.Tensor, scale: float, rows: in
 
 
 def _importance_pass(q, k, scale, rows, *, segment, want_importance):
-    q, k = launchable(q), launchable(k)
+    if runs_in_float32(q.dtype):
+        q, k = q.float(), k.float()
     if k.dtype != q.dtype:
         k = k.to(q.dtype)
     B, Hq, Nq, D = q.shape

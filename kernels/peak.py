@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot, dot_precision, is_finite, jit_any_length, launchable
+from .common import dot, dot_precision, is_finite, jit_any_length, runs_in_float32
 from .fp8 import quantize_heads, quantize_rows
 from .mass import keep_nonfinite
 from .strided_rows import load_key_tile, program_blocks, program_keys, program_rows, program_shape, rows_per_block
@@ -130,7 +130,8 @@ def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int,
     """
     if every < 1 or every & (every - 1) or every > block:
         raise ValueError(f"peak_tile_scores: every must be a power of two <= block={block}, got {every}")
-    q, k = launchable(q), launchable(k)
+    if runs_in_float32(q.dtype):
+        q, k = q.float(), k.float()
     keys, k_scale = k, None  # keys: before any FP8 rounding
     if fp8:
         k, k_scale = quantize_heads(k)  # raises where the device has no FP8

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import dot, dot_precision, jit_any_length, launchable
+from .common import dot, dot_precision, jit_any_length, runs_in_float32
 from .fp8 import quantize_heads, quantize_rows
 from .mass import keep_nonfinite
 from .strided_rows import load_key_tile, program_blocks, program_keys, program_rows, program_shape, rows_per_block
@@ -169,7 +169,8 @@ def sampled_mass_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block_m:
     """
     if every < 1 or every & (every - 1) or every > block_m:
         raise ValueError(f"sampled_mass_logits: every must be a power of two <= block_m={block_m}, got {every}")
-    q, k = launchable(q), launchable(k)
+    if runs_in_float32(q.dtype):
+        q, k = q.float(), k.float()
     keys, k_scale = k, None  # keys: before any FP8 rounding
     if fp8:
         k, k_scale = quantize_heads(k)  # raises where the device has no FP8

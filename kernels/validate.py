@@ -66,13 +66,14 @@ def validate_passes(q, out, lse, resume: bool, *, who: str) -> None:
 
 
 def validate_qkv(q, k, v, *, who: str, dtypes: tuple = SUPPORTED_DTYPES, empty_ok: bool = False,
-                 longer_queries_ok: bool = False) -> None:
+                 longer_queries_ok: bool = False, passes: Optional[tuple] = None) -> None:
     """ValueError (TypeError for non-tensors) naming the first problem of an attention call's q, k, v.
 
     q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) with Hq a multiple of Hkv, 1 <= Nq <= Nk (queries are the last Nq
     positions), one device, one dtype among ``dtypes``. Entry points that fall back to dense attention pass
     ``empty_ok`` (zero-size dimensions: SDPA returns an empty result) and ``longer_queries_ok`` (``is_causal``
-    SDPA aligns top-left, so Nq > Nk is a valid call there).
+    SDPA aligns top-left, so Nq > Nk is a valid call there). ``passes``: a kernel's ``(out, lse, resume)``, checked
+    by ``validate_passes`` after the inputs.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -110,6 +111,8 @@ def validate_qkv(q, k, v, *, who: str, dtypes: tuple = SUPPORTED_DTYPES, empty_o
         raise ValueError(f"{who}: q_len {num_queries} > kv_len {num_keys}; queries are the last q_len positions")
     if num_queries == 0 and not empty_ok:
         raise ValueError(f"{who}: q_len must be at least 1")
+    if passes is not None:
+        validate_passes(q, *passes, who=who)
 
 
 def expand_heads(x: Optional[torch.Tensor], num_heads: int) -> Optional[torch.Tensor]:

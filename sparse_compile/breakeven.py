@@ -184,9 +184,9 @@ class DensityHistory:
         return entry
 
     @staticmethod
-    def key(site: str, config, q: torch.Tensor, k: torch.Tensor) -> tuple:
+    def key(site: str, config, q_shape: torch.Size, k_shape: torch.Size) -> tuple:
         # lengths within a factor of two share a history (one prompt length varies from call to call)
-        return site, config, q.shape[0], q.shape[1], k.shape[1], int(math.log2(max(k.shape[-2], 1)))
+        return site, config, q_shape[0], q_shape[1], k_shape[1], int(math.log2(max(k_shape[-2], 1)))
 
     def prediction(self, key) -> Optional[tuple[float, str]]:
         """(density, plan shape) of the last plan at ``key`` once known, else None."""
@@ -279,15 +279,16 @@ class Advice:
     replan: bool = False
 
 
-def advise(q: torch.Tensor, k: torch.Tensor, config, site: str) -> Advice:
-    """Break-even's advice for one call at ``site`` (``config.dense_when_faster``; module docstring)."""
-    if not config.dense_when_faster or not has_table(q.device):
+def advise(q_shape: torch.Size, k_shape: torch.Size, device: torch.device, config, site: str) -> Advice:
+    """Break-even's advice for one call at ``site`` of queries and keys of these shapes on ``device``
+    (``config.dense_when_faster``; module docstring)."""
+    if not config.dense_when_faster or not has_table(device):
         return Advice()  # no measured table for this device: the configured method runs
-    num_queries, num_keys = q.shape[-2], k.shape[-2]
-    key = HISTORY.key(site, config, q, k)
+    num_queries, num_keys = q_shape[-2], k_shape[-2]
+    key = HISTORY.key(site, config, q_shape, k_shape)
     predicted = HISTORY.prediction(key)
     shape = predicted[1] if predicted is not None else HISTORY.shape_of(config)
-    limit = None if shape is None else break_even_density(q.device, shape, prefill_length(num_queries, num_keys))
+    limit = None if shape is None else break_even_density(device, shape, prefill_length(num_queries, num_keys))
     if limit is not None:
         lowest = lowest_density(shape, num_queries, num_keys)
         if limit < lowest:  # no plan can win at this length: do not even plan

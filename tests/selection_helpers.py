@@ -185,7 +185,7 @@ def reference_bounds(select, q, k, scale, r, config, plans=()):
         bs = p.block_size
         vis = visibility(Nq, Nk, bs, bs, r, B, Hq, q.device)
         visible = vis != VISIBLE_NONE
-        fp8 = scores_in_fp8(p, q)
+        fp8 = scores_in_fp8(p, q.device)
         if select == "sampled":  # FP8 products summed in another order: an absolute margin too
             mass = torch.where(visible, sampled_tile_logits(qd, kd, scale, bs, p.sample_every, fp8, p.local_tiles,
                                                            p.keep_first_block).exp(), -1.0)
@@ -233,7 +233,7 @@ def fast_bfla_coarse(q, k, scale, r, config):
     cpos = pooling.block_pool(k, b, key_index=r.key_index, want_mean=False, want_positions=True) if permuted else None
     score = bfla_kernels.bfla_block_scores(q, k, b, p.group_size, r.key_index, r.segment_size if permuted else 1)
     rule = MassRule(threshold=p.mass_threshold, scale=scale, segment=r.segment_size or 0)
-    keep = mass_select(tile_grid(q, k, r, b, b), rule, score, key_tiles=cpos, keep_table=True)
+    keep = mass_select(tile_grid(q.shape, k.shape, q.device, r, b, b), rule, score, key_tiles=cpos, keep_table=True)
     return keep != 0
 
 

@@ -228,6 +228,6 @@ def test_gpu_mass_target_lists_the_reference_tiles_on_the_same_scores():
     scores = sampled_mass_logits(q, k, 1 / math.sqrt(d), 128, 128, 8, False)
     none, params = Reordering("none"), SampledParams(budget=0.3, mass_target=0.95, min_budget=0.05)
     rule = (params.mass_target, params.min_budget)
-    got = budget_plan(lambda: scores, q, k, none, params, "sampled", *rule).tile_counts
+    got = budget_plan(scores, q, k, none, params, *rule).tile_counts
     want = finish_budget_plan(scores, q, k, none, params, *rule).tile_counts
     assert int((want - got).abs().sum()) <= 2, (want - got).abs().sum()

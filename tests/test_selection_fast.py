@@ -130,7 +130,7 @@ def test_bfla_select_agrees(reorder, score_scale):
     p = cfg.params_of("bfla")
     tpos = (pooling.block_pool(k, 16, key_index=r.key_index, want_mean=False, want_positions=True)
             if r.key_index is not None else None)
-    tables = bfla_kernels.bfla_tiles(tile_grid(q, k, r, 16, 16), coarse_ref.to(torch.int8), coarse=32,
+    tables = bfla_kernels.bfla_tiles(tile_grid(q.shape, k.shape, q.device, r, 16, 16), coarse_ref.to(torch.int8), coarse=32,
                                      local_tiles=p.local_tiles, sink_tiles=p.sink_tiles, stride=p.stride,
                                      stride_seed=p.seed, random_rescue=p.random_rescue,
                                      random_seed=p.seed ^ bfla.RANDOM_SALT, key_tiles=tpos,

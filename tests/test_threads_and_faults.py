@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import sparse_compile
-from sparse_compile import breakeven, context, methods, padding
+from sparse_compile import breakeven, context, padding, pipeline
 from sparse_compile.state import STATE
 from helpers import SMALL_PBS, random_qkv
 from state_bounds import cache_sizes
@@ -78,13 +78,13 @@ def test_eight_threads_each_in_its_own_region_match_the_same_calls_run_serially(
     sparse_config = sparse_compile.SparseConfig.from_options(OPTIONS)
     inputs = [_inputs(CALLS) for _ in REGIONS]
     # no lock of the package is held while a kernel runs (the serial pass: nothing else could hold one)
-    execute, held = methods.execute, []
+    execute, held = pipeline.execute_plan, []
 
     def watched(*args, **kwargs):
         held.append(any(lock.locked() for lock in STATE.locks()))
         return execute(*args, **kwargs)
 
-    monkeypatch.setattr(methods, "execute", watched)
+    monkeypatch.setattr(pipeline, "execute_plan", watched)
     with torch.no_grad():
         compiled(inputs[0][0][0])  # compiled before the threads start
     sparse_compile.reset_runtime_stats()
@@ -129,8 +129,9 @@ def _one_call_inputs():
 
 
 def _fault(monkeypatch, error, times=1):
-    """``methods.execute`` raises ``error`` on its next ``times`` calls (the kernel's stage), then runs again."""
-    execute, left = methods.execute, [times]
+    """The plan's execution (``execute_plan`` as the pipeline calls it: the kernel's stage) raises ``error`` on its
+    next ``times`` calls, then runs again."""
+    execute, left = pipeline.execute_plan, [times]
 
     def failing(*args, **kwargs):
         if left[0] > 0:
@@ -138,7 +139,7 @@ def _fault(monkeypatch, error, times=1):
             raise error
         return execute(*args, **kwargs)
 
-    monkeypatch.setattr(methods, "execute", failing)
+    monkeypatch.setattr(pipeline, "execute_plan", failing)
 
 
 def _nothing_half_updated(before):

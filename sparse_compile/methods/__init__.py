@@ -69,7 +69,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor) -> None:
 def _use_fast(implementation: str, q: torch.Tensor, k: torch.Tensor) -> bool:
     if implementation == "reference":
         return False
-    reason = fast_path.available(q, k)
+    reason = fast_path.available(q.device, q.dtype, k.dtype)
     if implementation == "fast":
         if reason is not None:
             raise ValueError(f"build_plan(implementation='fast'): {reason}")

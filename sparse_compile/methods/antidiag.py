@@ -132,7 +132,7 @@ def antidiag_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: 
     Chunks of whole query blocks; each chunk scores only the key groups its rows see."""
     batch, heads_q, num_queries, _ = q.shape
     num_keys = k.shape[2]
-    cdt = compute_dtype(q)
+    cdt = compute_dtype(q.dtype)
     factor = 1.0 / stride if temperature_factor is None else float(temperature_factor)
     # half precision: the matmul on the tensor cores with the scale folded into q (moderate magnitudes), then float32
     mdt = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else cdt

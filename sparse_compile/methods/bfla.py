@@ -162,7 +162,7 @@ def bfla_block_scores(q: torch.Tensor, k: torch.Tensor, block: int, group: int, 
     A block pair with a non-finite group product (a group holding a non-finite row) scores NaN."""
     B, Hq, Nq, D = q.shape
     Hkv = k.shape[1]
-    cdt = compute_dtype(q)
+    cdt = compute_dtype(q.dtype)
     dev = q.device
     keys, valid = logical_keys(k, key_index)
     L = keys.shape[2]
@@ -252,12 +252,13 @@ def select_bfla_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering:
         coarse_positions = (block_pool(k, coarse, key_index=reordering.key_index, want_mean=False,
                                        want_positions=True) if permuted else None)
         score = block_scores_fast(q, k, coarse, params.group_size, reordering.key_index, segment_bound(reordering))
-        coarse_keep = mass_select(tile_grid(q, k, reordering, coarse, coarse), rule, score,
+        coarse_keep = mass_select(tile_grid(q.shape, k.shape, q.device, reordering, coarse, coarse), rule, score,
                                   key_tiles=coarse_positions, keep_table=True)
     tile_positions = (block_pool(k, tile_k, key_index=reordering.key_index, want_mean=False, want_positions=True)
                       if permuted else None)
     tables = bfla_tiles(
-        tile_grid(q, k, reordering, tile_q, tile_k), coarse_keep, coarse=coarse, local_tiles=params.local_tiles,
+        tile_grid(q.shape, k.shape, q.device, reordering, tile_q, tile_k), coarse_keep, coarse=coarse,
+        local_tiles=params.local_tiles,
         sink_tiles=params.sink_tiles, stride=params.stride, stride_seed=params.seed,
         random_rescue=params.random_rescue, random_seed=params.seed ^ RANDOM_SALT, key_tiles=tile_positions,
         segment=segment,

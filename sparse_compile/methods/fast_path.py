@@ -37,27 +37,30 @@ from .scoring import Reordering
 __all__ = ["available", "tile_grid", "plan_from_tables", "segment_bound", "check_selectable", "budget_plan"]
 
 
-def available(q: torch.Tensor, k: torch.Tensor) -> Optional[str]:
-    """None when the fast path can run on these inputs, else the reason it cannot."""
-    if q.dtype not in SUPPORTED_DTYPES or k.dtype not in SUPPORTED_DTYPES:
-        names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
-        return f"dtype {q.dtype}: the fast path runs {names}"
+def available(device: torch.device, *dtypes: torch.dtype) -> Optional[str]:
+    """None when the fast path can run on inputs of ``dtypes`` on ``device``, else the reason it cannot."""
+    for dtype in dtypes:
+        if dtype not in SUPPORTED_DTYPES:
+            names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+            return f"dtype {dtype}: the fast path runs {names}"
     try:
         from ..kernels import common  # imports Triton: only when the fast path is asked for
     except Exception as exc:  # noqa: BLE001 - no Triton (or a broken one): the references still work
         return f"Triton unavailable ({type(exc).__name__}: {exc})"
-    if not q.is_cuda and not common.interpreting():
+    if device.type != "cuda" and not common.interpreting():
         return "inputs are not on a CUDA device (set TRITON_INTERPRET=1 to run the kernels on the CPU)"
     return None
 
 
-def tile_grid(q: torch.Tensor, k: torch.Tensor, reordering: Reordering, block_m: int, block_n: int):
-    """The ``kernels.common.TileGrid`` of ``q``/``k`` in ``reordering``'s logical key order."""
+def tile_grid(q_shape: torch.Size, k_shape: torch.Size, device: torch.device, reordering: Reordering, block_m: int,
+              block_n: int):
+    """The ``kernels.common.TileGrid`` of queries and keys of these (B, H, N, D) shapes on ``device``, in
+    ``reordering``'s logical key order."""
     from ..kernels.common import TileGrid
 
-    key_length = reordering.key_index.shape[-1] if reordering.key_index is not None else k.shape[2]
-    return TileGrid(batch=q.shape[0], heads=q.shape[1], kv_heads=k.shape[1], num_queries=q.shape[2],
-                    num_keys=k.shape[2], key_length=key_length, block_m=block_m, block_n=block_n, device=q.device)
+    key_length = reordering.key_index.shape[-1] if reordering.key_index is not None else k_shape[2]
+    return TileGrid(batch=q_shape[0], heads=q_shape[1], kv_heads=k_shape[1], num_queries=q_shape[2],
+                    num_keys=k_shape[2], key_length=key_length, block_m=block_m, block_n=block_n, device=device)
 
 
 def segment_bound(reordering: Reordering) -> int:
@@ -78,18 +81,22 @@ def plan_from_tables(block_m: int, block_n: int, tables, reordering: Reordering,
                      key_index=reordering.key_index, query_index=reordering.query_index, **options)
 
 
-def budget_plan(scores_of, q, k, reordering: Reordering, params, selector: str, mass_target: float = 0.0,
-                min_budget: float = 0.0) -> BlockPlan:
-    """= ``tiles.finish_budget_plan`` on the GPU: ``scores_of()`` (B, Hq, nqb, nkt) float32 tile scores, called
-    only when ``params.budget`` keeps a share, ranked and written into plan rows by ``kernels.budget``. Keys and
-    queries in order (``selector`` names the refusal otherwise)."""
-    from ..kernels.budget import budget_select
-
+def scores_wanted(reordering: Reordering, params, selector: str) -> bool:
+    """Whether a fixed-share selector's tile scores are needed (not when ``params.budget`` keeps every tile): the
+    selector computes them, then ``budget_plan``. Keys and queries in order (``selector`` names the refusal)."""
     if reordering.key_index is not None or reordering.query_index is not None:
         raise ValueError(f"the {selector} selector takes keys and queries in order (reorder 'none')")
+    return params.budget < 1.0
+
+
+def budget_plan(scores: Optional[torch.Tensor], q, k, reordering: Reordering, params, mass_target: float = 0.0,
+                min_budget: float = 0.0) -> BlockPlan:
+    """= ``tiles.finish_budget_plan`` on the GPU: ``scores`` (B, Hq, nqb, nkt) float32 tile scores, None where
+    ``scores_wanted`` said none are needed, ranked and written into plan rows by ``kernels.budget``."""
+    from ..kernels.budget import budget_select
+
     bs = params.block_size
-    scores = None if params.budget >= 1.0 else scores_of()
-    tables = budget_select(tile_grid(q, k, reordering, bs, bs), scores, params.budget,
+    tables = budget_select(tile_grid(q.shape, k.shape, q.device, reordering, bs, bs), scores, params.budget,
                            keep_first_key=params.keep_first_block, local=params.local_tiles,
                            mass_target=mass_target, min_budget=min_budget)
     tail = 0 if scores is None else params.exact_tail_blocks * bs  # keep-all: every row is exact already

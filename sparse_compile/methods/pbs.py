@@ -84,7 +84,7 @@ def pbs_key_importance(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int
     heads_kv, num_keys = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
     rows = min(rows, num_queries)
-    cdt = compute_dtype(q)
+    cdt = compute_dtype(q.dtype)
     q_last = q[:, :, num_queries - rows:].to(cdt)  # (B, Hq, rows, D)
     positions = torch.arange(num_queries - rows, num_queries, device=q.device) + (num_keys - num_queries)
     step = chunk_count(batch * heads_q * rows)
@@ -136,7 +136,7 @@ def select_pbs(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reord
     visible = vis != VISIBLE_NONE
     if params.threshold >= 1.0:
         return finish_plan(visible, vis, bs, bs, reordering)
-    cdt = compute_dtype(q)
+    cdt = compute_dtype(q.dtype)
     keys, valid = logical_keys(k, reordering.key_index)
     query_mean = block_mean(q, bs, dtype=cdt)
     key_mean = block_mean(keys, bs, valid, dtype=cdt)
@@ -164,7 +164,7 @@ def select_pbs_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: 
 
     check_selectable(reordering)
     bs = params.block_size
-    grid = tile_grid(q, k, reordering, bs, bs)
+    grid = tile_grid(q.shape, k.shape, q.device, reordering, bs, bs)
     segment = reordering.segment_size or 0
     rule = MassRule(threshold=params.threshold, scale=scale, segment=segment, keep_diagonal=True,
                     diagonal_in_softmax=segment == 0, keep_first_key=params.keep_first_block)

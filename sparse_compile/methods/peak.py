@@ -62,7 +62,7 @@ def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int,
     (a scale per row, per (batch, KV head)), the products summed in float32."""
     batch, heads_q, num_queries, _ = q.shape
     num_keys = k.shape[2]
-    cdt = torch.float32 if fp8 else compute_dtype(q)
+    cdt = torch.float32 if fp8 else compute_dtype(q.dtype)
     dev = q.device
     rows = strided_rows(num_queries, block, every, dev)
     per = max(1, block // every)
@@ -110,7 +110,7 @@ def peak_tile_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int,
 def select_peak(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, params) -> BlockPlan:
     keep_all = params.budget >= 1.0
     scores = None if keep_all else peak_tile_scores(q, k, scale, params.block_size, params.sample_every,
-                                                    params.keep_first_block, scores_in_fp8(params, q))
+                                                    params.keep_first_block, scores_in_fp8(params, q.device))
     return finish_budget_plan(scores, q, k, reordering, params)
 
 
@@ -118,11 +118,13 @@ def select_peak_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reordering:
                      params) -> BlockPlan:
     """= ``select_peak``: the peaks from ``kernels.peak``, the ranking and the plan rows from ``kernels.budget``."""
     from ..kernels.peak import peak_tile_scores as peak_kernel
-    from .fast_path import budget_plan
+    from .fast_path import budget_plan, scores_wanted
 
-    return budget_plan(lambda: peak_kernel(q, k, scale, params.block_size, params.sample_every,
-                                           params.keep_first_block, scores_in_fp8(params, q)), q, k, reordering,
-                       params, "peak")
+    scores = None
+    if scores_wanted(reordering, params, "peak"):
+        scores = peak_kernel(q, k, scale, params.block_size, params.sample_every, params.keep_first_block,
+                             scores_in_fp8(params, q.device))
+    return budget_plan(scores, q, k, reordering, params)
 
 
 register_method(Method(

@@ -167,7 +167,7 @@ def reorder_s2o(q: torch.Tensor, k: torch.Tensor, scale: float, params) -> Reord
     batch, heads_q, n, dim = _full_prefill_shape(q, k)
     heads_kv, S, bn = k.shape[1], planned_segment(params, n), params.block_size_kv
     group = heads_q // heads_kv
-    cdt = compute_dtype(q)
+    cdt = compute_dtype(q.dtype)
     dev = q.device
     layout = s2o_layout(n, S, bn)
     g = len(layout.seg_len)

@@ -89,7 +89,7 @@ def sampled_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: i
     float32."""
     batch, heads_q, num_queries, _ = q.shape
     num_keys = k.shape[2]
-    cdt = torch.float32 if fp8 else compute_dtype(q)
+    cdt = torch.float32 if fp8 else compute_dtype(q.dtype)
     rows = sampled_rows(num_queries, block, every, q.device)
     per = max(1, block // every)
     nqb, nkt = -(-num_queries // block), -(-num_keys // block)
@@ -152,7 +152,7 @@ def sampled_tile_logits(q: torch.Tensor, k: torch.Tensor, scale: float, block: i
 def select_sampled(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Reordering, params) -> BlockPlan:
     keep_all = params.budget >= 1.0
     scores = None if keep_all else sampled_tile_logits(q, k, scale, params.block_size, params.sample_every,
-                                                       scores_in_fp8(params, q), params.local_tiles,
+                                                       scores_in_fp8(params, q.device), params.local_tiles,
                                                        params.keep_first_block)
     return finish_budget_plan(scores, q, k, reordering, params, params.mass_target, params.min_budget)
 
@@ -163,13 +163,14 @@ def select_sampled_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reorderi
     """= ``select_sampled``: the masses from ``kernels.sampled`` (the selection's cost), the ranking and the plan
     rows from ``kernels.budget``."""
     from ..kernels.sampled import sampled_mass_logits
-    from .fast_path import budget_plan
+    from .fast_path import budget_plan, scores_wanted
 
     bs = params.block_size
-    return budget_plan(lambda: sampled_mass_logits(q, k, scale, bs, bs, params.sample_every,
-                                                   scores_in_fp8(params, q), params.local_tiles,
-                                                   params.keep_first_block), q, k, reordering, params, "sampled",
-                       params.mass_target, params.min_budget)
+    scores = None
+    if scores_wanted(reordering, params, "sampled"):
+        scores = sampled_mass_logits(q, k, scale, bs, bs, params.sample_every, scores_in_fp8(params, q.device),
+                                     params.local_tiles, params.keep_first_block)
+    return budget_plan(scores, q, k, reordering, params, params.mass_target, params.min_budget)
 
 
 register_method(Method(

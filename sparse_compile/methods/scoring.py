@@ -110,8 +110,9 @@ def fp8_rows_and_keys(rows: torch.Tensor, k: torch.Tensor, scale: float):
     return rows, keys, row_scale[..., 0] * key_scale.repeat_interleave(group, 1)[..., 0] * scale
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The selectors' arithmetic dtype for inputs of ``dtype``: float64 stays, everything else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def chunk_count(elements_per_item: int, budget: Optional[int] = None) -> int:
@@ -152,9 +153,9 @@ def block_mean(x: torch.Tensor, block: int, valid: Optional[torch.Tensor] = None
     ``valid`` (broadcastable to ``x[..., 0]``) marks real rows (padding of a permuted key order is invalid).
     The ragged last block is averaged over the rows it has, not over ``block``. A row holding a non-finite value
     makes its block's mean non-finite, unless ``finite_rows`` leaves such rows out. Computed in ``dtype``
-    (default: ``compute_dtype(x)``), chunk by chunk.
+    (default: ``compute_dtype(x.dtype)``), chunk by chunk.
     """
-    dtype = compute_dtype(x) if dtype is None else dtype
+    dtype = compute_dtype(x.dtype) if dtype is None else dtype
     out = torch.empty(*x.shape[:-2], cdiv(x.shape[-2], block), x.shape[-1], dtype=dtype, device=x.device)
     for b0, b1, xb, vb in _block_chunks(x, block, valid, dtype):
         if finite_rows:
@@ -168,8 +169,8 @@ def block_mean(x: torch.Tensor, block: int, valid: Optional[torch.Tensor] = None
 
 def finite_row_mean(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Mean of ``x`` (..., N, D) along ``dim`` (its N axis) over the rows that hold only finite values, 0 where
-    there are none; in ``compute_dtype(x)``. S2O's guide key, in both implementations."""
-    dtype = compute_dtype(x)
+    there are none; in ``compute_dtype(x.dtype)``. S2O's guide key, in both implementations."""
+    dtype = compute_dtype(x.dtype)
     row_ok = torch.isfinite(x).all(-1, keepdim=True)
     total = torch.where(row_ok, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(dim, dtype=dtype)
     return total / row_ok.sum(dim, dtype=dtype).clamp_min(1)
@@ -183,7 +184,7 @@ def block_self_similarity(x: torch.Tensor, block: int, valid: Optional[torch.Ten
     ``|| sum_a x_a/|x_a| ||^2 / n^2``, so no block x block Gram matrix is formed. A zero row counts as a zero
     unit vector. Returns (..., ceil(N/block)); empty blocks give 0.
     """
-    dtype = compute_dtype(x) if dtype is None else dtype
+    dtype = compute_dtype(x.dtype) if dtype is None else dtype
     out = torch.empty(*x.shape[:-2], cdiv(x.shape[-2], block), dtype=dtype, device=x.device)
     tiny = torch.finfo(dtype).tiny
     for b0, b1, xb, vb in _block_chunks(x, block, valid, dtype):

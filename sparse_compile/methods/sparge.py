@@ -74,7 +74,7 @@ def select_sparge(q: torch.Tensor, k: torch.Tensor, scale: float, reordering: Re
     visible = vis != VISIBLE_NONE
     if params.cdf_threshold >= 1.0:
         return finish_plan(visible, vis, bm, bn, reordering, pv_skip=params.pv_threshold)
-    cdt = compute_dtype(q)
+    cdt = compute_dtype(q.dtype)
     keys, valid = logical_keys(k, reordering.key_index)
     theta = params.similarity_threshold
     query_odd = block_self_similarity(q, bm, dtype=cdt) < theta  # (B, Hq, nqb)
@@ -97,7 +97,7 @@ def select_sparge_fast(q: torch.Tensor, k: torch.Tensor, scale: float, reorderin
 
     check_selectable(reordering)
     bm, bn = params.block_size_q, params.block_size_kv
-    grid = tile_grid(q, k, reordering, bm, bn)
+    grid = tile_grid(q.shape, k.shape, q.device, reordering, bm, bn)
     rule = MassRule(threshold=params.cdf_threshold, scale=scale, segment=reordering.segment_size or 0,
                     keep_diagonal=True, keep_first_key=params.keep_first_block,
                     similarity_threshold=params.similarity_threshold)

@@ -194,13 +194,13 @@ class StridedRowParams(MethodParams):
                  f"must be a power of two <= block_size={self.block_size}, got {self.sample_every}")
 
 
-def scores_in_fp8(params: StridedRowParams, q: torch.Tensor) -> bool:
+def scores_in_fp8(params: StridedRowParams, device: torch.device) -> bool:
     """Rule: the sampled rows' scores come from FP8 QK^T when asked for and the device multiplies FP8 on its tensor
     cores (twice the bf16 rate); a ranking of tiles needs the scores' order, which 3 mantissa bits keep for a key
     that stands out. Elsewhere (CPU, older GPUs, the interpreter) the scores are exact, the same plan up to
     near-equal tiles."""
-    if not params.fp8_scores or not q.is_cuda:
+    if not params.fp8_scores or device.type != "cuda":
         return False
     from ..kernels.fp8 import fp8_tensor_cores
 
-    return fp8_tensor_cores(q.device)
+    return fp8_tensor_cores(device)
