@@ -50,9 +50,10 @@ def _walk(q, run) -> list[tuple[str, str]]:
     return walk
 
 
-CASES = [  # (method, kernel, planner): the CPU's path, and the GPU's (fast planner, Triton kernel) interpreted
+CASES = [  # (method, kernel, planner): the CPU's path, and the default's GPU path (fast planner, Triton kernel)
+    # interpreted; peak and bfla walk the GPU path as sampled does (10 and 9 returns; 20 s more under the interpreter)
     ("sampled", "reference", "reference"), ("pbs", "reference", "reference"), ("peak", "reference", "reference"),
-    ("sampled", "triton", "fast"), ("peak", "triton", "fast"), ("bfla", "triton", "fast"),
+    ("sampled", "triton", "fast"),
 ]
 
 
