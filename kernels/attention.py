@@ -779,11 +779,12 @@ def block_sparse_attention(
     nqb = cdiv(Nq, block_m) if block_rows is None else block_rows.shape[0]
     head_dim_pad = max(16, triton.next_power_of_2(D))
     exact = early_stop > 0 or pv_skip is not None
+    band = bool(window or chunk)
     if options:  # some launch parameters over the default choice: a config of the Triton kernel, as config= is
         check_kernel_options(options, "block_sparse_attention: options")
         config = dataclasses.replace(config or default_config(block_m, block_n, head_dim_pad=head_dim_pad,
                                                               dtype=q.dtype, device=q.device, exact=exact,
-                                                              band=bool(window or chunk)),
+                                                              band=band),
                                      **options)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if not (scale > 0 and math.isfinite(scale)):
@@ -831,7 +832,7 @@ def block_sparse_attention(
     BACKEND_CALLS["triton"] += 1
 
     cfg = config or default_config(block_m, block_n, head_dim_pad=head_dim_pad, dtype=q.dtype, device=q.device,
-                                   exact=exact, band=bool(window or chunk))
+                                   exact=exact, band=band)
     if block_m % cfg.block_m or block_m // cfg.block_m not in (1, 2) or cfg.block_m < 16:
         _fail(f"config.block_m={cfg.block_m} must be block_m ({block_m}) or half of it")
     if block_n % cfg.block_n or cfg.block_n < 16:

@@ -3,9 +3,9 @@ record. Every entry (the compiled op, ``sparse_attention``, the transformers fro
 
 Per call: ``rules.RUNTIME_RULES`` (the first that fails sends the call to dense attention, with its reason), then
 ``breakeven.advise`` (where this site's last plan was too dense to win, dense without planning), then the method
-(``methods.build_plan``, then the method's executor or ``plan.execute_plan``), then dense attention if nothing
-ran, then one row in ``runtime_stats()``. ``Outcome`` says what happened: the path, the reason, the density and
-whether the call only planned again for the break-even history.
+(``methods.build_plan``, then ``methods.executor_of``: its own executor or ``plan.execute_plan``), then dense
+attention if nothing ran, then one row in ``runtime_stats()``. ``Outcome`` says what happened: the path, the
+reason, the density and whether the call only planned again for the break-even history.
 
 The mask forms of the op (``attend_site``): ``is_causal=True`` (SDPA's top-left alignment), a mask proven causal
 (queries at the last positions, optional key padding: ``attend_causal``), or a mask checked here at run time.
@@ -511,12 +511,8 @@ def run_method(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], config: 
         defer = (defer and not plan_only and not banded and spec.execute is None
                  and packed.joinable(plan, q, k, v, backend=launch["backend"]))
         if not plan_only and not defer:
-            # the method's own executor (S2O's segment chunks), else the plan's (``methods.execute``'s choice)
-            if spec.execute is not None:
-                result = spec.execute(q, k, v, plan, scale, config.params_of(spec.name), kernel=kernel,
-                                      return_visited=want_visits, **launch)
-            else:
-                result = execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=want_visits, **launch)
+            run, params = methods.executor_of(config)
+            result = run(q, k, v, plan, scale, *params, kernel=kernel, return_visited=want_visits, **launch)
             out, visited = result if want_visits else (result, None)
     except Unsupported as exc:
         return Outcome(DENSE, f"method {config.method}: {exc}")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import sparse_compile
-from sparse_compile import breakeven, context, padding, pipeline
+from sparse_compile import breakeven, context, methods, padding
 from sparse_compile.state import STATE
 from helpers import SMALL_PBS, random_qkv
 from state_bounds import cache_sizes
@@ -78,13 +78,17 @@ def test_eight_threads_each_in_its_own_region_match_the_same_calls_run_serially(
     sparse_config = sparse_compile.SparseConfig.from_options(OPTIONS)
     inputs = [_inputs(CALLS) for _ in REGIONS]
     # no lock of the package is held while a kernel runs (the serial pass: nothing else could hold one)
-    execute, held = pipeline.execute_plan, []
+    executor_of, held = methods.executor_of, []
 
-    def watched(*args, **kwargs):
-        held.append(any(lock.locked() for lock in STATE.locks()))
-        return execute(*args, **kwargs)
+    def watched(config):
+        run, params = executor_of(config)
 
-    monkeypatch.setattr(pipeline, "execute_plan", watched)
+        def run_watched(*args, **kwargs):
+            held.append(any(lock.locked() for lock in STATE.locks()))
+            return run(*args, **kwargs)
+        return run_watched, params
+
+    monkeypatch.setattr(methods, "executor_of", watched)
     with torch.no_grad():
         compiled(inputs[0][0][0])  # compiled before the threads start
     sparse_compile.reset_runtime_stats()
@@ -129,17 +133,21 @@ def _one_call_inputs():
 
 
 def _fault(monkeypatch, error, times=1):
-    """The plan's execution (``execute_plan`` as the pipeline calls it: the kernel's stage) raises ``error`` on its
+    """The plan's execution (the executor ``methods.executor_of`` gives: the kernel's stage) raises ``error`` on its
     next ``times`` calls, then runs again."""
-    execute, left = pipeline.execute_plan, [times]
+    executor_of, left = methods.executor_of, [times]
 
-    def failing(*args, **kwargs):
-        if left[0] > 0:
-            left[0] -= 1
-            raise error
-        return execute(*args, **kwargs)
+    def failing(config):
+        run, params = executor_of(config)
 
-    monkeypatch.setattr(pipeline, "execute_plan", failing)
+        def run_failing(*args, **kwargs):
+            if left[0] > 0:
+                left[0] -= 1
+                raise error
+            return run(*args, **kwargs)
+        return run_failing, params
+
+    monkeypatch.setattr(methods, "executor_of", failing)
 
 
 def _nothing_half_updated(before):

@@ -41,7 +41,7 @@ from . import s2o  # noqa: F401,E402
 from . import sampled  # noqa: F401,E402
 from . import sparge  # noqa: F401,E402
 
-__all__ = ["build_plan", "execute", "Unsupported", "Reordering", "stage_functions"]
+__all__ = ["build_plan", "execute", "executor_of", "Unsupported", "Reordering", "stage_functions"]
 
 
 def _no_reorder(q: torch.Tensor, k: torch.Tensor, scale: float, params) -> Reordering:
@@ -118,9 +118,16 @@ def execute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, 
             kernel: str, return_visited: bool = False, backend: str = "auto", kernel_options=None):
     """``plan`` through its method's own executor (S2O: segment chunks), else ``plan.execute_plan``; ``backend``
     and ``kernel_options`` as ``execute_plan`` takes them."""
+    run, params = executor_of(config)
+    return run(q, k, v, plan, scale, *params, kernel=kernel, return_visited=return_visited, backend=backend,
+               kernel_options=kernel_options)
+
+
+def executor_of(config) -> tuple[Callable, tuple]:
+    """(what runs ``config``'s method's plans, the arguments it takes after ``scale``): its own executor with its
+    parameters (S2O: segment chunks), else ``plan.execute_plan`` with none. Chosen from the configuration alone, so
+    a caller holding the tensors calls the executor itself."""
     executor = method_spec(config.select_stage).execute
     if executor is not None:
-        return executor(q, k, v, plan, scale, config.params_of(config.select_stage), kernel=kernel,
-                        return_visited=return_visited, backend=backend, kernel_options=kernel_options)
-    return execute_plan(q, k, v, plan, scale, kernel=kernel, return_visited=return_visited, backend=backend,
-                        kernel_options=kernel_options)
+        return executor, (config.params_of(config.select_stage),)
+    return execute_plan, ()
